@@ -1,0 +1,1 @@
+"""Checkpoint conversion: Hugging Face safetensors -> parameter pytrees; GGUF -> safetensors."""

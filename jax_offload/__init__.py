@@ -1,0 +1,23 @@
+"""jax_offload: long-context LLM inference in JAX with the KV cache in pinned host memory."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+
+if TYPE_CHECKING:
+    from jax_offload.engine import LLM, RequestOutput
+    from jax_offload.sampling import SamplingParams
+
+
+def __getattr__(name: str):
+    # Lazy so that `import jax_offload.config` (used by `convert`) does not pull in the engine.
+    if name in ("LLM", "RequestOutput"):
+        from jax_offload import engine
+
+        return getattr(engine, name)
+    if name == "SamplingParams":
+        from jax_offload.sampling import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'jax_offload' has no attribute {name!r}")

@@ -1,0 +1,158 @@
+"""Model configuration read from a Hugging Face `config.json`, and the engine's options."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+PREFILL_MODES = ("chunked", "layerwise")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token over all layers at 2 bytes per element."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
+
+    @classmethod
+    def from_hf(cls, path: str | Path) -> "ModelConfig":
+        """Reads a Hugging Face `config.json` (a file or the directory holding it)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"No config.json at {path}; pass a Hugging Face model directory.")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON ({err}).") from None
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        model_type = SUPPORTED_ARCHITECTURES.get(arch) if arch else None
+        if model_type is None or raw.get("model_type", model_type) != model_type:
+            raise ValueError(
+                f"Unsupported model (architectures={archs}, model_type={raw.get('model_type')!r}); "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}."
+            )
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"Unsupported hidden_act {raw['hidden_act']!r}; only 'silu' is supported.")
+        if raw.get("use_sliding_window", False):
+            raise ValueError("use_sliding_window=true is not supported; only full attention is.")
+        num_heads = int(raw["num_attention_heads"])
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            model_type=model_type,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            rope=_rope_from_dict(raw),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type != "llama")),
+            # Qwen2 has q/k/v bias; Llama carries `attention_bias`; Qwen3 has none.
+            qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            eos_token_ids=eos_ids,
+        )
+
+
+def _rope_from_dict(raw: dict) -> RopeConfig:
+    # transformers 4.x writes `rope_theta` + `rope_scaling`; 5.x may write `rope_parameters`.
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = dict(raw.get("rope_scaling") or {})
+    params.update(scaling)
+    theta = float(raw.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"Unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}.")
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    return RopeConfig(
+        theta=theta,
+        rope_type=rope_type,
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Options of `LLM` that decide where the KV cache lives and how prefill runs."""
+
+    dtype: str = "bfloat16"
+    max_model_len: int | None = None
+    offload: bool = False
+    block_size: int = 1024
+    num_ring_slots: int = 4
+    prefill: str = "chunked"
+    sparse_policy: str = "full"
+
+    def validate(self, model: ModelConfig) -> "EngineConfig":
+        """Checks every option; returns a copy with `max_model_len` filled in."""
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype {self.dtype!r} is not supported; use float32, bfloat16 or float16.")
+        max_len = self.max_model_len if self.max_model_len is not None else model.max_position_embeddings
+        if not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}.")
+        if max_len > model.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_len} exceeds the model's max_position_embeddings "
+                f"{model.max_position_embeddings}."
+            )
+        if not isinstance(self.block_size, int) or self.block_size < 16 or self.block_size % 16:
+            raise ValueError(f"block_size must be a positive multiple of 16, got {self.block_size!r}.")
+        if not isinstance(self.num_ring_slots, int) or self.num_ring_slots < 1:
+            raise ValueError(f"num_ring_slots must be an integer >= 1, got {self.num_ring_slots!r}.")
+        if self.prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill mode {self.prefill!r} is unknown; valid: {', '.join(PREFILL_MODES)}.")
+        return dataclasses.replace(self, max_model_len=max_len)
+
+
+def round_up(x: int, multiple: int) -> int:
+    return int(math.ceil(x / multiple) * multiple)

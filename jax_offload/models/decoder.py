@@ -1,0 +1,64 @@
+"""One decoder for Llama, Qwen2 and Qwen3, as pure functions over the parameter pytree.
+
+A layer is split at attention: `attention_inputs` gives q, k, v (normed, projected, RoPE'd) and
+`attention_output_and_mlp` finishes the layer from the attention output. Attention itself lives with
+whoever knows where the KV cache is (in GPU memory or streamed from the host), so every engine mode
+shares the exact same layer arithmetic.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_offload.config import ModelConfig
+from jax_offload.models.params import LayerParams, ModelParams
+from jax_offload.models.rope import apply_rope, cos_sin
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in float32, rounded back to the input dtype before the weight (as transformers does)."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def embed(params: ModelParams, token_ids: jax.Array) -> jax.Array:
+    """token_ids [B, T] -> hidden [B, T, hidden]."""
+    return jnp.take(params.embed, token_ids, axis=0)
+
+
+def attention_inputs(
+    cfg: ModelConfig, layer: LayerParams, x: jax.Array, positions: jax.Array, inv_freq: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [B, T, hidden], positions [B, T] -> q [B, T, Hq, D], k and v [B, T, Hkv, D]."""
+    b, t, _ = x.shape
+    h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+    qkv = h @ layer.wqkv
+    if layer.bqkv is not None:
+        qkv = qkv + layer.bqkv
+    nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q = qkv[..., : nq * d].reshape(b, t, nq, d)
+    k = qkv[..., nq * d : (nq + nkv) * d].reshape(b, t, nkv, d)
+    v = qkv[..., (nq + nkv) * d :].reshape(b, t, nkv, d)
+    if layer.q_norm is not None:
+        q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+    cos, sin = cos_sin(inv_freq, positions, x.dtype)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attention_output_and_mlp(cfg: ModelConfig, layer: LayerParams, x: jax.Array, attn: jax.Array) -> jax.Array:
+    """Finishes a layer: x [B, T, hidden] residual, attn [B, T, Hq, D] attention output."""
+    b, t, _ = x.shape
+    x = x + attn.astype(x.dtype).reshape(b, t, -1) @ layer.wo
+    h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+    gate_up = h @ layer.w_gate_up
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return x + (jax.nn.silu(gate) * up) @ layer.w_down
+
+
+def logits(cfg: ModelConfig, params: ModelParams, x: jax.Array) -> jax.Array:
+    """Final norm and LM head: x [..., hidden] -> float32 logits [..., vocab]."""
+    h = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    head = params.embed.T if params.lm_head is None else params.lm_head
+    return (h @ head).astype(jnp.float32)

@@ -1,0 +1,28 @@
+"""Parameter pytrees of the decoder (Flax struct dataclasses, so they pass straight through `jax.jit`)."""
+from __future__ import annotations
+
+import jax
+from flax import struct
+
+
+@struct.dataclass
+class LayerParams:
+    """One decoder layer; matrices are stored [in, out] so that `x @ w` applies them."""
+
+    attn_norm: jax.Array  # [hidden]
+    wqkv: jax.Array  # [hidden, (num_heads + 2 * num_kv_heads) * head_dim], q|k|v fused
+    bqkv: jax.Array | None  # [(num_heads + 2 * num_kv_heads) * head_dim] (Qwen2)
+    q_norm: jax.Array | None  # [head_dim] (Qwen3)
+    k_norm: jax.Array | None  # [head_dim] (Qwen3)
+    wo: jax.Array  # [num_heads * head_dim, hidden]
+    mlp_norm: jax.Array  # [hidden]
+    w_gate_up: jax.Array  # [hidden, 2 * intermediate], gate|up fused
+    w_down: jax.Array  # [intermediate, hidden]
+
+
+@struct.dataclass
+class ModelParams:
+    embed: jax.Array  # [vocab, hidden]
+    layers: list[LayerParams]
+    final_norm: jax.Array  # [hidden]
+    lm_head: jax.Array | None  # [hidden, vocab]; None when tied to `embed`
