@@ -1,0 +1,57 @@
+"""Runs the model layer by layer with the whole KV cache of the request in GPU memory."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_offload.attention import decode_layer_in_device, prefill_layer_in_device
+from jax_offload.buckets import cache_bucket, prompt_bucket
+from jax_offload.config import ModelConfig
+from jax_offload.models.params import ModelParams
+
+
+class DeviceRunner:
+    """KV cache in GPU memory, sized per request to a length bucket (so shapes, and compiles, repeat)."""
+
+    def __init__(self, cfg: ModelConfig, params: ModelParams, inv_freq: jax.Array, dtype: jnp.dtype, impl: str):
+        self.cfg, self.params, self.inv_freq, self.dtype, self.impl = cfg, params, inv_freq, dtype, impl
+        self._k: list[jax.Array] = []
+        self._v: list[jax.Array] = []
+
+    def prefill(self, x: jax.Array, prompt_len: int, total_len: int) -> jax.Array:
+        """x [1, T, hidden] embedded (padded) prompt -> final hidden states [1, T, hidden]."""
+        cfg = self.cfg
+        cache_len = max(cache_bucket(total_len), x.shape[1])
+        shape = (1, cache_len, cfg.num_kv_heads, cfg.head_dim)
+        self._k = [jnp.zeros(shape, self.dtype) for _ in range(cfg.num_layers)]
+        self._v = [jnp.zeros(shape, self.dtype) for _ in range(cfg.num_layers)]
+        length = jnp.asarray(prompt_len, jnp.int32)
+        for i, layer in enumerate(self.params.layers):
+            x, self._k[i], self._v[i] = prefill_layer_in_device(
+                cfg, self.impl, layer, x, self.inv_freq, self._k[i], self._v[i], length
+            )
+        return x
+
+    def decode(self, x: jax.Array, position: int) -> jax.Array:
+        """x [1, 1, hidden] embedded new token at `position` -> its final hidden state."""
+        pos = jnp.asarray(position, jnp.int32)
+        for i, layer in enumerate(self.params.layers):
+            x, self._k[i], self._v[i] = decode_layer_in_device(
+                self.cfg, self.impl, layer, x, self.inv_freq, self._k[i], self._v[i], pos
+            )
+        return x
+
+    def finish(self) -> None:
+        """Drops the request's KV cache."""
+        self._k, self._v = [], []
+
+    @staticmethod
+    def padded_length(prompt_len: int) -> int:
+        return prompt_bucket(prompt_len)
+
+
+def pad_ids(ids: list[int], length: int) -> np.ndarray:
+    out = np.zeros((1, length), np.int32)
+    out[0, : len(ids)] = ids
+    return out

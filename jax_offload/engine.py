@@ -1,0 +1,240 @@
+"""`LLM`: loads a model and runs requests (prefill, then token-by-token decode) one after another."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from convert.safetensors_loader import load_params
+from jax_offload.attention import check_attention_impl, default_attention_impl
+from jax_offload.config import EngineConfig, ModelConfig
+from jax_offload.device_runner import DeviceRunner, pad_ids
+from jax_offload.models import decoder
+from jax_offload.models.rope import inverse_frequencies
+from jax_offload.sampling import SamplingParams, sample_token
+
+Prompt = str | Sequence[int]
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    prefill_seconds: float
+    decode_seconds: float
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return len(self.prompt_token_ids) / max(self.prefill_seconds, 1e-9)
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        # The first token comes out of prefill; decode makes the rest.
+        return max(len(self.token_ids) - 1, 0) / max(self.decode_seconds, 1e-9)
+
+
+@jax.jit
+def _embed(table: jax.Array, ids: jax.Array) -> jax.Array:
+    return jnp.take(table, ids, axis=0)
+
+
+class LLM:
+    """A Hugging Face Llama / Qwen2 / Qwen3 checkpoint ready to generate.
+
+    Requests run one after another; each starts from a fresh KV cache, so no state crosses requests.
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        dtype: str = "bfloat16",
+        max_model_len: int | None = None,
+        offload: bool = False,
+        block_size: int = 1024,
+        num_ring_slots: int = 4,
+        prefill: str = "chunked",
+        sparse_policy: str = "full",
+        attention_impl: str | None = None,
+    ):
+        from transformers import AutoTokenizer
+
+        model_dir = Path(model)
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"Model directory {model_dir} does not exist.")
+        self.model_dir = model_dir
+        self.model_config = ModelConfig.from_hf(model_dir)
+        self.engine_config = EngineConfig(
+            dtype=dtype,
+            max_model_len=max_model_len,
+            offload=offload,
+            block_size=block_size,
+            num_ring_slots=num_ring_slots,
+            prefill=prefill,
+            sparse_policy=sparse_policy,
+        ).validate(self.model_config)
+        if offload:
+            raise NotImplementedError("offload=True is not available yet.")
+        self.attention_impl = check_attention_impl(attention_impl or default_attention_impl())
+        self.dtype = jnp.dtype(dtype)
+        self.params = load_params(model_dir, self.model_config, self.dtype)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.eos_token_ids = self._eos_ids()
+        self._inv_freq = jnp.asarray(inverse_frequencies(self.model_config.rope, self.model_config.head_dim))
+        self._runner = DeviceRunner(self.model_config, self.params, self._inv_freq, self.dtype, self.attention_impl)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine_config.max_model_len
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = set(self.model_config.eos_token_ids)
+        gen_cfg = self.model_dir / "generation_config.json"
+        if gen_cfg.is_file():
+            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(int(i) for i in ids)
+
+    # ---- prompts -------------------------------------------------------------------------------
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a raw-text prompt (or the ids themselves, checked)."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
+        else:
+            ids = [int(i) for i in prompt]
+            bad = [i for i in ids if not 0 <= i < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"Token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size}).")
+        if not ids:
+            raise ValueError("The prompt is empty; give at least one token.")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"The prompt has {len(ids)} tokens; max_model_len {self.max_model_len} leaves no room to generate."
+            )
+        return ids
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    # ---- public API -----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | None = None,
+        on_text: Callable[[int, str], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generates for each prompt (raw text or token ids); `on_text(i, delta)` streams new text."""
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], (int, np.integer))
+        ):
+            prompts = [prompts]
+        encoded = [self.encode(p) for p in prompts]
+        return [
+            self._run_request(ids, params, None if on_text is None else (lambda d, i=i: on_text(i, d)))
+            for i, ids in enumerate(encoded)
+        ]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        params: SamplingParams | None = None,
+        on_text: Callable[[int, str], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template to one conversation (or a list of them) and generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.apply_chat_template(c) for c in conversations], params, on_text)
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """float32 [len(token_ids), vocab]: the prefill logits at every position."""
+        ids = self.encode(list(token_ids))
+        try:
+            hidden = self._prefill(ids, len(ids))
+            out = _all_logits(self.model_config, self.params, hidden)
+            return np.asarray(out[0, : len(ids)])
+        finally:
+            self._runner.finish()
+
+    # ---- one request ----------------------------------------------------------------------------
+
+    def _prefill(self, ids: list[int], total_len: int) -> jax.Array:
+        x = _embed(self.params.embed, pad_ids(ids, self._runner.padded_length(len(ids))))
+        return self._runner.prefill(x, len(ids), total_len)
+
+    def _run_request(
+        self, ids: list[int], params: SamplingParams, on_text: Callable[[str], None] | None
+    ) -> RequestOutput:
+        cfg = self.model_config
+        total_len = min(len(ids) + params.max_tokens, self.max_model_len)
+        seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (2**31))
+        key = jax.random.PRNGKey(seed)
+        knobs = (
+            jnp.float32(params.temperature),
+            jnp.float32(params.top_p),
+            jnp.int32(params.top_k),
+        )
+        stops = params.stop_strings
+        generated: list[int] = []
+        text, finish_reason = "", "length"
+        try:
+            start = time.perf_counter()
+            hidden = self._prefill(ids, total_len)
+            logit_row = _last_logits(cfg, self.params, hidden, jnp.int32(len(ids) - 1))
+            token = int(sample_token(logit_row, *knobs, jax.random.fold_in(key, 0)))
+            prefill_s = time.perf_counter() - start
+            start = time.perf_counter()
+            position = len(ids)
+            while True:
+                generated.append(token)
+                if token in self.eos_token_ids and not params.ignore_eos:
+                    generated.pop()
+                    finish_reason = "stop"
+                    break
+                new_text = self.tokenizer.decode(generated, skip_special_tokens=True)
+                cut = _first_stop(new_text, stops)
+                if cut is not None:
+                    new_text, finish_reason = new_text[:cut], "stop"
+                if on_text is not None and len(new_text) > len(text):
+                    on_text(new_text[len(text) :])
+                text = new_text
+                if finish_reason == "stop" or len(generated) >= params.max_tokens or position >= total_len:
+                    break
+                x = _embed(self.params.embed, jnp.full((1, 1), token, jnp.int32))
+                hidden = self._runner.decode(x, position)
+                logit_row = _last_logits(cfg, self.params, hidden, jnp.int32(0))
+                token = int(sample_token(logit_row, *knobs, jax.random.fold_in(key, len(generated))))
+                position += 1
+            decode_s = time.perf_counter() - start
+        finally:
+            self._runner.finish()
+        return RequestOutput(ids, text, generated, finish_reason, prefill_s, decode_s)
+
+
+def _first_stop(text: str, stops: list[str]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _all_logits(cfg: ModelConfig, params, hidden: jax.Array) -> jax.Array:
+    return decoder.logits(cfg, params, hidden)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _last_logits(cfg: ModelConfig, params, hidden: jax.Array, row: jax.Array) -> jax.Array:
+    return decoder.logits(cfg, params, jax.lax.dynamic_index_in_dim(hidden[0], row, keepdims=False))

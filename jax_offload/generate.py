@@ -1,0 +1,92 @@
+"""Command line: `python -m jax_offload.generate --prompt "..."` streams a completion and its speed."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _ArgumentParser(prog="python -m jax_offload.generate", description=__doc__)
+    p.add_argument("--model", type=Path, help="Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", type=Path, help="file holding the prompt text")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--max-model-len", type=int)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, FileNotFoundError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    # Parameters are checked before anything heavy is loaded.
+    from jax_offload.sampling import SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
+    )
+    if args.prompt_file is not None:
+        prompt = args.prompt_file.read_text()
+    elif args.prompt is not None:
+        prompt = args.prompt
+    else:
+        raise ValueError("give a prompt with --prompt TEXT or --prompt-file PATH")
+    if not prompt.strip():
+        raise ValueError("the prompt is empty")
+
+    import jax
+
+    from jax_offload import LLM
+    from jax_offload.default_model import ensure_default_model
+
+    model_dir = args.model if args.model is not None else ensure_default_model(quiet=args.json)
+    dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    llm = LLM(model_dir, dtype=dtype, max_model_len=args.max_model_len)
+    ids = llm.encode(prompt) if args.no_chat_template else llm.apply_chat_template([{"role": "user", "content": prompt}])
+
+    def stream(_: int, delta: str) -> None:
+        print(delta, end="", flush=True)
+
+    out = llm.generate([ids], params, on_text=None if args.json else stream)[0]
+    if args.json:
+        print(json.dumps({
+            "text": out.text,
+            "token_ids": out.token_ids,
+            "prompt_tokens": len(out.prompt_token_ids),
+            "finish_reason": out.finish_reason,
+            "prefill_seconds": round(out.prefill_seconds, 4),
+            "prefill_tokens_per_second": round(out.prefill_tokens_per_second, 1),
+            "decode_seconds": round(out.decode_seconds, 4),
+            "decode_tokens_per_second": round(out.decode_tokens_per_second, 1),
+        }))
+    else:
+        print(
+            f"\n[prefill {len(out.prompt_token_ids)} tokens: {out.prefill_tokens_per_second:.1f} tokens/s | "
+            f"decode {len(out.token_ids)} tokens: {out.decode_tokens_per_second:.1f} tokens/s]"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Our Flax decoder against transformers' PyTorch models: logits and greedy tokens."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import tiny_models
+from jax_offload import LLM, SamplingParams
+
+CASES = [
+    ("llama3", None),
+    ("llama_tied", None),
+    ("qwen2", None),
+    ("qwen2", "40KB"),  # sharded checkpoint with model.safetensors.index.json
+    ("qwen3", None),
+    ("qwen3_tied", None),
+]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{v}{'-sharded' if s else ''}" for v, s in CASES])
+def model_pair(request, tmp_path_factory):
+    variant, shard = request.param
+    out = tmp_path_factory.mktemp(variant)
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    torch_model = tiny_models.build(variant, out, seed=seed, max_shard_size=shard)
+    return torch_model, LLM(out, dtype="float32"), seed
+
+
+def test_logits_match_transformers(model_pair):
+    torch_model, llm, seed = model_pair
+    rng = np.random.default_rng(seed)
+    for length in (1, 7, 40, 100):
+        ids = rng.integers(3, tiny_models.VOCAB, size=length).tolist()
+        ours = llm.logits(ids)
+        with torch.no_grad():
+            ref = torch_model(torch.tensor([ids])).logits[0].numpy()
+        assert ours.shape == ref.shape == (length, tiny_models.VOCAB)
+        assert np.abs(ours - ref).max() <= 1e-4
+
+
+def test_greedy_generation_matches_transformers(model_pair):
+    torch_model, llm, seed = model_pair
+    rng = np.random.default_rng(seed + 1)
+    prompts = [rng.integers(3, tiny_models.VOCAB, size=n).tolist() for n in (5, 23)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    for ids, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = torch_model.generate(
+                torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=2
+            )[0, len(ids):].tolist()
+        assert out.token_ids == ref
