@@ -17,6 +17,8 @@ from jax_offload.attention import check_attention_impl, default_attention_impl
 from jax_offload.config import EngineConfig, ModelConfig
 from jax_offload.device_runner import DeviceRunner, pad_ids
 from jax_offload.models import decoder
+from jax_offload.offload_runner import OffloadRunner
+from jax_offload.sparse import make_policy
 from jax_offload.models.rope import inverse_frequencies
 from jax_offload.sampling import SamplingParams, sample_token
 
@@ -81,15 +83,25 @@ class LLM:
             prefill=prefill,
             sparse_policy=sparse_policy,
         ).validate(self.model_config)
-        if offload:
-            raise NotImplementedError("offload=True is not available yet.")
+        policy = make_policy(sparse_policy)
         self.attention_impl = check_attention_impl(attention_impl or default_attention_impl())
         self.dtype = jnp.dtype(dtype)
         self.params = load_params(model_dir, self.model_config, self.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.eos_token_ids = self._eos_ids()
         self._inv_freq = jnp.asarray(inverse_frequencies(self.model_config.rope, self.model_config.head_dim))
-        self._runner = DeviceRunner(self.model_config, self.params, self._inv_freq, self.dtype, self.attention_impl)
+        if offload:
+            self._runner = OffloadRunner(
+                self.model_config,
+                self.params,
+                self._inv_freq,
+                self.dtype,
+                self.attention_impl,
+                self.engine_config,
+                policy,
+            )
+        else:
+            self._runner = DeviceRunner(self.model_config, self.params, self._inv_freq, self.dtype, self.attention_impl)
 
     @property
     def max_model_len(self) -> int:

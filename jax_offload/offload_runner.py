@@ -1,0 +1,139 @@
+"""Runs the model with the KV cache in pinned host memory, streamed back through the GPU ring.
+
+Per request the state is: full blocks in the host store (`store.num_written`) and one partial block per
+layer on the GPU (the tail) holding the tokens not yet flushed. `finish` clears both, always.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_offload.attention import (
+    chunk_attend_block,
+    chunk_begin,
+    decode_attend_block,
+    decode_begin,
+    finish_layer,
+    layerwise_layer,
+)
+from jax_offload.buckets import prompt_bucket
+from jax_offload.config import EngineConfig, ModelConfig, round_up
+from jax_offload.kv.host_store import HostKVStore
+from jax_offload.kv.ring import BlockRing
+from jax_offload.models.params import ModelParams
+from jax_offload.sparse import SparsePolicy
+
+
+class OffloadRunner:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: ModelParams,
+        inv_freq: jax.Array,
+        dtype: jnp.dtype,
+        impl: str,
+        engine: EngineConfig,
+        policy: SparsePolicy,
+    ):
+        self.cfg, self.params, self.inv_freq, self.dtype, self.impl = cfg, params, inv_freq, dtype, impl
+        self.block_size, self.num_slots, self.mode, self.policy = (
+            engine.block_size,
+            engine.num_ring_slots,
+            engine.prefill,
+            policy,
+        )
+        self.store = HostKVStore(
+            cfg.num_layers,
+            -(-engine.max_model_len // engine.block_size),
+            engine.block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            dtype,
+            jax.devices()[0],
+        )
+        self._tails: list[jax.Array | None] = []
+        self._tail_len = 0
+
+    def padded_length(self, prompt_len: int) -> int:
+        if self.mode == "chunked":
+            return round_up(prompt_len, self.block_size)
+        return round_up(prompt_bucket(prompt_len), self.block_size)
+
+    def _empty_tail(self) -> jax.Array:
+        return jnp.zeros(self.store.block_shape, self.dtype)
+
+    # ---- prefill -------------------------------------------------------------------------------
+
+    def prefill(self, x: jax.Array, prompt_len: int, total_len: int) -> jax.Array:
+        """x [1, T, hidden] embedded prompt padded by `padded_length` -> final hidden states [1, T, hidden]."""
+        self.store.reset()
+        self._tails = [None] * self.cfg.num_layers
+        if self.mode == "chunked":
+            x = self._prefill_chunked(x, prompt_len)
+        else:
+            x = self._prefill_layerwise(x, prompt_len)
+        self._tail_len = prompt_len % self.block_size
+        self._tails = [self._empty_tail() if t is None else t for t in self._tails]
+        return x
+
+    def _prefill_chunked(self, x: jax.Array, prompt_len: int) -> jax.Array:
+        bs, layers = self.block_size, self.params.layers
+        outputs = []
+        for c in range(x.shape[1] // bs):
+            chunk_len = min(bs, prompt_len - c * bs)
+            h = x[:, c * bs : (c + 1) * bs]
+            ring = BlockRing(self.store, self.num_slots, ((l, b) for l in range(len(layers)) for b in range(c)))
+            for l, layer in enumerate(layers):
+                q, kv, o, lse = chunk_begin(
+                    self.cfg, self.impl, layer, h, self.inv_freq, jnp.int32(c * bs), jnp.int32(chunk_len)
+                )
+                for _ in range(c):
+                    o, lse = chunk_attend_block(self.impl, q, ring.take(), o, lse)
+                    ring.release(lse)
+                h = finish_layer(self.cfg, layer, h, o)
+                self._keep_block(l, c, kv, chunk_len)
+            outputs.append(h)
+        return jnp.concatenate(outputs, axis=1) if len(outputs) > 1 else outputs[0]
+
+    def _prefill_layerwise(self, x: jax.Array, prompt_len: int) -> jax.Array:
+        length = jnp.int32(prompt_len)
+        for l, layer in enumerate(self.params.layers):
+            x, blocks = layerwise_layer(self.cfg, self.impl, self.block_size, layer, x, self.inv_freq, length)
+            for b, block in enumerate(blocks):
+                self._keep_block(l, b, block, min(self.block_size, prompt_len - b * self.block_size))
+        return x
+
+    def _keep_block(self, layer: int, index: int, block: jax.Array, filled: int) -> None:
+        """A full block goes to the host store; a partial one stays on the GPU as the layer's tail."""
+        if filled == self.block_size:
+            self.store.write(layer, index, block)
+        elif filled > 0:
+            self._tails[layer] = block
+
+    # ---- decode --------------------------------------------------------------------------------
+
+    def decode(self, x: jax.Array, position: int) -> jax.Array:
+        """x [1, 1, hidden] embedded new token at `position` -> its final hidden state."""
+        layers = self.params.layers
+        pos, tail_len = jnp.int32(position), jnp.int32(self._tail_len)
+        selected = [self.policy.select(l, self.store.num_written(l)) for l in range(len(layers))]
+        ring = BlockRing(self.store, self.num_slots, ((l, b) for l in range(len(layers)) for b in selected[l]))
+        for l, layer in enumerate(layers):
+            q, self._tails[l], o, lse = decode_begin(self.cfg, self.impl, layer, x, self.inv_freq, self._tails[l], pos, tail_len)
+            for _ in selected[l]:
+                o, lse = decode_attend_block(self.impl, q, ring.take(), o, lse)
+                ring.release(lse)
+            x = finish_layer(self.cfg, layer, x, o)
+        self._tail_len += 1
+        if self._tail_len == self.block_size:
+            # The tail is full: flush it as the next host block and start an empty one.
+            for l in range(len(layers)):
+                self.store.write(l, self.store.num_written(l), self._tails[l])
+            self._tails = [self._empty_tail() for _ in layers]
+            self._tail_len = 0
+        return x
+
+    def finish(self) -> None:
+        """Ends the request: host blocks count as unwritten, tails are dropped."""
+        self.store.reset()
+        self._tails, self._tail_len = [], 0
