@@ -1,0 +1,43 @@
+"""Pallas attention kernels with LSE (Triton on NVIDIA GPUs, interpret mode elsewhere).
+
+See README.md in this directory for semantics, layouts and tuning notes.
+"""
+
+from pallas_kernels.attention import (
+    attention_with_lse,
+    attention_with_lse_xla,
+    default_attention_config,
+)
+from pallas_kernels.decode import (
+    decode_attention_with_lse,
+    decode_attention_with_lse_xla,
+    default_decode_config,
+)
+from pallas_kernels.merge import merge_states, merge_states_n
+from pallas_kernels.xattn import (
+    antidiagonal_scores,
+    default_xattn_config,
+    merge_softmax_stats,
+    select_blocks,
+    softmax_normalize_block_sum,
+    softmax_partial_stats,
+    xattn_estimate,
+)
+
+__all__ = [
+    "antidiagonal_scores",
+    "attention_with_lse",
+    "attention_with_lse_xla",
+    "decode_attention_with_lse",
+    "decode_attention_with_lse_xla",
+    "default_attention_config",
+    "default_decode_config",
+    "default_xattn_config",
+    "merge_softmax_stats",
+    "merge_states",
+    "merge_states_n",
+    "select_blocks",
+    "softmax_normalize_block_sum",
+    "softmax_partial_stats",
+    "xattn_estimate",
+]

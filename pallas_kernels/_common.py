@@ -1,0 +1,118 @@
+"""Helpers shared by the kernels: backend choice, argument checks, block sizes."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import triton as plgpu
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+NEG_INF = float("-inf")
+# Triton's tensor-core dot needs every tile dimension to be at least 16.
+MIN_BLOCK = 16
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    """`None` means: compile through Triton on a GPU backend, interpret anywhere else."""
+    if interpret is None:
+        return jax.default_backend() != "gpu"
+    return bool(interpret)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def fit_block(requested: int, length: int) -> int:
+    """Largest power-of-two block <= `requested` that does not exceed the padded length.
+
+    Triton tiles must be powers of two and at least 16 wide, so short sequences still get a
+    16-row tile (the tail is masked).
+    """
+    if requested < MIN_BLOCK or requested & (requested - 1):
+        raise ValueError(f"block size {requested} must be a power of two >= {MIN_BLOCK}")
+    return max(MIN_BLOCK, min(requested, next_pow2(length)))
+
+
+def per_batch(value, batch: int, name: str) -> jax.Array:
+    """Broadcast an int or int array (scalar or [batch]) to an int32 [batch] array.
+
+    Works on traced values, so a new offset or length never triggers a recompile.
+    """
+    arr = jnp.asarray(value)
+    if arr.ndim > 1 or (arr.ndim == 1 and arr.shape[0] not in (1, batch)):
+        raise ValueError(f"{name} has shape {arr.shape}; allowed: a scalar or shape ({batch},)")
+    if not jnp.issubdtype(arr.dtype, jnp.integer):
+        raise ValueError(f"{name} has dtype {arr.dtype}; allowed: an integer type")
+    return jnp.broadcast_to(arr.astype(jnp.int32), (batch,))
+
+
+def dot_precision(dtype) -> lax.Precision:
+    """float32 dots must be exact float32 (Triton would use tf32 by default); others default."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+
+
+def compiler_params(num_warps: int, num_stages: int):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def cdiv(a, b: int):
+    """Ceiling division of a non-negative traced int32 by a static positive int.
+
+    `lax.div` truncates, which equals floor for the non-negative values used here and lowers
+    to a single Triton op.
+    """
+    return lax.div(a + (b - 1), jnp.int32(b))
+
+
+def fdiv(a, b: int):
+    """Floor division of a non-negative traced int32 by a static positive int."""
+    return lax.div(a, jnp.int32(b))
+
+
+def check_attention_shapes(q, k, v, q_rank: int) -> tuple[int, int, int, int, int, int]:
+    """Validate q/k/v and return (batch, tq, hq, tk, hkv, head_dim); tq is 1 for decode."""
+    if q.ndim != q_rank:
+        raise ValueError(f"q has shape {q.shape}; allowed: rank {q_rank}")
+    if k.ndim != 4 or v.shape != k.shape:
+        raise ValueError(
+            f"k has shape {k.shape} and v {v.shape}; allowed: equal shapes [B, Tk, Hkv, D]")
+    if q_rank == 4:
+        batch, tq, hq, d = q.shape
+    else:
+        batch, hq, d = q.shape
+        tq = 1
+    kb, tk, hkv, kd = k.shape
+    if kb != batch or kd != d:
+        raise ValueError(
+            f"q has shape {q.shape} and k {k.shape}; allowed: same batch and head_dim")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}; allowed: Hq % Hkv == 0")
+    if tk == 0:
+        raise ValueError("k has 0 keys; allowed: Tk >= 1")
+    if q.dtype != k.dtype or k.dtype != v.dtype:
+        raise ValueError(
+            f"q, k, v have dtypes {q.dtype}, {k.dtype}, {v.dtype}; allowed: one dtype")
+    return batch, tq, hq, tk, hkv, d
+
+
+def interpret_aware_jit(fn, static_argnames: tuple[str, ...]):
+    """jax.jit that compiles interpret-mode programs at XLA optimisation level 0.
+
+    The interpreted kernel is a test vehicle on small shapes, where XLA's CPU backend spends
+    ~3 s optimising nested loops that then run for milliseconds; level 0 compiles ~4x faster.
+    Compiled (Triton) calls keep the default options. `fn` must take a static `interpret`.
+    Inside an outer jax.jit the outer options apply.
+    """
+    fast = jax.jit(fn, static_argnames=static_argnames,
+                   compiler_options={"xla_backend_optimization_level": 0})
+    normal = jax.jit(fn, static_argnames=static_argnames)
+
+    def call(*args, interpret: bool, **kwargs):
+        return (fast if interpret else normal)(*args, interpret=interpret, **kwargs)
+
+    return call

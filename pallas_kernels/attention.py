@@ -1,0 +1,279 @@
+"""Prefill attention that also returns the log-sum-exp (LSE) of every query row.
+
+`attention_with_lse` is a Pallas kernel (Triton on NVIDIA GPUs, interpreted elsewhere);
+`attention_with_lse_xla` is a plain jnp version with the same signature and semantics, used
+where interpret mode is too slow (whole models on the CPU).
+
+Semantics shared by both:
+  q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D]; query head h reads KV head h // (Hq // Hkv).
+  Query i sits at absolute position q_offset + i; key j at position j.
+  Key j is visible to query i iff j < kv_len and (not causal or j <= q_offset + i).
+  o [B, Tq, Hq, D] in q.dtype; lse [B, Hq, Tq] float32, natural log.
+  A row that sees no key gets lse = -inf and o = 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._common import (
+    LN2,
+    LOG2E,
+    NEG_INF,
+    cdiv,
+    check_attention_shapes,
+    compiler_params,
+    dot_precision,
+    fdiv,
+    fit_block,
+    interpret_aware_jit,
+    per_batch,
+    resolve_interpret,
+)
+
+
+def default_attention_config(dtype, head_dim: int) -> dict[str, int]:
+    """Block sizes and launch parameters tuned on an H100/H200 (see bench/bench_kernels.py).
+
+    float32 uses exact (non-tf32) dots, which run on CUDA cores and need smaller tiles.
+    """
+    if jnp.dtype(dtype) == jnp.float32:
+        return dict(block_q=64, block_k=32, num_warps=4, num_stages=2)
+    return dict(block_q=128, block_k=64, num_warps=8 if head_dim > 64 else 4, num_stages=3)
+
+
+def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
+                      causal: bool, scale_log2: float, block_q: int, block_k: int, tq: int,
+                      num_q_blocks: int, precision):
+    pid = pl.program_id(0)
+    # Causal: the last query blocks carry the most work, so launch them first.
+    i = (num_q_blocks - 1 - pid) if causal else pid
+    row0 = pl.multiple_of(i * block_q, block_q)
+    rows = row0 + jnp.arange(block_q, dtype=jnp.int32)
+    row_ok = rows < tq
+    q_offset = qoff_ref[()]
+    kv_len = kvlen_ref[()]  # already clamped to [0, Tk] by the wrapper
+
+    q = plgpu.load(q_ref.at[pl.ds(row0, block_q), :], mask=row_ok[:, None], other=0)
+    head_dim = q.shape[-1]
+
+    # Keys [0, hi) may be visible to some row of this block; blocks below n_full are visible
+    # to every row, so they skip all masking.
+    if causal:
+        last_row = jnp.minimum(row0 + block_q, tq) - 1
+        hi = jnp.clip(q_offset + last_row + 1, 0, kv_len)
+        n_full = fdiv(jnp.clip(q_offset + row0 + 1, 0, kv_len), block_k)
+    else:
+        hi = kv_len
+        n_full = fdiv(kv_len, block_k)
+    n_blocks = cdiv(hi, block_k)
+    n_full = jnp.minimum(n_full, n_blocks)
+
+    def body(j, carry, masked: bool):
+        acc, m_i, l_i = carry
+        start = pl.multiple_of(j * block_k, block_k)
+        kslice = pl.ds(start, block_k)
+        if masked:
+            cols = start + jnp.arange(block_k, dtype=jnp.int32)
+            col_ok = cols < kv_len
+            k = plgpu.load(k_ref.at[kslice, :], mask=col_ok[:, None], other=0)
+        else:
+            k = plgpu.load(k_ref.at[kslice, :])
+        s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale_log2
+        if masked:
+            vis = col_ok[None, :]
+            if causal:
+                vis = vis & (cols[None, :] <= (q_offset + rows)[:, None])
+            s = jnp.where(vis, s, NEG_INF)
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        # A row with nothing visible yet keeps m = -inf; shift it by 0 to avoid inf - inf.
+        m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if masked else m_new
+        alpha = jnp.exp2(m_i - m_use)
+        p = jnp.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + jnp.sum(p, axis=1)
+        if masked:
+            v = plgpu.load(v_ref.at[kslice, :], mask=col_ok[:, None], other=0)
+        else:
+            v = plgpu.load(v_ref.at[kslice, :])
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+        return acc, m_new, l_i
+
+    carry = (
+        jnp.zeros((block_q, head_dim), jnp.float32),
+        jnp.full((block_q,), NEG_INF, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+    )
+    carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
+    acc, m_i, l_i = lax.fori_loop(n_full, n_blocks, functools.partial(body, masked=True), carry)
+
+    seen = l_i > 0.0
+    inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
+    lse = jnp.where(seen, (m_i + jnp.log2(jnp.where(seen, l_i, 1.0))) * LN2, NEG_INF)
+    plgpu.store(o_ref.at[pl.ds(row0, block_q), :], (acc * inv_l[:, None]).astype(o_ref.dtype),
+                mask=row_ok[:, None])
+    plgpu.store(lse_ref.at[pl.ds(row0, block_q)], lse, mask=row_ok)
+
+
+def _attention_pallas(q, k, v, q_offset, kv_len, *, causal, sm_scale, interpret, block_q,
+                      block_k, num_warps, num_stages):
+    batch, tq, hq, d = q.shape
+    _, tk, hkv, _ = k.shape
+    group = hq // hkv
+    num_q_blocks = -(-tq // block_q)
+    kernel = functools.partial(
+        _attention_kernel, causal=causal, scale_log2=sm_scale * LOG2E, block_q=block_q,
+        block_k=block_k, tq=tq, num_q_blocks=num_q_blocks, precision=dot_precision(q.dtype))
+    scalar = pl.BlockSpec((None,), lambda i, bh: (bh // hq,))
+    q_spec = pl.BlockSpec((None, tq, None, d), lambda i, bh: (bh // hq, 0, bh % hq, 0))
+    kv_spec = pl.BlockSpec((None, tk, None, d), lambda i, bh: (bh // hq, 0, (bh % hq) // group, 0))
+    lse_spec = pl.BlockSpec((None, None, tq), lambda i, bh: (bh // hq, bh % hq, 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(num_q_blocks, batch * hq),
+        in_specs=[scalar, scalar, q_spec, kv_spec, kv_spec],
+        out_specs=[q_spec, lse_spec],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct((batch, hq, tq), jnp.float32)],
+        compiler_params=compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="attention_with_lse",
+    )(q_offset, kv_len, q, k, v)
+
+
+_attention_pallas = interpret_aware_jit(
+    _attention_pallas, ("causal", "sm_scale", "interpret", "block_q", "block_k", "num_warps",
+                        "num_stages"))
+
+
+def _check_pallas_head_dim(d: int) -> None:
+    if d < 16 or d > 256 or d & (d - 1):
+        raise ValueError(
+            f"head_dim={d} is not supported by the Pallas kernel; allowed: a power of two in "
+            "[16, 256] (use attention_with_lse_xla otherwise)")
+
+
+def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
+                       q_offset=0, kv_len=None, sm_scale: float | None = None,
+                       interpret: bool | None = None, block_q: int | None = None,
+                       block_k: int | None = None, num_warps: int | None = None,
+                       num_stages: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Flash attention forward with GQA, causal offset, per-batch key length and LSE.
+
+    Args:
+      q: [B, Tq, Hq, D]; k, v: [B, Tk, Hkv, D] with Hq % Hkv == 0 (KV is never repeated).
+      causal: query i sees key j only if j <= q_offset + i.
+      q_offset: absolute position of query 0; int or int32 array (scalar or [B]); may be traced.
+      kv_len: keys j >= kv_len are invisible; int or int32 array (scalar or [B]); may be traced;
+        None means Tk. Values are clamped to [0, Tk].
+      sm_scale: score scale, default 1/sqrt(D). Static.
+      interpret: None picks Triton on a GPU backend and interpret mode elsewhere.
+      block_q, block_k, num_warps, num_stages: launch parameters (powers of two >= 16 for
+        blocks); None takes `default_attention_config`.
+
+    Returns:
+      o [B, Tq, Hq, D] in q.dtype and lse [B, Hq, Tq] float32 (natural log). Rows with no
+      visible key give o = 0 and lse = -inf. Key blocks that no row of a query block can see
+      are never loaded, so a fully masked call costs only the launch.
+    """
+    batch, tq, hq, tk, hkv, d = check_attention_shapes(q, k, v, 4)
+    _check_pallas_head_dim(d)
+    cfg = default_attention_config(q.dtype, d)
+    block_q = fit_block(block_q or cfg["block_q"], tq)
+    block_k = fit_block(block_k or cfg["block_k"], tk)
+    q_offset = per_batch(q_offset, batch, "q_offset")
+    kv_len = jnp.clip(per_batch(tk if kv_len is None else kv_len, batch, "kv_len"), 0, tk)
+    return _attention_pallas(
+        q, k, v, q_offset, kv_len, causal=bool(causal),
+        sm_scale=float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)),
+        interpret=resolve_interpret(interpret), block_q=block_q, block_k=block_k,
+        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
+
+
+# Score elements materialised at once by the jnp path (per query chunk): 32M float32 = 128 MiB.
+_XLA_SCORE_BUDGET = 1 << 25
+
+
+def _xla_rows(q, k, v, rows, q_offset, kv_len, causal, sm_scale):
+    """Exact float32 attention of query rows `rows` [Tc] over all keys; q: [B, Tc, Hkv, G, D]."""
+    tk = k.shape[1]
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=lax.Precision.HIGHEST) * sm_scale
+    cols = jnp.arange(tk, dtype=jnp.int32)
+    vis = cols[None, None, :] < kv_len[:, None, None]  # [B, 1, Tk]
+    if causal:
+        vis = vis & (cols[None, None, :] <= (q_offset[:, None] + rows[None, :])[:, :, None])
+    vis = vis[:, None, None]  # [B, 1, 1, Tq|1, Tk]
+    s = jnp.where(vis, s, NEG_INF)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(m == NEG_INF, 0.0, m)
+    p = jnp.exp(s - m)
+    l = jnp.sum(p, axis=-1)
+    o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v, precision=lax.Precision.HIGHEST)
+    seen = l > 0.0
+    l_safe = jnp.where(seen, l, 1.0)
+    lse = jnp.where(seen, m[..., 0] + jnp.log(l_safe), NEG_INF)  # [B, Hkv, G, Tc]
+    o = o / jnp.moveaxis(l_safe, -1, 1)[..., None]  # unseen rows have p = 0, so o = 0 already
+    return o, lse
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "q_chunk"))
+def _attention_xla(q, k, v, q_offset, kv_len, *, causal, sm_scale, q_chunk):
+    batch, tq, hq, d = q.shape
+    _, tk, hkv, _ = k.shape
+    group = hq // hkv
+    out_dtype = q.dtype
+    qf = q.astype(jnp.float32).reshape(batch, tq, hkv, group, d)
+    kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
+
+    def run():
+        if q_chunk >= tq:
+            return _xla_rows(qf, kf, vf, jnp.arange(tq, dtype=jnp.int32), q_offset, kv_len,
+                             causal, sm_scale)
+        n = -(-tq // q_chunk)
+        qp = jnp.pad(qf, ((0, 0), (0, n * q_chunk - tq), (0, 0), (0, 0), (0, 0)))
+        qp = jnp.moveaxis(qp.reshape(batch, n, q_chunk, hkv, group, d), 1, 0)
+        rows = jnp.arange(n * q_chunk, dtype=jnp.int32).reshape(n, q_chunk)
+        o, lse = lax.map(
+            lambda xs: _xla_rows(xs[0], kf, vf, xs[1], q_offset, kv_len, causal, sm_scale),
+            (qp, rows))
+        o = jnp.moveaxis(o, 0, 1).reshape(batch, n * q_chunk, hkv, group, d)[:, :tq]
+        lse = jnp.moveaxis(lse, 0, 3).reshape(batch, hkv, group, n * q_chunk)[..., :tq]
+        return o, lse
+
+    def empty():
+        return (jnp.zeros((batch, tq, hkv, group, d), jnp.float32),
+                jnp.full((batch, hkv, group, tq), NEG_INF, jnp.float32))
+
+    # Skip all work when no query can see any key (e.g. a chunk entirely past kv_len).
+    row_sees_key0 = kv_len > 0
+    if causal:
+        row_sees_key0 = row_sees_key0 & (q_offset + tq > 0)
+    any_visible = jnp.any(row_sees_key0)
+    o, lse = lax.cond(any_visible, run, empty)
+    return o.reshape(batch, tq, hq, d).astype(out_dtype), lse.reshape(batch, hq, tq)
+
+
+def attention_with_lse_xla(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
+                           q_offset=0, kv_len=None, sm_scale: float | None = None,
+                           interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+    """jnp twin of `attention_with_lse` (same arguments and results; `interpret` is ignored).
+
+    Softmax statistics are float32 and dots use Precision.HIGHEST, so the result is exact to
+    float32 rounding. GQA reshapes q to [B, Tq, Hkv, G, D] instead of repeating KV. Queries
+    are processed in chunks so at most ~32M float32 scores exist at once.
+    """
+    del interpret
+    batch, tq, hq, tk, hkv, d = check_attention_shapes(q, k, v, 4)
+    q_offset = per_batch(q_offset, batch, "q_offset")
+    kv_len = jnp.clip(per_batch(tk if kv_len is None else kv_len, batch, "kv_len"), 0, tk)
+    q_chunk = max(16, _XLA_SCORE_BUDGET // max(1, batch * hq * tk))
+    return _attention_xla(
+        q, k, v, q_offset, kv_len, causal=bool(causal),
+        sm_scale=float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)),
+        q_chunk=int(q_chunk))

@@ -1,0 +1,192 @@
+"""Decode attention (one new query token per sequence) with LSE, split over the keys.
+
+`decode_attention_with_lse` launches one program per (key split, batch, KV head); each
+program attends the whole query-head group of its KV head to its slice of keys, so KV is
+read once per group and never repeated. The per-split states are merged in float32.
+`decode_attention_with_lse_xla` is the jnp twin.
+
+Semantics: q [B, Hq, D] sees keys j < kv_len of k/v [B, S, Hkv, D]; o [B, Hq, D] in q.dtype,
+lse [B, Hq] float32 natural log; a row with kv_len = 0 gets o = 0 and lse = -inf.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._common import (
+    LN2,
+    LOG2E,
+    MIN_BLOCK,
+    NEG_INF,
+    cdiv,
+    check_attention_shapes,
+    compiler_params,
+    dot_precision,
+    fdiv,
+    fit_block,
+    interpret_aware_jit,
+    next_pow2,
+    per_batch,
+    resolve_interpret,
+)
+from pallas_kernels.attention import _check_pallas_head_dim, attention_with_lse_xla
+from pallas_kernels.merge import merge_stack
+
+# Enough programs to keep every SM of an H100/H200 (132) busy with a few resident each.
+_TARGET_PROGRAMS = 528
+
+
+def default_decode_config(dtype) -> dict[str, int]:
+    """Launch parameters tuned on an H100/H200 (see bench/bench_kernels.py)."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return dict(block_k=32, num_warps=4, num_stages=2)
+    return dict(block_k=128, num_warps=4, num_stages=3)
+
+
+def _decode_kernel(kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale_log2: float,
+                   block_k: int, split_len: int, group: int, precision):
+    split = pl.program_id(0)
+    kv_len = kvlen_ref[()]
+    start = split * split_len
+    n_keys = jnp.clip(kv_len - start, 0, split_len)
+    n_full = fdiv(n_keys, block_k)
+    n_blocks = cdiv(n_keys, block_k)
+    block_h = q_ref.shape[0]
+    row_ok = jnp.arange(block_h) < group
+    # Rows past the group are zero queries; they are computed (tensor-core tiles are >= 16
+    # rows) and never stored.
+    q = plgpu.load(q_ref, mask=row_ok[:, None], other=0)
+
+    def body(j, carry, masked: bool):
+        acc, m_i, l_i = carry
+        first = pl.multiple_of(start + j * block_k, block_k)
+        kslice = pl.ds(first, block_k)
+        if masked:
+            col_ok = (j * block_k + jnp.arange(block_k, dtype=jnp.int32)) < n_keys
+            k = plgpu.load(k_ref.at[kslice, :], mask=col_ok[:, None], other=0)
+        else:
+            k = plgpu.load(k_ref.at[kslice, :])
+        s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale_log2
+        if masked:
+            s = jnp.where(col_ok[None, :], s, NEG_INF)
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if masked else m_new
+        alpha = jnp.exp2(m_i - m_use)
+        p = jnp.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + jnp.sum(p, axis=1)
+        if masked:
+            v = plgpu.load(v_ref.at[kslice, :], mask=col_ok[:, None], other=0)
+        else:
+            v = plgpu.load(v_ref.at[kslice, :])
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+        return acc, m_new, l_i
+
+    carry = (
+        jnp.zeros(q.shape, jnp.float32),
+        jnp.full((block_h,), NEG_INF, jnp.float32),
+        jnp.zeros((block_h,), jnp.float32),
+    )
+    carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
+    acc, m_i, l_i = lax.fori_loop(n_full, n_blocks, functools.partial(body, masked=True), carry)
+
+    seen = l_i > 0.0
+    inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
+    lse = jnp.where(seen, (m_i + jnp.log2(jnp.where(seen, l_i, 1.0))) * LN2, NEG_INF)
+    plgpu.store(o_ref, acc * inv_l[:, None], mask=row_ok[:, None])
+    plgpu.store(lse_ref, lse, mask=row_ok)
+
+
+def _decode_pallas(q, k, v, kv_len, *, sm_scale, interpret, block_k, num_splits, num_warps,
+                   num_stages):
+    batch, hq, d = q.shape
+    _, seq, hkv, _ = k.shape
+    group = hq // hkv
+    block_h = max(MIN_BLOCK, next_pow2(group))
+    split_len = -(-(-(-seq // num_splits)) // block_k) * block_k
+    num_splits = -(-seq // split_len)
+    kernel = functools.partial(
+        _decode_kernel, scale_log2=sm_scale * LOG2E, block_k=block_k, split_len=split_len,
+        group=group, precision=dot_precision(q.dtype))
+    qg = q.reshape(batch, hkv, group, d)
+    o_part, lse_part = pl.pallas_call(
+        kernel,
+        grid=(num_splits, batch * hkv),
+        in_specs=[
+            pl.BlockSpec((None,), lambda s, bh: (bh // hkv,)),
+            # The query block is padded past the group to a full tensor-core tile.
+            pl.BlockSpec((None, None, block_h, d), lambda s, bh: (bh // hkv, bh % hkv, 0, 0)),
+            pl.BlockSpec((None, seq, None, d), lambda s, bh: (bh // hkv, 0, bh % hkv, 0)),
+            pl.BlockSpec((None, seq, None, d), lambda s, bh: (bh // hkv, 0, bh % hkv, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, block_h, d),
+                         lambda s, bh: (s, bh // hkv, bh % hkv, 0, 0)),
+            pl.BlockSpec((None, None, None, block_h), lambda s, bh: (s, bh // hkv, bh % hkv, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((num_splits, batch, hkv, group, d), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, batch, hkv, group), jnp.float32),
+        ],
+        compiler_params=compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="decode_attention_with_lse",
+    )(kv_len, qg, k, v)
+    o, lse = merge_stack(o_part, lse_part)
+    return o.reshape(batch, hq, d).astype(q.dtype), lse.reshape(batch, hq)
+
+
+_decode_pallas = interpret_aware_jit(
+    _decode_pallas, ("sm_scale", "interpret", "block_k", "num_splits", "num_warps", "num_stages"))
+
+
+def decode_attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_len=None,
+                              sm_scale: float | None = None, interpret: bool | None = None,
+                              block_k: int | None = None, num_splits: int | None = None,
+                              num_warps: int | None = None,
+                              num_stages: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Attention of one query token per sequence over a KV cache, with LSE.
+
+    Args:
+      q: [B, Hq, D]; k, v: [B, S, Hkv, D] with Hq % Hkv == 0.
+      kv_len: keys j >= kv_len are invisible; int or int32 array (scalar or [B]), may be
+        traced (no recompile); None means S. Clamped to [0, S]. Splits past kv_len load nothing.
+      sm_scale: score scale, default 1/sqrt(D). Static.
+      interpret: None picks Triton on a GPU backend and interpret mode elsewhere.
+      block_k: keys per inner step (power of two >= 16); num_splits: key splits (static),
+        default fills a GPU with ~528 programs (4 splits in interpret mode); num_warps, num_stages: Triton launch params.
+
+    Returns:
+      o [B, Hq, D] in q.dtype and lse [B, Hq] float32 (natural log).
+    """
+    batch, _, hq, seq, hkv, d = check_attention_shapes(q, k, v, 3)
+    _check_pallas_head_dim(d)
+    cfg = default_decode_config(q.dtype)
+    block_k = fit_block(block_k or cfg["block_k"], seq)
+    interpret = resolve_interpret(interpret)
+    if num_splits is None:
+        # Interpret mode runs programs one after another, so extra splits only cost time.
+        num_splits = 4 if interpret else -(-_TARGET_PROGRAMS // (batch * hkv))
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits}; allowed: >= 1")
+    num_splits = min(num_splits, -(-seq // block_k))
+    kv_len = jnp.clip(per_batch(seq if kv_len is None else kv_len, batch, "kv_len"), 0, seq)
+    return _decode_pallas(
+        q, k, v, kv_len, sm_scale=float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)),
+        interpret=interpret, block_k=block_k, num_splits=int(num_splits),
+        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
+
+
+def decode_attention_with_lse_xla(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_len=None,
+                                  sm_scale: float | None = None,
+                                  interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+    """jnp twin of `decode_attention_with_lse` (exact float32 statistics; `interpret` ignored)."""
+    check_attention_shapes(q, k, v, 3)
+    o, lse = attention_with_lse_xla(q[:, None], k, v, kv_len=kv_len, sm_scale=sm_scale)
+    return o[:, 0], lse[..., 0]

@@ -1,0 +1,372 @@
+"""XAttention block-sparse estimate, computable one KV chunk at a time (seed 003).
+
+Tiles: queries and keys are cut into tiles of `stride` (S) positions (the last one zero
+padded). The antidiagonal score of query tile i and key tile j is
+
+    score[i, j] = sm_scale / S * sum_s q[i*S + S-1-s] . k[j*S + s]
+
+(the antidiagonal of the S x S block of QK^T). Key tile j is visible to query tile i iff
+j*S < kv_len and, when causal, k_offset + j*S <= q_offset + i*S (positions of the tiles'
+first tokens). Invisible scores are -inf; keys >= kv_len inside a visible tile count as zero.
+
+Rows are softmaxed over all visible key tiles and summed into blocks of r = block_size / S
+tiles, giving block_sums [B, Hq, q_blocks, k_blocks]; every query block then keeps the fewest
+key blocks whose mass reaches `threshold` (the first block and the diagonal always kept).
+
+KV-chunked pipeline (the keys never need to be resident at once):
+  1. per chunk c: scores_c, m_c, l_c = antidiagonal_scores(q, k_c, k_offset=c0, ...)
+     (Pallas kernel; (m_c, l_c) are the chunk's softmax_partial_stats, fused in)
+  2. m, l = merge_softmax_stats(stack(m_c), stack(l_c))
+  3. per chunk: sums_c = softmax_normalize_block_sum(scores_c, m, l, ...)
+  4. mask = select_blocks(concat(sums_c, axis=-1), ...)
+Chunk boundaries must be multiples of block_size so that chunk blocks line up with the
+global ones. `xattn_estimate` runs the pipeline (impl="pallas") or a one-shot jnp reference
+over the whole key (impl="xla").
+
+Steps 2-4 are jnp: each is one memory-bound pass that XLA fuses (exp, divide and the block
+reduction in one read of the scores), so a kernel would not move fewer bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._common import (
+    NEG_INF,
+    cdiv,
+    check_attention_shapes,
+    compiler_params,
+    dot_precision,
+    fdiv,
+    fit_block,
+    interpret_aware_jit,
+    per_batch,
+    resolve_interpret,
+)
+
+
+def default_xattn_config(dtype) -> dict[str, int]:
+    """Score-kernel tiles (in key/query tiles, not tokens), tuned on an H100/H200."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return dict(block_m=32, block_n=32, num_warps=4, num_stages=2)
+    return dict(block_m=128, block_n=64, num_warps=8, num_stages=2)
+
+
+def _check_stride(stride: int, block_size: int | None = None) -> None:
+    if stride < 1:
+        raise ValueError(f"stride={stride}; allowed: >= 1")
+    if block_size is not None and (block_size < stride or block_size % stride):
+        raise ValueError(
+            f"block_size={block_size} is not a multiple of stride={stride}; allowed: "
+            "block_size = r * stride with r >= 1")
+
+
+def _tile(x: jax.Array, stride: int) -> jax.Array:
+    """[B, T, H, D] -> [B, ceil(T/S), S, H, D], zero padding the last tile."""
+    b, t, h, d = x.shape
+    n = -(-t // stride)
+    if n * stride != t:
+        x = jnp.pad(x, ((0, 0), (0, n * stride - t), (0, 0), (0, 0)))
+    return x.reshape(b, n, stride, h, d)
+
+
+def _scores_kernel(qoff_ref, koff_ref, kvlen_ref, q_ref, k_ref, s_ref, m_ref, l_ref, *,
+                   stride: int, scale: float, causal: bool, block_m: int, block_n: int,
+                   mq: int, mk: int, precision):
+    r0 = pl.multiple_of(pl.program_id(0) * block_m, block_m)
+    rows = r0 + jnp.arange(block_m, dtype=jnp.int32)
+    row_ok = rows < mq
+    q_pos = qoff_ref[()] + rows * stride
+    k_offset = koff_ref[()]
+    kv_len = kvlen_ref[()]
+    kv_tiles = cdiv(kv_len, stride)
+
+    # Key tiles [0, hi) may be visible to some row of this block.
+    if causal:
+        last = qoff_ref[()] + (jnp.minimum(r0 + block_m, mq) - 1) * stride - k_offset
+        hi = jnp.where(last >= 0, fdiv(jnp.maximum(last, 0), stride) + 1, 0)
+        hi = jnp.minimum(hi, kv_tiles)
+    else:
+        hi = kv_tiles
+    n_visible = cdiv(hi, block_n)
+    n_all = -(-mk // block_n)
+
+    def visible_block(j, carry):
+        m_i, l_i = carry
+        c0 = pl.multiple_of(j * block_n, block_n)
+        cols = c0 + jnp.arange(block_n, dtype=jnp.int32)
+        col_ok = cols < mk
+        acc = jnp.zeros((block_m, block_n), jnp.float32)
+        for s in range(stride):
+            qs = plgpu.load(q_ref.at[pl.ds(r0, block_m), jnp.int32(stride - 1 - s), :],
+                            mask=row_ok[:, None], other=0)
+            # Keys past kv_len read as zero (this also keeps loads inside the array).
+            key_ok = (cols * stride + s) < kv_len
+            ks = plgpu.load(k_ref.at[pl.ds(c0, block_n), jnp.int32(s), :], mask=key_ok[:, None], other=0)
+            acc += plgpu.dot(qs, ks, trans_b=True, precision=precision)
+        vis = (cols < kv_tiles)[None, :]
+        if causal:
+            vis = vis & ((k_offset + cols * stride)[None, :] <= q_pos[:, None])
+        sc = jnp.where(vis, acc * scale, NEG_INF)
+        plgpu.store(s_ref.at[pl.ds(r0, block_m), pl.ds(c0, block_n)], sc,
+                    mask=row_ok[:, None] & col_ok[None, :])
+        m_new = jnp.maximum(m_i, jnp.max(sc, axis=1))
+        m_use = jnp.where(m_new == NEG_INF, 0.0, m_new)
+        l_i = l_i * jnp.exp(m_i - m_use) + jnp.sum(jnp.exp(sc - m_use[:, None]), axis=1)
+        return m_new, l_i
+
+    def hidden_block(j, carry):
+        c0 = pl.multiple_of(j * block_n, block_n)
+        col_ok = (c0 + jnp.arange(block_n, dtype=jnp.int32)) < mk
+        plgpu.store(s_ref.at[pl.ds(r0, block_m), pl.ds(c0, block_n)],
+                    jnp.full((block_m, block_n), NEG_INF, jnp.float32),
+                    mask=row_ok[:, None] & col_ok[None, :])
+        return carry
+
+    carry = (jnp.full((block_m,), NEG_INF, jnp.float32), jnp.zeros((block_m,), jnp.float32))
+    m_i, l_i = lax.fori_loop(0, n_visible, visible_block, carry)
+    lax.fori_loop(n_visible, n_all, hidden_block, 0)
+    plgpu.store(m_ref.at[pl.ds(r0, block_m)], m_i, mask=row_ok)
+    plgpu.store(l_ref.at[pl.ds(r0, block_m)], l_i, mask=row_ok)
+
+
+def _antidiagonal_scores(q, k, q_offset, k_offset, kv_len, *, stride, causal, sm_scale,
+                         interpret, block_m, block_n, num_warps, num_stages):
+    batch, _, hq, d = q.shape
+    hkv = k.shape[2]
+    group = hq // hkv
+    qt, kt = _tile(q, stride), _tile(k, stride)
+    mq, mk = qt.shape[1], kt.shape[1]
+    kernel = functools.partial(
+        _scores_kernel, stride=stride, scale=sm_scale / stride, causal=causal, block_m=block_m,
+        block_n=block_n, mq=mq, mk=mk, precision=dot_precision(q.dtype))
+    scalar = pl.BlockSpec((None,), lambda i, bh: (bh // hq,))
+    row_spec = pl.BlockSpec((None, None, mq), lambda i, bh: (bh // hq, bh % hq, 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(-(-mq // block_m), batch * hq),
+        in_specs=[
+            scalar, scalar, scalar,
+            pl.BlockSpec((None, mq, stride, None, d), lambda i, bh: (bh // hq, 0, 0, bh % hq, 0)),
+            pl.BlockSpec((None, mk, stride, None, d),
+                         lambda i, bh: (bh // hq, 0, 0, (bh % hq) // group, 0)),
+        ],
+        out_specs=[pl.BlockSpec((None, None, mq, mk), lambda i, bh: (bh // hq, bh % hq, 0, 0)),
+                   row_spec, row_spec],
+        out_shape=[jax.ShapeDtypeStruct((batch, hq, mq, mk), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, hq, mq), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, hq, mq), jnp.float32)],
+        compiler_params=compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="xattn_antidiagonal_scores",
+    )(q_offset, k_offset, kv_len, qt, kt)
+
+
+_antidiagonal_scores_jit = interpret_aware_jit(
+    _antidiagonal_scores, ("stride", "causal", "sm_scale", "interpret", "block_m", "block_n",
+                           "num_warps", "num_stages"))
+
+
+def antidiagonal_scores(q: jax.Array, k: jax.Array, *, stride: int, causal: bool = True,
+                        q_offset=0, k_offset=0, kv_len=None, sm_scale: float | None = None,
+                        interpret: bool | None = None, block_m: int | None = None,
+                        block_n: int | None = None, num_warps: int | None = None,
+                        num_stages: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Strided antidiagonal scores of a query chunk against one key chunk (Pallas kernel).
+
+    Args:
+      q: [B, Tq, Hq, D]; k: [B, Tk, Hkv, D] (a key chunk), Hq % Hkv == 0.
+      stride: tile size S (static).
+      causal, q_offset, k_offset: absolute positions of q[0] and k[0]; tile j of this chunk is
+        hidden from query tile i when k_offset + j*S > q_offset + i*S. Ints or int32 arrays
+        (scalar or [B]); may be traced.
+      kv_len: valid keys in this chunk (keys >= kv_len are hidden); None means Tk.
+      sm_scale: default 1/sqrt(D); scores are multiplied by sm_scale / S.
+      block_m, block_n: tiles per program along queries/keys (powers of two >= 16).
+
+    Returns:
+      scores [B, Hq, ceil(Tq/S), ceil(Tk/S)] float32 (-inf where hidden) and this chunk's
+      softmax_partial_stats m, l [B, Hq, ceil(Tq/S)] (row max and sum of exp(score - m);
+      m = -inf, l = 0 for a row that sees nothing). Key blocks hidden from a whole program
+      are filled with -inf without any dot products.
+    """
+    batch, tq, hq, tk, hkv, d = check_attention_shapes(q, k, k, 4)
+    _check_stride(stride)
+    cfg = default_xattn_config(q.dtype)
+    mq, mk = -(-tq // stride), -(-tk // stride)
+    kv_len = jnp.clip(per_batch(tk if kv_len is None else kv_len, batch, "kv_len"), 0, tk)
+    return _antidiagonal_scores_jit(
+        q, k, per_batch(q_offset, batch, "q_offset"), per_batch(k_offset, batch, "k_offset"),
+        kv_len, stride=int(stride), causal=bool(causal),
+        sm_scale=float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)),
+        interpret=resolve_interpret(interpret),
+        block_m=fit_block(block_m or cfg["block_m"], mq),
+        block_n=fit_block(block_n or cfg["block_n"], mk),
+        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
+
+
+@jax.jit
+def softmax_partial_stats(scores: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Row max m and sum l = sum(exp(scores - m)) over the last axis (one key chunk).
+
+    -inf scores are hidden; a row with no finite score gives m = -inf, l = 0. This is what
+    `antidiagonal_scores` already returns fused; use it for scores produced elsewhere.
+    """
+    m = jnp.max(scores, axis=-1)
+    m_use = jnp.where(m == NEG_INF, 0.0, m)
+    return m, jnp.sum(jnp.exp(scores - m_use[..., None]), axis=-1)
+
+
+def merge_softmax_stats(m_chunks: jax.Array | Sequence[jax.Array],
+                        l_chunks: jax.Array | Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Merge per-chunk row stats: m = max_c m_c, l = sum_c l_c exp(m_c - m).
+
+    Takes stacked arrays [N, ...] or sequences of N arrays; all-empty rows stay (-inf, 0).
+    """
+    return _merge_softmax_stats(jnp.stack(list(m_chunks)) if not isinstance(m_chunks, jax.Array)
+                                else m_chunks,
+                                jnp.stack(list(l_chunks)) if not isinstance(l_chunks, jax.Array)
+                                else l_chunks)
+
+
+@jax.jit
+def _merge_softmax_stats(m_stack, l_stack):
+    m = jnp.max(m_stack, axis=0)
+    m_use = jnp.where(m == NEG_INF, 0.0, m)
+    return m, jnp.sum(l_stack * jnp.exp(m_stack - m_use), axis=0)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "stride"))
+def softmax_normalize_block_sum(scores: jax.Array, m: jax.Array, l: jax.Array, *,
+                                block_size: int, stride: int) -> jax.Array:
+    """Normalise one key chunk's scores with the global row stats and sum them into blocks.
+
+    Args:
+      scores: [B, H, Mq, Mk] tile scores of one key chunk (-inf where hidden).
+      m, l: [B, H, Mq] global stats from `merge_softmax_stats` (or one chunk's own).
+      block_size, stride: a block covers r = block_size / stride tiles per side.
+
+    Returns:
+      [B, H, ceil(Mq/r), ceil(Mk/r)] float32 block sums of the softmax probabilities.
+    """
+    _check_stride(stride, block_size)
+    r = block_size // stride
+    b, h, mq, mk = scores.shape
+    nqb, nkb = -(-mq // r), -(-mk // r)
+    seen = l > 0.0
+    m_use = jnp.where(m == NEG_INF, 0.0, m)
+    inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+    p = jnp.exp(scores - m_use[..., None]) * inv_l[..., None]
+    p = jnp.pad(p, ((0, 0), (0, 0), (0, nqb * r - mq), (0, nkb * r - mk)))
+    return p.reshape(b, h, nqb, r, nkb, r).sum(axis=(3, 5))
+
+
+@functools.partial(jax.jit, static_argnames=("block_size",))
+def select_blocks(block_sums: jax.Array, *, threshold, block_size: int,
+                  q_offset=0) -> jax.Array:
+    """Per query block keep the fewest key blocks whose cumulative mass reaches threshold.
+
+    Args:
+      block_sums: [B, H, nqb, nkb] (key block 0 starts at absolute position 0).
+      threshold: tau in (0, 1]; a float or an array broadcastable to [B, H, nqb, 1]
+        (e.g. per head). May be traced.
+      block_size: tokens per block (static).
+      q_offset: absolute position of the first query (int or [B], may be traced); query
+        block i's diagonal key block is (q_offset + i * block_size) // block_size.
+
+    Returns:
+      bool [B, H, nqb, nkb]. Key block 0 and the diagonal block are always kept and counted
+      first; the others are taken in descending mass while the mass taken so far is below
+      threshold * row total. Blocks with zero mass (hidden) are never taken.
+    """
+    b, h, nqb, nkb = block_sums.shape
+    sums = block_sums.astype(jnp.float32)
+    q_offset = per_batch(q_offset, b, "q_offset")
+    kb = jnp.arange(nkb, dtype=jnp.int32)
+    diag = (q_offset[:, None] + jnp.arange(nqb, dtype=jnp.int32)[None, :] * block_size)
+    diag = jnp.floor_divide(diag, block_size)[:, None, :, None]  # [B, 1, nqb, 1]
+    forced = (kb == 0) | (kb == diag)
+    need = jnp.asarray(threshold, jnp.float32) * jnp.sum(sums, axis=-1, keepdims=True)
+    taken = jnp.sum(jnp.where(forced, sums, 0.0), axis=-1, keepdims=True)
+    candidate = jnp.where(forced | (sums <= 0.0), -1.0, sums)
+    order = jnp.argsort(-candidate, axis=-1, stable=True)
+    ranked = jnp.take_along_axis(candidate, order, axis=-1)
+    mass = jnp.maximum(ranked, 0.0)
+    before = taken + jnp.cumsum(mass, axis=-1) - mass
+    keep_ranked = (before < need) & (ranked > 0.0)
+    keep = jnp.take_along_axis(keep_ranked, jnp.argsort(order, axis=-1), axis=-1)
+    return forced | keep
+
+
+@functools.partial(jax.jit, static_argnames=("stride", "causal", "sm_scale"))
+def _scores_xla(q, k, q_offset, kv_len, *, stride, causal, sm_scale):
+    """One-shot jnp antidiagonal scores over the whole key (the reference path)."""
+    batch, _, hq, d = q.shape
+    hkv = k.shape[2]
+    qt = _tile(q.astype(jnp.float32), stride)[:, :, ::-1]
+    key_ok = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :] < kv_len[:, None]
+    kt = _tile(jnp.where(key_ok[:, :, None, None], k.astype(jnp.float32), 0.0), stride)
+    mq, mk = qt.shape[1], kt.shape[1]
+    qt = qt.reshape(batch, mq, stride, hkv, hq // hkv, d)
+    s = jnp.einsum("bisngd,bjsnd->bngij", qt, kt, precision=lax.Precision.HIGHEST)
+    s = s.reshape(batch, hq, mq, mk) * (sm_scale / stride)
+    q_pos = q_offset[:, None] + jnp.arange(mq, dtype=jnp.int32)[None, :] * stride  # [B, Mq]
+    k_pos = jnp.arange(mk, dtype=jnp.int32) * stride
+    vis = (k_pos[None, None, :] < kv_len[:, None, None])
+    if causal:
+        vis = vis & (k_pos[None, None, :] <= q_pos[:, :, None])
+    return jnp.where(vis[:, None], s, NEG_INF)
+
+
+def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride: int = 8,
+                   threshold=0.9, causal: bool = True, q_offset=0, kv_len=None,
+                   sm_scale: float | None = None, kv_chunk: int | None = None,
+                   impl: str = "pallas",
+                   interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+    """XAttention estimate of q [B, Tq, Hq, D] against the whole key k [B, Tk, Hkv, D].
+
+    impl="xla": one-shot jnp reference (scores of the whole key, softmax, block sums).
+    impl="pallas": the KV-chunked pipeline of this module with chunks of `kv_chunk` keys
+    (None: one chunk); kv_chunk must be a multiple of block_size.
+    Keys start at absolute position 0; q_offset is the position of q[0] (int or [B], may be
+    traced); kv_len hides keys >= kv_len. Returns (block_sums [B, Hq, nqb, nkb] float32,
+    mask bool [B, Hq, nqb, nkb]) with nqb = ceil(Tq / block_size), nkb = ceil(Tk / block_size).
+    """
+    batch, tq, hq, tk, hkv, d = check_attention_shapes(q, k, k, 4)
+    _check_stride(stride, block_size)
+    if impl not in ("pallas", "xla"):
+        raise ValueError(f"impl={impl!r}; allowed: 'pallas' or 'xla'")
+    scale = float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(d))
+    q_off = per_batch(q_offset, batch, "q_offset")
+    kv_len = jnp.clip(per_batch(tk if kv_len is None else kv_len, batch, "kv_len"), 0, tk)
+    if impl == "xla":
+        scores = _scores_xla(q, k, q_off, kv_len, stride=stride, causal=bool(causal),
+                             sm_scale=scale)
+        m, l = softmax_partial_stats(scores)
+        sums = softmax_normalize_block_sum(scores, m, l, block_size=block_size, stride=stride)
+    else:
+        chunk = tk if kv_chunk is None else int(kv_chunk)
+        if chunk < tk and (chunk <= 0 or chunk % block_size):
+            raise ValueError(
+                f"kv_chunk={kv_chunk}; allowed: None or a positive multiple of "
+                f"block_size={block_size}")
+        parts = []
+        for c0 in range(0, tk, chunk):
+            k_c = k[:, c0:c0 + chunk]
+            parts.append(antidiagonal_scores(
+                q, k_c, stride=stride, causal=causal, q_offset=q_off, k_offset=c0,
+                kv_len=kv_len - c0, sm_scale=scale, interpret=interpret))
+        m, l = merge_softmax_stats([p[1] for p in parts], [p[2] for p in parts])
+        sums = jnp.concatenate(
+            [softmax_normalize_block_sum(p[0], m, l, block_size=block_size, stride=stride)
+             for p in parts], axis=-1)
+    return sums, select_blocks(sums, threshold=threshold, block_size=block_size,
+                               q_offset=q_off)
