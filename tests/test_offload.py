@@ -1,0 +1,106 @@
+"""The offloaded engine reorders work only: it must give what the in-GPU engine gives."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tiny_models
+from jax_offload import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["llama3", "qwen3"])
+def model(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
+    tiny_models.build(request.param, out, seed=int(np.random.SeedSequence().entropy % 2**31))
+    return out, LLM(out, dtype="float32")
+
+
+def _ids(rng: np.random.Generator, n: int) -> list[int]:
+    return rng.integers(3, tiny_models.VOCAB, size=n).tolist()
+
+
+@pytest.mark.parametrize(
+    "block_size,num_ring_slots,num_tokens,prefill",
+    [
+        (16, 1, 5, "chunked"),
+        (16, 2, 16, "layerwise"),
+        (16, 4, 320, "chunked"),
+        (16, 8, 171, "layerwise"),
+        (16, 1, 200, "layerwise"),
+        (64, 2, 1280, "layerwise"),
+        (64, 8, 700, "chunked"),
+        (64, 1, 64, "chunked"),
+        (256, 4, 5120, "chunked"),
+        (256, 2, 3000, "layerwise"),
+        (256, 8, 300, "chunked"),
+    ],
+)
+def test_offload_logits_equal_in_gpu(model, prefill, block_size, num_ring_slots, num_tokens):
+    path, in_gpu = model
+    ids = _ids(np.random.default_rng(num_tokens), num_tokens)
+    offload = LLM(path, dtype="float32", offload=True, block_size=block_size, num_ring_slots=num_ring_slots, prefill=prefill)
+    assert np.abs(offload.logits(ids) - in_gpu.logits(ids)).max() <= 1e-5
+
+
+@pytest.mark.parametrize("prefill", ["chunked", "layerwise"])
+def test_long_greedy_decode_crosses_blocks(model, prefill):
+    path, in_gpu = model
+    ids = _ids(np.random.default_rng(7), 100)
+    params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    offload = LLM(path, dtype="float32", offload=True, block_size=64, num_ring_slots=2, prefill=prefill)
+    # 100 + 300 tokens: the decode flushes its tail to the host at 128, 192, 256, 320 and 384.
+    assert offload.generate([ids], params)[0].token_ids == in_gpu.generate([ids], params)[0].token_ids
+
+
+def test_back_to_back_requests_leak_no_state(model):
+    path, _ = model
+    rng = np.random.default_rng(11)
+    prompts = [_ids(rng, int(n)) for n in rng.integers(1, 200, size=20)]
+    kwargs = dict(dtype="float32", offload=True, block_size=16, num_ring_slots=2)
+    shared = LLM(path, **kwargs)
+    one_by_one = [shared.generate([p], GREEDY)[0].token_ids for p in prompts]
+    in_one_call = [o.token_ids for o in shared.generate(prompts, GREEDY)]
+    fresh = [LLM(path, **kwargs).generate([p], GREEDY)[0].token_ids for p in prompts[:4]]
+    assert one_by_one[:4] == fresh
+    assert in_one_call == one_by_one
+    # A short request after a long one must not see the long one's blocks or tail.
+    long_then_short = [shared.generate([p], GREEDY)[0].token_ids for p in (prompts[0], _ids(rng, 300), prompts[0])]
+    assert long_then_short[0] == long_then_short[2] == one_by_one[0]
+
+
+def test_host_store_allocated_once(model):
+    path, _ = model
+    llm = LLM(path, dtype="float32", offload=True, block_size=16, num_ring_slots=2, max_model_len=512)
+    store = llm._runner.store
+    rng = np.random.default_rng(3)
+    llm.generate([_ids(rng, 100)], GREEDY)
+    before = store.host_bytes_held()
+    assert before == store.total_bytes
+    for n in rng.integers(1, 400, size=50):
+        llm.generate([_ids(rng, int(n))], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    assert store.host_bytes_held() == before
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(sparse_policy="nope"), "sparse_policy 'nope' is unknown; valid: full"),
+        (dict(prefill="sideways"), "prefill mode 'sideways' is unknown"),
+        (dict(block_size=0), "block_size must be a positive multiple of 16"),
+        (dict(block_size=100), "block_size must be a positive multiple of 16"),
+        (dict(num_ring_slots=0), "num_ring_slots must be an integer >= 1"),
+        (dict(max_model_len=4096, block_size=16), None),
+    ],
+)
+def test_bad_engine_options(model, kwargs, message, monkeypatch):
+    path, in_gpu = model
+    if message is None:
+        # A store larger than the host's free memory is refused before anything is allocated.
+        monkeypatch.setattr("jax_offload.kv.host_store.available_host_bytes", lambda: 1024)
+        message = "GiB of host memory is available"
+    with pytest.raises(ValueError, match=message):
+        LLM(path, dtype="float32", offload=True, **kwargs)
+    ids = _ids(np.random.default_rng(5), 20)
+    assert len(in_gpu.generate([ids], GREEDY)[0].token_ids) == GREEDY.max_tokens
