@@ -17,6 +17,7 @@ from jax_offload.attention import check_attention_impl, default_attention_impl
 from jax_offload.config import EngineConfig, ModelConfig
 from jax_offload.device_runner import DeviceRunner, pad_ids
 from jax_offload.models import decoder
+from jax_offload.models.params import ModelParams
 from jax_offload.offload_runner import OffloadRunner
 from jax_offload.sparse import make_policy
 from jax_offload.models.rope import inverse_frequencies
@@ -72,56 +73,63 @@ class LLM:
         model_dir = Path(model)
         if not model_dir.is_dir():
             raise FileNotFoundError(f"Model directory {model_dir} does not exist.")
-        self.model_dir = model_dir
-        self.model_config = ModelConfig.from_hf(model_dir)
-        self.engine_config = EngineConfig(
-            dtype=dtype,
-            max_model_len=max_model_len,
-            offload=offload,
-            block_size=block_size,
-            num_ring_slots=num_ring_slots,
-            prefill=prefill,
-            sparse_policy=sparse_policy,
-        ).validate(self.model_config)
-        policy = make_policy(sparse_policy)
+        model_config = ModelConfig.from_hf(model_dir)
+        options = EngineConfig(dtype, max_model_len, offload, block_size, num_ring_slots, prefill, sparse_policy)
+        options = options.validate(model_config)
+        make_policy(sparse_policy)
+        check_attention_impl(attention_impl or default_attention_impl())
+        params = load_params(model_dir, model_config, jnp.dtype(dtype))
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        eos = set(model_config.eos_token_ids)
+        gen_cfg = model_dir / "generation_config.json"
+        if gen_cfg.is_file():
+            gen_eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            eos.update(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
+        if tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self._setup(model_config, options, params, tokenizer, eos, attention_impl)
+
+    @classmethod
+    def from_params(
+        cls,
+        model_config: ModelConfig,
+        params: ModelParams,
+        tokenizer=None,
+        attention_impl: str | None = None,
+        **options,
+    ) -> "LLM":
+        """An engine over parameters already in memory (e.g. random weights at a real shape, for benchmarks).
+        Without a tokenizer, prompts must be token ids and outputs carry ids only."""
+        llm = cls.__new__(cls)
+        engine = EngineConfig(**options).validate(model_config)
+        llm._setup(model_config, engine, params, tokenizer, set(model_config.eos_token_ids), attention_impl)
+        return llm
+
+    def _setup(self, model_config, engine, params, tokenizer, eos_ids, attention_impl) -> None:
+        policy = make_policy(engine.sparse_policy)
         self.attention_impl = check_attention_impl(attention_impl or default_attention_impl())
-        self.dtype = jnp.dtype(dtype)
-        self.params = load_params(model_dir, self.model_config, self.dtype)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.eos_token_ids = self._eos_ids()
-        self._inv_freq = jnp.asarray(inverse_frequencies(self.model_config.rope, self.model_config.head_dim))
-        if offload:
+        self.model_config, self.engine_config, self.params, self.tokenizer = model_config, engine, params, tokenizer
+        self.dtype = jnp.dtype(engine.dtype)
+        self.eos_token_ids = frozenset(int(i) for i in eos_ids)
+        self._inv_freq = jnp.asarray(inverse_frequencies(model_config.rope, model_config.head_dim))
+        if engine.offload:
             self._runner = OffloadRunner(
-                self.model_config,
-                self.params,
-                self._inv_freq,
-                self.dtype,
-                self.attention_impl,
-                self.engine_config,
-                policy,
+                model_config, params, self._inv_freq, self.dtype, self.attention_impl, engine, policy
             )
         else:
-            self._runner = DeviceRunner(self.model_config, self.params, self._inv_freq, self.dtype, self.attention_impl)
+            self._runner = DeviceRunner(model_config, params, self._inv_freq, self.dtype, self.attention_impl)
 
     @property
     def max_model_len(self) -> int:
         return self.engine_config.max_model_len
-
-    def _eos_ids(self) -> frozenset[int]:
-        ids = set(self.model_config.eos_token_ids)
-        gen_cfg = self.model_dir / "generation_config.json"
-        if gen_cfg.is_file():
-            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return frozenset(int(i) for i in ids)
 
     # ---- prompts -------------------------------------------------------------------------------
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a raw-text prompt (or the ids themselves, checked)."""
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("This engine has no tokenizer; pass prompts as token ids.")
             ids = self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
         else:
             ids = [int(i) for i in prompt]
@@ -188,6 +196,9 @@ class LLM:
         x = _embed(self.params.embed, pad_ids(ids, self._runner.padded_length(len(ids))))
         return self._runner.prefill(x, len(ids), total_len)
 
+    def _decode_text(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
     def _run_request(
         self, ids: list[int], params: SamplingParams, on_text: Callable[[str], None] | None
     ) -> RequestOutput:
@@ -201,6 +212,7 @@ class LLM:
             jnp.int32(params.top_k),
         )
         stops = params.stop_strings
+        watch_text = bool(stops) or on_text is not None
         generated: list[int] = []
         text, finish_reason = "", "length"
         try:
@@ -217,13 +229,14 @@ class LLM:
                     generated.pop()
                     finish_reason = "stop"
                     break
-                new_text = self.tokenizer.decode(generated, skip_special_tokens=True)
-                cut = _first_stop(new_text, stops)
-                if cut is not None:
-                    new_text, finish_reason = new_text[:cut], "stop"
-                if on_text is not None and len(new_text) > len(text):
-                    on_text(new_text[len(text) :])
-                text = new_text
+                if watch_text:
+                    new_text = self._decode_text(generated)
+                    cut = _first_stop(new_text, stops)
+                    if cut is not None:
+                        new_text, finish_reason = new_text[:cut], "stop"
+                    if on_text is not None and len(new_text) > len(text):
+                        on_text(new_text[len(text) :])
+                    text = new_text
                 if finish_reason == "stop" or len(generated) >= params.max_tokens or position >= total_len:
                     break
                 x = _embed(self.params.embed, jnp.full((1, 1), token, jnp.int32))
@@ -232,6 +245,8 @@ class LLM:
                 token = int(sample_token(logit_row, *knobs, jax.random.fold_in(key, len(generated))))
                 position += 1
             decode_s = time.perf_counter() - start
+            if not watch_text:
+                text = self._decode_text(generated)
         finally:
             self._runner.finish()
         return RequestOutput(ids, text, generated, finish_reason, prefill_s, decode_s)
