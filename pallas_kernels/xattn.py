@@ -104,14 +104,18 @@ def _scores_kernel(qoff_ref, koff_ref, kvlen_ref, q_ref, k_ref, s_ref, m_ref, l_
         c0 = pl.multiple_of(j * block_n, block_n)
         cols = c0 + jnp.arange(block_n, dtype=jnp.int32)
         col_ok = cols < mk
-        acc = jnp.zeros((block_m, block_n), jnp.float32)
-        for s in range(stride):
-            qs = plgpu.load(q_ref.at[pl.ds(r0, block_m), jnp.int32(stride - 1 - s), :],
+
+        # A loop (not an unrolled Python for) so Triton software-pipelines these two loads
+        # with a few stages instead of staging all 2 * stride tiles in shared memory.
+        def diagonal(s, acc):
+            qs = plgpu.load(q_ref.at[pl.ds(r0, block_m), stride - 1 - s, :],
                             mask=row_ok[:, None], other=0)
             # Keys past kv_len read as zero (this also keeps loads inside the array).
             key_ok = (cols * stride + s) < kv_len
-            ks = plgpu.load(k_ref.at[pl.ds(c0, block_n), jnp.int32(s), :], mask=key_ok[:, None], other=0)
-            acc += plgpu.dot(qs, ks, trans_b=True, precision=precision)
+            ks = plgpu.load(k_ref.at[pl.ds(c0, block_n), s, :], mask=key_ok[:, None], other=0)
+            return acc + plgpu.dot(qs, ks, trans_b=True, precision=precision)
+
+        acc = lax.fori_loop(0, stride, diagonal, jnp.zeros((block_m, block_n), jnp.float32))
         vis = (cols < kv_tiles)[None, :]
         if causal:
             vis = vis & ((k_offset + cols * stride)[None, :] <= q_pos[:, None])

@@ -1,0 +1,481 @@
+"""Benchmark (and, with --check, verify) the pallas_kernels on the GPU.
+
+    python bench/bench_kernels.py --out DIR            # figures -> DIR/kernels.json, kernels.md
+    python bench/bench_kernels.py --check              # quick correctness checks, PASS/FAIL each
+    python bench/bench_kernels.py --out DIR --sweep    # also time alternative launch configs
+
+Every figure is written with its peer (cuDNN through jax.nn.dot_product_attention, torch SDPA
+when torch imports, the measured device copy bandwidth, or the full attention a helper serves),
+the shape and the dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import pallas_kernels as pk  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- timing
+
+def time_jax(fn, *args, reps: int = 10, inner: int | None = None, warmup: int = 2) -> float:
+    """Median seconds per call; calls are queued back to back so dispatch overlaps the GPU."""
+    out = None
+    for _ in range(warmup):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    if inner is None:  # aim for ~20 ms per measured group
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        inner = max(1, min(200, int(0.02 / max(time.perf_counter() - t0, 1e-6))))
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / inner)
+    return float(np.median(samples))
+
+
+def time_torch(fn, reps: int = 10, inner: int = 5) -> float:
+    import torch
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3 / inner)
+    return float(np.median(samples))
+
+
+def attn_flops(b, hq, tq, tk, d, causal) -> float:
+    full = 4.0 * b * hq * tq * tk * d
+    return full / 2 if causal and tq == tk else full
+
+
+def rand(key, shape, dtype):
+    return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+
+
+# ----------------------------------------------------------------------------- figures
+
+class Report:
+    def __init__(self):
+        self.rows: list[dict] = []
+        self.sweep: list[dict] = []
+
+    def add(self, **row):
+        self.rows.append(row)
+        value = row.get("value")
+        peer = row.get("peer_value")
+        print(f"{row['name']:<34} {row.get('shape', ''):<34} {row.get('dtype', ''):<9} "
+              f"{_fmt(value)} {row.get('unit', ''):<8} peer {row.get('peer', '')}: {_fmt(peer)} "
+              f"ratio {_fmt(row.get('ratio'))} {row.get('verdict', '')}", flush=True)
+
+    def error(self, name, exc):
+        msg = "".join(traceback.format_exception_only(type(exc), exc)).strip()[-1500:]
+        self.rows.append(dict(name=name, error=msg))
+        print(f"{name}: ERROR {msg}", flush=True)
+
+
+def _fmt(x):
+    return "-" if x is None else (f"{x:9.3f}" if isinstance(x, float) else str(x))
+
+
+def copy_bandwidth() -> float:
+    """Device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    x = jnp.ones((1 << 29,), jnp.bfloat16)  # 1 GiB
+    f = jax.jit(lambda a: a * jnp.bfloat16(1.0009765625))
+    t = time_jax(f, x, reps=10, inner=5)
+    return 2 * x.nbytes / t
+
+
+def bench_attention(rep: Report, name, b, t, hq, hkv, d, causal, target_ratio=None,
+                    target_tflops=None, configs=None):
+    ks = jax.random.split(jax.random.key(1), 3)
+    q = rand(ks[0], (b, t, hq, d), jnp.bfloat16)
+    k = rand(ks[1], (b, t, hkv, d), jnp.bfloat16)
+    v = rand(ks[2], (b, t, hkv, d), jnp.bfloat16)
+    flops = attn_flops(b, hq, t, t, d, causal)
+    shape = f"B{b} T{t} Hq{hq} Hkv{hkv} D{d}" + (" causal" if causal else "")
+    peers = {}
+    try:
+        cud = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn"))
+        peers["cudnn"] = flops / time_jax(cud, q, k, v) / 1e12
+    except Exception as e:  # noqa: BLE001
+        rep.error(f"{name}/cudnn", e)
+    try:
+        import torch
+        import torch.nn.functional as F
+        tq_ = torch.randn(b, hq, t, d, device="cuda", dtype=torch.bfloat16)
+        tk_ = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
+        tv_ = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
+        peers["torch_sdpa"] = flops / time_torch(lambda: F.scaled_dot_product_attention(
+            tq_, tk_, tv_, is_causal=causal, enable_gqa=True)) / 1e12
+        del tq_, tk_, tv_
+    except Exception as e:  # noqa: BLE001
+        rep.error(f"{name}/torch_sdpa", e)
+    for cfg in [None] + list(configs or []):
+        kw = cfg or {}
+        fn = jax.jit(lambda q, k, v, kw=kw: pk.attention_with_lse(q, k, v, causal=causal, **kw))
+        try:
+            tf = flops / time_jax(fn, q, k, v) / 1e12
+        except Exception as e:  # noqa: BLE001
+            rep.error(f"{name}{kw}", e)
+            continue
+        if cfg is not None:
+            rep.sweep.append(dict(name=name, shape=shape, config=kw, tflops=tf))
+            print(f"  sweep {name} {kw}: {tf:.1f} TFLOP/s", flush=True)
+            continue
+        cud = peers.get("cudnn")
+        ratio = tf / cud if cud else None
+        verdict = ""
+        if target_ratio is not None and ratio is not None:
+            verdict = "MEETS" if ratio >= target_ratio else "BELOW"
+        if target_tflops is not None:
+            verdict = "MEETS" if tf >= target_tflops else "BELOW"
+        rep.add(name=name, shape=shape, dtype="bfloat16", value=tf, unit="TFLOP/s",
+                peer="cudnn", peer_value=cud, ratio=ratio, torch_sdpa=peers.get("torch_sdpa"),
+                target=(f">= {target_ratio}x cudnn" if target_ratio else f">= {target_tflops}"),
+                verdict=verdict)
+        if "torch_sdpa" in peers:
+            rep.add(name=name + "/torch_sdpa", shape=shape, dtype="bfloat16",
+                    value=peers["torch_sdpa"], unit="TFLOP/s", peer="ours", peer_value=tf,
+                    ratio=tf / peers["torch_sdpa"])
+    return q, k, v
+
+
+def bench_decode(rep: Report, copy_bw, configs=None):
+    b, s, hq, hkv, d = 1, 65536, 32, 8, 128
+    ks = jax.random.split(jax.random.key(2), 3)
+    q = rand(ks[0], (b, hq, d), jnp.bfloat16)
+    k = rand(ks[1], (b, s, hkv, d), jnp.bfloat16)
+    v = rand(ks[2], (b, s, hkv, d), jnp.bfloat16)
+    kv_bytes = k.nbytes + v.nbytes
+    shape = f"B{b} S{s} Hq{hq} Hkv{hkv} D{d}"
+    for cfg in [None] + list(configs or []):
+        kw = cfg or {}
+        fn = jax.jit(lambda q, k, v, kw=kw: pk.decode_attention_with_lse(q, k, v, **kw))
+        try:
+            t = time_jax(fn, q, k, v, reps=20)
+        except Exception as e:  # noqa: BLE001
+            rep.error(f"decode{kw}", e)
+            continue
+        bw = kv_bytes / t
+        if cfg is not None:
+            rep.sweep.append(dict(name="decode", shape=shape, config=kw, GBps=bw / 1e9,
+                                  us=t * 1e6))
+            print(f"  sweep decode {kw}: {bw / 1e9:.0f} GB/s {t * 1e6:.1f} us", flush=True)
+            continue
+        ratio = bw / copy_bw
+        rep.add(name="decode_attention_with_lse", shape=shape, dtype="bfloat16", value=bw / 1e9,
+                unit="GB/s", peer="device copy (read+write)", peer_value=copy_bw / 1e9,
+                ratio=ratio, time_us=t * 1e6, target=">= 0.75x copy",
+                verdict="MEETS" if ratio >= 0.75 else "BELOW")
+    try:
+        cud = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+            q[:, None], k, v, implementation="cudnn"))
+        t = time_jax(cud, q, k, v, reps=20)
+        rep.add(name="decode/cudnn", shape=shape, dtype="bfloat16", value=kv_bytes / t / 1e9,
+                unit="GB/s", peer="device copy (read+write)", peer_value=copy_bw / 1e9,
+                ratio=kv_bytes / t / copy_bw, time_us=t * 1e6)
+    except Exception as e:  # noqa: BLE001
+        rep.error("decode/cudnn", e)
+
+
+def bench_merge(rep: Report, copy_bw):
+    n, b, t, h, d = 8, 1, 4096, 32, 128
+    ks = jax.random.split(jax.random.key(3), 2)
+    o = rand(ks[0], (n, b, t, h, d), jnp.float32)
+    lse = rand(ks[1], (n, b, h, t), jnp.float32)
+    t_merge = time_jax(pk.merge_states_n, o, lse, reps=20)
+    moved = o.nbytes + lse.nbytes + o.nbytes // n + lse.nbytes // n
+    shape = f"N{n} B{b} T{t} H{h} D{d}"
+    # The attention these merges serve: a 4K query chunk over 32K keys (8 blocks of 4K).
+    kq = jax.random.split(jax.random.key(4), 3)
+    q = rand(kq[0], (1, 4096, 32, 128), jnp.bfloat16)
+    k = rand(kq[1], (1, 32768, 8, 128), jnp.bfloat16)
+    vv = rand(kq[2], (1, 32768, 8, 128), jnp.bfloat16)
+    fn = jax.jit(lambda q, k, v: pk.attention_with_lse(q, k, v, causal=True, q_offset=28672))
+    t_attn = time_jax(fn, q, k, vv)
+    rep.add(name="merge_states_n", shape=shape, dtype="float32", value=t_merge * 1e3, unit="ms",
+            peer="attention 4K q x 32K kv causal", peer_value=t_attn * 1e3,
+            ratio=t_merge / t_attn, bandwidth_vs_copy=moved / t_merge / copy_bw)
+    o2 = o[:2]
+    l2 = lse[:2]
+    t_pair = time_jax(pk.merge_states, o2[0], l2[0], o2[1], l2[1], reps=20)
+    moved2 = 3 * o2[0].nbytes + 3 * l2[0].nbytes
+    rep.add(name="merge_states", shape=f"B{b} T{t} H{h} D{d}", dtype="float32",
+            value=t_pair * 1e3, unit="ms", peer="device copy (read+write)",
+            peer_value=copy_bw / 1e9, ratio=moved2 / t_pair / copy_bw)
+
+
+def bench_xattn(rep: Report, configs=None):
+    b, t, hq, hkv, d, stride, block = 1, 32768, 32, 8, 128, 8, 128
+    ks = jax.random.split(jax.random.key(5), 3)
+    q = rand(ks[0], (b, t, hq, d), jnp.bfloat16)
+    k = rand(ks[1], (b, t, hkv, d), jnp.bfloat16)
+    v = rand(ks[2], (b, t, hkv, d), jnp.bfloat16)
+    shape = f"B{b} T{t} Hq{hq} Hkv{hkv} D{d} S{stride} block{block}"
+    attn = jax.jit(lambda q, k, v: pk.attention_with_lse(q, k, v, causal=True))
+    t_attn = time_jax(attn, q, k, v, reps=5)
+    for cfg in [None] + list(configs or []):
+        kw = cfg or {}
+
+        def est(q, k, kw=kw):
+            if kw:
+                s, m, l = pk.antidiagonal_scores(q, k, stride=stride, causal=True, **kw)
+                return pk.softmax_normalize_block_sum(s, m, l, block_size=block, stride=stride)
+            return pk.xattn_estimate(q, k, block_size=block, stride=stride, threshold=0.9)
+
+        try:
+            t_est = time_jax(jax.jit(est), q, k, reps=5)
+        except Exception as e:  # noqa: BLE001
+            rep.error(f"xattn{kw}", e)
+            continue
+        if cfg is not None:
+            rep.sweep.append(dict(name="xattn_scores+blocksum", shape=shape, config=kw,
+                                  ms=t_est * 1e3))
+            print(f"  sweep xattn {kw}: {t_est * 1e3:.3f} ms", flush=True)
+            continue
+        ratio = t_est / t_attn
+        rep.add(name="xattn_estimate", shape=shape, dtype="bfloat16", value=t_est * 1e3,
+                unit="ms", peer="attention_with_lse causal (ours)", peer_value=t_attn * 1e3,
+                ratio=ratio, target="<= 0.15x", verdict="MEETS" if ratio <= 0.15 else "BELOW")
+
+
+def write_outputs(rep: Report, out_dir: str, extra: dict):
+    os.makedirs(out_dir, exist_ok=True)
+    meta = dict(extra)
+    with open(os.path.join(out_dir, "kernels.json"), "w") as f:
+        json.dump(dict(meta=meta, results=rep.rows, sweep=rep.sweep), f, indent=1, default=str)
+    lines = [f"# pallas_kernels benchmark", "",
+             f"device: {meta['device']}; jax {meta['jax']}; torch {meta['torch']}; "
+             f"{meta['date']}", "",
+             "| figure | shape | dtype | value | unit | peer | peer value | ratio | target | "
+             "verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rep.rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | error: {r['error'][:120]} | | | | | | | | |")
+            continue
+        lines.append("| " + " | ".join(str(_fmt(r.get(c)) if isinstance(r.get(c), float)
+                                            else r.get(c, "")) for c in
+                                       ("name", "shape", "dtype", "value", "unit", "peer",
+                                        "peer_value", "ratio", "target", "verdict")) + " |")
+    if rep.sweep:
+        lines += ["", "## launch-config sweep", "", "| kernel | shape | config | figure |",
+                  "|---|---|---|---|"]
+        for s in rep.sweep:
+            fig = {k: round(v, 3) for k, v in s.items() if k in ("tflops", "GBps", "ms", "us")}
+            lines.append(f"| {s['name']} | {s['shape']} | {s['config']} | {fig} |")
+    with open(os.path.join(out_dir, "kernels.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+# ----------------------------------------------------------------------------- checks
+
+def run_checks() -> bool:
+    """Quick GPU correctness checks (float32 with exact dots, and bfloat16)."""
+    from kernel_reference import (attention_ref, decode_ref, merge_ref, rel_err,
+                                  select_blocks_ref, xattn_block_sums_ref)
+    rng = np.random.default_rng(123)
+    results = []
+
+    def check(name, ok, detail=""):
+        results.append(ok)
+        print(f"{'PASS' if ok else 'FAIL'} {name} {detail}", flush=True)
+
+    def attn_case(name, b, tq, tk, hq, hkv, d, causal, q_offset, kv_len, dtype, tol):
+        q = rng.standard_normal((b, tq, hq, d)).astype(np.float32)
+        k = rng.standard_normal((b, tk, hkv, d)).astype(np.float32)
+        v = rng.standard_normal((b, tk, hkv, d)).astype(np.float32)
+        jq, jk, jv = (jnp.asarray(x, dtype) for x in (q, k, v))
+        ro, rl = attention_ref(*(np.asarray(x.astype(jnp.float32)) for x in (jq, jk, jv)),
+                               causal=causal, q_offset=q_offset, kv_len=kv_len)
+        kl = None if kv_len is None else jnp.asarray(kv_len, jnp.int32)
+        for fn in (pk.attention_with_lse, pk.attention_with_lse_xla):
+            try:
+                o, l = fn(jq, jk, jv, causal=causal, q_offset=q_offset, kv_len=kl)
+                o, l = np.asarray(o.astype(jnp.float32)), np.asarray(l)
+                fin = np.isfinite(rl)
+                e_o = rel_err(o, ro)
+                e_l = float(np.max(np.abs(l[fin] - rl[fin]))) if fin.any() else 0.0
+                ok = (e_o <= tol and e_l <= max(tol, 1e-5) and not np.isnan(o).any()
+                      and np.array_equal(np.isinf(l), ~fin) and np.all(o[np.broadcast_to(
+                          np.swapaxes(~fin, 1, 2)[..., None], o.shape)] == 0))
+                check(f"{fn.__name__} {name}", ok, f"o_rel={e_o:.2e} lse_abs={e_l:.2e}")
+            except Exception as e:  # noqa: BLE001
+                check(f"{fn.__name__} {name}", False, repr(e)[:800])
+
+    attn_case("f32 causal gqa4 offset", 2, 333, 517, 8, 2, 128, True, 184, [517, 300], jnp.float32, 1e-5)
+    attn_case("f32 noncausal gqa8 d64", 1, 130, 1000, 8, 1, 64, False, 0, [777], jnp.float32, 1e-5)
+    attn_case("f32 Tq=1 Tk=1", 2, 1, 1, 4, 4, 128, True, 0, None, jnp.float32, 1e-5)
+    attn_case("f32 fully masked rows", 2, 64, 100, 4, 2, 64, True, [-80, 10], [100, 0], jnp.float32, 1e-5)
+    attn_case("bf16 causal gqa4", 1, 1024, 1024, 8, 2, 128, True, 0, None, jnp.bfloat16, 1e-2)
+
+    def decode_case(name, b, s, hq, hkv, d, kv_len, dtype, tol, **kw):
+        q = rng.standard_normal((b, hq, d)).astype(np.float32)
+        k = rng.standard_normal((b, s, hkv, d)).astype(np.float32)
+        v = rng.standard_normal((b, s, hkv, d)).astype(np.float32)
+        jq, jk, jv = (jnp.asarray(x, dtype) for x in (q, k, v))
+        ro, rl = decode_ref(*(np.asarray(x.astype(jnp.float32)) for x in (jq, jk, jv)),
+                            kv_len=kv_len)
+        for fn in (pk.decode_attention_with_lse, pk.decode_attention_with_lse_xla):
+            try:
+                o, l = fn(jq, jk, jv, kv_len=None if kv_len is None else jnp.asarray(kv_len),
+                          **(kw if fn is pk.decode_attention_with_lse else {}))
+                o, l = np.asarray(o.astype(jnp.float32)), np.asarray(l)
+                fin = np.isfinite(rl)
+                e_o = rel_err(o, ro)
+                e_l = float(np.max(np.abs(l[fin] - rl[fin]))) if fin.any() else 0.0
+                ok = (e_o <= tol and e_l <= max(tol, 1e-5) and not np.isnan(o).any()
+                      and np.array_equal(np.isinf(l), ~fin))
+                check(f"{fn.__name__} {name}", ok, f"o_rel={e_o:.2e} lse_abs={e_l:.2e}")
+            except Exception as e:  # noqa: BLE001
+                check(f"{fn.__name__} {name}", False, repr(e)[:800])
+
+    decode_case("f32 gqa4 kv_len", 3, 5000, 32, 8, 128, [5000, 1, 0], jnp.float32, 1e-5)
+    decode_case("f32 gqa3 d64", 1, 777, 9, 3, 64, None, jnp.float32, 1e-5)
+    decode_case("bf16 gqa4 64K", 1, 65536, 32, 8, 128, [60001], jnp.bfloat16, 1e-2)
+
+    # chunked == whole, and the merge functions against float64
+    try:
+        b, tq, tk, hq, hkv, d = 1, 200, 1000, 8, 2, 128
+        q = jnp.asarray(rng.standard_normal((b, tq, hq, d)), jnp.float32)
+        k = jnp.asarray(rng.standard_normal((b, tk, hkv, d)), jnp.float32)
+        v = jnp.asarray(rng.standard_normal((b, tk, hkv, d)), jnp.float32)
+        whole_o, whole_l = pk.attention_with_lse(q, k, v, causal=True, q_offset=800)
+        for n in (1, 3, 16, 250):
+            bounds = np.linspace(0, tk, n + 1).astype(int)
+            os_, ls_ = [], []
+            for c0, c1 in zip(bounds[:-1], bounds[1:]):
+                o, l = pk.attention_with_lse(q, k[:, c0:c1], v[:, c0:c1], causal=True,
+                                             q_offset=800 - int(c0))
+                os_.append(o.astype(jnp.float32))
+                ls_.append(l)
+            mo, ml = pk.merge_states_n(jnp.stack(os_), jnp.stack(ls_))
+            po, pl_ = os_[0], ls_[0]
+            for o, l in zip(os_[1:], ls_[1:]):
+                po, pl_ = pk.merge_states(po, pl_, o, l)
+            ro, rl = merge_ref(np.stack([np.asarray(o) for o in os_]),
+                               np.stack([np.asarray(l) for l in ls_]))
+            e = max(rel_err(mo, whole_o), rel_err(po, whole_o), rel_err(mo, ro))
+            el = float(max(np.max(np.abs(np.asarray(ml) - np.asarray(whole_l))),
+                           np.max(np.abs(np.asarray(pl_) - np.asarray(whole_l)))))
+            check(f"chunked==whole n={n}", e <= 1e-5 and el <= 1e-5, f"o_rel={e:.2e} lse={el:.2e}")
+    except Exception as e:  # noqa: BLE001
+        check("chunked==whole", False, repr(e)[:800])
+
+    # XAttention: chunked kernels == one-shot, and against float64
+    try:
+        b, tq, tk, hq, hkv, d, s, bs = 1, 1000, 3000, 8, 2, 128, 8, 128
+        q = rng.standard_normal((b, tq, hq, d)).astype(np.float32)
+        k = rng.standard_normal((b, tk, hkv, d)).astype(np.float32)
+        ref = xattn_block_sums_ref(q, k, stride=s, block_size=bs, q_offset=2000)
+        ref_mask = select_blocks_ref(ref, threshold=0.9, block_size=bs, q_offset=2000)
+        one = pk.xattn_estimate(jnp.asarray(q), jnp.asarray(k), block_size=bs, stride=s,
+                                q_offset=2000, impl="xla")
+        for chunk in (None, 1024, 384):
+            sums, mask = pk.xattn_estimate(jnp.asarray(q), jnp.asarray(k), block_size=bs,
+                                           stride=s, q_offset=2000, kv_chunk=chunk)
+            e1 = float(np.max(np.abs(np.asarray(sums) - np.asarray(one[0]))))
+            e2 = float(np.max(np.abs(np.asarray(sums) - ref)))
+            ok = e1 <= 1e-5 and e2 <= 1e-5 and np.array_equal(np.asarray(mask), ref_mask) and \
+                np.array_equal(np.asarray(mask), np.asarray(one[1]))
+            check(f"xattn chunk={chunk}", ok, f"vs_oneshot={e1:.2e} vs_f64={e2:.2e}")
+    except Exception as e:  # noqa: BLE001
+        check("xattn", False, repr(e)[:800])
+
+    print(f"{sum(results)}/{len(results)} checks passed", flush=True)
+    return all(results)
+
+
+# ----------------------------------------------------------------------------- main
+
+ATTN_SWEEP = [dict(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
+              for bq, bk, w, st in [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3),
+                                    (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 4),
+                                    (128, 32, 4, 3), (64, 128, 4, 2)]]
+DECODE_SWEEP = [dict(block_k=bk, num_splits=ns, num_warps=w, num_stages=st)
+                for bk, ns, w, st in [(128, None, 4, 3), (64, None, 4, 3), (128, 32, 4, 3),
+                                      (256, None, 8, 3), (128, 128, 4, 4), (64, 128, 4, 4),
+                                      (128, 256, 8, 2), (64, 32, 4, 3)]]
+XATTN_SWEEP = [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+               for bm, bn, w, st in [(128, 64, 8, 2), (64, 64, 4, 2), (128, 128, 8, 2),
+                                     (64, 128, 4, 3), (128, 64, 4, 3)]]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="directory for kernels.json and kernels.md")
+    ap.add_argument("--check", action="store_true", help="run the GPU correctness checks")
+    ap.add_argument("--sweep", action="store_true", help="also time alternative launch configs")
+    args = ap.parse_args()
+
+    ok = run_checks() if args.check else True
+    if not args.out:
+        if not args.check:
+            ap.error("give --out DIR, --check, or both")
+        return 0 if ok else 1
+
+    try:
+        import torch
+        torch_version = torch.__version__
+    except Exception:  # noqa: BLE001
+        torch_version = "absent"
+    meta = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
+                jax=jax.__version__, torch=torch_version,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    print(meta, flush=True)
+    rep = Report()
+    copy_bw = copy_bandwidth()
+    rep.add(name="device copy bandwidth", shape="1 GiB bf16", dtype="bfloat16",
+            value=copy_bw / 1e9, unit="GB/s", peer="-")
+    sweep = args.sweep
+    plan = [
+        ("attention causal 8K", lambda: bench_attention(
+            rep, "attention causal 8K", 1, 8192, 32, 8, 128, True, target_ratio=1.0,
+            configs=ATTN_SWEEP if sweep else None)),
+        ("attention noncausal 4K", lambda: bench_attention(
+            rep, "attention noncausal 4K gqa4", 1, 4096, 32, 8, 128, False,
+            target_tflops=300.0, configs=ATTN_SWEEP if sweep else None)),
+        ("attention causal 32K", lambda: bench_attention(
+            rep, "attention causal 32K", 1, 32768, 32, 8, 128, True, target_ratio=1.0)),
+        ("decode", lambda: bench_decode(rep, copy_bw, DECODE_SWEEP if sweep else None)),
+        ("merge", lambda: bench_merge(rep, copy_bw)),
+        ("xattn", lambda: bench_xattn(rep, XATTN_SWEEP if sweep else None)),
+    ]
+    for name, step in plan:
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001
+            rep.error(name, e)
+        write_outputs(rep, args.out, meta)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
