@@ -8,11 +8,13 @@ for one-answer tasks is not applied; the template is the one in DESIGN.md). Diff
 - The essay is Jane Austen's *Persuasion* (public domain, `data/persuasion.txt`), cycled when a
   prompt needs more words than it has; RULER ships Paul Graham's essays.
 - Every sample's haystack size is fitted to `target_len` on its own (RULER fits once and shrinks
-  on overflow), so every prompt is <= `target_len` tokens and within one haystack unit of it
-  (a word for `essay`, a 5-sentence block for `repeat`, a distractor needle for `needle`).
+  on overflow), in words for every haystack (RULER sizes `repeat` and `needle` in whole blocks
+  and needles), so every prompt is <= `target_len` tokens and within a word's tokens of it; the
+  last block, sentence or distractor needle may be cut short, as RULER cuts its essay.
 - Depths are spread evenly instead of sampled: sample `i` of `N` has offset `u = i / (N - 1)`
   and its `k` needles sit at depths `(j + u) / k`, `j = 0..k-1` (one needle: `u` itself, so
-  depths 0 and 1 are both covered). Each needle goes to the sentence boundary nearest its depth.
+  depths 0 and 1 are both covered). Each needle goes to the unit boundary (between sentences,
+  blocks or distractor needles) nearest its depth.
 - Distractor keys never equal a key of the sample, so the expected answer is unambiguous.
 
 Chat template: on by default. RULER wraps the task in the model's chat template and appends the
@@ -52,6 +54,7 @@ TEMPLATE = (
 )
 ANSWER_PREFIX = " The special magic {type} for {query} mentioned in the provided text are"
 REPEAT_BLOCK = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+REPEAT_WORDS = tuple(REPEAT_BLOCK.split(" "))
 
 DATA_DIR = Path(__file__).parent / "data"
 
@@ -163,13 +166,13 @@ def _take_words(sentence: Callable[[int], tuple[str, ...]], n: int) -> tuple[lis
 
 
 def _haystack_units(cfg: TaskConfig, n: int, distractors: _Distractors) -> tuple[list[str], list[int], str]:
-    """A haystack of size `n` as (units, word counts, separator); needles go between units.
+    """A haystack of `n` words as (units, word counts, separator); needles go between units.
 
-    Size is in blocks for `repeat` (RULER's unit, ~22 tokens) and in words for `essay` and
-    `needle`, so the fitted prompt lands within a few tokens of the target. A `needle` haystack's
-    last distractor may be cut short, like the essay's last sentence."""
+    Units are RULER's: 5-sentence blocks for `repeat`, sentences for `essay`, distractor needles
+    for `needle`. Sizing in words (RULER sizes `repeat` and `needle` in whole units) puts the
+    fitted prompt within a few tokens of the target; the last unit may be cut short."""
     if cfg.haystack == "repeat":
-        return [REPEAT_BLOCK] * n, [len(REPEAT_BLOCK.split(" "))] * n, "\n"
+        return (*_take_words(lambda i: REPEAT_WORDS, n), "\n")
     if cfg.haystack == "needle":
         return (*_take_words(distractors.__getitem__, n), "\n")
     sentences = _essay_sentences()
