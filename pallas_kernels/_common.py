@@ -74,6 +74,14 @@ def fdiv(a, b: int):
     return lax.div(a, jnp.int32(b))
 
 
+def check_sm_scale(sm_scale: float | None, head_dim: int) -> float:
+    """Default 1/sqrt(D); the kernels fold the scale into exp2 and need it positive."""
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    if not scale > 0.0 or math.isinf(scale):
+        raise ValueError(f"sm_scale={sm_scale}; allowed: a finite value > 0")
+    return scale
+
+
 def check_attention_shapes(q, k, v, q_rank: int) -> tuple[int, int, int, int, int, int]:
     """Validate q/k/v and return (batch, tq, hq, tk, hkv, head_dim); tq is 1 for decode."""
     if q.ndim != q_rank:

@@ -15,7 +15,6 @@ Semantics shared by both:
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +28,7 @@ from pallas_kernels._common import (
     NEG_INF,
     cdiv,
     check_attention_shapes,
+    check_sm_scale,
     compiler_params,
     dot_precision,
     fdiv,
@@ -86,17 +86,19 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, 
             k = plgpu.load(k_ref.at[kslice, :], mask=col_ok[:, None], other=0)
         else:
             k = plgpu.load(k_ref.at[kslice, :])
-        s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale_log2
+        # Raw scores; the scale is folded into the exponent below (one FMA per element).
+        s = plgpu.dot(q, k, trans_b=True, precision=precision)
         if masked:
             vis = col_ok[None, :]
             if causal:
                 vis = vis & (cols[None, :] <= (q_offset + rows)[:, None])
             s = jnp.where(vis, s, NEG_INF)
-        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        # m is kept in scaled log2 units: m = max(s) * sm_scale * log2(e) (the scale is > 0).
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1) * scale_log2)
         # A row with nothing visible yet keeps m = -inf; shift it by 0 to avoid inf - inf.
         m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(m_i - m_use)
-        p = jnp.exp2(s - m_use[:, None])
+        p = jnp.exp2(s * scale_log2 - m_use[:, None])
         l_i = l_i * alpha + jnp.sum(p, axis=1)
         if masked:
             v = plgpu.load(v_ref.at[kslice, :], mask=col_ok[:, None], other=0)
@@ -191,7 +193,7 @@ def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool
     kv_len = jnp.clip(per_batch(tk if kv_len is None else kv_len, batch, "kv_len"), 0, tk)
     return _attention_pallas(
         q, k, v, q_offset, kv_len, causal=bool(causal),
-        sm_scale=float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)),
+        sm_scale=check_sm_scale(sm_scale, d),
         interpret=resolve_interpret(interpret), block_q=block_q, block_k=block_k,
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
 
@@ -275,5 +277,5 @@ def attention_with_lse_xla(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: 
     q_chunk = max(16, _XLA_SCORE_BUDGET // max(1, batch * hq * tk))
     return _attention_xla(
         q, k, v, q_offset, kv_len, causal=bool(causal),
-        sm_scale=float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)),
+        sm_scale=check_sm_scale(sm_scale, d),
         q_chunk=int(q_chunk))

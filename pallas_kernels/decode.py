@@ -12,7 +12,6 @@ lse [B, Hq] float32 natural log; a row with kv_len = 0 gets o = 0 and lse = -inf
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +26,7 @@ from pallas_kernels._common import (
     NEG_INF,
     cdiv,
     check_attention_shapes,
+    check_sm_scale,
     compiler_params,
     dot_precision,
     fdiv,
@@ -73,13 +73,16 @@ def _decode_kernel(kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale_log2
             k = plgpu.load(k_ref.at[kslice, :], mask=col_ok[:, None], other=0)
         else:
             k = plgpu.load(k_ref.at[kslice, :])
-        s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale_log2
+        # Raw scores; the scale is folded into the exponent below (one FMA per element).
+        s = plgpu.dot(q, k, trans_b=True, precision=precision)
         if masked:
             s = jnp.where(col_ok[None, :], s, NEG_INF)
-        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        # m is kept in scaled log2 units: m = max(s) * sm_scale * log2(e) (the scale is > 0).
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1) * scale_log2)
+        # A row with nothing visible yet keeps m = -inf; shift it by 0 to avoid inf - inf.
         m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if masked else m_new
         alpha = jnp.exp2(m_i - m_use)
-        p = jnp.exp2(s - m_use[:, None])
+        p = jnp.exp2(s * scale_log2 - m_use[:, None])
         l_i = l_i * alpha + jnp.sum(p, axis=1)
         if masked:
             v = plgpu.load(v_ref.at[kslice, :], mask=col_ok[:, None], other=0)
@@ -178,7 +181,7 @@ def decode_attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_le
     num_splits = min(num_splits, -(-seq // block_k))
     kv_len = jnp.clip(per_batch(seq if kv_len is None else kv_len, batch, "kv_len"), 0, seq)
     return _decode_pallas(
-        q, k, v, kv_len, sm_scale=float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)),
+        q, k, v, kv_len, sm_scale=check_sm_scale(sm_scale, d),
         interpret=interpret, block_k=block_k, num_splits=int(num_splits),
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
 

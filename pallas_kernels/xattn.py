@@ -30,7 +30,6 @@ reduction in one read of the scores), so a kernel would not move fewer bytes.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 
 import jax
@@ -43,6 +42,7 @@ from pallas_kernels._common import (
     NEG_INF,
     cdiv,
     check_attention_shapes,
+    check_sm_scale,
     compiler_params,
     dot_precision,
     fdiv,
@@ -57,7 +57,7 @@ def default_xattn_config(dtype) -> dict[str, int]:
     """Score-kernel tiles (in key/query tiles, not tokens), tuned on an H100/H200."""
     if jnp.dtype(dtype) == jnp.float32:
         return dict(block_m=32, block_n=32, num_warps=4, num_stages=2)
-    return dict(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    return dict(block_m=64, block_n=128, num_warps=4, num_stages=3)
 
 
 def _check_stride(stride: int, block_size: int | None = None) -> None:
@@ -78,24 +78,34 @@ def _tile(x: jax.Array, stride: int) -> jax.Array:
     return x.reshape(b, n, stride, h, d)
 
 
+def _visible_key_tiles(q_offset, k_offset, kv_len, r0, block_m: int, mq: int, stride: int,
+                       causal: bool):
+    """(kv_tiles, hi): key tiles < kv_tiles hold a valid key; tiles >= hi are hidden from every
+    query tile row in [r0, r0 + block_m)."""
+    kv_tiles = cdiv(kv_len, stride)
+    if not causal:
+        return kv_tiles, kv_tiles
+    last = q_offset + (jnp.minimum(r0 + block_m, mq) - 1) * stride - k_offset
+    hi = jnp.where(last >= 0, fdiv(jnp.maximum(last, 0), stride) + 1, 0)
+    return kv_tiles, jnp.minimum(hi, kv_tiles)
+
+
+def _tile_visibility(q_offset, k_offset, kv_tiles, rows, cols, stride: int, causal: bool):
+    vis = (cols < kv_tiles)[None, :]
+    if causal:
+        vis = vis & ((k_offset + cols * stride)[None, :] <= (q_offset + rows * stride)[:, None])
+    return vis
+
+
 def _scores_kernel(qoff_ref, koff_ref, kvlen_ref, q_ref, k_ref, s_ref, m_ref, l_ref, *,
-                   stride: int, scale: float, causal: bool, block_m: int, block_n: int,
-                   mq: int, mk: int, precision):
+                   stride: int, scale: float, causal: bool, fill_hidden: bool, block_m: int,
+                   block_n: int, mq: int, mk: int, precision):
     r0 = pl.multiple_of(pl.program_id(0) * block_m, block_m)
     rows = r0 + jnp.arange(block_m, dtype=jnp.int32)
     row_ok = rows < mq
-    q_pos = qoff_ref[()] + rows * stride
-    k_offset = koff_ref[()]
-    kv_len = kvlen_ref[()]
-    kv_tiles = cdiv(kv_len, stride)
-
-    # Key tiles [0, hi) may be visible to some row of this block.
-    if causal:
-        last = qoff_ref[()] + (jnp.minimum(r0 + block_m, mq) - 1) * stride - k_offset
-        hi = jnp.where(last >= 0, fdiv(jnp.maximum(last, 0), stride) + 1, 0)
-        hi = jnp.minimum(hi, kv_tiles)
-    else:
-        hi = kv_tiles
+    q_offset, k_offset, kv_len = qoff_ref[()], koff_ref[()], kvlen_ref[()]
+    kv_tiles, hi = _visible_key_tiles(q_offset, k_offset, kv_len, r0, block_m, mq, stride,
+                                      causal)
     n_visible = cdiv(hi, block_n)
     n_all = -(-mk // block_n)
 
@@ -116,9 +126,7 @@ def _scores_kernel(qoff_ref, koff_ref, kvlen_ref, q_ref, k_ref, s_ref, m_ref, l_
             return acc + plgpu.dot(qs, ks, trans_b=True, precision=precision)
 
         acc = lax.fori_loop(0, stride, diagonal, jnp.zeros((block_m, block_n), jnp.float32))
-        vis = (cols < kv_tiles)[None, :]
-        if causal:
-            vis = vis & ((k_offset + cols * stride)[None, :] <= q_pos[:, None])
+        vis = _tile_visibility(q_offset, k_offset, kv_tiles, rows, cols, stride, causal)
         sc = jnp.where(vis, acc * scale, NEG_INF)
         plgpu.store(s_ref.at[pl.ds(r0, block_m), pl.ds(c0, block_n)], sc,
                     mask=row_ok[:, None] & col_ok[None, :])
@@ -137,21 +145,23 @@ def _scores_kernel(qoff_ref, koff_ref, kvlen_ref, q_ref, k_ref, s_ref, m_ref, l_
 
     carry = (jnp.full((block_m,), NEG_INF, jnp.float32), jnp.zeros((block_m,), jnp.float32))
     m_i, l_i = lax.fori_loop(0, n_visible, visible_block, carry)
-    lax.fori_loop(n_visible, n_all, hidden_block, 0)
+    if fill_hidden:
+        lax.fori_loop(n_visible, n_all, hidden_block, 0)
     plgpu.store(m_ref.at[pl.ds(r0, block_m)], m_i, mask=row_ok)
     plgpu.store(l_ref.at[pl.ds(r0, block_m)], l_i, mask=row_ok)
 
 
 def _antidiagonal_scores(q, k, q_offset, k_offset, kv_len, *, stride, causal, sm_scale,
-                         interpret, block_m, block_n, num_warps, num_stages):
+                         fill_hidden, interpret, block_m, block_n, num_warps, num_stages):
     batch, _, hq, d = q.shape
     hkv = k.shape[2]
     group = hq // hkv
     qt, kt = _tile(q, stride), _tile(k, stride)
     mq, mk = qt.shape[1], kt.shape[1]
     kernel = functools.partial(
-        _scores_kernel, stride=stride, scale=sm_scale / stride, causal=causal, block_m=block_m,
-        block_n=block_n, mq=mq, mk=mk, precision=dot_precision(q.dtype))
+        _scores_kernel, stride=stride, scale=sm_scale / stride, causal=causal,
+        fill_hidden=fill_hidden, block_m=block_m, block_n=block_n, mq=mq, mk=mk,
+        precision=dot_precision(q.dtype))
     scalar = pl.BlockSpec((None,), lambda i, bh: (bh // hq,))
     row_spec = pl.BlockSpec((None, None, mq), lambda i, bh: (bh // hq, bh % hq, 0))
     return pl.pallas_call(
@@ -175,13 +185,14 @@ def _antidiagonal_scores(q, k, q_offset, k_offset, kv_len, *, stride, causal, sm
 
 
 _antidiagonal_scores_jit = interpret_aware_jit(
-    _antidiagonal_scores, ("stride", "causal", "sm_scale", "interpret", "block_m", "block_n",
-                           "num_warps", "num_stages"))
+    _antidiagonal_scores, ("stride", "causal", "sm_scale", "fill_hidden", "interpret",
+                           "block_m", "block_n", "num_warps", "num_stages"))
 
 
 def antidiagonal_scores(q: jax.Array, k: jax.Array, *, stride: int, causal: bool = True,
                         q_offset=0, k_offset=0, kv_len=None, sm_scale: float | None = None,
-                        interpret: bool | None = None, block_m: int | None = None,
+                        fill_hidden: bool = True, interpret: bool | None = None,
+                        block_m: int | None = None,
                         block_n: int | None = None, num_warps: int | None = None,
                         num_stages: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Strided antidiagonal scores of a query chunk against one key chunk (Pallas kernel).
@@ -193,14 +204,16 @@ def antidiagonal_scores(q: jax.Array, k: jax.Array, *, stride: int, causal: bool
         hidden from query tile i when k_offset + j*S > q_offset + i*S. Ints or int32 arrays
         (scalar or [B]); may be traced.
       kv_len: valid keys in this chunk (keys >= kv_len are hidden); None means Tk.
-      sm_scale: default 1/sqrt(D); scores are multiplied by sm_scale / S.
+      sm_scale: default 1/sqrt(D) (> 0); scores are multiplied by sm_scale / S.
+      fill_hidden: write -inf into key blocks hidden from a whole program (block_m rows x
+        block_n tiles). False leaves them unwritten (garbage), which saves memory traffic
+        when the consumer is `softmax_normalize_block_sum`, which never reads them.
       block_m, block_n: tiles per program along queries/keys (powers of two >= 16).
 
     Returns:
       scores [B, Hq, ceil(Tq/S), ceil(Tk/S)] float32 (-inf where hidden) and this chunk's
       softmax_partial_stats m, l [B, Hq, ceil(Tq/S)] (row max and sum of exp(score - m);
-      m = -inf, l = 0 for a row that sees nothing). Key blocks hidden from a whole program
-      are filled with -inf without any dot products.
+      m = -inf, l = 0 for a row that sees nothing). Hidden key blocks cost no dot products.
     """
     batch, tq, hq, tk, hkv, d = check_attention_shapes(q, k, k, 4)
     _check_stride(stride)
@@ -209,9 +222,8 @@ def antidiagonal_scores(q: jax.Array, k: jax.Array, *, stride: int, causal: bool
     kv_len = jnp.clip(per_batch(tk if kv_len is None else kv_len, batch, "kv_len"), 0, tk)
     return _antidiagonal_scores_jit(
         q, k, per_batch(q_offset, batch, "q_offset"), per_batch(k_offset, batch, "k_offset"),
-        kv_len, stride=int(stride), causal=bool(causal),
-        sm_scale=float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)),
-        interpret=resolve_interpret(interpret),
+        kv_len, stride=int(stride), causal=bool(causal), sm_scale=check_sm_scale(sm_scale, d),
+        fill_hidden=bool(fill_hidden), interpret=resolve_interpret(interpret),
         block_m=fit_block(block_m or cfg["block_m"], mq),
         block_n=fit_block(block_n or cfg["block_n"], mk),
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
@@ -249,19 +261,8 @@ def _merge_softmax_stats(m_stack, l_stack):
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "stride"))
-def softmax_normalize_block_sum(scores: jax.Array, m: jax.Array, l: jax.Array, *,
-                                block_size: int, stride: int) -> jax.Array:
-    """Normalise one key chunk's scores with the global row stats and sum them into blocks.
-
-    Args:
-      scores: [B, H, Mq, Mk] tile scores of one key chunk (-inf where hidden).
-      m, l: [B, H, Mq] global stats from `merge_softmax_stats` (or one chunk's own).
-      block_size, stride: a block covers r = block_size / stride tiles per side.
-
-    Returns:
-      [B, H, ceil(Mq/r), ceil(Mk/r)] float32 block sums of the softmax probabilities.
-    """
-    _check_stride(stride, block_size)
+def _normalize_block_sum_xla(scores, m, l, *, block_size: int, stride: int):
+    """jnp normalise + block sum of -inf-filled scores (reference path and fallback)."""
     r = block_size // stride
     b, h, mq, mk = scores.shape
     nqb, nkb = -(-mq // r), -(-mk // r)
@@ -271,6 +272,122 @@ def softmax_normalize_block_sum(scores: jax.Array, m: jax.Array, l: jax.Array, *
     p = jnp.exp(scores - m_use[..., None]) * inv_l[..., None]
     p = jnp.pad(p, ((0, 0), (0, 0), (0, nqb * r - mq), (0, nkb * r - mk)))
     return p.reshape(b, h, nqb, r, nkb, r).sum(axis=(3, 5))
+
+
+def _block_sum_kernel(qoff_ref, koff_ref, kvlen_ref, s_ref, m_ref, l_ref, o_ref, *, stride: int,
+                      r: int, causal: bool, block_m: int, block_n: int, mq: int, mk: int,
+                      nqb: int, nkb: int):
+    r0 = pl.multiple_of(pl.program_id(0) * block_m, block_m)
+    rows = r0 + jnp.arange(block_m, dtype=jnp.int32)
+    row_ok = rows < mq
+    q_offset, k_offset = qoff_ref[()], koff_ref[()]
+    kv_tiles, hi = _visible_key_tiles(q_offset, k_offset, kvlen_ref[()], r0, block_m, mq,
+                                      stride, causal)
+    n_visible = cdiv(hi, block_n)
+    n_all = -(-mk // block_n)
+    m = plgpu.load(m_ref.at[pl.ds(r0, block_m)], mask=row_ok, other=0.0)
+    l = plgpu.load(l_ref.at[pl.ds(r0, block_m)], mask=row_ok, other=0.0)
+    m = jnp.where(m == NEG_INF, 0.0, m)
+    inv_l = jnp.where(l > 0.0, 1.0 / jnp.where(l > 0.0, l, 1.0), 0.0)
+    # Block sums as two exact float32 dots with 0/1 indicator matrices (tensor-core tiles
+    # need >= 16 rows/cols, so the indicators are padded to 16 with zero rows/cols).
+    bq, bk = max(16, block_m // r), max(16, block_n // r)
+    row_sum = (jnp.arange(block_m, dtype=jnp.int32)[None, :] // r
+               == jnp.arange(bq, dtype=jnp.int32)[:, None]).astype(jnp.float32)
+    col_sum = (jnp.arange(block_n, dtype=jnp.int32)[:, None] // r
+               == jnp.arange(bk, dtype=jnp.int32)[None, :]).astype(jnp.float32)
+    qb = r0 // r + jnp.arange(bq, dtype=jnp.int32)
+    qb_ok = (jnp.arange(bq) < block_m // r) & (qb < nqb)
+
+    def out_mask(c0):
+        kb_ok = (jnp.arange(bk) < block_n // r) & (c0 // r + jnp.arange(bk) < nkb)
+        return qb_ok[:, None] & kb_ok[None, :]
+
+    def visible_block(j, carry):
+        c0 = pl.multiple_of(j * block_n, block_n)
+        cols = c0 + jnp.arange(block_n, dtype=jnp.int32)
+        tile_ok = row_ok[:, None] & (cols < mk)[None, :]
+        sc = plgpu.load(s_ref.at[pl.ds(r0, block_m), pl.ds(c0, block_n)], mask=tile_ok,
+                        other=NEG_INF)
+        vis = tile_ok & _tile_visibility(q_offset, k_offset, kv_tiles, rows, cols, stride,
+                                         causal)
+        p = jnp.where(vis, jnp.exp(sc - m[:, None]) * inv_l[:, None], 0.0)
+        part = plgpu.dot(row_sum, p, precision=lax.Precision.HIGHEST)
+        sums = plgpu.dot(part, col_sum, precision=lax.Precision.HIGHEST)
+        plgpu.store(o_ref.at[pl.ds(r0 // r, bq), pl.ds(c0 // r, bk)], sums, mask=out_mask(c0))
+        return carry
+
+    def hidden_block(j, carry):
+        c0 = pl.multiple_of(j * block_n, block_n)
+        plgpu.store(o_ref.at[pl.ds(r0 // r, bq), pl.ds(c0 // r, bk)],
+                    jnp.zeros((bq, bk), jnp.float32), mask=out_mask(c0))
+        return carry
+
+    lax.fori_loop(0, n_visible, visible_block, 0)
+    lax.fori_loop(n_visible, n_all, hidden_block, 0)
+
+
+def _normalize_block_sum_pallas(scores, m, l, q_offset, k_offset, kv_len, *, stride, r, causal,
+                                interpret, block_m, block_n, num_warps, num_stages):
+    batch, hq, mq, mk = scores.shape
+    nqb, nkb = -(-mq // r), -(-mk // r)
+    kernel = functools.partial(
+        _block_sum_kernel, stride=stride, r=r, causal=causal, block_m=block_m, block_n=block_n,
+        mq=mq, mk=mk, nqb=nqb, nkb=nkb)
+    scalar = pl.BlockSpec((None,), lambda i, bh: (bh // hq,))
+    row_spec = pl.BlockSpec((None, None, mq), lambda i, bh: (bh // hq, bh % hq, 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(-(-mq // block_m), batch * hq),
+        in_specs=[scalar, scalar, scalar,
+                  pl.BlockSpec((None, None, mq, mk), lambda i, bh: (bh // hq, bh % hq, 0, 0)),
+                  row_spec, row_spec],
+        out_specs=pl.BlockSpec((None, None, nqb, nkb), lambda i, bh: (bh // hq, bh % hq, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((batch, hq, nqb, nkb), jnp.float32),
+        compiler_params=compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="xattn_normalize_block_sum",
+    )(q_offset, k_offset, kv_len, scores, m, l)
+
+
+_normalize_block_sum_jit = interpret_aware_jit(
+    _normalize_block_sum_pallas, ("stride", "r", "causal", "interpret", "block_m", "block_n",
+                                  "num_warps", "num_stages"))
+
+
+def softmax_normalize_block_sum(scores: jax.Array, m: jax.Array, l: jax.Array, *,
+                                block_size: int, stride: int, causal: bool = True, q_offset=0,
+                                k_offset=0, kv_len=None, interpret: bool | None = None,
+                                block_m: int = 64, block_n: int = 128, num_warps: int = 4,
+                                num_stages: int = 2) -> jax.Array:
+    """Normalise one key chunk's scores with the global row stats and sum them into blocks.
+
+    Args:
+      scores: [B, H, Mq, Mk] tile scores of one key chunk from `antidiagonal_scores`.
+      m, l: [B, H, Mq] global stats from `merge_softmax_stats` (or the chunk's own).
+      block_size, stride: a block covers r = block_size / stride tiles per side.
+      causal, q_offset, k_offset, kv_len: the same visibility arguments that produced the
+        scores (kv_len: valid keys of this chunk, None = Mk * stride). Only visible tiles are
+        read, so hidden tiles may hold anything (e.g. `fill_hidden=False` garbage).
+      block_m, block_n: tiles per program (powers of two; raised to r when smaller).
+
+    Returns:
+      [B, H, ceil(Mq/r), ceil(Mk/r)] float32 block sums of the softmax probabilities.
+      When r is not a power of two or exceeds 128 this runs as jnp on -inf-filled scores.
+    """
+    _check_stride(stride, block_size)
+    r = block_size // stride
+    batch, _, mq, mk = scores.shape
+    if r & (r - 1) or r > 128:
+        return _normalize_block_sum_xla(scores, m, l, block_size=block_size, stride=stride)
+    kv_len = jnp.clip(per_batch(mk * stride if kv_len is None else kv_len, batch, "kv_len"),
+                      0, mk * stride)
+    return _normalize_block_sum_jit(
+        scores, m, l, per_batch(q_offset, batch, "q_offset"),
+        per_batch(k_offset, batch, "k_offset"), kv_len, stride=int(stride), r=r,
+        causal=bool(causal), interpret=resolve_interpret(interpret),
+        block_m=max(fit_block(block_m, mq), r), block_n=max(fit_block(block_n, mk), r),
+        num_warps=num_warps, num_stages=num_stages)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size",))
@@ -301,13 +418,27 @@ def select_blocks(block_sums: jax.Array, *, threshold, block_size: int,
     need = jnp.asarray(threshold, jnp.float32) * jnp.sum(sums, axis=-1, keepdims=True)
     taken = jnp.sum(jnp.where(forced, sums, 0.0), axis=-1, keepdims=True)
     candidate = jnp.where(forced | (sums <= 0.0), -1.0, sums)
+    return forced | _kept_by_sort(candidate, taken, need)
+
+
+def _kept_by_sort(candidate, taken, need):
+    """Candidates (> 0) taken in descending order while taken + mass before them < need."""
     order = jnp.argsort(-candidate, axis=-1, stable=True)
     ranked = jnp.take_along_axis(candidate, order, axis=-1)
     mass = jnp.maximum(ranked, 0.0)
     before = taken + jnp.cumsum(mass, axis=-1) - mass
     keep_ranked = (before < need) & (ranked > 0.0)
-    keep = jnp.take_along_axis(keep_ranked, jnp.argsort(order, axis=-1), axis=-1)
-    return forced | keep
+    return jnp.take_along_axis(keep_ranked, jnp.argsort(order, axis=-1), axis=-1)
+
+
+def _kept_by_pairs(candidate, taken, need):
+    """Same as _kept_by_sort via pairwise ranking (O(n^2) per row, no sort)."""
+    n = candidate.shape[-1]
+    idx = jnp.arange(n)
+    ci, cj = candidate[..., :, None], candidate[..., None, :]
+    first = (ci > cj) | ((ci == cj) & (idx[:, None] < idx[None, :]))
+    before = jnp.sum(jnp.where(first & (ci > 0.0), ci, 0.0), axis=-2)
+    return (candidate > 0.0) & (taken + before < need)
 
 
 @functools.partial(jax.jit, static_argnames=("stride", "causal", "sm_scale"))
@@ -348,29 +479,30 @@ def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride:
     _check_stride(stride, block_size)
     if impl not in ("pallas", "xla"):
         raise ValueError(f"impl={impl!r}; allowed: 'pallas' or 'xla'")
-    scale = float(sm_scale if sm_scale is not None else 1.0 / math.sqrt(d))
+    scale = check_sm_scale(sm_scale, d)
     q_off = per_batch(q_offset, batch, "q_offset")
     kv_len = jnp.clip(per_batch(tk if kv_len is None else kv_len, batch, "kv_len"), 0, tk)
     if impl == "xla":
         scores = _scores_xla(q, k, q_off, kv_len, stride=stride, causal=bool(causal),
                              sm_scale=scale)
         m, l = softmax_partial_stats(scores)
-        sums = softmax_normalize_block_sum(scores, m, l, block_size=block_size, stride=stride)
+        sums = _normalize_block_sum_xla(scores, m, l, block_size=block_size, stride=stride)
     else:
         chunk = tk if kv_chunk is None else int(kv_chunk)
         if chunk < tk and (chunk <= 0 or chunk % block_size):
             raise ValueError(
                 f"kv_chunk={kv_chunk}; allowed: None or a positive multiple of "
                 f"block_size={block_size}")
-        parts = []
-        for c0 in range(0, tk, chunk):
-            k_c = k[:, c0:c0 + chunk]
-            parts.append(antidiagonal_scores(
-                q, k_c, stride=stride, causal=causal, q_offset=q_off, k_offset=c0,
-                kv_len=kv_len - c0, sm_scale=scale, interpret=interpret))
+        starts = range(0, tk, chunk)
+        parts = [antidiagonal_scores(
+            q, k[:, c0:c0 + chunk], stride=stride, causal=causal, q_offset=q_off, k_offset=c0,
+            kv_len=kv_len - c0, sm_scale=scale, fill_hidden=False, interpret=interpret)
+            for c0 in starts]
         m, l = merge_softmax_stats([p[1] for p in parts], [p[2] for p in parts])
         sums = jnp.concatenate(
-            [softmax_normalize_block_sum(p[0], m, l, block_size=block_size, stride=stride)
-             for p in parts], axis=-1)
+            [softmax_normalize_block_sum(
+                p[0], m, l, block_size=block_size, stride=stride, causal=causal,
+                q_offset=q_off, k_offset=c0, kv_len=kv_len - c0, interpret=interpret)
+             for c0, p in zip(starts, parts)], axis=-1)
     return sums, select_blocks(sums, threshold=threshold, block_size=block_size,
                                q_offset=q_off)
