@@ -39,14 +39,14 @@ from pallas_kernels._common import (
 )
 
 
-def default_attention_config(dtype, head_dim: int) -> dict[str, int]:
+def default_attention_config(dtype) -> dict[str, int]:
     """Block sizes and launch parameters tuned on an H100/H200 (see bench/bench_kernels.py).
 
     float32 uses exact (non-tf32) dots, which run on CUDA cores and need smaller tiles.
     """
     if jnp.dtype(dtype) == jnp.float32:
         return dict(block_q=64, block_k=32, num_warps=4, num_stages=2)
-    return dict(block_q=128, block_k=64, num_warps=8 if head_dim > 64 else 4, num_stages=3)
+    return dict(block_q=128, block_k=64, num_warps=4, num_stages=2)
 
 
 def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
@@ -186,7 +186,7 @@ def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool
     """
     batch, tq, hq, tk, hkv, d = check_attention_shapes(q, k, v, 4)
     _check_pallas_head_dim(d)
-    cfg = default_attention_config(q.dtype, d)
+    cfg = default_attention_config(q.dtype)
     block_q = fit_block(block_q or cfg["block_q"], tq)
     block_k = fit_block(block_k or cfg["block_k"], tk)
     q_offset = per_batch(q_offset, batch, "q_offset")

@@ -48,6 +48,7 @@ from pallas_kernels._common import (
     fdiv,
     fit_block,
     interpret_aware_jit,
+    next_pow2,
     per_batch,
     resolve_interpret,
 )
@@ -275,52 +276,45 @@ def _normalize_block_sum_xla(scores, m, l, *, block_size: int, stride: int):
 
 
 def _block_sum_kernel(qoff_ref, koff_ref, kvlen_ref, s_ref, m_ref, l_ref, o_ref, *, stride: int,
-                      r: int, causal: bool, block_m: int, block_n: int, mq: int, mk: int,
-                      nqb: int, nkb: int):
-    r0 = pl.multiple_of(pl.program_id(0) * block_m, block_m)
-    rows = r0 + jnp.arange(block_m, dtype=jnp.int32)
+                      r: int, causal: bool, block_n: int, mq: int, mk: int, nkb: int):
+    # One query block (r tile rows) per program, so the row sum is a plain reduction.
+    qb = pl.program_id(0)
+    r0 = pl.multiple_of(qb * r, r)
+    rows = r0 + jnp.arange(r, dtype=jnp.int32)
     row_ok = rows < mq
     q_offset, k_offset = qoff_ref[()], koff_ref[()]
-    kv_tiles, hi = _visible_key_tiles(q_offset, k_offset, kvlen_ref[()], r0, block_m, mq,
-                                      stride, causal)
+    kv_tiles, hi = _visible_key_tiles(q_offset, k_offset, kvlen_ref[()], r0, r, mq, stride,
+                                      causal)
     n_visible = cdiv(hi, block_n)
     n_all = -(-mk // block_n)
-    m = plgpu.load(m_ref.at[pl.ds(r0, block_m)], mask=row_ok, other=0.0)
-    l = plgpu.load(l_ref.at[pl.ds(r0, block_m)], mask=row_ok, other=0.0)
+    m = plgpu.load(m_ref.at[pl.ds(r0, r)], mask=row_ok, other=0.0)
+    l = plgpu.load(l_ref.at[pl.ds(r0, r)], mask=row_ok, other=0.0)
     m = jnp.where(m == NEG_INF, 0.0, m)
     inv_l = jnp.where(l > 0.0, 1.0 / jnp.where(l > 0.0, l, 1.0), 0.0)
-    # Block sums as two exact float32 dots with 0/1 indicator matrices (tensor-core tiles
-    # need >= 16 rows/cols, so the indicators are padded to 16 with zero rows/cols).
-    bq, bk = max(16, block_m // r), max(16, block_n // r)
-    row_sum = (jnp.arange(block_m, dtype=jnp.int32)[None, :] // r
-               == jnp.arange(bq, dtype=jnp.int32)[:, None]).astype(jnp.float32)
-    col_sum = (jnp.arange(block_n, dtype=jnp.int32)[:, None] // r
-               == jnp.arange(bk, dtype=jnp.int32)[None, :]).astype(jnp.float32)
-    qb = r0 // r + jnp.arange(bq, dtype=jnp.int32)
-    qb_ok = (jnp.arange(bq) < block_m // r) & (qb < nqb)
+    bk = block_n // r
+    # in_block[b, c]: tile column c of a block_n-wide slab belongs to key block b of the slab.
+    in_block = (jnp.arange(block_n, dtype=jnp.int32)[None, :] // r
+                == jnp.arange(bk, dtype=jnp.int32)[:, None])
 
-    def out_mask(c0):
-        kb_ok = (jnp.arange(bk) < block_n // r) & (c0 // r + jnp.arange(bk) < nkb)
-        return qb_ok[:, None] & kb_ok[None, :]
+    def store(c0, sums):
+        kb_ok = (c0 // r + jnp.arange(bk, dtype=jnp.int32)) < nkb
+        plgpu.store(o_ref.at[qb, pl.ds(c0 // r, bk)], sums, mask=kb_ok)
 
     def visible_block(j, carry):
         c0 = pl.multiple_of(j * block_n, block_n)
         cols = c0 + jnp.arange(block_n, dtype=jnp.int32)
         tile_ok = row_ok[:, None] & (cols < mk)[None, :]
-        sc = plgpu.load(s_ref.at[pl.ds(r0, block_m), pl.ds(c0, block_n)], mask=tile_ok,
+        sc = plgpu.load(s_ref.at[pl.ds(r0, r), pl.ds(c0, block_n)], mask=tile_ok,
                         other=NEG_INF)
         vis = tile_ok & _tile_visibility(q_offset, k_offset, kv_tiles, rows, cols, stride,
                                          causal)
         p = jnp.where(vis, jnp.exp(sc - m[:, None]) * inv_l[:, None], 0.0)
-        part = plgpu.dot(row_sum, p, precision=lax.Precision.HIGHEST)
-        sums = plgpu.dot(part, col_sum, precision=lax.Precision.HIGHEST)
-        plgpu.store(o_ref.at[pl.ds(r0 // r, bq), pl.ds(c0 // r, bk)], sums, mask=out_mask(c0))
+        col_sums = jnp.sum(p, axis=0)
+        store(c0, jnp.sum(jnp.where(in_block, col_sums[None, :], 0.0), axis=1))
         return carry
 
     def hidden_block(j, carry):
-        c0 = pl.multiple_of(j * block_n, block_n)
-        plgpu.store(o_ref.at[pl.ds(r0 // r, bq), pl.ds(c0 // r, bk)],
-                    jnp.zeros((bq, bk), jnp.float32), mask=out_mask(c0))
+        store(pl.multiple_of(j * block_n, block_n), jnp.zeros((bk,), jnp.float32))
         return carry
 
     lax.fori_loop(0, n_visible, visible_block, 0)
@@ -328,17 +322,16 @@ def _block_sum_kernel(qoff_ref, koff_ref, kvlen_ref, s_ref, m_ref, l_ref, o_ref,
 
 
 def _normalize_block_sum_pallas(scores, m, l, q_offset, k_offset, kv_len, *, stride, r, causal,
-                                interpret, block_m, block_n, num_warps, num_stages):
+                                interpret, block_n, num_warps, num_stages):
     batch, hq, mq, mk = scores.shape
     nqb, nkb = -(-mq // r), -(-mk // r)
-    kernel = functools.partial(
-        _block_sum_kernel, stride=stride, r=r, causal=causal, block_m=block_m, block_n=block_n,
-        mq=mq, mk=mk, nqb=nqb, nkb=nkb)
+    kernel = functools.partial(_block_sum_kernel, stride=stride, r=r, causal=causal,
+                               block_n=block_n, mq=mq, mk=mk, nkb=nkb)
     scalar = pl.BlockSpec((None,), lambda i, bh: (bh // hq,))
     row_spec = pl.BlockSpec((None, None, mq), lambda i, bh: (bh // hq, bh % hq, 0))
     return pl.pallas_call(
         kernel,
-        grid=(-(-mq // block_m), batch * hq),
+        grid=(nqb, batch * hq),
         in_specs=[scalar, scalar, scalar,
                   pl.BlockSpec((None, None, mq, mk), lambda i, bh: (bh // hq, bh % hq, 0, 0)),
                   row_spec, row_spec],
@@ -351,15 +344,15 @@ def _normalize_block_sum_pallas(scores, m, l, q_offset, k_offset, kv_len, *, str
 
 
 _normalize_block_sum_jit = interpret_aware_jit(
-    _normalize_block_sum_pallas, ("stride", "r", "causal", "interpret", "block_m", "block_n",
-                                  "num_warps", "num_stages"))
+    _normalize_block_sum_pallas, ("stride", "r", "causal", "interpret", "block_n", "num_warps",
+                                  "num_stages"))
 
 
 def softmax_normalize_block_sum(scores: jax.Array, m: jax.Array, l: jax.Array, *,
                                 block_size: int, stride: int, causal: bool = True, q_offset=0,
                                 k_offset=0, kv_len=None, interpret: bool | None = None,
-                                block_m: int = 64, block_n: int = 128, num_warps: int = 4,
-                                num_stages: int = 2) -> jax.Array:
+                                block_n: int = 256, num_warps: int = 4,
+                                num_stages: int = 3) -> jax.Array:
     """Normalise one key chunk's scores with the global row stats and sum them into blocks.
 
     Args:
@@ -369,16 +362,17 @@ def softmax_normalize_block_sum(scores: jax.Array, m: jax.Array, l: jax.Array, *
       causal, q_offset, k_offset, kv_len: the same visibility arguments that produced the
         scores (kv_len: valid keys of this chunk, None = Mk * stride). Only visible tiles are
         read, so hidden tiles may hold anything (e.g. `fill_hidden=False` garbage).
-      block_m, block_n: tiles per program (powers of two; raised to r when smaller).
+      block_n: score tiles per inner step (power of two, raised to r when smaller). Each
+        program handles one query block (r tile rows).
 
     Returns:
       [B, H, ceil(Mq/r), ceil(Mk/r)] float32 block sums of the softmax probabilities.
-      When r is not a power of two or exceeds 128 this runs as jnp on -inf-filled scores.
+      When r is not a power of two or exceeds 256 this runs as jnp on -inf-filled scores.
     """
     _check_stride(stride, block_size)
     r = block_size // stride
     batch, _, mq, mk = scores.shape
-    if r & (r - 1) or r > 128:
+    if r & (r - 1) or r > 256:
         return _normalize_block_sum_xla(scores, m, l, block_size=block_size, stride=stride)
     kv_len = jnp.clip(per_batch(mk * stride if kv_len is None else kv_len, batch, "kv_len"),
                       0, mk * stride)
@@ -386,8 +380,8 @@ def softmax_normalize_block_sum(scores: jax.Array, m: jax.Array, l: jax.Array, *
         scores, m, l, per_batch(q_offset, batch, "q_offset"),
         per_batch(k_offset, batch, "k_offset"), kv_len, stride=int(stride), r=r,
         causal=bool(causal), interpret=resolve_interpret(interpret),
-        block_m=max(fit_block(block_m, mq), r), block_n=max(fit_block(block_n, mk), r),
-        num_warps=num_warps, num_stages=num_stages)
+        block_n=max(fit_block(block_n, mk), next_pow2(r)), num_warps=num_warps,
+        num_stages=num_stages)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size",))
@@ -429,16 +423,6 @@ def _kept_by_sort(candidate, taken, need):
     before = taken + jnp.cumsum(mass, axis=-1) - mass
     keep_ranked = (before < need) & (ranked > 0.0)
     return jnp.take_along_axis(keep_ranked, jnp.argsort(order, axis=-1), axis=-1)
-
-
-def _kept_by_pairs(candidate, taken, need):
-    """Same as _kept_by_sort via pairwise ranking (O(n^2) per row, no sort)."""
-    n = candidate.shape[-1]
-    idx = jnp.arange(n)
-    ci, cj = candidate[..., :, None], candidate[..., None, :]
-    first = (ci > cj) | ((ci == cj) & (idx[:, None] < idx[None, :]))
-    before = jnp.sum(jnp.where(first & (ci > 0.0), ci, 0.0), axis=-2)
-    return (candidate > 0.0) & (taken + before < need)
 
 
 @functools.partial(jax.jit, static_argnames=("stride", "causal", "sm_scale"))
