@@ -1,0 +1,383 @@
+"""Offload engine benchmark on one GPU: Llama-3.1-8B shape, random bf16 weights.
+
+Measures, in one run: the PCIe floor (KV bytes / measured host-to-device bandwidth), our offloaded and
+in-GPU prefill and decode, GPU memory, the transfer/compute overlap of each mode, and Hugging Face
+transformers' dynamic and offloaded caches on the same GPU (in a subprocess, so the two frameworks do
+not share GPU memory). Writes offload.json, offload.md and offload.png under --out.
+
+    python bench/bench_offload.py --out bench/results
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+}
+GiB = 2**30
+
+
+def random_params(cfg, dtype, seed: int = 0):
+    """Random weights at the config's shapes, made on the GPU (the real 8B checkpoint is not needed)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_offload.models.params import LayerParams, ModelParams
+
+    key = jax.random.PRNGKey(seed)
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
+
+    def rnd(k, shape):
+        return (jax.random.normal(k, shape, jnp.float32) * 0.02).astype(dtype)
+
+    layers = []
+    for n in range(cfg.num_layers):
+        ks = jax.random.split(jax.random.fold_in(key, n), 4)
+        layers.append(
+            LayerParams(
+                attn_norm=jnp.ones((h,), dtype),
+                wqkv=rnd(ks[0], (h, qkv)),
+                bqkv=None,
+                q_norm=None,
+                k_norm=None,
+                wo=rnd(ks[1], (cfg.num_heads * d, h)),
+                mlp_norm=jnp.ones((h,), dtype),
+                w_gate_up=rnd(ks[2], (h, 2 * i)),
+                w_down=rnd(ks[3], (i, h)),
+            )
+        )
+    ks = jax.random.split(jax.random.fold_in(key, 10_000), 2)
+    return ModelParams(
+        embed=rnd(ks[0], (cfg.vocab_size, h)),
+        layers=layers,
+        final_norm=jnp.ones((h,), dtype),
+        lm_head=rnd(ks[1], (h, cfg.vocab_size)),
+    )
+
+
+def h2d_bandwidth(nbytes: int = GiB, reps: int = 5) -> float:
+    """Bytes/s of one pinned-host -> GPU copy (best of `reps`)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    dev = jax.devices()[0]
+    host = jax.device_put(jnp.ones((nbytes // 2,), jnp.bfloat16), SingleDeviceSharding(dev, memory_kind="pinned_host"))
+    host.block_until_ready()
+    target = SingleDeviceSharding(dev, memory_kind="device")
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.device_put(host, target).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
+def gpu_peak_bytes() -> int:
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}  # None on CPU
+    return int(stats.get("peak_bytes_in_use", 0))
+
+
+def tree_bytes(tree) -> int:
+    import jax
+
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def run_ours(args) -> dict:
+    import jax
+    import numpy as np
+
+    from jax_offload import LLM, SamplingParams
+    from jax_offload.config import ModelConfig
+
+    cfg = ModelConfig.from_dict(LLAMA_31_8B | {"num_hidden_layers": args.num_layers})
+    params = random_params(cfg, jax.numpy.bfloat16)
+    jax.block_until_ready(params)
+    weights = tree_bytes(params)
+    bw = h2d_bandwidth()
+    rng = np.random.default_rng(0)
+    res: dict = {"weights_GiB": weights / GiB, "h2d_GBps": bw / 1e9, "kv_bytes_per_token": cfg.kv_bytes_per_token}
+    new = args.decode_tokens
+    greedy = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+
+    def make(**opts):
+        return LLM.from_params(cfg, params, dtype="bfloat16", **opts)
+
+    def timed(llm, n_ctx):
+        out = llm.generate([rng.integers(0, 128000, size=n_ctx).tolist()], greedy)[0]
+        return out.prefill_seconds, out.decode_seconds / (len(out.token_ids) - 1) * 1e3
+
+    def floor_ms(n_ctx):
+        return n_ctx * cfg.kv_bytes_per_token / bw * 1e3
+
+    rows = []
+    for ctx in args.contexts:
+        for bs in args.block_sizes:
+            llm = make(max_model_len=ctx + new + bs, offload=True, block_size=bs, num_ring_slots=args.ring_slots, prefill="chunked")
+            timed(llm, 2 * bs + 7)  # compiles every chunked-prefill and decode shape (they do not depend on length)
+            prefill_s, decode_ms = timed(llm, ctx)
+            row = dict(mode="offload", prefill="chunked", ctx=ctx, block_size=bs, ring_slots=args.ring_slots,
+                       prefill_s=prefill_s, decode_ms=decode_ms, floor_ms=floor_ms(ctx),
+                       peak_gpu_GiB=gpu_peak_bytes() / GiB)
+            if ctx == args.overlap_ctx:
+                row |= overlap_decode(llm, cfg, ctx, rng, new)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del llm
+            gc.collect()
+    for ctx in args.layerwise_contexts:
+        bs = args.block_sizes[0]
+        llm = make(max_model_len=ctx + new + bs, offload=True, block_size=bs, num_ring_slots=args.ring_slots, prefill="layerwise")
+        timed(llm, ctx)  # layerwise shapes follow the prompt bucket: compile at this length
+        prefill_s, decode_ms = timed(llm, ctx)
+        rows.append(dict(mode="offload", prefill="layerwise", ctx=ctx, block_size=bs, ring_slots=args.ring_slots,
+                         prefill_s=prefill_s, decode_ms=decode_ms, floor_ms=floor_ms(ctx)))
+        print(json.dumps(rows[-1]), flush=True)
+        del llm
+        gc.collect()
+    for ctx in args.in_gpu_contexts:
+        llm = make(max_model_len=ctx + new + 16)
+        timed(llm, ctx)
+        prefill_s, decode_ms = timed(llm, ctx)
+        rows.append(dict(mode="in_gpu", prefill="whole", ctx=ctx, prefill_s=prefill_s, decode_ms=decode_ms))
+        print(json.dumps(rows[-1]), flush=True)
+        del llm
+        gc.collect()
+    res["rows"] = rows
+    return res
+
+
+def overlap_decode(llm, cfg, ctx, rng, new) -> dict:
+    """Decode step time against transfer alone and compute alone, for the same blocks and dispatches."""
+    import jax
+
+    from jax_offload.kv.ring import BlockRing
+    from jax_offload import SamplingParams
+
+    runner = llm._runner
+    store = runner.store
+    ids = rng.integers(0, 128000, size=ctx).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    # Transfer alone: stream every block of every layer through the ring with a trivial consumer.
+    llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    # The request is over, but its blocks are still in the store: mark them readable again.
+    n_blocks = ctx // store.block_size
+    store._written = [n_blocks] * store.num_layers
+    schedule = [(l, b) for l in range(store.num_layers) for b in range(n_blocks)]
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        ring = BlockRing(store, runner.num_slots, schedule)
+        last = None
+        for _ in schedule:
+            last = ring.take()[0, 0, 0, :1]
+            ring.release(last)
+        jax.block_until_ready(last)
+        times.append(time.perf_counter() - t)
+    transfer_ms = min(times) * 1e3
+    store.reset()
+    # Compute alone: the same decode with every block already on the GPU (device_put becomes a no-op).
+    host_blocks = store._blocks
+    out = llm.generate([ids], params)[0]
+    with_transfer_ms = out.decode_seconds / (len(out.token_ids) - 1) * 1e3
+    store._blocks = [[jax.device_put(b, store.device) for b in layer] for layer in host_blocks]
+    orig_write = store.write
+
+    def write_on_device(layer, index, block):
+        orig_write(layer, index, block)
+        store._blocks[layer][index] = jax.device_put(store._blocks[layer][index], store.device)
+
+    store.write = write_on_device
+    out = llm.generate([ids], params)[0]
+    compute_ms = out.decode_seconds / (len(out.token_ids) - 1) * 1e3
+    store.write = orig_write
+    store._blocks = host_blocks
+    return dict(overlap_decode_ms=with_transfer_ms, transfer_only_ms=transfer_ms, compute_only_ms=compute_ms,
+                overlap_ratio=with_transfer_ms / max(transfer_ms, compute_ms))
+
+
+HF_SCRIPT = r"""
+import json, os, sys, time, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+cfg = LlamaConfig(**json.loads(sys.argv[1])); cfg._attn_implementation = "sdpa"
+torch.set_default_dtype(torch.bfloat16)
+with torch.device("cuda"):
+    model = LlamaForCausalLM(cfg)
+model.eval()
+new = int(sys.argv[3]); out = []
+for ctx in json.loads(sys.argv[2]):
+    ids = torch.randint(0, 128000, (1, ctx), device="cuda")
+    for impl in ("dynamic", "offloaded"):
+        try:
+            kw = dict(max_new_tokens=1, min_new_tokens=1, do_sample=False)
+            if impl != "dynamic": kw["cache_implementation"] = impl
+            torch.cuda.synchronize(); t = time.perf_counter()
+            with torch.no_grad(): model.generate(ids, **kw)
+            torch.cuda.synchronize(); t1 = time.perf_counter() - t
+            kw["max_new_tokens"] = kw["min_new_tokens"] = new
+            torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); t = time.perf_counter()
+            with torch.no_grad(): model.generate(ids, **kw)
+            torch.cuda.synchronize(); t2 = time.perf_counter() - t
+            row = dict(ctx=ctx, cache=impl, prefill_s=t1, decode_ms=(t2 - t1) / (new - 1) * 1e3,
+                       peak_gpu_GiB=torch.cuda.max_memory_allocated() / 2**30)
+        except Exception as e:
+            row = dict(ctx=ctx, cache=impl, error=repr(e)[:200])
+        print(json.dumps(row), flush=True); out.append(row)
+        torch.cuda.empty_cache()
+import transformers
+print("RESULT " + json.dumps(dict(rows=out, torch=torch.__version__, transformers=transformers.__version__)))
+"""
+
+
+def run_hf(args) -> dict:
+    cfg = {k: v for k, v in LLAMA_31_8B.items() if k not in ("architectures", "model_type")}
+    cfg["num_hidden_layers"] = args.num_layers
+    proc = subprocess.run(
+        [sys.executable, "-c", HF_SCRIPT, json.dumps(cfg), json.dumps(args.hf_contexts), str(args.decode_tokens)],
+        capture_output=True, text=True, timeout=args.hf_timeout,
+    )
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if not lines:
+        return {"error": (proc.stderr or proc.stdout)[-2000:]}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def write_report(result: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "offload.json").write_text(json.dumps(result, indent=1))
+    ours, hf = result["ours"], result.get("hf", {})
+    lines = [
+        f"# Offload benchmark: Llama-3.1-8B shape, random bf16 weights",
+        "",
+        f"{result['device']} | jax {result['jax']} | torch {hf.get('torch', '?')} | transformers "
+        f"{hf.get('transformers', '?')} | {result['date']}",
+        "",
+        f"Weights {ours['weights_GiB']:.2f} GiB; host->device {ours['h2d_GBps']:.1f} GB/s (1 GiB pinned copy); "
+        f"KV {ours['kv_bytes_per_token'] // 1024} KiB/token. PCIe floor = KV bytes / that bandwidth.",
+        "",
+        "| engine | prefill | ctx | block | prefill s | decode ms/token | floor ms | decode/floor | peak GPU GiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    def fmt(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    for r in ours["rows"]:
+        floor = r.get("floor_ms")
+        ratio = r["decode_ms"] / floor if floor else None
+        lines.append(
+            f"| ours {r['mode']} | {r['prefill']} | {r['ctx']} | {r.get('block_size', '-')} | {r['prefill_s']:.3f} | "
+            f"{r['decode_ms']:.2f} | {fmt(floor, '.1f')} | {fmt(ratio, '.3f')} | {fmt(r.get('peak_gpu_GiB'), '.2f')} |"
+        )
+    for r in hf.get("rows", []):
+        if "error" in r:
+            lines.append(f"| transformers {r['cache']} | - | {r['ctx']} | - | error: {r['error'][:60]} | | | | |")
+        else:
+            lines.append(
+                f"| transformers {r['cache']} | - | {r['ctx']} | - | {r['prefill_s']:.3f} | {r['decode_ms']:.2f} | - | - | "
+                f"{r['peak_gpu_GiB']:.2f} |"
+            )
+    ov = [r for r in ours["rows"] if "overlap_ratio" in r]
+    if ov:
+        lines += ["", "Decode overlap (same dispatches; transfer alone streams the blocks with a trivial consumer;",
+                  "compute alone runs the decode with every block already on the GPU):", "",
+                  "| ctx | block | decode ms | transfer-only ms | compute-only ms | decode / max |", "|---|---|---|---|---|---|"]
+        for r in ov:
+            lines.append(f"| {r['ctx']} | {r['block_size']} | {r['overlap_decode_ms']:.2f} | {r['transfer_only_ms']:.2f} | "
+                         f"{r['compute_only_ms']:.2f} | {r['overlap_ratio']:.3f} |")
+    (out / "offload.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for bs in sorted({r["block_size"] for r in ours["rows"] if r["mode"] == "offload" and r["prefill"] == "chunked"}):
+            rs = [r for r in ours["rows"] if r["mode"] == "offload" and r["prefill"] == "chunked" and r["block_size"] == bs]
+            ax.plot([r["ctx"] for r in rs], [r["decode_ms"] for r in rs], "o-", label=f"ours offloaded (block {bs})")
+        rs = [r for r in ours["rows"] if r["mode"] == "offload" and r["prefill"] == "chunked"]
+        ctxs = sorted({r["ctx"] for r in rs})
+        ax.plot(ctxs, [c * ours["kv_bytes_per_token"] / (ours["h2d_GBps"] * 1e9) * 1e3 for c in ctxs], "k--", label="PCIe floor")
+        for cache in ("dynamic", "offloaded"):
+            rs = [r for r in hf.get("rows", []) if r["cache"] == cache and "error" not in r]
+            if rs:
+                ax.plot([r["ctx"] for r in rs], [r["decode_ms"] for r in rs], "s:", label=f"transformers {cache}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context tokens")
+        ax.set_ylabel("decode ms / token")
+        ax.set_title(f"Llama-3.1-8B shape, bf16, {result['device']}")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "offload.png", dpi=120)
+    except ImportError:
+        pass
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
+    p.add_argument("--contexts", type=ints, default=[8192, 32768, 65536, 131072])
+    p.add_argument("--block-sizes", type=ints, default=[4096])
+    p.add_argument("--ring-slots", type=int, default=4)
+    p.add_argument("--layerwise-contexts", type=ints, default=[32768])
+    p.add_argument("--in-gpu-contexts", type=ints, default=[8192])
+    p.add_argument("--overlap-ctx", type=int, default=65536)
+    p.add_argument("--hf-contexts", type=ints, default=[8192, 32768, 65536])
+    p.add_argument("--decode-tokens", type=int, default=8)
+    p.add_argument("--num-layers", type=int, default=32, help="fewer layers for a quick smoke run")
+    p.add_argument("--hf-timeout", type=int, default=240)
+    args = p.parse_args()
+    hf = run_hf(args) if args.hf_contexts else {}  # before JAX takes the GPU
+    import jax
+
+    result = {
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
+    result["ours"] = run_ours(args)
+    result["hf"] = hf
+    write_report(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
