@@ -1,6 +1,8 @@
 """Runs the model layer by layer with the whole KV cache of the request in GPU memory."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +21,9 @@ class DeviceRunner:
         self._k: list[jax.Array] = []
         self._v: list[jax.Array] = []
 
-    def prefill(self, x: jax.Array, prompt_len: int, total_len: int) -> jax.Array:
+    def prefill(
+        self, x: jax.Array, prompt_len: int, total_len: int, progress: Callable[[float], None] | None = None
+    ) -> jax.Array:
         """x [1, T, hidden] embedded (padded) prompt -> final hidden states [1, T, hidden]."""
         cfg = self.cfg
         cache_len = max(cache_bucket(total_len), x.shape[1])
@@ -31,6 +35,9 @@ class DeviceRunner:
             x, self._k[i], self._v[i] = prefill_layer_in_device(
                 cfg, self.impl, layer, x, self.inv_freq, self._k[i], self._v[i], length
             )
+            if progress is not None:
+                jax.block_until_ready(x)  # report work done, not work dispatched
+                progress(prompt_len / cfg.num_layers)
         return x
 
     def decode(self, x: jax.Array, position: int) -> jax.Array:

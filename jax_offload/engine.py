@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from convert.safetensors_loader import load_params
 from jax_offload.attention import check_attention_impl, default_attention_impl
@@ -24,6 +25,7 @@ from jax_offload.models.rope import inverse_frequencies
 from jax_offload.sampling import SamplingParams, sample_token
 
 Prompt = str | Sequence[int]
+PROGRESS_MIN_TOKENS = 4096  # shorter prompts prefill too fast for a progress bar to help
 
 
 @dataclasses.dataclass
@@ -157,8 +159,10 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | None = None,
         on_text: Callable[[int, str], None] | None = None,
+        progress: bool = False,
     ) -> list[RequestOutput]:
-        """Generates for each prompt (raw text or token ids); `on_text(i, delta)` streams new text."""
+        """Generates for each prompt (raw text or token ids); `on_text(i, delta)` streams new text;
+        `progress` shows a bar with tokens/s while a long prompt is prefilled."""
         params = params or SamplingParams()
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], (int, np.integer))
@@ -166,7 +170,7 @@ class LLM:
             prompts = [prompts]
         encoded = [self.encode(p) for p in prompts]
         return [
-            self._run_request(ids, params, None if on_text is None else (lambda d, i=i: on_text(i, d)))
+            self._run_request(ids, params, None if on_text is None else (lambda d, i=i: on_text(i, d)), progress)
             for i, ids in enumerate(encoded)
         ]
 
@@ -192,15 +196,18 @@ class LLM:
 
     # ---- one request ----------------------------------------------------------------------------
 
-    def _prefill(self, ids: list[int], total_len: int) -> jax.Array:
+    def _prefill(self, ids: list[int], total_len: int, progress: bool = False) -> jax.Array:
         x = _embed(self.params.embed, pad_ids(ids, self._runner.padded_length(len(ids))))
-        return self._runner.prefill(x, len(ids), total_len)
+        if not progress or len(ids) < PROGRESS_MIN_TOKENS:
+            return self._runner.prefill(x, len(ids), total_len)
+        with tqdm(total=len(ids), desc="prefill", unit="tok", unit_scale=True, leave=False) as bar:
+            return self._runner.prefill(x, len(ids), total_len, bar.update)
 
     def _decode_text(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def _run_request(
-        self, ids: list[int], params: SamplingParams, on_text: Callable[[str], None] | None
+        self, ids: list[int], params: SamplingParams, on_text: Callable[[str], None] | None, progress: bool = False
     ) -> RequestOutput:
         cfg = self.model_config
         total_len = min(len(ids) + params.max_tokens, self.max_model_len)
@@ -217,7 +224,7 @@ class LLM:
         text, finish_reason = "", "length"
         try:
             start = time.perf_counter()
-            hidden = self._prefill(ids, total_len)
+            hidden = self._prefill(ids, total_len, progress)
             logit_row = _last_logits(cfg, self.params, hidden, jnp.int32(len(ids) - 1))
             token = int(sample_token(logit_row, *knobs, jax.random.fold_in(key, 0)))
             prefill_s = time.perf_counter() - start

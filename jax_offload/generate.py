@@ -27,6 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--max-model-len", type=int)
+    p.add_argument("--offload", action="store_true", help="keep the KV cache in pinned host memory")
+    p.add_argument("--block-size", type=int, default=1024, help="tokens per KV block (offload)")
+    p.add_argument("--ring-slots", type=int, default=4, help="GPU slots the KV blocks stream through (offload)")
+    p.add_argument("--prefill", default="chunked", help="chunked or layerwise (offload)")
+    p.add_argument("--sparse-policy", default="full", help="block-selection policy (offload)")
     return p
 
 
@@ -62,13 +67,22 @@ def _run(args: argparse.Namespace) -> int:
 
     model_dir = args.model if args.model is not None else ensure_default_model(quiet=args.json)
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
-    llm = LLM(model_dir, dtype=dtype, max_model_len=args.max_model_len)
+    llm = LLM(
+        model_dir,
+        dtype=dtype,
+        max_model_len=args.max_model_len,
+        offload=args.offload,
+        block_size=args.block_size,
+        num_ring_slots=args.ring_slots,
+        prefill=args.prefill,
+        sparse_policy=args.sparse_policy,
+    )
     ids = llm.encode(prompt) if args.no_chat_template else llm.apply_chat_template([{"role": "user", "content": prompt}])
 
     def stream(_: int, delta: str) -> None:
         print(delta, end="", flush=True)
 
-    out = llm.generate([ids], params, on_text=None if args.json else stream)[0]
+    out = llm.generate([ids], params, on_text=None if args.json else stream, progress=not args.json)[0]
     if args.json:
         print(json.dumps({
             "text": out.text,

@@ -5,6 +5,8 @@ layer on the GPU (the tail) holding the tokens not yet flushed. `finish` clears 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -64,19 +66,22 @@ class OffloadRunner:
 
     # ---- prefill -------------------------------------------------------------------------------
 
-    def prefill(self, x: jax.Array, prompt_len: int, total_len: int) -> jax.Array:
-        """x [1, T, hidden] embedded prompt padded by `padded_length` -> final hidden states [1, T, hidden]."""
+    def prefill(
+        self, x: jax.Array, prompt_len: int, total_len: int, progress: Callable[[float], None] | None = None
+    ) -> jax.Array:
+        """x [1, T, hidden] embedded prompt padded by `padded_length` -> final hidden states [1, T, hidden].
+        `progress(tokens)` is told how much of the prompt is done as work completes."""
         self.store.reset()
         self._tails = [None] * self.cfg.num_layers
         if self.mode == "chunked":
-            x = self._prefill_chunked(x, prompt_len)
+            x = self._prefill_chunked(x, prompt_len, progress)
         else:
-            x = self._prefill_layerwise(x, prompt_len)
+            x = self._prefill_layerwise(x, prompt_len, progress)
         self._tail_len = prompt_len % self.block_size
         self._tails = [self._empty_tail() if t is None else t for t in self._tails]
         return x
 
-    def _prefill_chunked(self, x: jax.Array, prompt_len: int) -> jax.Array:
+    def _prefill_chunked(self, x: jax.Array, prompt_len: int, progress) -> jax.Array:
         bs, layers = self.block_size, self.params.layers
         outputs = []
         for c in range(x.shape[1] // bs):
@@ -93,14 +98,20 @@ class OffloadRunner:
                 h = finish_layer(self.cfg, layer, h, o)
                 self._keep_block(l, c, kv, chunk_len)
             outputs.append(h)
+            if progress is not None:
+                jax.block_until_ready(h)  # report work done, not work dispatched
+                progress(chunk_len)
         return jnp.concatenate(outputs, axis=1) if len(outputs) > 1 else outputs[0]
 
-    def _prefill_layerwise(self, x: jax.Array, prompt_len: int) -> jax.Array:
+    def _prefill_layerwise(self, x: jax.Array, prompt_len: int, progress) -> jax.Array:
         length = jnp.int32(prompt_len)
         for l, layer in enumerate(self.params.layers):
             x, blocks = layerwise_layer(self.cfg, self.impl, self.block_size, layer, x, self.inv_freq, length)
             for b, block in enumerate(blocks):
                 self._keep_block(l, b, block, min(self.block_size, prompt_len - b * self.block_size))
+            if progress is not None:
+                jax.block_until_ready(x)  # report work done, not work dispatched
+                progress(prompt_len / len(self.params.layers))
         return x
 
     def _keep_block(self, layer: int, index: int, block: jax.Array, filled: int) -> None:

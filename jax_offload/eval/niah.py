@@ -74,7 +74,7 @@ def run_niah(
     seed: int,
     max_tokens: int,
     engine_options: dict[str, Any],
-    chat_template: bool = True,
+    chat_template: bool = False,
 ) -> dict[str, Any]:
     """Generate every (task, length) cell's prompts, run them greedily and score them.
 
@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--backend", choices=BACKENDS, default="jax")
     p.add_argument("--out", type=Path, help="write the full results as JSON here")
-    p.add_argument("--no-chat-template", action="store_true", help="bare prompt, without the model's chat template")
+    p.add_argument("--chat-template", action="store_true", help="wrap the task in the model's chat template (default: bare prompt)")
     engine = p.add_argument_group("engine options (passed to LLM; omitted ones keep its defaults)")
     engine.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU; torch: float32)")
     engine.add_argument("--max-model-len", type=int, dest="max_model_len")
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = ensure_default_model()
     try:
         result = run_niah(args.backend, model_dir, args.tasks, args.lengths, args.samples, args.seed, args.max_tokens,
-                          engine_options, chat_template=not args.no_chat_template)
+                          engine_options, chat_template=args.chat_template)
     except (ValueError, FileNotFoundError, NotImplementedError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

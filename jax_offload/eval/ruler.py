@@ -8,20 +8,25 @@ for one-answer tasks is not applied; the template is the one in DESIGN.md). Diff
 - The essay is Jane Austen's *Persuasion* (public domain, `data/persuasion.txt`), cycled when a
   prompt needs more words than it has; RULER ships Paul Graham's essays.
 - Every sample's haystack size is fitted to `target_len` on its own (RULER fits once and shrinks
-  on overflow), in words for every haystack (RULER sizes `repeat` and `needle` in whole blocks
-  and needles), so every prompt is <= `target_len` tokens and within a word's tokens of it; the
-  last block, sentence or distractor needle may be cut short, as RULER cuts its essay.
+  on overflow), in sentences for `repeat` and words for `essay` and `needle` (RULER sizes
+  `repeat` and `needle` in whole blocks and needles), so every prompt is <= `target_len` tokens
+  and within a few tokens of it; the last block stops early, and the last sentence or distractor
+  needle may be cut short, as RULER cuts its essay.
 - Depths are spread evenly instead of sampled: sample `i` of `N` has offset `u = i / (N - 1)`
   and its `k` needles sit at depths `(j + u) / k`, `j = 0..k-1` (one needle: `u` itself, so
   depths 0 and 1 are both covered). Each needle goes to the unit boundary (between sentences,
   blocks or distractor needles) nearest its depth.
 - Distractor keys never equal a key of the sample, so the expected answer is unambiguous.
 
-Chat template: on by default. RULER wraps the task in the model's chat template and appends the
-answer prefix after the assistant turn start; SmolLM2-135M-Instruct is an instruct model, so
-the prompt is `apply_chat_template([user: task], add_generation_prompt=True) + answer_prefix` and
-greedy decoding continues the answer prefix. `chat_template=False` gives the bare
-`task + answer_prefix` (tokenized with the tokenizer's own special tokens, e.g. BOS).
+Chat template: off by default, i.e. RULER's `base` model template (the default of its
+`prepare.py`): the prompt is `task + answer_prefix`, tokenized with the tokenizer's own special
+tokens (e.g. BOS). `chat_template=True` does what RULER does for chat models:
+`apply_chat_template([user: task], add_generation_prompt=True) + answer_prefix`, so greedy
+decoding continues the answer prefix inside the assistant turn. Why off: the evaluation exists to
+catch wrong KV, so its baseline should be near 100%. SmolLM2-135M-Instruct with transformers'
+greedy generate at 1K tokens scored niah_single_1 90% bare vs 50% in its chat template (10
+samples; 100% vs 60% on 5 others) -- in the template it starts reciting the repeat haystack --
+and niah_single_2 100% either way; dropping the answer prefix's leading space changed nothing.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ TEMPLATE = (
 )
 ANSWER_PREFIX = " The special magic {type} for {query} mentioned in the provided text are"
 REPEAT_BLOCK = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-REPEAT_WORDS = tuple(REPEAT_BLOCK.split(" "))
+REPEAT_SENTENCES = tuple(s + "." for s in REPEAT_BLOCK.rstrip(".").split(". "))
 
 DATA_DIR = Path(__file__).parent / "data"
 
@@ -166,13 +171,17 @@ def _take_words(sentence: Callable[[int], tuple[str, ...]], n: int) -> tuple[lis
 
 
 def _haystack_units(cfg: TaskConfig, n: int, distractors: _Distractors) -> tuple[list[str], list[int], str]:
-    """A haystack of `n` words as (units, word counts, separator); needles go between units.
+    """A haystack of size `n` as (units, word counts, separator); needles go between units.
 
     Units are RULER's: 5-sentence blocks for `repeat`, sentences for `essay`, distractor needles
-    for `needle`. Sizing in words (RULER sizes `repeat` and `needle` in whole units) puts the
-    fitted prompt within a few tokens of the target; the last unit may be cut short."""
+    for `needle`. Size is in sentences for `repeat` (the last block may stop early) and in words
+    for the others (the last unit may be cut short, as RULER cuts its essay); RULER sizes `repeat`
+    and `needle` in whole units, too coarse to land within a few tokens of the target."""
     if cfg.haystack == "repeat":
-        return (*_take_words(lambda i: REPEAT_WORDS, n), "\n")
+        blocks = [REPEAT_BLOCK] * (n // len(REPEAT_SENTENCES))
+        if n % len(REPEAT_SENTENCES):
+            blocks.append(" ".join(REPEAT_SENTENCES[: n % len(REPEAT_SENTENCES)]))
+        return blocks, [len(b.split(" ")) for b in blocks], "\n"
     if cfg.haystack == "needle":
         return (*_take_words(distractors.__getitem__, n), "\n")
     sentences = _essay_sentences()
@@ -280,7 +289,7 @@ def _build_sample(task: str, cfg: TaskConfig, tokenizer, target_len: int, index:
     return sample, n
 
 
-def make_samples(task: str, tokenizer, target_len: int, num_samples: int, seed: int, chat_template: bool = True) -> list[NiahSample]:
+def make_samples(task: str, tokenizer, target_len: int, num_samples: int, seed: int, chat_template: bool = False) -> list[NiahSample]:
     """`num_samples` prompts of `task`, each <= `target_len` tokens of `tokenizer` and close to it.
 
     The same (task, seed, index) gives the same keys and values at every target length."""
@@ -289,7 +298,7 @@ def make_samples(task: str, tokenizer, target_len: int, num_samples: int, seed: 
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}.")
     if chat_template and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("chat_template=True but the tokenizer has no chat template; pass chat_template=False.")
+        raise ValueError("chat_template=True but the tokenizer has no chat template; use chat_template=False.")
     cfg = TASK_CONFIGS[task]
     samples, hint = [], 64
     for index in range(num_samples):
