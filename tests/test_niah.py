@@ -53,7 +53,7 @@ def test_every_task_fits_the_target_and_holds_its_needles(tokenizer, task):
     target = 1024
     n_answers, n_query_needles = EXPECTED_COUNTS[task]
     cfg = ruler.TASK_CONFIGS[task]
-    for s in make_samples(task, tokenizer, target, num_samples=3, seed=1):
+    for s in make_samples(task, tokenizer, target, num_samples=3, seed=1, chat_template=True):
         assert s.task == task
         assert s.length == len(s.prompt_ids) <= target
         assert s.length >= 0.97 * target
@@ -109,6 +109,12 @@ def test_essay_needles_sit_at_sentence_boundaries(tokenizer):
             assert before == "" or before[-1] in ".!?\"')" or at_end
 
 
+def test_repeat_haystack_is_whole_sentences(tokenizer):
+    for s in make_samples("niah_single_1", tokenizer, 1024, 3, seed=4):
+        lines = _context(s).split("\n")
+        assert all(NEEDLE_RE.fullmatch(line) or (ruler.REPEAT_BLOCK + " ").startswith(line + " ") for line in lines)
+
+
 def test_multiple_needles_spread_inside_one_sample(tokenizer):
     for s in make_samples("niah_multivalue", tokenizer, 2048, 3, seed=0):
         depths = sorted(s.depths)
@@ -116,16 +122,17 @@ def test_multiple_needles_spread_inside_one_sample(tokenizer):
         assert gaps == pytest.approx([0.25] * 3, abs=0.08)
 
 
-def test_bare_prompt_without_chat_template(tokenizer):
-    s = make_samples("niah_single_3", tokenizer, 768, 1, seed=0, chat_template=False)[0]
+def test_bare_prompt_by_default(tokenizer):
+    s = make_samples("niah_single_3", tokenizer, 768, 1, seed=0)[0]
     assert s.prompt_text.startswith("Some special magic uuids are hidden within the following text.")
     assert "<|im_start|>" not in s.prompt_text
     assert s.length <= 768
+    assert re.search(r"the provided text\? The special magic uuids for \S+ mentioned in the provided text are$", s.prompt_text)
 
 
 def test_chat_template_asked_of_a_tokenizer_without_one():
     with pytest.raises(ValueError, match="no chat template"):
-        make_samples("niah_single_1", _train_tokenizer(None), 512, 1, seed=0)
+        make_samples("niah_single_1", _train_tokenizer(None), 512, 1, seed=0, chat_template=True)
 
 
 def test_unknown_task_is_named_with_the_valid_ones(tokenizer):
@@ -180,12 +187,13 @@ def test_torch_backend_rejects_jax_only_options(tiny_model_dir):
 def test_cli_writes_json_and_prints_the_table(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "r.json"
     rc = niah.main(["--model", str(tiny_model_dir), "--backend", "torch", "--tasks", "niah_single_2", "--lengths", "256,320",
-                    "--samples", "1", "--max-tokens", "2", "--out", str(out)])
+                    "--samples", "1", "--max-tokens", "2", "--chat-template", "--out", str(out)])
     assert rc == 0
     table = capsys.readouterr().out
     assert "| task | 256 | 320 |" in table and "| niah_single_2 |" in table
     saved = json.loads(out.read_text())
     assert set(saved["scores"]["niah_single_2"]) == {"256", "320"} and len(saved["records"]) == 2
+    assert saved["config"]["chat_template"] is True
 
 
 def test_cli_rejects_an_unknown_task(capsys):
