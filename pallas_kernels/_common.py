@@ -108,19 +108,30 @@ def check_attention_shapes(q, k, v, q_rank: int) -> tuple[int, int, int, int, in
     return batch, tq, hq, tk, hkv, d
 
 
+def _at_top_level() -> bool:
+    """True when no jit/vmap/grad trace is active (jax only accepts compiler options there)."""
+    try:
+        from jax._src import core as jax_core
+        return bool(jax_core.trace_state_clean())
+    except (ImportError, AttributeError):  # private API moved: just use default options
+        return False
+
+
 def interpret_aware_jit(fn, static_argnames: tuple[str, ...]):
-    """jax.jit that compiles interpret-mode programs at XLA optimisation level 0.
+    """jax.jit that compiles top-level interpret-mode calls at XLA optimisation level 0.
 
     The interpreted kernel is a test vehicle on small shapes, where XLA's CPU backend spends
     ~3 s optimising nested loops that then run for milliseconds; level 0 compiles ~4x faster.
-    Compiled (Triton) calls keep the default options. `fn` must take a static `interpret`.
-    Inside an outer jax.jit the outer options apply.
+    Compiled (Triton) calls and calls traced inside an outer jax.jit (where jax rejects
+    per-call compiler options) keep the default options. `fn` must take a static `interpret`.
     """
     fast = jax.jit(fn, static_argnames=static_argnames,
                    compiler_options={"xla_backend_optimization_level": 0})
     normal = jax.jit(fn, static_argnames=static_argnames)
 
     def call(*args, interpret: bool, **kwargs):
-        return (fast if interpret else normal)(*args, interpret=interpret, **kwargs)
+        use_fast = interpret and _at_top_level()
+        return (fast if use_fast else normal)(*args, interpret=interpret, **kwargs)
 
+    call.jitted = (fast, normal)  # lets tests inspect the compilation caches
     return call

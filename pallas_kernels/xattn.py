@@ -58,7 +58,7 @@ def default_xattn_config(dtype) -> dict[str, int]:
     """Score-kernel tiles (in key/query tiles, not tokens), tuned on an H100/H200."""
     if jnp.dtype(dtype) == jnp.float32:
         return dict(block_m=32, block_n=32, num_warps=4, num_stages=2)
-    return dict(block_m=64, block_n=128, num_warps=4, num_stages=3)
+    return dict(block_m=128, block_n=128, num_warps=8, num_stages=3)
 
 
 def _check_stride(stride: int, block_size: int | None = None) -> None:
@@ -445,6 +445,35 @@ def _scores_xla(q, k, q_offset, kv_len, *, stride, causal, sm_scale):
     return jnp.where(vis[:, None], s, NEG_INF)
 
 
+def _estimate(q, k, q_offset, kv_len, threshold, *, block_size, stride, causal, sm_scale,
+              kv_chunk, impl, interpret):
+    tk = k.shape[1]
+    if impl == "xla":
+        scores = _scores_xla(q, k, q_offset, kv_len, stride=stride, causal=causal,
+                             sm_scale=sm_scale)
+        m, l = softmax_partial_stats(scores)
+        sums = _normalize_block_sum_xla(scores, m, l, block_size=block_size, stride=stride)
+    else:
+        starts = range(0, tk, kv_chunk)
+        parts = [antidiagonal_scores(
+            q, k[:, c0:c0 + kv_chunk], stride=stride, causal=causal, q_offset=q_offset,
+            k_offset=c0, kv_len=kv_len - c0, sm_scale=sm_scale, fill_hidden=False,
+            interpret=interpret) for c0 in starts]
+        m, l = merge_softmax_stats([p[1] for p in parts], [p[2] for p in parts])
+        sums = jnp.concatenate(
+            [softmax_normalize_block_sum(
+                p[0], m, l, block_size=block_size, stride=stride, causal=causal,
+                q_offset=q_offset, k_offset=c0, kv_len=kv_len - c0, interpret=interpret)
+             for c0, p in zip(starts, parts)], axis=-1)
+    return sums, select_blocks(sums, threshold=threshold, block_size=block_size,
+                               q_offset=q_offset)
+
+
+# One program for the whole pipeline: a single (interpret-mode: fast) compile per config.
+_estimate_jit = interpret_aware_jit(
+    _estimate, ("block_size", "stride", "causal", "sm_scale", "kv_chunk", "impl", "interpret"))
+
+
 def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride: int = 8,
                    threshold=0.9, causal: bool = True, q_offset=0, kv_len=None,
                    sm_scale: float | None = None, kv_chunk: int | None = None,
@@ -456,37 +485,21 @@ def xattn_estimate(q: jax.Array, k: jax.Array, *, block_size: int = 128, stride:
     impl="pallas": the KV-chunked pipeline of this module with chunks of `kv_chunk` keys
     (None: one chunk); kv_chunk must be a multiple of block_size.
     Keys start at absolute position 0; q_offset is the position of q[0] (int or [B], may be
-    traced); kv_len hides keys >= kv_len. Returns (block_sums [B, Hq, nqb, nkb] float32,
-    mask bool [B, Hq, nqb, nkb]) with nqb = ceil(Tq / block_size), nkb = ceil(Tk / block_size).
+    traced); kv_len hides keys >= kv_len; threshold may be traced. Returns (block_sums
+    [B, Hq, nqb, nkb] float32, mask bool [B, Hq, nqb, nkb]) with nqb = ceil(Tq / block_size),
+    nkb = ceil(Tk / block_size).
     """
     batch, tq, hq, tk, hkv, d = check_attention_shapes(q, k, k, 4)
     _check_stride(stride, block_size)
     if impl not in ("pallas", "xla"):
         raise ValueError(f"impl={impl!r}; allowed: 'pallas' or 'xla'")
-    scale = check_sm_scale(sm_scale, d)
-    q_off = per_batch(q_offset, batch, "q_offset")
+    chunk = tk if kv_chunk is None else int(kv_chunk)
+    if chunk < tk and (chunk <= 0 or chunk % block_size):
+        raise ValueError(f"kv_chunk={kv_chunk}; allowed: None or a positive multiple of "
+                         f"block_size={block_size}")
     kv_len = jnp.clip(per_batch(tk if kv_len is None else kv_len, batch, "kv_len"), 0, tk)
-    if impl == "xla":
-        scores = _scores_xla(q, k, q_off, kv_len, stride=stride, causal=bool(causal),
-                             sm_scale=scale)
-        m, l = softmax_partial_stats(scores)
-        sums = _normalize_block_sum_xla(scores, m, l, block_size=block_size, stride=stride)
-    else:
-        chunk = tk if kv_chunk is None else int(kv_chunk)
-        if chunk < tk and (chunk <= 0 or chunk % block_size):
-            raise ValueError(
-                f"kv_chunk={kv_chunk}; allowed: None or a positive multiple of "
-                f"block_size={block_size}")
-        starts = range(0, tk, chunk)
-        parts = [antidiagonal_scores(
-            q, k[:, c0:c0 + chunk], stride=stride, causal=causal, q_offset=q_off, k_offset=c0,
-            kv_len=kv_len - c0, sm_scale=scale, fill_hidden=False, interpret=interpret)
-            for c0 in starts]
-        m, l = merge_softmax_stats([p[1] for p in parts], [p[2] for p in parts])
-        sums = jnp.concatenate(
-            [softmax_normalize_block_sum(
-                p[0], m, l, block_size=block_size, stride=stride, causal=causal,
-                q_offset=q_off, k_offset=c0, kv_len=kv_len - c0, interpret=interpret)
-             for c0, p in zip(starts, parts)], axis=-1)
-    return sums, select_blocks(sums, threshold=threshold, block_size=block_size,
-                               q_offset=q_off)
+    return _estimate_jit(
+        q, k, per_batch(q_offset, batch, "q_offset"), kv_len,
+        jnp.asarray(threshold, jnp.float32), block_size=int(block_size), stride=int(stride),
+        causal=bool(causal), sm_scale=check_sm_scale(sm_scale, d), kv_chunk=min(chunk, tk),
+        impl=impl, interpret=resolve_interpret(interpret))

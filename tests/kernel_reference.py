@@ -55,8 +55,9 @@ def merge_ref(os_, lses):
     m_safe = np.where(np.isfinite(m), m, 0.0)
     w = np.exp(lse_t - m_safe)
     total = w.sum(axis=0)
+    parts = np.where(w[..., None] > 0, w[..., None] * np.nan_to_num(os_), 0.0)  # empty: ignored
     o = np.where(total[..., None] > 0,
-                 (w[..., None] * os_).sum(axis=0) / np.where(total > 0, total, 1)[..., None], 0)
+                 parts.sum(axis=0) / np.where(total > 0, total, 1)[..., None], 0)
     lse = np.where(total > 0, m_safe + np.log(np.where(total > 0, total, 1)), -np.inf)
     return o, np.swapaxes(lse, -1, -2)
 
@@ -110,12 +111,14 @@ def xattn_block_sums_ref(q, k, *, stride, block_size, causal=True, q_offset=0, k
 def select_blocks_ref(block_sums, *, threshold, block_size, q_offset=0):
     """Per query block keep the fewest key blocks whose cumulative mass reaches threshold.
 
-    The first key block and the diagonal block (containing position q_offset + qb*block_size)
+    q_offset: int or per-batch list. The first key block and the diagonal block (containing
+    position q_offset + qb*block_size)
     are always kept and count first; the others follow in
     descending order; a block is kept while the mass before it is below threshold * total.
     """
     bs = np.asarray(block_sums, dtype=np.float64)
     batch, hq, nqb, nkb = bs.shape
+    q_offset = per_batch(q_offset, batch)
     mask = np.zeros(bs.shape, dtype=bool)
     for b in range(batch):
         for h in range(hq):
@@ -123,7 +126,7 @@ def select_blocks_ref(block_sums, *, threshold, block_size, q_offset=0):
                 row = bs[b, h, i]
                 forced = np.zeros(nkb, dtype=bool)
                 forced[0] = True
-                diag = (q_offset + i * block_size) // block_size
+                diag = (q_offset[b] + i * block_size) // block_size
                 if diag < nkb:
                     forced[diag] = True
                 need = threshold * row.sum()
@@ -147,3 +150,23 @@ def rel_err(x, ref) -> float:
     scale = np.max(np.abs(ref)) if ref.size else 0.0
     diff = np.max(np.abs(x - ref)) if ref.size else 0.0
     return float(diff / scale) if scale > 0 else float(diff)
+
+
+def assert_attention_close(o, lse, ref_o, ref_lse, tol: float, lse_tol: float = 1e-5):
+    """o within `tol` relative, finite lse within lse_tol absolute, empty rows exactly (0, -inf).
+
+    o is [..., T, H, D] with lse [..., H, T] (prefill) or o [..., H, D] with lse [..., H].
+    """
+    o = np.asarray(o, dtype=np.float64)
+    lse = np.asarray(lse, dtype=np.float64)
+    assert not np.isnan(o).any() and not np.isnan(lse).any(), "NaN in the result"
+    assert o.shape == ref_o.shape and lse.shape == ref_lse.shape
+    empty = ~np.isfinite(ref_lse)
+    assert np.array_equal(np.isneginf(lse), empty), "rows with no visible key must get lse=-inf"
+    empty_o = np.swapaxes(empty, -1, -2) if o.ndim == 4 else empty
+    assert np.all(o[empty_o] == 0.0), "rows with no visible key must get o=0"
+    err = rel_err(o, ref_o)
+    assert err <= tol, f"o relative error {err:.3e} > {tol:.0e}"
+    if (~empty).any():
+        lerr = float(np.max(np.abs(lse[~empty] - ref_lse[~empty])))
+        assert lerr <= lse_tol, f"lse absolute error {lerr:.3e} > {lse_tol:.0e}"

@@ -1,0 +1,118 @@
+"""attention_with_lse / decode_attention_with_lse (Pallas, interpret mode) and their jnp twins
+against float64 NumPy references."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import attention as attention_mod
+from kernel_reference import assert_attention_close, attention_ref, decode_ref
+
+PREFILL = {"pallas": pk.attention_with_lse, "xla": pk.attention_with_lse_xla}
+DECODE = {"pallas": pk.decode_attention_with_lse, "xla": pk.decode_attention_with_lse_xla}
+
+# (B, Tq, Tk, Hq, Hkv, D, causal, q_offset, kv_len, dtype): lengths are not multiples of any
+# block size; each case mixes several features so the interpret-mode compiles stay few.
+PREFILL_CASES = {
+    "gqa4_causal_offset_kvlen_d64": (2, 37, 53, 4, 1, 64, True, [16, 0], [53, 40], "float32"),
+    "gqa8_tq1_noncausal_kvlen_d128": (2, 1, 70, 8, 1, 128, False, 0, [50, 17], "float32"),
+    "gqa1_tk1_causal": (1, 19, 1, 2, 2, 64, True, 0, None, "float32"),
+    "empty_rows_negative_offset_kvlen0": (3, 40, 100, 8, 2, 128, True, [60, -45, 5],
+                                          [100, 100, 0], "float32"),
+    "bf16_gqa8_causal": (1, 70, 130, 8, 1, 128, True, 60, None, "bfloat16"),
+}
+
+
+def _inputs(seed, q_shape, kv_shape, dtype):
+    rng = np.random.default_rng(seed)
+    arrs = [rng.standard_normal(s).astype(np.float32) for s in (q_shape, kv_shape, kv_shape)]
+    jarrs = [jnp.asarray(a, dtype) for a in arrs]
+    # The reference sees exactly the (possibly bf16-rounded) values the kernel sees.
+    return jarrs, [np.asarray(a.astype(jnp.float32)) for a in jarrs]
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+@pytest.mark.parametrize("case", list(PREFILL_CASES))
+def test_prefill_matches_float64(impl, case):
+    b, tq, tk, hq, hkv, d, causal, q_offset, kv_len, dtype = PREFILL_CASES[case]
+    seed = 1000 + list(PREFILL_CASES).index(case) * 10 + (impl == "xla")
+    (q, k, v), (qn, kn, vn) = _inputs(seed, (b, tq, hq, d), (b, tk, hkv, d), dtype)
+    ref_o, ref_lse = attention_ref(qn, kn, vn, causal=causal, q_offset=q_offset, kv_len=kv_len)
+    o, lse = PREFILL[impl](q, k, v, causal=causal, q_offset=q_offset,
+                           kv_len=None if kv_len is None else jnp.asarray(kv_len, jnp.int32))
+    assert o.dtype == q.dtype and o.shape == q.shape
+    assert lse.dtype == jnp.float32 and lse.shape == (b, hq, tq)
+    tol = 1e-5 if dtype == "float32" else 1e-2
+    assert_attention_close(o, lse, ref_o, ref_lse, tol=tol, lse_tol=max(1e-5, tol))
+
+
+# (B, S, Hq, Hkv, D, kv_len, dtype, pallas kwargs)
+DECODE_CASES = {
+    "gqa8_kvlen_splits_d64": (3, 300, 8, 1, 64, [300, 0, 77], "float32",
+                              dict(num_splits=5, block_k=32)),
+    "gqa1_d128": (1, 37, 4, 4, 128, None, "float32", {}),
+    "gqa4_s1": (2, 1, 12, 3, 64, None, "float32", {}),
+    "bf16_gqa8": (1, 200, 16, 2, 128, 150, "bfloat16", {}),
+}
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode_matches_float64(impl, case):
+    b, s, hq, hkv, d, kv_len, dtype, kwargs = DECODE_CASES[case]
+    seed = 2000 + list(DECODE_CASES).index(case) * 10 + (impl == "xla")
+    (q, k, v), (qn, kn, vn) = _inputs(seed, (b, hq, d), (b, s, hkv, d), dtype)
+    ref_o, ref_lse = decode_ref(qn, kn, vn, kv_len=kv_len)
+    o, lse = DECODE[impl](q, k, v, kv_len=None if kv_len is None else jnp.asarray(kv_len),
+                          **(kwargs if impl == "pallas" else {}))
+    assert o.dtype == q.dtype and o.shape == q.shape
+    assert lse.dtype == jnp.float32 and lse.shape == (b, hq)
+    tol = 1e-5 if dtype == "float32" else 1e-2
+    assert_attention_close(o, lse, ref_o, ref_lse, tol=tol, lse_tol=max(1e-5, tol))
+
+
+def test_traced_offset_and_length_do_not_recompile():
+    """Inside jit (the engine) and called directly, new q_offset/kv_len values reuse the
+    compiled kernel."""
+    (q, k, v), (qn, kn, vn) = _inputs(11, (1, 24, 4, 64), (1, 48, 2, 64), "float32")
+    traces = []
+
+    @jax.jit
+    def step(q, k, v, q_offset, kv_len):
+        traces.append(None)
+        return pk.attention_with_lse(q, k, v, causal=True, q_offset=q_offset, kv_len=kv_len)
+
+    for q_offset, kv_len in [(0, 48), (20, 30), (-30, 48)]:
+        o, lse = step(q, k, v, jnp.int32(q_offset), jnp.int32(kv_len))
+        ref_o, ref_lse = attention_ref(qn, kn, vn, causal=True, q_offset=q_offset,
+                                       kv_len=kv_len)
+        assert_attention_close(o, lse, ref_o, ref_lse, tol=1e-5)
+    assert len(traces) == 1
+
+    fast, _ = attention_mod._attention_pallas.jitted
+    pk.attention_with_lse(q, k, v, causal=True, q_offset=3, kv_len=40, interpret=True)
+    size = fast._cache_size()
+    pk.attention_with_lse(q, k, v, causal=True, q_offset=17, kv_len=21, interpret=True)
+    assert fast._cache_size() == size
+
+
+@pytest.mark.parametrize("fn", [pk.attention_with_lse, pk.attention_with_lse_xla])
+def test_rejects_bad_shapes(fn):
+    q = jnp.ones((1, 4, 6, 64))
+    k = jnp.ones((1, 8, 4, 64))
+    with pytest.raises(ValueError, match="Hq=6 is not a multiple of Hkv=4"):
+        fn(q, k, k)
+    with pytest.raises(ValueError, match="same batch and head_dim"):
+        fn(jnp.ones((1, 4, 4, 32)), k, k)
+    with pytest.raises(ValueError, match="kv_len has shape"):
+        fn(jnp.ones((1, 4, 4, 64)), k, k, kv_len=jnp.ones((3,), jnp.int32))
+
+
+def test_rejects_unsupported_head_dim_in_pallas():
+    q = jnp.ones((1, 4, 2, 80))
+    with pytest.raises(ValueError, match="head_dim=80"):
+        pk.attention_with_lse(q, q, q)
