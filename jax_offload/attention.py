@@ -28,6 +28,12 @@ def check_attention_impl(impl: str) -> str:
     return impl
 
 
+@jax.jit
+def embed_tokens(table: jax.Array, token_ids: jax.Array) -> jax.Array:
+    """token_ids [B, T] -> hidden [B, T, hidden] (takes the table alone: cheaper to pass than all params)."""
+    return jnp.take(table, token_ids, axis=0)
+
+
 def prefill_attention(impl: str, q, k, v, *, causal: bool, q_offset=0, kv_len=None):
     """Attention with LSE of a query chunk [B, T, Hq, D] over keys [B, S, Hkv, D]."""
     fn = pallas_kernels.attention_with_lse if impl == "pallas" else pallas_kernels.attention_with_lse_xla

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_offload.attention import decode_layer_in_device, prefill_layer_in_device
+from jax_offload.attention import decode_layer_in_device, embed_tokens, prefill_layer_in_device
 from jax_offload.buckets import cache_bucket, prompt_bucket
 from jax_offload.config import ModelConfig
 from jax_offload.models.params import ModelParams
@@ -22,10 +22,16 @@ class DeviceRunner:
         self._v: list[jax.Array] = []
 
     def prefill(
-        self, x: jax.Array, prompt_len: int, total_len: int, progress: Callable[[float], None] | None = None
-    ) -> jax.Array:
-        """x [1, T, hidden] embedded (padded) prompt -> final hidden states [1, T, hidden]."""
+        self,
+        ids: np.ndarray,
+        prompt_len: int,
+        total_len: int,
+        progress: Callable[[float], None] | None = None,
+        keep_all: bool = True,
+    ) -> tuple[jax.Array, int]:
+        """ids [1, T] padded prompt -> (final hidden states [1, T, hidden], 0: position of the first row)."""
         cfg = self.cfg
+        x = embed_tokens(self.params.embed, ids)
         cache_len = max(cache_bucket(total_len), x.shape[1])
         shape = (1, cache_len, cfg.num_kv_heads, cfg.head_dim)
         self._k = [jnp.zeros(shape, self.dtype) for _ in range(cfg.num_layers)]
@@ -38,7 +44,7 @@ class DeviceRunner:
             if progress is not None:
                 jax.block_until_ready(x)  # report work done, not work dispatched
                 progress(prompt_len / cfg.num_layers)
-        return x
+        return x, 0
 
     def decode(self, x: jax.Array, position: int) -> jax.Array:
         """x [1, 1, hidden] embedded new token at `position` -> its final hidden state."""

@@ -14,7 +14,7 @@ import numpy as np
 from tqdm import tqdm
 
 from convert.safetensors_loader import load_params
-from jax_offload.attention import check_attention_impl, default_attention_impl
+from jax_offload.attention import check_attention_impl, default_attention_impl, embed_tokens
 from jax_offload.config import EngineConfig, ModelConfig
 from jax_offload.device_runner import DeviceRunner, pad_ids
 from jax_offload.models import decoder
@@ -45,11 +45,6 @@ class RequestOutput:
     def decode_tokens_per_second(self) -> float:
         # The first token comes out of prefill; decode makes the rest.
         return max(len(self.token_ids) - 1, 0) / max(self.decode_seconds, 1e-9)
-
-
-@jax.jit
-def _embed(table: jax.Array, ids: jax.Array) -> jax.Array:
-    return jnp.take(table, ids, axis=0)
 
 
 class LLM:
@@ -188,7 +183,7 @@ class LLM:
         """float32 [len(token_ids), vocab]: the prefill logits at every position."""
         ids = self.encode(list(token_ids))
         try:
-            hidden = self._prefill(ids, len(ids))
+            hidden, _ = self._prefill(ids, len(ids), keep_all=True)
             out = _all_logits(self.model_config, self.params, hidden)
             return np.asarray(out[0, : len(ids)])
         finally:
@@ -196,12 +191,14 @@ class LLM:
 
     # ---- one request ----------------------------------------------------------------------------
 
-    def _prefill(self, ids: list[int], total_len: int, progress: bool = False) -> jax.Array:
-        x = _embed(self.params.embed, pad_ids(ids, self._runner.padded_length(len(ids))))
+    def _prefill(
+        self, ids: list[int], total_len: int, progress: bool = False, keep_all: bool = False
+    ) -> tuple[jax.Array, int]:
+        padded = pad_ids(ids, self._runner.padded_length(len(ids)))
         if not progress or len(ids) < PROGRESS_MIN_TOKENS:
-            return self._runner.prefill(x, len(ids), total_len)
+            return self._runner.prefill(padded, len(ids), total_len, keep_all=keep_all)
         with tqdm(total=len(ids), desc="prefill", unit="tok", unit_scale=True, leave=False) as bar:
-            return self._runner.prefill(x, len(ids), total_len, bar.update)
+            return self._runner.prefill(padded, len(ids), total_len, bar.update, keep_all)
 
     def _decode_text(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
@@ -224,8 +221,8 @@ class LLM:
         text, finish_reason = "", "length"
         try:
             start = time.perf_counter()
-            hidden = self._prefill(ids, total_len, progress)
-            logit_row = _last_logits(cfg, self.params, hidden, jnp.int32(len(ids) - 1))
+            hidden, first_position = self._prefill(ids, total_len, progress)
+            logit_row = _last_logits(cfg, self.params, hidden, jnp.int32(len(ids) - 1 - first_position))
             token = int(sample_token(logit_row, *knobs, jax.random.fold_in(key, 0)))
             prefill_s = time.perf_counter() - start
             start = time.perf_counter()
@@ -246,7 +243,7 @@ class LLM:
                     text = new_text
                 if finish_reason == "stop" or len(generated) >= params.max_tokens or position >= total_len:
                     break
-                x = _embed(self.params.embed, jnp.full((1, 1), token, jnp.int32))
+                x = embed_tokens(self.params.embed, np.full((1, 1), token, np.int32))
                 hidden = self._runner.decode(x, position)
                 logit_row = _last_logits(cfg, self.params, hidden, jnp.int32(0))
                 token = int(sample_token(logit_row, *knobs, jax.random.fold_in(key, len(generated))))

@@ -9,8 +9,10 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_offload.attention import (
+    embed_tokens,
     chunk_attend_block,
     chunk_begin,
     decode_attend_block,
@@ -67,26 +69,33 @@ class OffloadRunner:
     # ---- prefill -------------------------------------------------------------------------------
 
     def prefill(
-        self, x: jax.Array, prompt_len: int, total_len: int, progress: Callable[[float], None] | None = None
-    ) -> jax.Array:
-        """x [1, T, hidden] embedded prompt padded by `padded_length` -> final hidden states [1, T, hidden].
-        `progress(tokens)` is told how much of the prompt is done as work completes."""
+        self,
+        ids: np.ndarray,
+        prompt_len: int,
+        total_len: int,
+        progress: Callable[[float], None] | None = None,
+        keep_all: bool = False,
+    ) -> tuple[jax.Array, int]:
+        """ids [1, T] prompt padded by `padded_length` -> (final hidden states [1, T', hidden], position of
+        their first row). Chunked prefill keeps only the last chunk's rows unless `keep_all`, so GPU memory
+        does not grow with the prompt. `progress(tokens)` is told how much is done as work completes."""
         self.store.reset()
         self._tails = [None] * self.cfg.num_layers
         if self.mode == "chunked":
-            x = self._prefill_chunked(x, prompt_len, progress)
+            out = self._prefill_chunked(ids, prompt_len, progress, keep_all)
         else:
-            x = self._prefill_layerwise(x, prompt_len, progress)
+            out = self._prefill_layerwise(embed_tokens(self.params.embed, ids), prompt_len, progress), 0
         self._tail_len = prompt_len % self.block_size
         self._tails = [self._empty_tail() if t is None else t for t in self._tails]
-        return x
+        return out
 
-    def _prefill_chunked(self, x: jax.Array, prompt_len: int, progress) -> jax.Array:
+    def _prefill_chunked(self, ids: np.ndarray, prompt_len: int, progress, keep_all: bool) -> tuple[jax.Array, int]:
         bs, layers = self.block_size, self.params.layers
         outputs = []
-        for c in range(x.shape[1] // bs):
+        num_chunks = ids.shape[1] // bs
+        for c in range(num_chunks):
             chunk_len = min(bs, prompt_len - c * bs)
-            h = x[:, c * bs : (c + 1) * bs]
+            h = embed_tokens(self.params.embed, ids[:, c * bs : (c + 1) * bs])
             ring = BlockRing(self.store, self.num_slots, ((l, b) for l in range(len(layers)) for b in range(c)))
             for l, layer in enumerate(layers):
                 q, kv, o, lse = chunk_begin(
@@ -97,11 +106,14 @@ class OffloadRunner:
                     ring.release(lse)
                 h = finish_layer(self.cfg, layer, h, o)
                 self._keep_block(l, c, kv, chunk_len)
-            outputs.append(h)
+            if keep_all or c == num_chunks - 1:
+                outputs.append(h)
             if progress is not None:
                 jax.block_until_ready(h)  # report work done, not work dispatched
                 progress(chunk_len)
-        return jnp.concatenate(outputs, axis=1) if len(outputs) > 1 else outputs[0]
+        if keep_all:
+            return jnp.concatenate(outputs, axis=1), 0
+        return outputs[0], (num_chunks - 1) * bs
 
     def _prefill_layerwise(self, x: jax.Array, prompt_len: int, progress) -> jax.Array:
         length = jnp.int32(prompt_len)
