@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import json
 import os
@@ -58,8 +59,10 @@ def random_params(cfg, dtype, seed: int = 0):
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
 
+    @functools.partial(jax.jit, static_argnums=1)
     def rnd(k, shape):
-        return (jax.random.normal(k, shape, jnp.float32) * 0.02).astype(dtype)
+        # Drawn in the target dtype: no float32 temporaries inflating the GPU memory peak.
+        return jax.random.normal(k, shape, dtype) * jnp.asarray(0.02, dtype)
 
     layers = []
     for n in range(cfg.num_layers):
