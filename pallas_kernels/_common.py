@@ -34,7 +34,7 @@ def fit_block(requested: int, length: int) -> int:
     16-row tile (the tail is masked).
     """
     if requested < MIN_BLOCK or requested & (requested - 1):
-        raise ValueError(f"block size {requested} must be a power of two >= {MIN_BLOCK}")
+        raise ValueError(f"block size {requested}; allowed: a power of two >= {MIN_BLOCK}")
     return max(MIN_BLOCK, min(requested, next_pow2(length)))
 
 

@@ -14,7 +14,8 @@ from kernel_reference import select_blocks_ref, xattn_block_sums_ref
 CASES = {
     "causal_gqa2_offset_kvlen": (2, 70, 200, 4, 2, 64, 4, 32, True, [130, 100], [200, 150],
                                  [None, 64]),
-    "causal_gqa4_prefill_end": (1, 100, 300, 8, 2, 128, 8, 64, True, 200, None, [128]),
+    # block 96 / stride 8: 12 tiles per block, not a power of two (jnp block-sum fallback)
+    "causal_gqa4_prefill_end_block96": (1, 100, 300, 8, 2, 128, 8, 96, True, 200, None, [192]),
     "noncausal_gqa1_kvlen": (1, 50, 90, 2, 2, 64, 4, 16, False, 0, [61], [None, 32]),
 }
 
