@@ -40,7 +40,7 @@ from pallas_kernels._common import (
 
 
 def default_attention_config(dtype) -> dict[str, int]:
-    """Block sizes and launch parameters tuned on an H100/H200 (see bench/bench_kernels.py).
+    """Block sizes and launch parameters tuned on an H200 (see bench/bench_kernels.py).
 
     float32 uses exact (non-tf32) dots, which run on CUDA cores and need smaller tiles.
     """

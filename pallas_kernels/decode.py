@@ -46,7 +46,7 @@ _TARGET_PROGRAMS = 128
 
 
 def default_decode_config(dtype) -> dict[str, int]:
-    """Launch parameters tuned on an H100/H200 (see bench/bench_kernels.py)."""
+    """Launch parameters tuned on an H200 (see bench/bench_kernels.py)."""
     if jnp.dtype(dtype) == jnp.float32:
         return dict(block_k=32, num_warps=4, num_stages=2)
     return dict(block_k=128, num_warps=4, num_stages=3)

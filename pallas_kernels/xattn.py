@@ -57,7 +57,7 @@ from pallas_kernels._common import (
 
 
 def default_xattn_config(dtype) -> dict[str, int]:
-    """Score-kernel tiles (in key/query tiles, not tokens), tuned on an H100/H200."""
+    """Score-kernel tiles (in key/query tiles, not tokens), tuned on an H200."""
     if jnp.dtype(dtype) == jnp.float32:
         return dict(block_m=32, block_n=32, num_warps=4, num_stages=2)
     return dict(block_m=128, block_n=128, num_warps=8, num_stages=3)
