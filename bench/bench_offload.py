@@ -199,16 +199,17 @@ def _stream_time(store, num_slots: int, schedule: list) -> float:
     """Seconds to stream `schedule` through the ring with a trivial consumer: transfers alone."""
     import jax
 
-    from jax_offload.kv.ring import BlockRing
+    from jax_offload.kv.ring import BlockRing, group_size, grouped
 
+    groups = grouped(schedule, group_size(num_slots))
     best = float("inf")
     for _ in range(3):
         t = time.perf_counter()
-        ring = BlockRing(store, num_slots, schedule)
+        ring = BlockRing(store, num_slots, groups)
         last = None
-        for _ in schedule:
+        for g in groups:
             last = ring.take()
-            ring.release(last)  # the consumer is the transfer itself
+            ring.release(last[-1], len(g))  # the consumer is the transfer itself
         jax.block_until_ready(last)
         best = min(best, time.perf_counter() - t)
     return best

@@ -93,6 +93,11 @@ def _split_block(block: jax.Array) -> tuple[jax.Array, jax.Array]:
     return block[0][None], block[1][None]
 
 
+def _join_blocks(blocks: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+    """Consecutive blocks -> k, v [1, n * block_size, Hkv, D]: one kernel call covers the whole group."""
+    return _split_block(jnp.concatenate(blocks, axis=1) if len(blocks) > 1 else blocks[0])
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def chunk_begin(
     cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, inv_freq: jax.Array, start: jax.Array, chunk_len: jax.Array
@@ -106,11 +111,11 @@ def chunk_begin(
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def chunk_attend_block(
-    impl: str, q: jax.Array, block: jax.Array, o_acc: jax.Array, lse_acc: jax.Array
+def chunk_attend_blocks(
+    impl: str, q: jax.Array, blocks: tuple[jax.Array, ...], o_acc: jax.Array, lse_acc: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """Merges the attention of a chunk's queries over one earlier (wholly visible) block into the state."""
-    k, v = _split_block(block)
+    """Merges the attention of a chunk's queries over earlier (wholly visible) blocks into the state."""
+    k, v = _join_blocks(blocks)
     o, lse = prefill_attention(impl, q, k, v, causal=False)
     return pallas_kernels.merge_states(o_acc, lse_acc, o.astype(jnp.float32), lse)
 
@@ -136,11 +141,11 @@ def decode_begin(
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def decode_attend_block(
-    impl: str, q: jax.Array, block: jax.Array, o_acc: jax.Array, lse_acc: jax.Array
+def decode_attend_blocks(
+    impl: str, q: jax.Array, blocks: tuple[jax.Array, ...], o_acc: jax.Array, lse_acc: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """Merges one token's attention over one host block into its state (o [1, Hq, D], lse [1, Hq])."""
-    k, v = _split_block(block)
+    """Merges one token's attention over host blocks into its state (o [1, Hq, D], lse [1, Hq])."""
+    k, v = _join_blocks(blocks)
     o, lse = decode_attention(impl, q, k, v)
     merged_o, merged_lse = pallas_kernels.merge_states(
         o_acc[:, None], lse_acc[..., None], o[:, None].astype(jnp.float32), lse[..., None]

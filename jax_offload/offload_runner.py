@@ -13,9 +13,9 @@ import numpy as np
 
 from jax_offload.attention import (
     embed_tokens,
-    chunk_attend_block,
+    chunk_attend_blocks,
     chunk_begin,
-    decode_attend_block,
+    decode_attend_blocks,
     decode_begin,
     finish_layer,
     layerwise_layer,
@@ -23,7 +23,7 @@ from jax_offload.attention import (
 from jax_offload.buckets import prompt_bucket
 from jax_offload.config import EngineConfig, ModelConfig, round_up
 from jax_offload.kv.host_store import HostKVStore
-from jax_offload.kv.ring import BlockRing
+from jax_offload.kv.ring import BlockRing, group_size, grouped
 from jax_offload.models.params import ModelParams
 from jax_offload.sparse import SparsePolicy
 
@@ -46,6 +46,7 @@ class OffloadRunner:
             engine.prefill,
             policy,
         )
+        self.group = group_size(engine.num_ring_slots)
         self.store = HostKVStore(
             cfg.num_layers,
             -(-engine.max_model_len // engine.block_size),
@@ -96,14 +97,15 @@ class OffloadRunner:
         for c in range(num_chunks):
             chunk_len = min(bs, prompt_len - c * bs)
             h = embed_tokens(self.params.embed, ids[:, c * bs : (c + 1) * bs])
-            ring = BlockRing(self.store, self.num_slots, ((l, b) for l in range(len(layers)) for b in range(c)))
+            groups = [grouped([(l, b) for b in range(c)], self.group) for l in range(len(layers))]
+            ring = BlockRing(self.store, self.num_slots, (g for layer_groups in groups for g in layer_groups))
             for l, layer in enumerate(layers):
                 q, kv, o, lse = chunk_begin(
                     self.cfg, self.impl, layer, h, self.inv_freq, jnp.int32(c * bs), jnp.int32(chunk_len)
                 )
-                for _ in range(c):
-                    o, lse = chunk_attend_block(self.impl, q, ring.take(), o, lse)
-                    ring.release(lse)
+                for g in groups[l]:
+                    o, lse = chunk_attend_blocks(self.impl, q, tuple(ring.take()), o, lse)
+                    ring.release(lse, len(g))
                 h = finish_layer(self.cfg, layer, h, o)
                 self._keep_block(l, c, kv, chunk_len)
             if keep_all or c == num_chunks - 1:
@@ -139,13 +141,16 @@ class OffloadRunner:
         """x [1, 1, hidden] embedded new token at `position` -> its final hidden state."""
         layers = self.params.layers
         pos, tail_len = jnp.int32(position), jnp.int32(self._tail_len)
-        selected = [self.policy.select(l, self.store.num_written(l)) for l in range(len(layers))]
-        ring = BlockRing(self.store, self.num_slots, ((l, b) for l in range(len(layers)) for b in selected[l]))
+        groups = [
+            grouped([(l, b) for b in self.policy.select(l, self.store.num_written(l))], self.group)
+            for l in range(len(layers))
+        ]
+        ring = BlockRing(self.store, self.num_slots, (g for layer_groups in groups for g in layer_groups))
         for l, layer in enumerate(layers):
             q, self._tails[l], o, lse = decode_begin(self.cfg, self.impl, layer, x, self.inv_freq, self._tails[l], pos, tail_len)
-            for _ in selected[l]:
-                o, lse = decode_attend_block(self.impl, q, ring.take(), o, lse)
-                ring.release(lse)
+            for g in groups[l]:
+                o, lse = decode_attend_blocks(self.impl, q, tuple(ring.take()), o, lse)
+                ring.release(lse, len(g))
             x = finish_layer(self.cfg, layer, x, o)
         self._tail_len += 1
         if self._tail_len == self.block_size:

@@ -2,45 +2,61 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import jax
 
 from jax_offload.kv.host_store import HostKVStore
 
+Key = tuple[int, int]  # (layer, block index)
+
+
+def group_size(num_slots: int) -> int:
+    """Blocks moved and attended together: half the ring, so one group can compute while the next moves.
+    Groups amortise the per-call cost of Python dispatch, which otherwise rivals a block's transfer."""
+    return max(1, num_slots // 2)
+
+
+def grouped(keys: Sequence[Key], size: int) -> list[list[Key]]:
+    return [list(keys[i : i + size]) for i in range(0, len(keys), size)]
+
 
 class BlockRing:
-    """Streams a schedule of (layer, block) keys from the host store through `num_slots` GPU slots.
+    """Streams groups of (layer, block) keys from the host store through `num_slots` GPU slots.
 
     JAX transfers and kernels are asynchronous, and a `device_put` enqueued before a kernel runs under
-    it. So when block i is taken, the transfers of up to `num_slots - 1` later blocks are already queued.
-    A slot is reused only once the compute that read its block has finished (`release`), which holds GPU
-    memory at `num_slots` blocks whatever the context length. With one slot nothing overlaps.
+    it. So when a group is taken, the transfers of later groups are already queued as far as free
+    slots allow. A slot is reused only once the compute that read its block has finished (`release`),
+    which holds GPU memory at `num_slots` blocks whatever the context length. With one slot nothing
+    overlaps.
     """
 
-    def __init__(self, store: HostKVStore, num_slots: int, schedule: Iterable[tuple[int, int]]):
+    def __init__(self, store: HostKVStore, num_slots: int, schedule: Iterable[list[Key]]):
         self._store, self._num_slots = store, num_slots
         self._pending = iter(schedule)
-        self._next_key = next(self._pending, None)
-        self._in_flight: deque[jax.Array] = deque()
-        self._busy: deque[jax.Array] = deque()
+        self._next = next(self._pending, None)
+        self._in_flight: deque[list[jax.Array]] = deque()
+        self._busy: deque[tuple[jax.Array, int]] = deque()
         self._fill()
 
-    def _fill(self) -> None:
-        while self._next_key is not None and len(self._in_flight) + len(self._busy) < self._num_slots:
-            layer, index = self._next_key
-            self._in_flight.append(jax.device_put(self._store.read(layer, index), self._store.device))
-            self._next_key = next(self._pending, None)
+    def _used(self) -> int:
+        return sum(len(g) for g in self._in_flight) + sum(n for _, n in self._busy)
 
-    def take(self) -> jax.Array:
-        """The next scheduled block, on the GPU (its transfer may still be running; JAX orders the use)."""
+    def _fill(self) -> None:
+        while self._next is not None and self._used() + len(self._next) <= self._num_slots:
+            host = [self._store.read(layer, index) for layer, index in self._next]
+            self._in_flight.append(jax.device_put(host, self._store.device))
+            self._next = next(self._pending, None)
+
+    def take(self) -> list[jax.Array]:
+        """The next scheduled group, on the GPU (transfers may still run; JAX orders the use)."""
         if not self._in_flight:
             raise RuntimeError("The ring's schedule is exhausted.")
         return self._in_flight.popleft()
 
-    def release(self, consumer: jax.Array) -> None:
-        """Hands back the slot of the last taken block; `consumer` is a result computed from it."""
-        self._busy.append(consumer)
-        while self._next_key is not None and len(self._in_flight) + len(self._busy) >= self._num_slots:
-            jax.block_until_ready(self._busy.popleft())
+    def release(self, consumer: jax.Array, num_blocks: int) -> None:
+        """Hands back the slots of the last taken group; `consumer` is a result computed from it."""
+        self._busy.append((consumer, num_blocks))
+        while self._next is not None and self._busy and self._used() + len(self._next) > self._num_slots:
+            jax.block_until_ready(self._busy.popleft()[0])
         self._fill()
