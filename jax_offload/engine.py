@@ -241,7 +241,7 @@ class LLM:
                     if on_text is not None and len(new_text) > len(text):
                         on_text(new_text[len(text) :])
                     text = new_text
-                if finish_reason == "stop" or len(generated) >= params.max_tokens or position >= total_len:
+                if finish_reason == "stop" or len(ids) + len(generated) >= total_len:
                     break
                 x = embed_tokens(self.params.embed, np.full((1, 1), token, np.int32))
                 hidden = self._runner.decode(x, position)

@@ -9,11 +9,6 @@ import pytest
 
 from jax_offload.default_model import ensure_default_model
 
-pytest.importorskip("torch")
-pytest.importorskip("gguf")
-pytest.importorskip("accelerate")
-
-
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
     return ensure_default_model(quiet=True)

@@ -1,0 +1,59 @@
+"""The default real model (SmolLM2-135M-Instruct, float32) against transformers, the CLI, and a needle."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from jax_offload import LLM, SamplingParams
+from jax_offload.default_model import ensure_default_model
+from jax_offload.eval.ruler import make_samples, score_string_match_all
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+]
+
+
+@pytest.fixture(scope="module")
+def models():
+    model_dir = ensure_default_model(quiet=True)
+    torch_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True).eval()
+    return model_dir, torch_model, LLM(model_dir, dtype="float32")
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_logits_and_greedy_tokens_match_transformers(models, prompt):
+    _, torch_model, llm = models
+    ids = llm.apply_chat_template([{"role": "user", "content": prompt}])
+    with torch.no_grad():
+        ref_logits = torch_model(torch.tensor([ids])).logits[0].numpy()
+        ref_tokens = torch_model.generate(
+            torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=2
+        )[0, len(ids) :].tolist()
+    assert np.abs(llm.logits(ids) - ref_logits).max() <= 1e-3
+    out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))[0]
+    assert out.token_ids == ref_tokens
+
+
+def test_cli_answers_paris_with_speed():
+    run = subprocess.run(
+        [sys.executable, "-m", "jax_offload.generate", "--prompt", "What is the capital of France?"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "Paris" in run.stdout
+    assert "tokens/s" in run.stdout
+
+
+def test_offloaded_engine_finds_needles(models):
+    model_dir, _, llm = models
+    offload = LLM(model_dir, dtype="float32", offload=True, block_size=256, num_ring_slots=2, prefill="chunked")
+    samples = make_samples("niah_single_1", llm.tokenizer, 1024, 2, seed=0)
+    outs = offload.generate([s.prompt_ids for s in samples], SamplingParams(temperature=0.0, max_tokens=16))
+    assert score_string_match_all([o.text for o in outs], [s.answers for s in samples]) == 100.0
