@@ -33,8 +33,14 @@ def test_logits_and_greedy_tokens_match_transformers(models, prompt):
     ids = llm.apply_chat_template([{"role": "user", "content": prompt}])
     with torch.no_grad():
         ref_logits = torch_model(torch.tensor([ids])).logits[0].numpy()
+        # An explicit mask: the chat template's <|im_end|> is also the pad id, which generate would mask out.
         ref_tokens = torch_model.generate(
-            torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=2
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=32,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=2,
         )[0, len(ids) :].tolist()
     assert np.abs(llm.logits(ids) - ref_logits).max() <= 1e-3
     out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))[0]
