@@ -29,6 +29,8 @@ from jax_offload.sparse import SparsePolicy
 
 
 class OffloadRunner:
+    """The request's KV in the pinned-host store; attention streams it back group by group through the ring."""
+
     def __init__(
         self,
         cfg: ModelConfig,
