@@ -19,10 +19,10 @@ from jax_offload.config import EngineConfig, ModelConfig
 from jax_offload.device_runner import DeviceRunner, pad_ids
 from jax_offload.models import decoder
 from jax_offload.models.params import ModelParams
-from jax_offload.offload_runner import OffloadRunner
-from jax_offload.sparse import make_policy
 from jax_offload.models.rope import inverse_frequencies
+from jax_offload.offload_runner import OffloadRunner
 from jax_offload.sampling import SamplingParams, sample_token
+from jax_offload.sparse import make_policy
 
 Prompt = str | Sequence[int]
 PROGRESS_MIN_TOKENS = 4096  # shorter prompts prefill too fast for a progress bar to help

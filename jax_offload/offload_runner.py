@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_offload.attention import (
-    embed_tokens,
     chunk_attend_blocks,
     chunk_begin,
     decode_attend_blocks,
     decode_begin,
+    embed_tokens,
     finish_layer,
     layerwise_layer,
 )
