@@ -303,7 +303,7 @@ def write_outputs(rep: Report, out_dir: str, extra: dict):
     meta = dict(extra)
     with open(os.path.join(out_dir, "kernels.json"), "w") as f:
         json.dump(dict(meta=meta, results=rep.rows, sweep=rep.sweep), f, indent=1, default=str)
-    lines = [f"# pallas_kernels benchmark", "",
+    lines = ["# pallas_kernels benchmark", "",
              f"device: {meta['device']}; jax {meta['jax']}; torch {meta['torch']}; "
              f"{meta['date']}", "",
              "| figure | shape | dtype | value | unit | peer | peer value | ratio | target | "

@@ -369,7 +369,7 @@ def write_report(result: dict, out: Path) -> None:
     (out / "offload.json").write_text(json.dumps(result, indent=1))
     ours, hf = result["ours"], result.get("hf", {})
     lines = [
-        f"# Offload benchmark: Llama-3.1-8B shape, random bf16 weights",
+        "# Offload benchmark: Llama-3.1-8B shape, random bf16 weights",
         "",
         f"{result['device']} | jax {result['jax']} | torch {hf.get('torch', '?')} | transformers "
         f"{hf.get('transformers', '?')} | {result['date']}",
