@@ -97,7 +97,8 @@ def _run(args: argparse.Namespace) -> int:
     else:
         print(
             f"\n[prefill {len(out.prompt_token_ids)} tokens: {out.prefill_tokens_per_second:.1f} tokens/s | "
-            f"decode {len(out.token_ids)} tokens: {out.decode_tokens_per_second:.1f} tokens/s]"
+            f"decode {len(out.token_ids)} tokens: {out.decode_tokens_per_second:.1f} tokens/s; "
+            "a first run includes jit compilation]"
         )
     return 0
 
