@@ -135,3 +135,22 @@ def interpret_aware_jit(fn, static_argnames: tuple[str, ...]):
 
     call.jitted = (fast, normal)  # lets tests inspect the compilation caches
     return call
+
+
+def online_softmax_update(carry, s, load_v, *, scale_log2: float, masked: bool, precision):
+    """One key tile of the online softmax shared by the prefill and decode kernels.
+
+    carry = (acc, m, l) with m in scaled log2 units (m = max(s) * sm_scale * log2(e); the scale is > 0);
+    `s` are raw scores with invisible keys already at -inf; `load_v()` loads the tile's values.
+    """
+    acc, m_i, l_i = carry
+    m_new = jnp.maximum(m_i, jnp.max(s, axis=1) * scale_log2)
+    # A row with nothing visible yet keeps m = -inf; shift it by 0 to avoid inf - inf.
+    m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if masked else m_new
+    alpha = jnp.exp2(m_i - m_use)
+    # The scale is folded into the exponent (one FMA per element).
+    p = jnp.exp2(s * scale_log2 - m_use[:, None])
+    l_i = l_i * alpha + jnp.sum(p, axis=1)
+    v = load_v()
+    acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+    return acc, m_new, l_i

@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
+    online_softmax_update,
     LN2,
     LOG2E,
     NEG_INF,
@@ -77,7 +78,6 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, 
     n_full = jnp.minimum(n_full, n_blocks)
 
     def body(j, carry, masked: bool):
-        acc, m_i, l_i = carry
         start = pl.multiple_of(j * block_k, block_k)
         kslice = pl.ds(start, block_k)
         if masked:
@@ -93,19 +93,15 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, 
             if causal:
                 vis = vis & (cols[None, :] <= (q_offset + rows)[:, None])
             s = jnp.where(vis, s, NEG_INF)
-        # m is kept in scaled log2 units: m = max(s) * sm_scale * log2(e) (the scale is > 0).
-        m_new = jnp.maximum(m_i, jnp.max(s, axis=1) * scale_log2)
-        # A row with nothing visible yet keeps m = -inf; shift it by 0 to avoid inf - inf.
-        m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if masked else m_new
-        alpha = jnp.exp2(m_i - m_use)
-        p = jnp.exp2(s * scale_log2 - m_use[:, None])
-        l_i = l_i * alpha + jnp.sum(p, axis=1)
-        if masked:
-            v = plgpu.load(v_ref.at[kslice, :], mask=col_ok[:, None], other=0)
-        else:
-            v = plgpu.load(v_ref.at[kslice, :])
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
-        return acc, m_new, l_i
+
+        def load_v():
+            if masked:
+                return plgpu.load(v_ref.at[kslice, :], mask=col_ok[:, None], other=0)
+            return plgpu.load(v_ref.at[kslice, :])
+
+        return online_softmax_update(
+            carry, s, load_v, scale_log2=scale_log2, masked=masked, precision=precision
+        )
 
     carry = (
         jnp.zeros((block_q, head_dim), jnp.float32),

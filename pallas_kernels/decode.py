@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
+    online_softmax_update,
     LN2,
     LOG2E,
     MIN_BLOCK,
@@ -67,7 +68,6 @@ def _decode_kernel(kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale_log2
     q = plgpu.load(q_ref, mask=row_ok[:, None], other=0)
 
     def body(j, carry, masked: bool):
-        acc, m_i, l_i = carry
         first = pl.multiple_of(start + j * block_k, block_k)
         kslice = pl.ds(first, block_k)
         if masked:
@@ -79,19 +79,15 @@ def _decode_kernel(kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale_log2
         s = plgpu.dot(q, k, trans_b=True, precision=precision)
         if masked:
             s = jnp.where(col_ok[None, :], s, NEG_INF)
-        # m is kept in scaled log2 units: m = max(s) * sm_scale * log2(e) (the scale is > 0).
-        m_new = jnp.maximum(m_i, jnp.max(s, axis=1) * scale_log2)
-        # A row with nothing visible yet keeps m = -inf; shift it by 0 to avoid inf - inf.
-        m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if masked else m_new
-        alpha = jnp.exp2(m_i - m_use)
-        p = jnp.exp2(s * scale_log2 - m_use[:, None])
-        l_i = l_i * alpha + jnp.sum(p, axis=1)
-        if masked:
-            v = plgpu.load(v_ref.at[kslice, :], mask=col_ok[:, None], other=0)
-        else:
-            v = plgpu.load(v_ref.at[kslice, :])
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
-        return acc, m_new, l_i
+
+        def load_v():
+            if masked:
+                return plgpu.load(v_ref.at[kslice, :], mask=col_ok[:, None], other=0)
+            return plgpu.load(v_ref.at[kslice, :])
+
+        return online_softmax_update(
+            carry, s, load_v, scale_log2=scale_log2, masked=masked, precision=precision
+        )
 
     carry = (
         jnp.zeros(q.shape, jnp.float32),
