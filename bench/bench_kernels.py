@@ -448,7 +448,9 @@ def run_checks() -> bool:
 
 ATTN_SWEEP = [dict(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
               for bq, bk, w, st in [(128, 64, 8, 3), (256, 64, 8, 3), (128, 128, 4, 2),
-                                    (64, 64, 4, 2)]]
+                                    (64, 64, 4, 2), (128, 128, 8, 2), (128, 128, 8, 3),
+                                    (128, 64, 4, 3), (128, 64, 4, 4), (128, 32, 4, 3),
+                                    (64, 128, 4, 3), (256, 128, 8, 2), (128, 64, 8, 2)]]
 DECODE_SWEEP = [dict(block_k=bk, num_splits=ns, num_warps=w, num_stages=st)
                 for bk, ns, w, st in [(128, 8, 4, 3), (128, 16, 4, 4), (256, 16, 4, 2),
                                       (64, 16, 4, 3)]]
