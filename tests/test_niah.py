@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import re
 
 import pytest
@@ -177,6 +178,23 @@ def test_run_niah_with_the_torch_backend(tiny_model_dir):
     assert [(r["task"], r["index"]) for r in records] == [("niah_single_1", 0), ("niah_single_1", 1), ("niah_multivalue", 0), ("niah_multivalue", 1)]
     assert all(r["prompt_tokens"] <= 512 and len(r["output_token_ids"]) <= 4 and isinstance(r["output"], str) for r in records)
     json.dumps(result)
+
+
+def test_both_backends_leave_the_stop_token_out_of_the_output_ids(tiny_model_dir, tmp_path):
+    free_run = niah.run_niah("torch", tiny_model_dir, ["niah_single_1"], [300], 1, 0, 4, {})
+    generated = free_run["records"][0]["output_token_ids"]
+    stop = generated[1]
+    model_dir = tmp_path / "stops"
+    shutil.copytree(tiny_model_dir, model_dir)
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((model_dir / name).read_text())
+        cfg["eos_token_id"] = stop
+        (model_dir / name).write_text(json.dumps(cfg))
+    outputs = [
+        niah.run_niah(backend, model_dir, ["niah_single_1"], [300], 1, 0, 4, opts)["records"][0]["output_token_ids"]
+        for backend, opts in (("torch", {}), ("jax", {"dtype": "float32"}))
+    ]
+    assert outputs[0] == outputs[1] == generated[: generated.index(stop)]
 
 
 def test_torch_backend_rejects_jax_only_options(tiny_model_dir):

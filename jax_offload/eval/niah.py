@@ -48,6 +48,8 @@ def _torch_backend(model_dir: Path, max_tokens: int, engine_options: dict[str, A
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtypes[dtype_name], use_safetensors=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = model.generation_config.eos_token_id  # what generate stops on
+    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
     def generate(ids: list[int]) -> tuple[str, list[int]]:
         input_ids = torch.tensor([ids])
@@ -60,6 +62,8 @@ def _torch_backend(model_dir: Path, max_tokens: int, engine_options: dict[str, A
                 pad_token_id=pad_id,
             )
         new = out[0, len(ids):].tolist()
+        if new and new[-1] in eos_ids:  # generate keeps the stop token; our engine does not
+            new = new[:-1]
         return tokenizer.decode(new, skip_special_tokens=True), new
 
     return generate
@@ -123,6 +127,7 @@ def run_niah(
         "max_tokens": max_tokens,
         "chat_template": chat_template,
         "engine_options": dict(engine_options),
+        "stop_token_in_output_ids": False,
     }
     return {"config": config, "scores": scores, "records": records}
 
