@@ -50,6 +50,19 @@ def test_prefill_matches_float64(impl, case):
     assert_attention_close(o, lse, ref_o, ref_lse, tol=tol, lse_tol=max(1e-5, tol))
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_xla_twin_over_several_tiles_matches_float64(causal):
+    """Lengths past the jnp twin's 512 x 512 tiles: the per-query-tile key loop must stop exactly
+    at the diagonal and at kv_len, for offsets that hide whole tiles or all keys of a row."""
+    b, tq, tk, hq, hkv, d = 2, 1100, 1300, 4, 2, 64
+    q_offset, kv_len = [150, -700], [1300, 517]
+    (q, k, v), (qn, kn, vn) = _inputs(3000 + causal, (b, tq, hq, d), (b, tk, hkv, d), "float32")
+    ref_o, ref_lse = attention_ref(qn, kn, vn, causal=causal, q_offset=q_offset, kv_len=kv_len)
+    o, lse = pk.attention_with_lse_xla(q, k, v, causal=causal, q_offset=jnp.asarray(q_offset),
+                                       kv_len=jnp.asarray(kv_len))
+    assert_attention_close(o, lse, ref_o, ref_lse, tol=1e-5, lse_tol=1e-5)
+
+
 # (B, S, Hq, Hkv, D, kv_len, dtype, pallas kwargs)
 DECODE_CASES = {
     "gqa8_kvlen_splits_d64": (3, 300, 8, 1, 64, [300, 0, 77], "float32",
