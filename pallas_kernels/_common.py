@@ -137,6 +137,31 @@ def interpret_aware_jit(fn, static_argnames: tuple[str, ...]):
     return call
 
 
+def load_rows(ref, rows, ok=None):
+    """ref[rows, :] in one tile load; with `ok` (bool per row), rows where it is False read as 0."""
+    if ok is None:
+        return plgpu.load(ref.at[rows, :])
+    return plgpu.load(ref.at[rows, :], mask=ok[:, None], other=0)
+
+
+def empty_softmax_state(rows: int, head_dim: int):
+    """(acc, m, l) of an online softmax that has seen no key yet."""
+    return (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), NEG_INF, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+
+
+def finish_online_softmax(acc, m_i, l_i):
+    """-> (o float32, natural-log lse); a row that saw no key gets o = 0 and lse = -inf."""
+    seen = l_i > 0.0
+    l_safe = jnp.where(seen, l_i, 1.0)
+    inv_l = jnp.where(seen, 1.0 / l_safe, 0.0)
+    lse = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN2, NEG_INF)
+    return acc * inv_l[:, None], lse
+
+
 def online_softmax_update(carry, s, load_v, *, scale_log2: float, masked: bool, precision):
     """One key tile of the online softmax shared by the prefill and decode kernels.
 

@@ -23,8 +23,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
+    empty_softmax_state,
+    finish_online_softmax,
+    load_rows,
     online_softmax_update,
-    LN2,
     LOG2E,
     NEG_INF,
     cdiv,
@@ -62,7 +64,7 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, 
     q_offset = qoff_ref[()]
     kv_len = kvlen_ref[()]  # already clamped to [0, Tk] by the wrapper
 
-    q = plgpu.load(q_ref.at[pl.ds(row0, block_q), :], mask=row_ok[:, None], other=0)
+    q = load_rows(q_ref, pl.ds(row0, block_q), row_ok)
     head_dim = q.shape[-1]
 
     # Keys [0, hi) may be visible to some row of this block; blocks below n_full are visible
@@ -80,12 +82,11 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, 
     def body(j, carry, masked: bool):
         start = pl.multiple_of(j * block_k, block_k)
         kslice = pl.ds(start, block_k)
+        col_ok = None
         if masked:
             cols = start + jnp.arange(block_k, dtype=jnp.int32)
             col_ok = cols < kv_len
-            k = plgpu.load(k_ref.at[kslice, :], mask=col_ok[:, None], other=0)
-        else:
-            k = plgpu.load(k_ref.at[kslice, :])
+        k = load_rows(k_ref, kslice, col_ok)
         # Raw scores; the scale is folded into the exponent below (one FMA per element).
         s = plgpu.dot(q, k, trans_b=True, precision=precision)
         if masked:
@@ -93,29 +94,15 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, 
             if causal:
                 vis = vis & (cols[None, :] <= (q_offset + rows)[:, None])
             s = jnp.where(vis, s, NEG_INF)
-
-        def load_v():
-            if masked:
-                return plgpu.load(v_ref.at[kslice, :], mask=col_ok[:, None], other=0)
-            return plgpu.load(v_ref.at[kslice, :])
-
         return online_softmax_update(
-            carry, s, load_v, scale_log2=scale_log2, masked=masked, precision=precision
-        )
+            carry, s, lambda: load_rows(v_ref, kslice, col_ok), scale_log2=scale_log2,
+            masked=masked, precision=precision)
 
-    carry = (
-        jnp.zeros((block_q, head_dim), jnp.float32),
-        jnp.full((block_q,), NEG_INF, jnp.float32),
-        jnp.zeros((block_q,), jnp.float32),
-    )
+    carry = empty_softmax_state(block_q, head_dim)
     carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
-    acc, m_i, l_i = lax.fori_loop(n_full, n_blocks, functools.partial(body, masked=True), carry)
-
-    seen = l_i > 0.0
-    inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
-    lse = jnp.where(seen, (m_i + jnp.log2(jnp.where(seen, l_i, 1.0))) * LN2, NEG_INF)
-    plgpu.store(o_ref.at[pl.ds(row0, block_q), :], (acc * inv_l[:, None]).astype(o_ref.dtype),
-                mask=row_ok[:, None])
+    carry = lax.fori_loop(n_full, n_blocks, functools.partial(body, masked=True), carry)
+    o, lse = finish_online_softmax(*carry)
+    plgpu.store(o_ref.at[pl.ds(row0, block_q), :], o.astype(o_ref.dtype), mask=row_ok[:, None])
     plgpu.store(lse_ref.at[pl.ds(row0, block_q)], lse, mask=row_ok)
 
 

@@ -20,8 +20,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
+    empty_softmax_state,
+    finish_online_softmax,
+    load_rows,
     online_softmax_update,
-    LN2,
     LOG2E,
     MIN_BLOCK,
     NEG_INF,
@@ -70,37 +72,23 @@ def _decode_kernel(kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale_log2
     def body(j, carry, masked: bool):
         first = pl.multiple_of(start + j * block_k, block_k)
         kslice = pl.ds(first, block_k)
+        col_ok = None
         if masked:
             col_ok = (j * block_k + jnp.arange(block_k, dtype=jnp.int32)) < n_keys
-            k = plgpu.load(k_ref.at[kslice, :], mask=col_ok[:, None], other=0)
-        else:
-            k = plgpu.load(k_ref.at[kslice, :])
+        k = load_rows(k_ref, kslice, col_ok)
         # Raw scores; the scale is folded into the exponent below (one FMA per element).
         s = plgpu.dot(q, k, trans_b=True, precision=precision)
         if masked:
             s = jnp.where(col_ok[None, :], s, NEG_INF)
-
-        def load_v():
-            if masked:
-                return plgpu.load(v_ref.at[kslice, :], mask=col_ok[:, None], other=0)
-            return plgpu.load(v_ref.at[kslice, :])
-
         return online_softmax_update(
-            carry, s, load_v, scale_log2=scale_log2, masked=masked, precision=precision
-        )
+            carry, s, lambda: load_rows(v_ref, kslice, col_ok), scale_log2=scale_log2,
+            masked=masked, precision=precision)
 
-    carry = (
-        jnp.zeros(q.shape, jnp.float32),
-        jnp.full((block_h,), NEG_INF, jnp.float32),
-        jnp.zeros((block_h,), jnp.float32),
-    )
+    carry = empty_softmax_state(block_h, q.shape[-1])
     carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
-    acc, m_i, l_i = lax.fori_loop(n_full, n_blocks, functools.partial(body, masked=True), carry)
-
-    seen = l_i > 0.0
-    inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
-    lse = jnp.where(seen, (m_i + jnp.log2(jnp.where(seen, l_i, 1.0))) * LN2, NEG_INF)
-    plgpu.store(o_ref, acc * inv_l[:, None], mask=row_ok[:, None])
+    carry = lax.fori_loop(n_full, n_blocks, functools.partial(body, masked=True), carry)
+    o, lse = finish_online_softmax(*carry)
+    plgpu.store(o_ref, o, mask=row_ok[:, None])
     plgpu.store(lse_ref, lse, mask=row_ok)
 
 
