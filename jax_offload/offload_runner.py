@@ -5,7 +5,7 @@ layer on the GPU (the tail) holding the tokens not yet flushed. `finish` clears 
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,7 @@ from jax_offload.attention import (
 from jax_offload.buckets import prompt_bucket
 from jax_offload.config import EngineConfig, ModelConfig, round_up
 from jax_offload.kv.host_store import HostKVStore
-from jax_offload.kv.ring import BlockRing, group_size, grouped
+from jax_offload.kv.ring import BlockRing, Key, group_size, grouped
 from jax_offload.models.params import ModelParams
 from jax_offload.sparse import SparsePolicy
 
@@ -69,6 +69,20 @@ class OffloadRunner:
     def _empty_tail(self) -> jax.Array:
         return jnp.zeros(self.store.block_shape, self.dtype)
 
+    # ---- streaming host blocks ---------------------------------------------------------------
+
+    def _stream(self, blocks_per_layer: list[Sequence[int]]) -> tuple[list[list[list[Key]]], BlockRing]:
+        """Per layer, its blocks in groups of `self.group`, and a ring that streams every group in that order."""
+        groups = [grouped([(l, b) for b in blocks], self.group) for l, blocks in enumerate(blocks_per_layer)]
+        return groups, BlockRing(self.store, self.num_slots, (g for layer_groups in groups for g in layer_groups))
+
+    def _attend_groups(self, ring: BlockRing, layer_groups: list[list[Key]], attend, q, o, lse):
+        """Merges attention over each of the layer's groups into (o, lse), handing each group's slots back."""
+        for g in layer_groups:
+            o, lse = attend(self.impl, q, tuple(ring.take()), o, lse)
+            ring.release(lse, len(g))
+        return o, lse
+
     # ---- prefill -------------------------------------------------------------------------------
 
     def prefill(
@@ -99,15 +113,12 @@ class OffloadRunner:
         for c in range(num_chunks):
             chunk_len = min(bs, prompt_len - c * bs)
             h = embed_tokens(self.params.embed, ids[:, c * bs : (c + 1) * bs])
-            groups = [grouped([(l, b) for b in range(c)], self.group) for l in range(len(layers))]
-            ring = BlockRing(self.store, self.num_slots, (g for layer_groups in groups for g in layer_groups))
+            groups, ring = self._stream([range(c)] * len(layers))
             for l, layer in enumerate(layers):
                 q, kv, o, lse = chunk_begin(
                     self.cfg, self.impl, layer, h, self.inv_freq, jnp.int32(c * bs), jnp.int32(chunk_len)
                 )
-                for g in groups[l]:
-                    o, lse = chunk_attend_blocks(self.impl, q, tuple(ring.take()), o, lse)
-                    ring.release(lse, len(g))
+                o, lse = self._attend_groups(ring, groups[l], chunk_attend_blocks, q, o, lse)
                 h = finish_layer(self.cfg, layer, h, o)
                 self._keep_block(l, c, kv, chunk_len)
             if keep_all or c == num_chunks - 1:
@@ -143,16 +154,10 @@ class OffloadRunner:
         """x [1, 1, hidden] embedded new token at `position` -> its final hidden state."""
         layers = self.params.layers
         pos, tail_len = jnp.int32(position), jnp.int32(self._tail_len)
-        groups = [
-            grouped([(l, b) for b in self.policy.select(l, self.store.num_written(l))], self.group)
-            for l in range(len(layers))
-        ]
-        ring = BlockRing(self.store, self.num_slots, (g for layer_groups in groups for g in layer_groups))
+        groups, ring = self._stream([self.policy.select(l, self.store.num_written(l)) for l in range(len(layers))])
         for l, layer in enumerate(layers):
             q, self._tails[l], o, lse = decode_begin(self.cfg, self.impl, layer, x, self.inv_freq, self._tails[l], pos, tail_len)
-            for g in groups[l]:
-                o, lse = decode_attend_blocks(self.impl, q, tuple(ring.take()), o, lse)
-                ring.release(lse, len(g))
+            o, lse = self._attend_groups(ring, groups[l], decode_attend_blocks, q, o, lse)
             x = finish_layer(self.cfg, layer, x, o)
         self._tail_len += 1
         if self._tail_len == self.block_size:
