@@ -82,6 +82,14 @@ def check_sm_scale(sm_scale: float | None, head_dim: int) -> float:
     return scale
 
 
+def check_out_dtype(out_dtype, q_dtype) -> jnp.dtype:
+    """None means q's dtype; otherwise a floating dtype (float32 for states that get merged)."""
+    dtype = jnp.dtype(q_dtype if out_dtype is None else out_dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"out_dtype={out_dtype}; allowed: None or a floating dtype")
+    return dtype
+
+
 def check_attention_shapes(q, k, v, q_rank: int) -> tuple[int, int, int, int, int, int]:
     """Validate q/k/v and return (batch, tq, hq, tk, hkv, head_dim); tq is 1 for decode."""
     if q.ndim != q_rank:

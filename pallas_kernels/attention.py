@@ -8,7 +8,8 @@ Semantics shared by both:
   q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D]; query head h reads KV head h // (Hq // Hkv).
   Query i sits at absolute position q_offset + i; key j at position j.
   Key j is visible to query i iff j < kv_len and (not causal or j <= q_offset + i).
-  o [B, Tq, Hq, D] in q.dtype; lse [B, Hq, Tq] float32, natural log.
+  o [B, Tq, Hq, D] in q.dtype, or in `out_dtype` when given (float32 keeps a partial state
+  unrounded until the caller merges it); lse [B, Hq, Tq] float32, natural log.
   A row that sees no key gets lse = -inf and o = 0.
 """
 
@@ -31,6 +32,7 @@ from pallas_kernels._common import (
     NEG_INF,
     cdiv,
     check_attention_shapes,
+    check_out_dtype,
     check_sm_scale,
     compiler_params,
     dot_precision,
@@ -106,8 +108,8 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, 
     plgpu.store(lse_ref.at[pl.ds(row0, block_q)], lse, mask=row_ok)
 
 
-def _attention_pallas(q, k, v, q_offset, kv_len, *, causal, sm_scale, interpret, block_q,
-                      block_k, num_warps, num_stages):
+def _attention_pallas(q, k, v, q_offset, kv_len, *, causal, sm_scale, out_dtype, interpret,
+                      block_q, block_k, num_warps, num_stages):
     batch, tq, hq, d = q.shape
     _, tk, hkv, _ = k.shape
     group = hq // hkv
@@ -124,7 +126,7 @@ def _attention_pallas(q, k, v, q_offset, kv_len, *, causal, sm_scale, interpret,
         grid=(num_q_blocks, batch * hq),
         in_specs=[scalar, scalar, q_spec, kv_spec, kv_spec],
         out_specs=[q_spec, lse_spec],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=[jax.ShapeDtypeStruct(q.shape, out_dtype),
                    jax.ShapeDtypeStruct((batch, hq, tq), jnp.float32)],
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
@@ -133,8 +135,8 @@ def _attention_pallas(q, k, v, q_offset, kv_len, *, causal, sm_scale, interpret,
 
 
 _attention_pallas = interpret_aware_jit(
-    _attention_pallas, ("causal", "sm_scale", "interpret", "block_q", "block_k", "num_warps",
-                        "num_stages"))
+    _attention_pallas, ("causal", "sm_scale", "out_dtype", "interpret", "block_q", "block_k",
+                        "num_warps", "num_stages"))
 
 
 def _check_pallas_head_dim(d: int) -> None:
@@ -146,7 +148,7 @@ def _check_pallas_head_dim(d: int) -> None:
 
 def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
                        q_offset=0, kv_len=None, sm_scale: float | None = None,
-                       interpret: bool | None = None, block_q: int | None = None,
+                       out_dtype=None, interpret: bool | None = None, block_q: int | None = None,
                        block_k: int | None = None, num_warps: int | None = None,
                        num_stages: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Flash attention forward with GQA, causal offset, per-batch key length and LSE.
@@ -158,12 +160,14 @@ def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool
       kv_len: keys j >= kv_len are invisible; int or int32 array (scalar or [B]); may be traced;
         None means Tk. Values are clamped to [0, Tk].
       sm_scale: score scale, default 1/sqrt(D). Static.
+      out_dtype: dtype of o, default q.dtype. Static. float32 returns the kernel's float32
+        accumulator unrounded, for states that will be merged.
       interpret: None picks Triton on a GPU backend and interpret mode elsewhere.
       block_q, block_k, num_warps, num_stages: launch parameters (powers of two >= 16 for
         blocks); None takes `default_attention_config`.
 
     Returns:
-      o [B, Tq, Hq, D] in q.dtype and lse [B, Hq, Tq] float32 (natural log). Rows with no
+      o [B, Tq, Hq, D] in out_dtype (default q.dtype) and lse [B, Hq, Tq] float32 (natural log). Rows with no
       visible key give o = 0 and lse = -inf. Key blocks that no row of a query block can see
       are never loaded, so a fully masked call costs only the launch.
     """
@@ -176,7 +180,7 @@ def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool
     kv_len = jnp.clip(per_batch(tk if kv_len is None else kv_len, batch, "kv_len"), 0, tk)
     return _attention_pallas(
         q, k, v, q_offset, kv_len, causal=bool(causal),
-        sm_scale=check_sm_scale(sm_scale, d),
+        sm_scale=check_sm_scale(sm_scale, d), out_dtype=check_out_dtype(out_dtype, q.dtype),
         interpret=resolve_interpret(interpret), block_q=block_q, block_k=block_k,
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
 
@@ -187,8 +191,8 @@ _XLA_BLOCK_Q = 512
 _XLA_BLOCK_K = 512
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_q", "block_k"))
-def _attention_xla(q, k, v, q_offset, kv_len, *, causal, sm_scale, block_q, block_k):
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "out_dtype", "block_q", "block_k"))
+def _attention_xla(q, k, v, q_offset, kv_len, *, causal, sm_scale, out_dtype, block_q, block_k):
     batch, tq, hq, d = q.shape
     _, tk, hkv, _ = k.shape
     group = hq // hkv
@@ -240,12 +244,12 @@ def _attention_xla(q, k, v, q_offset, kv_len, *, causal, sm_scale, block_q, bloc
     o, lse = lax.map(query_block, (qf, jnp.arange(nq, dtype=jnp.int32)))
     o = o.transpose(1, 0, 4, 2, 3, 5).reshape(batch, nq * block_q, hq, d)[:, :tq]
     lse = lse.transpose(1, 2, 3, 0, 4).reshape(batch, hq, nq * block_q)[..., :tq]
-    return o.astype(q.dtype), lse
+    return o.astype(out_dtype), lse
 
 
 def attention_with_lse_xla(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
                            q_offset=0, kv_len=None, sm_scale: float | None = None,
-                           interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+                           out_dtype=None, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """jnp twin of `attention_with_lse` (same arguments and results; `interpret` is ignored).
 
     Softmax statistics are float32 and dots use Precision.HIGHEST, so the result is exact to
@@ -258,4 +262,4 @@ def attention_with_lse_xla(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: 
     kv_len = jnp.clip(per_batch(tk if kv_len is None else kv_len, batch, "kv_len"), 0, tk)
     return _attention_xla(
         q, k, v, q_offset, kv_len, causal=bool(causal), sm_scale=check_sm_scale(sm_scale, d),
-        block_q=min(_XLA_BLOCK_Q, tq), block_k=min(_XLA_BLOCK_K, tk))
+        out_dtype=check_out_dtype(out_dtype, q.dtype), block_q=min(_XLA_BLOCK_Q, tq), block_k=min(_XLA_BLOCK_K, tk))

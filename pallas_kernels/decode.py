@@ -5,7 +5,8 @@ program attends the whole query-head group of its KV head to its slice of keys, 
 read once per group and never repeated. The per-split states are merged in float32.
 `decode_attention_with_lse_xla` is the jnp twin.
 
-Semantics: q [B, Hq, D] sees keys j < kv_len of k/v [B, S, Hkv, D]; o [B, Hq, D] in q.dtype,
+Semantics: q [B, Hq, D] sees keys j < kv_len of k/v [B, S, Hkv, D]; o [B, Hq, D] in q.dtype
+(or `out_dtype`),
 lse [B, Hq] float32 natural log; a row with kv_len = 0 gets o = 0 and lse = -inf.
 """
 
@@ -29,6 +30,7 @@ from pallas_kernels._common import (
     NEG_INF,
     cdiv,
     check_attention_shapes,
+    check_out_dtype,
     check_sm_scale,
     compiler_params,
     dot_precision,
@@ -92,8 +94,8 @@ def _decode_kernel(kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale_log2
     plgpu.store(lse_ref, lse, mask=row_ok)
 
 
-def _decode_pallas(q, k, v, kv_len, *, sm_scale, interpret, block_k, num_splits, num_warps,
-                   num_stages):
+def _decode_pallas(q, k, v, kv_len, *, sm_scale, out_dtype, interpret, block_k, num_splits,
+                   num_warps, num_stages):
     batch, hq, d = q.shape
     _, seq, hkv, _ = k.shape
     group = hq // hkv
@@ -128,15 +130,17 @@ def _decode_pallas(q, k, v, kv_len, *, sm_scale, interpret, block_k, num_splits,
         name="decode_attention_with_lse",
     )(kv_len, qg, k, v)
     o, lse = merge_stack(o_part, lse_part)
-    return o.reshape(batch, hq, d).astype(q.dtype), lse.reshape(batch, hq)
+    return o.reshape(batch, hq, d).astype(out_dtype), lse.reshape(batch, hq)
 
 
 _decode_pallas = interpret_aware_jit(
-    _decode_pallas, ("sm_scale", "interpret", "block_k", "num_splits", "num_warps", "num_stages"))
+    _decode_pallas, ("sm_scale", "out_dtype", "interpret", "block_k", "num_splits", "num_warps",
+                     "num_stages"))
 
 
 def decode_attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_len=None,
-                              sm_scale: float | None = None, interpret: bool | None = None,
+                              sm_scale: float | None = None, out_dtype=None,
+                              interpret: bool | None = None,
                               block_k: int | None = None, num_splits: int | None = None,
                               num_warps: int | None = None,
                               num_stages: int | None = None) -> tuple[jax.Array, jax.Array]:
@@ -147,12 +151,14 @@ def decode_attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_le
       kv_len: keys j >= kv_len are invisible; int or int32 array (scalar or [B]), may be
         traced (no recompile); None means S. Clamped to [0, S]. Splits past kv_len load nothing.
       sm_scale: score scale, default 1/sqrt(D). Static.
+      out_dtype: dtype of o, default q.dtype. Static; float32 keeps the merged split states
+        unrounded.
       interpret: None picks Triton on a GPU backend and interpret mode elsewhere.
       block_k: keys per inner step (power of two >= 16); num_splits: key splits (static),
         default gives ~128 programs on a GPU (4 splits in interpret mode); num_warps, num_stages: Triton launch params.
 
     Returns:
-      o [B, Hq, D] in q.dtype and lse [B, Hq] float32 (natural log).
+      o [B, Hq, D] in out_dtype (default q.dtype) and lse [B, Hq] float32 (natural log).
     """
     batch, _, hq, seq, hkv, d = check_attention_shapes(q, k, v, 3)
     _check_pallas_head_dim(d)
@@ -168,14 +174,15 @@ def decode_attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_le
     kv_len = jnp.clip(per_batch(seq if kv_len is None else kv_len, batch, "kv_len"), 0, seq)
     return _decode_pallas(
         q, k, v, kv_len, sm_scale=check_sm_scale(sm_scale, d),
-        interpret=interpret, block_k=block_k, num_splits=int(num_splits),
+        out_dtype=check_out_dtype(out_dtype, q.dtype), interpret=interpret, block_k=block_k, num_splits=int(num_splits),
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
 
 
 def decode_attention_with_lse_xla(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_len=None,
-                                  sm_scale: float | None = None,
+                                  sm_scale: float | None = None, out_dtype=None,
                                   interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """jnp twin of `decode_attention_with_lse` (exact float32 statistics; `interpret` ignored)."""
     check_attention_shapes(q, k, v, 3)
-    o, lse = attention_with_lse_xla(q[:, None], k, v, kv_len=kv_len, sm_scale=sm_scale)
+    o, lse = attention_with_lse_xla(q[:, None], k, v, kv_len=kv_len, sm_scale=sm_scale,
+                                    out_dtype=out_dtype)
     return o[:, 0], lse[..., 0]

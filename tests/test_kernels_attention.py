@@ -129,3 +129,25 @@ def test_rejects_unsupported_head_dim_in_pallas():
     q = jnp.ones((1, 4, 2, 80))
     with pytest.raises(ValueError, match="head_dim=80"):
         pk.attention_with_lse(q, q, q)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_float32_output_is_the_unrounded_state(impl):
+    """out_dtype=float32 returns the accumulator that the default output rounds to bf16: rounding
+    it gives the default output bit for bit, and it sits closer to the float64 reference."""
+    (q, k, v), (qn, kn, vn) = _inputs(4000, (1, 70, 8, 64), (1, 130, 2, 64), "bfloat16")
+    ref_o, _ = attention_ref(qn, kn, vn, causal=True, q_offset=60)
+    o16, lse16 = PREFILL[impl](q, k, v, causal=True, q_offset=60)
+    o32, lse32 = PREFILL[impl](q, k, v, causal=True, q_offset=60, out_dtype=jnp.float32)
+    assert o32.dtype == jnp.float32 and o16.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(o32.astype(jnp.bfloat16)), np.asarray(o16))
+    np.testing.assert_array_equal(np.asarray(lse32), np.asarray(lse16))
+    err16 = np.abs(np.asarray(o16, np.float64) - ref_o).max()
+    err32 = np.abs(np.asarray(o32, np.float64) - ref_o).max()
+    assert err32 < err16, (err32, err16)
+
+    (q, k, v), (qn, kn, vn) = _inputs(4001, (2, 8, 64), (2, 200, 2, 64), "bfloat16")
+    d16, _ = DECODE[impl](q, k, v, kv_len=jnp.asarray([200, 91]))
+    d32, _ = DECODE[impl](q, k, v, kv_len=jnp.asarray([200, 91]), out_dtype=jnp.float32)
+    assert d32.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(d32.astype(jnp.bfloat16)), np.asarray(d16))
