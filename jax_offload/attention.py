@@ -14,6 +14,8 @@ import pallas_kernels
 from jax_offload.config import ModelConfig
 from jax_offload.models import decoder
 from jax_offload.models.params import LayerParams
+from pallas_kernels import AttentionState
+from jax_offload.precision import step_jit
 
 ATTENTION_IMPLS = ("pallas", "xla")
 
@@ -28,25 +30,26 @@ def check_attention_impl(impl: str) -> str:
     return impl
 
 
-@jax.jit
+@step_jit
 def embed_tokens(table: jax.Array, token_ids: jax.Array) -> jax.Array:
     """token_ids [B, T] -> hidden [B, T, hidden] (takes the table alone: cheaper to pass than all params)."""
     return jnp.take(table, token_ids, axis=0)
 
 
-def prefill_attention(impl: str, q, k, v, *, causal: bool, q_offset=0, kv_len=None):
-    """Attention with LSE of a query chunk [B, T, Hq, D] over keys [B, S, Hkv, D]."""
+def prefill_attention(impl: str, q, k, v, *, causal: bool, q_offset=0, kv_len=None, out_dtype=None):
+    """Attention with LSE of a query chunk [B, T, Hq, D] over keys [B, S, Hkv, D]; o in `out_dtype`
+    (default q's dtype; float32 for a partial state that will be merged)."""
     fn = pallas_kernels.attention_with_lse if impl == "pallas" else pallas_kernels.attention_with_lse_xla
-    return fn(q, k, v, causal=causal, q_offset=q_offset, kv_len=kv_len)
+    return fn(q, k, v, causal=causal, q_offset=q_offset, kv_len=kv_len, out_dtype=out_dtype)
 
 
-def decode_attention(impl: str, q, k, v, *, kv_len=None):
+def decode_attention(impl: str, q, k, v, *, kv_len=None, out_dtype=None):
     """Attention with LSE of one query token [B, Hq, D] over keys [B, S, Hkv, D]."""
     fn = pallas_kernels.decode_attention_with_lse if impl == "pallas" else pallas_kernels.decode_attention_with_lse_xla
-    return fn(q, k, v, kv_len=kv_len)
+    return fn(q, k, v, kv_len=kv_len, out_dtype=out_dtype)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(5, 6))
+@functools.partial(step_jit, static_argnums=(0, 1), donate_argnums=(5, 6))
 def prefill_layer_in_device(
     cfg: ModelConfig,
     impl: str,
@@ -66,7 +69,7 @@ def prefill_layer_in_device(
     return decoder.attention_output_and_mlp(cfg, layer, x, o), k_cache, v_cache
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(5, 6))
+@functools.partial(step_jit, static_argnums=(0, 1), donate_argnums=(5, 6))
 def decode_layer_in_device(
     cfg: ModelConfig,
     impl: str,
@@ -85,7 +88,26 @@ def decode_layer_in_device(
     return decoder.attention_output_and_mlp(cfg, layer, x, o[:, None]), k_cache, v_cache
 
 
-# ---- offloaded KV: a query chunk or token attends block by block, states merged in float32 ----------
+# ---- offloaded KV: a query chunk or token attends block by block ---------------------------------------
+# The float32 attention state (pallas_kernels.AttentionState) is carried through the blocks in ascending key
+# order, the chunk's own keys (or the decode tail) last, and rounded to the model dtype once, in the
+# layer's end step. The jnp twins continue the state exactly as one call over all keys would, so on them
+# the offloaded engine reproduces the in-GPU engine bit for bit; Pallas kernels return (o, lse) per call,
+# merged into the state in float32.
+
+
+def attend(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState, *, causal: bool,
+           kv_len=None) -> AttentionState:
+    """Continues `state` of queries q [B, T, Hq, D] over keys [B, S, Hkv, D]; causal keys are the queries'
+    own (positions aligned with the queries), otherwise keys wholly before them."""
+    if impl == "xla":
+        return pallas_kernels.attention_state_xla(q, k, v, state, causal=causal, kv_len=kv_len)
+    if q.shape[1] == 1:
+        o, lse = pallas_kernels.decode_attention_with_lse(q[:, 0], k, v, kv_len=kv_len, out_dtype=jnp.float32)
+        o, lse = o[:, None], lse[..., None]
+    else:
+        o, lse = pallas_kernels.attention_with_lse(q, k, v, causal=causal, kv_len=kv_len, out_dtype=jnp.float32)
+    return pallas_kernels.merge_into_state(state, o, lse)
 
 
 def _split_block(block: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -98,70 +120,62 @@ def _join_blocks(blocks: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
     return _split_block(jnp.concatenate(blocks, axis=1) if len(blocks) > 1 else blocks[0])
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
+def _finish(cfg: ModelConfig, layer: LayerParams, x: jax.Array, state: AttentionState) -> jax.Array:
+    o, _ = pallas_kernels.finish_state(state)
+    return decoder.attention_output_and_mlp(cfg, layer, x, o)  # the one rounding to the model dtype
+
+
+@functools.partial(step_jit, static_argnums=(0,))
 def chunk_begin(
-    cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, inv_freq: jax.Array, start: jax.Array, chunk_len: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """q of a prompt chunk x [1, T, hidden] at absolute `start`, its KV block [2, T, Hkv, D], and the
-    float32 state (o, lse) of its causal attention on itself."""
+    cfg: ModelConfig, layer: LayerParams, x: jax.Array, inv_freq: jax.Array, start: jax.Array
+) -> tuple[jax.Array, jax.Array, AttentionState]:
+    """q of a prompt chunk x [1, T, hidden] at absolute `start`, its KV block [2, T, Hkv, D], and the empty
+    attention state its queries start from."""
     positions = start + jnp.arange(x.shape[1], dtype=jnp.int32)[None]
     q, k, v = decoder.attention_inputs(cfg, layer, x, positions, inv_freq)
-    o, lse = prefill_attention(impl, q, k, v, causal=True, kv_len=chunk_len)
-    return q, jnp.stack([k[0], v[0]]), o.astype(jnp.float32), lse
+    return q, jnp.stack([k[0], v[0]]), pallas_kernels.empty_state(*q.shape)
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def chunk_attend_blocks(
-    impl: str, q: jax.Array, blocks: tuple[jax.Array, ...], o_acc: jax.Array, lse_acc: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Merges the attention of a chunk's queries over earlier (wholly visible) blocks into the state."""
+@functools.partial(step_jit, static_argnums=(0,))
+def attend_blocks(impl: str, q: jax.Array, blocks: tuple[jax.Array, ...], state: AttentionState) -> AttentionState:
+    """Continues the state of a chunk's (or a token's) queries over earlier host blocks, all visible."""
     k, v = _join_blocks(blocks)
-    o, lse = prefill_attention(impl, q, k, v, causal=False)
-    return pallas_kernels.merge_states(o_acc, lse_acc, o.astype(jnp.float32), lse)
+    return attend(impl, q, k, v, state, causal=False)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(5,))
+@functools.partial(step_jit, static_argnums=(0, 1))
+def chunk_end(
+    cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, q: jax.Array, kv: jax.Array,
+    chunk_len: jax.Array, state: AttentionState,
+) -> jax.Array:
+    """The chunk's causal attention on its own keys, last in key order, then the rest of the layer."""
+    k, v = _split_block(kv)
+    return _finish(cfg, layer, x, attend(impl, q, k, v, state, causal=True, kv_len=chunk_len))
+
+
+@functools.partial(step_jit, static_argnums=(0,), donate_argnums=(4,))
 def decode_begin(
-    cfg: ModelConfig,
-    impl: str,
-    layer: LayerParams,
-    x: jax.Array,
-    inv_freq: jax.Array,
-    tail: jax.Array,
-    position: jax.Array,
-    tail_len: jax.Array,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """For a new token x [1, 1, hidden]: q [1, Hq, D], the GPU tail block [2, block_size, Hkv, D] with the
-    token's K, V appended at `tail_len`, and the float32 state of attention over the tail."""
+    cfg: ModelConfig, layer: LayerParams, x: jax.Array, inv_freq: jax.Array, tail: jax.Array,
+    position: jax.Array, tail_len: jax.Array,
+) -> tuple[jax.Array, jax.Array, AttentionState]:
+    """For a new token x [1, 1, hidden]: q [1, 1, Hq, D], the GPU tail block [2, block_size, Hkv, D] with
+    the token's K, V written at `tail_len`, and the empty attention state."""
     q, k, v = decoder.attention_inputs(cfg, layer, x, position.reshape(1, 1), inv_freq)
     tail = jax.lax.dynamic_update_slice(tail, jnp.stack([k[0], v[0]]).astype(tail.dtype), (0, tail_len, 0, 0))
-    tk, tv = _split_block(tail)
-    o, lse = decode_attention(impl, q[:, 0], tk, tv, kv_len=tail_len + 1)
-    return q[:, 0], tail, o.astype(jnp.float32), lse
+    return q, tail, pallas_kernels.empty_state(*q.shape)
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def decode_attend_blocks(
-    impl: str, q: jax.Array, blocks: tuple[jax.Array, ...], o_acc: jax.Array, lse_acc: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Merges one token's attention over host blocks into its state (o [1, Hq, D], lse [1, Hq])."""
-    k, v = _join_blocks(blocks)
-    o, lse = decode_attention(impl, q, k, v)
-    merged_o, merged_lse = pallas_kernels.merge_states(
-        o_acc[:, None], lse_acc[..., None], o[:, None].astype(jnp.float32), lse[..., None]
-    )
-    return merged_o[:, 0], merged_lse[..., 0]
+@functools.partial(step_jit, static_argnums=(0, 1))
+def decode_end(
+    cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, q: jax.Array, tail: jax.Array,
+    tail_len: jax.Array, state: AttentionState,
+) -> jax.Array:
+    """Attention over the tail (the newest keys, last in key order), then the rest of the layer."""
+    k, v = _split_block(tail)
+    return _finish(cfg, layer, x, attend(impl, q, k, v, state, causal=False, kv_len=tail_len + 1))
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def finish_layer(cfg: ModelConfig, layer: LayerParams, x: jax.Array, attn: jax.Array) -> jax.Array:
-    """The rest of a layer once attention is merged; attn is rounded to the model dtype here, once."""
-    if attn.ndim == 3:
-        attn = attn[:, None]
-    return decoder.attention_output_and_mlp(cfg, layer, x, attn)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+@functools.partial(step_jit, static_argnums=(0, 1, 2))
 def layerwise_layer(
     cfg: ModelConfig, impl: str, block_size: int, layer: LayerParams, x: jax.Array, inv_freq: jax.Array, prompt_len: jax.Array
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:

@@ -21,6 +21,7 @@ from jax_offload.models import decoder
 from jax_offload.models.params import ModelParams
 from jax_offload.models.rope import inverse_frequencies
 from jax_offload.offload_runner import OffloadRunner
+from jax_offload.precision import step_jit
 from jax_offload.sampling import SamplingParams, sample_token
 from jax_offload.sparse import make_policy
 
@@ -261,11 +262,11 @@ def _first_stop(text: str, stops: list[str]) -> int | None:
     return min(hits) if hits else None
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(step_jit, static_argnums=0)
 def _all_logits(cfg: ModelConfig, params, hidden: jax.Array) -> jax.Array:
     return decoder.logits(cfg, params, hidden)
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(step_jit, static_argnums=0)
 def _last_logits(cfg: ModelConfig, params, hidden: jax.Array, row: jax.Array) -> jax.Array:
     return decoder.logits(cfg, params, jax.lax.dynamic_index_in_dim(hidden[0], row, keepdims=False))

@@ -12,12 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_offload.attention import (
-    chunk_attend_blocks,
+    attend_blocks,
     chunk_begin,
-    decode_attend_blocks,
+    chunk_end,
     decode_begin,
+    decode_end,
     embed_tokens,
-    finish_layer,
     layerwise_layer,
 )
 from jax_offload.buckets import prompt_bucket
@@ -76,12 +76,12 @@ class OffloadRunner:
         groups = [grouped([(l, b) for b in blocks], self.group) for l, blocks in enumerate(blocks_per_layer)]
         return groups, BlockRing(self.store, self.num_slots, (g for layer_groups in groups for g in layer_groups))
 
-    def _attend_groups(self, ring: BlockRing, layer_groups: list[list[Key]], attend, q, o, lse):
-        """Merges attention over each of the layer's groups into (o, lse), handing each group's slots back."""
+    def _attend_groups(self, ring: BlockRing, layer_groups: list[list[Key]], q, state):
+        """Continues the attention state over each of the layer's groups, handing each group's slots back."""
         for g in layer_groups:
-            o, lse = attend(self.impl, q, tuple(ring.take()), o, lse)
-            ring.release(lse, len(g))
-        return o, lse
+            state = attend_blocks(self.impl, q, tuple(ring.take()), state)
+            ring.release(state.m, len(g))
+        return state
 
     # ---- prefill -------------------------------------------------------------------------------
 
@@ -115,11 +115,9 @@ class OffloadRunner:
             h = embed_tokens(self.params.embed, ids[:, c * bs : (c + 1) * bs])
             groups, ring = self._stream([range(c)] * len(layers))
             for l, layer in enumerate(layers):
-                q, kv, o, lse = chunk_begin(
-                    self.cfg, self.impl, layer, h, self.inv_freq, jnp.int32(c * bs), jnp.int32(chunk_len)
-                )
-                o, lse = self._attend_groups(ring, groups[l], chunk_attend_blocks, q, o, lse)
-                h = finish_layer(self.cfg, layer, h, o)
+                q, kv, state = chunk_begin(self.cfg, layer, h, self.inv_freq, jnp.int32(c * bs))
+                state = self._attend_groups(ring, groups[l], q, state)
+                h = chunk_end(self.cfg, self.impl, layer, h, q, kv, jnp.int32(chunk_len), state)
                 self._keep_block(l, c, kv, chunk_len)
             if keep_all or c == num_chunks - 1:
                 outputs.append(h)
@@ -156,9 +154,9 @@ class OffloadRunner:
         pos, tail_len = jnp.int32(position), jnp.int32(self._tail_len)
         groups, ring = self._stream([self.policy.select(l, self.store.num_written(l)) for l in range(len(layers))])
         for l, layer in enumerate(layers):
-            q, self._tails[l], o, lse = decode_begin(self.cfg, self.impl, layer, x, self.inv_freq, self._tails[l], pos, tail_len)
-            o, lse = self._attend_groups(ring, groups[l], decode_attend_blocks, q, o, lse)
-            x = finish_layer(self.cfg, layer, x, o)
+            q, self._tails[l], state = decode_begin(self.cfg, layer, x, self.inv_freq, self._tails[l], pos, tail_len)
+            state = self._attend_groups(ring, groups[l], q, state)
+            x = decode_end(self.cfg, self.impl, layer, x, q, self._tails[l], tail_len, state)
         self._tail_len += 1
         if self._tail_len == self.block_size:
             # The tail is full: flush it as the next host block and start an empty one.

@@ -7,6 +7,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jax_offload.precision import step_jit
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -50,7 +52,7 @@ def _integer(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-@jax.jit
+@step_jit
 def sample_token(
     logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array, key: jax.Array
 ) -> jax.Array:

@@ -4,9 +4,15 @@ See README.md in this directory for semantics, layouts and tuning notes.
 """
 
 from pallas_kernels.attention import (
+    attention_state_xla,
     attention_with_lse,
     attention_with_lse_xla,
     default_attention_config,
+)
+from pallas_kernels.block_sparse import (
+    block_sparse_attention_with_lse,
+    block_sparse_attention_with_lse_xla,
+    mask_to_block_lists,
 )
 from pallas_kernels.decode import (
     decode_attention_with_lse,
@@ -14,6 +20,8 @@ from pallas_kernels.decode import (
     default_decode_config,
 )
 from pallas_kernels.merge import merge_states, merge_states_n
+from pallas_kernels.paged_decode import paged_decode_attention_with_lse, paged_decode_attention_with_lse_xla
+from pallas_kernels.state import AttentionState, empty_state, finish_state, merge_into_state
 from pallas_kernels.xattn import (
     antidiagonal_scores,
     default_xattn_config,
@@ -25,17 +33,27 @@ from pallas_kernels.xattn import (
 )
 
 __all__ = [
+    "AttentionState",
     "antidiagonal_scores",
+    "attention_state_xla",
     "attention_with_lse",
     "attention_with_lse_xla",
+    "block_sparse_attention_with_lse",
+    "block_sparse_attention_with_lse_xla",
     "decode_attention_with_lse",
     "decode_attention_with_lse_xla",
     "default_attention_config",
     "default_decode_config",
     "default_xattn_config",
+    "empty_state",
+    "finish_state",
+    "mask_to_block_lists",
+    "merge_into_state",
     "merge_softmax_stats",
     "merge_states",
     "merge_states_n",
+    "paged_decode_attention_with_lse",
+    "paged_decode_attention_with_lse_xla",
     "select_blocks",
     "softmax_normalize_block_sum",
     "softmax_partial_stats",

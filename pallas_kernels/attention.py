@@ -42,6 +42,7 @@ from pallas_kernels._common import (
     per_batch,
     resolve_interpret,
 )
+from pallas_kernels.state import AttentionState, empty_state, finish_state
 
 
 def default_attention_config(dtype) -> dict[str, int]:
@@ -185,66 +186,99 @@ def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
 
 
-# The jnp path works on [query block x key block] tiles so scores stay in cache and causal work
-# stops at the diagonal (on a CPU this is ~9x faster than materialising every score at 4K).
-_XLA_BLOCK_Q = 512
-_XLA_BLOCK_K = 512
+# The jnp twin. It continues an online softmax (`AttentionState`) in steps of _GRANULE keys at absolute
+# key positions, and every dot has one fixed shape (_TWIN_ROWS or 1 query rows x _TWIN_KEYS keys), because
+# XLA's CPU dots round differently for different shapes. Keys that arrive in blocks (any multiple of
+# _GRANULE, in ascending order) therefore give exactly the bits of one call over all of them: fully
+# masked granules leave the state untouched, bit for bit.
+_TWIN_ROWS = 128
+_TWIN_KEYS = 128
+_GRANULE = 16
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "out_dtype", "block_q", "block_k"))
-def _attention_xla(q, k, v, q_offset, kv_len, *, causal, sm_scale, out_dtype, block_q, block_k):
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale"))
+def _attention_state_xla(q, k, v, state, q_offset, kv_len, *, causal, sm_scale):
     batch, tq, hq, d = q.shape
     _, tk, hkv, _ = k.shape
     group = hq // hkv
-    nq, nk = -(-tq // block_q), -(-tk // block_k)
-    qf = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, nq * block_q - tq), (0, 0), (0, 0)))
-    # [nq, B, Hkv, G, block_q, D]: one query block per map step, GQA without repeating KV.
-    qf = qf.reshape(batch, nq, block_q, hkv, group, d).transpose(1, 0, 3, 4, 2, 5)
+    rows = 1 if tq == 1 else _TWIN_ROWS
+    per_tile = _TWIN_KEYS // _GRANULE
+    nq, nk = -(-tq // rows), -(-tk // _TWIN_KEYS)
 
-    def key_blocks(x):  # [nk, B, Hkv, block_k, D]; padded keys sit past kv_len <= Tk
-        x = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, nk * block_k - tk), (0, 0), (0, 0)))
-        return x.reshape(batch, nk, block_k, hkv, d).transpose(1, 0, 3, 2, 4)
+    def query_tiles(x):  # [B, T, Hq, ...] -> [nq, B, Hkv, G, rows, ...]
+        x = jnp.pad(x, [(0, 0), (0, nq * rows - tq)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(batch, nq, rows, hkv, group, *x.shape[3:])
+        return jnp.moveaxis(x, (1, 3, 4), (0, 2, 3))
 
-    kb, vb = key_blocks(k), key_blocks(v)
+    def key_tiles(x):  # [nk, B, Hkv, per_tile, _GRANULE, D]; padded keys sit past kv_len <= Tk
+        x = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, nk * _TWIN_KEYS - tk), (0, 0), (0, 0)))
+        return x.reshape(batch, nk, per_tile, _GRANULE, hkv, d).transpose(1, 0, 4, 2, 3, 5)
+
+    qt = query_tiles(q.astype(jnp.float32))
+    acc0 = query_tiles(state.acc)
+    m0, l0 = (query_tiles(jnp.swapaxes(x, 1, 2)) for x in (state.m, state.l))
+    kt, vt = key_tiles(k), key_tiles(v)
     bcast = (slice(None), None, None, None)  # per-batch scalar -> [B, 1, 1, 1]
 
-    def query_block(args):
-        qi, i = args
-        rows = i * block_q + jnp.arange(block_q, dtype=jnp.int32)
-        # Keys [0, hi) may be visible to some row of this block; later key blocks are skipped.
+    def query_tile(args):
+        qi, acc, m, l, i = args
+        row_pos = q_offset[bcast] + i * rows + jnp.arange(rows, dtype=jnp.int32)  # [B, 1, 1, rows]
+        # Keys [0, hi) may be visible to some row of this tile; later key tiles are skipped.
         hi = kv_len
         if causal:
-            hi = jnp.minimum(hi, q_offset + jnp.minimum((i + 1) * block_q, tq))
-        n_blocks = jnp.clip(-(-jnp.max(hi) // block_k), 0, nk)
+            hi = jnp.minimum(hi, q_offset + jnp.minimum((i + 1) * rows, tq))
+        n_tiles = jnp.clip(-(-jnp.max(hi) // _TWIN_KEYS), 0, nk)
 
-        def key_block(j, carry):
+        def key_tile(j, carry):
             acc, m, l = carry
-            cols = j * block_k + jnp.arange(block_k, dtype=jnp.int32)
-            s = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kb[j], precision=lax.Precision.HIGHEST) * sm_scale
-            vis = cols[None, None, None, None, :] < kv_len[bcast][..., None]
+            kj = kt[j].reshape(batch, hkv, _TWIN_KEYS, d)
+            s = jnp.einsum("bhgrd,bhkd->bhgrk", qi, kj, precision=lax.Precision.HIGHEST) * sm_scale
+            cols = j * _TWIN_KEYS + jnp.arange(_TWIN_KEYS, dtype=jnp.int32)
+            vis = cols < kv_len[bcast][..., None]
             if causal:
-                vis = vis & (cols[None, :] <= (q_offset[bcast] + rows)[..., None])
-            s = jnp.where(vis, s, NEG_INF)
-            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-            m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # a row with nothing visible yet
-            p = jnp.exp(s - m_safe[..., None])
-            alpha = jnp.exp(m - m_safe)
-            pv = jnp.einsum("bhgqk,bhkd->bhgqd", p, vb[j], precision=lax.Precision.HIGHEST)
-            return acc * alpha[..., None] + pv, m_new, l * alpha + jnp.sum(p, axis=-1)
+                vis = vis & (cols <= row_pos[..., None])
+            s = jnp.where(vis, s, NEG_INF).reshape(*s.shape[:-1], per_tile, _GRANULE)
+            # The running max after each granule (max is exact, so no rounding depends on tiling).
+            m_steps = jnp.maximum(m[..., None], lax.cummax(jnp.max(s, axis=-1), axis=m.ndim))
+            m_use = jnp.where(m_steps == NEG_INF, 0.0, m_steps)  # rows with nothing visible yet
+            m_before = jnp.concatenate([m[..., None], m_steps[..., :-1]], axis=-1)
+            alpha = jnp.exp(m_before - m_use)
+            p = jnp.exp(s - m_use[..., None])
+            p_sum = jnp.sum(p, axis=-1)
+            pv = jnp.einsum("bhgrjk,bhjkd->bhgrjd", p, vt[j], precision=lax.Precision.HIGHEST)
+            for g in range(per_tile):  # the granules in order, as one call over all keys would take them
+                l = l * alpha[..., g] + p_sum[..., g]
+                acc = acc * alpha[..., g, None] + pv[..., g, :]
+            return acc, m_steps[..., -1], l
 
-        init = (jnp.zeros((batch, hkv, group, block_q, d), jnp.float32),
-                jnp.full((batch, hkv, group, block_q), NEG_INF, jnp.float32),
-                jnp.zeros((batch, hkv, group, block_q), jnp.float32))
-        acc, m, l = lax.fori_loop(0, n_blocks, key_block, init)
-        seen = l > 0.0
-        l_safe = jnp.where(seen, l, 1.0)
-        lse = jnp.where(seen, m + jnp.log(l_safe), NEG_INF)
-        return acc / l_safe[..., None], lse  # unseen rows have acc = 0, so o = 0
+        return lax.fori_loop(0, n_tiles, key_tile, (acc, m, l))
 
-    o, lse = lax.map(query_block, (qf, jnp.arange(nq, dtype=jnp.int32)))
-    o = o.transpose(1, 0, 4, 2, 3, 5).reshape(batch, nq * block_q, hq, d)[:, :tq]
-    lse = lse.transpose(1, 2, 3, 0, 4).reshape(batch, hq, nq * block_q)[..., :tq]
-    return o.astype(out_dtype), lse
+    acc, m, l = lax.map(query_tile, (qt, acc0, m0, l0, jnp.arange(nq, dtype=jnp.int32)))
+
+    def untile(x):  # inverse of query_tiles
+        x = jnp.moveaxis(x, (0, 2, 3), (1, 3, 4))
+        return x.reshape(batch, nq * rows, hq, *x.shape[5:])[:, :tq]
+
+    return AttentionState(untile(acc), jnp.swapaxes(untile(m), 1, 2), jnp.swapaxes(untile(l), 1, 2))
+
+
+def attention_state_xla(q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState | None = None, *,
+                        causal: bool = False, q_offset=0, kv_len=None,
+                        sm_scale: float | None = None) -> AttentionState:
+    """Continues `state` (None: no key seen yet) over the keys k, v: the jnp twin's resumable form.
+
+    Same arguments and visibility as `attention_with_lse`; keys of this call sit at positions 0..Tk-1,
+    so callers streaming blocks pass `q_offset` relative to the block (causal) or causal=False for
+    blocks wholly before the queries. Calls over consecutive key blocks whose sizes are multiples of
+    16, made in ascending order, give the same bits as one call over all the keys.
+    """
+    batch, tq, hq, tk, hkv, d = check_attention_shapes(q, k, v, 4)
+    if state is None:
+        state = empty_state(batch, tq, hq, d)
+    q_offset = per_batch(q_offset, batch, "q_offset")
+    kv_len = jnp.clip(per_batch(tk if kv_len is None else kv_len, batch, "kv_len"), 0, tk)
+    return _attention_state_xla(q, k, v, state, q_offset, kv_len, causal=bool(causal),
+                                sm_scale=check_sm_scale(sm_scale, d))
 
 
 def attention_with_lse_xla(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
@@ -253,13 +287,12 @@ def attention_with_lse_xla(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: 
     """jnp twin of `attention_with_lse` (same arguments and results; `interpret` is ignored).
 
     Softmax statistics are float32 and dots use Precision.HIGHEST, so the result is exact to
-    float32 rounding. GQA reshapes q to [B, Hkv, G, Tq, D] instead of repeating KV. Work runs
-    in 512 x 512 tiles with an online softmax, skipping key tiles no row of a query tile sees.
+    float32 rounding. GQA reshapes q to [B, Hkv, G, T, D] instead of repeating KV. Work runs in
+    128-row x 128-key tiles with an online softmax taken 16 keys at a time, skipping key tiles no
+    row of a query tile sees (see `attention_state_xla`).
     """
     del interpret
-    batch, tq, hq, tk, hkv, d = check_attention_shapes(q, k, v, 4)
-    q_offset = per_batch(q_offset, batch, "q_offset")
-    kv_len = jnp.clip(per_batch(tk if kv_len is None else kv_len, batch, "kv_len"), 0, tk)
-    return _attention_xla(
-        q, k, v, q_offset, kv_len, causal=bool(causal), sm_scale=check_sm_scale(sm_scale, d),
-        out_dtype=check_out_dtype(out_dtype, q.dtype), block_q=min(_XLA_BLOCK_Q, tq), block_k=min(_XLA_BLOCK_K, tk))
+    out_dtype = check_out_dtype(out_dtype, q.dtype)
+    o, lse = finish_state(attention_state_xla(q, k, v, causal=causal, q_offset=q_offset, kv_len=kv_len,
+                                              sm_scale=sm_scale))
+    return o.astype(out_dtype), lse

@@ -170,3 +170,45 @@ def assert_attention_close(o, lse, ref_o, ref_lse, tol: float, lse_tol: float = 
     if (~empty).any():
         lerr = float(np.max(np.abs(lse[~empty] - ref_lse[~empty])))
         assert lerr <= lse_tol, f"lse absolute error {lerr:.3e} > {lse_tol:.0e}"
+
+
+def block_sparse_attention_ref(q, k, v, block_mask, *, block_size, causal=False, q_offset=0,
+                               kv_len=None, sm_scale=None):
+    """attention_ref where query block i of head h also needs block_mask[b, h, i, j // block_size].
+
+    block_mask: bool [B, Hq, ceil(Tq / block_size), nkb]; key blocks past nkb are not visited.
+    Returns o [B, Tq, Hq, D] and lse [B, Hq, Tq] in float64 (empty rows: o=0, lse=-inf).
+    """
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    block_mask = np.asarray(block_mask, dtype=bool)
+    batch, tq, hq, d = q.shape
+    tk, hkv = k.shape[1], k.shape[2]
+    group = hq // hkv
+    scale = 1.0 / np.sqrt(d) if sm_scale is None else sm_scale
+    q_offset = per_batch(q_offset, batch)
+    kv_len = per_batch(tk if kv_len is None else kv_len, batch)
+    qb = np.arange(tq) // block_size
+    kb = np.arange(tk) // block_size
+    o = np.zeros((batch, tq, hq, d))
+    lse = np.full((batch, hq, tq), -np.inf)
+    for b in range(batch):
+        rows = q_offset[b] + np.arange(tq)[:, None]
+        cols = np.arange(tk)[None, :]
+        vis = cols < kv_len[b]
+        if causal:
+            vis = vis & (cols <= rows)
+        for h in range(hq):
+            mask = block_mask[b, h]
+            listed = np.zeros((tq, tk), dtype=bool)
+            in_range = kb < mask.shape[1]
+            listed[:, in_range] = mask[qb][:, kb[in_range]]
+            kh = h // group
+            s = np.where(vis & listed, q[b, :, h] @ k[b, :, kh].T * scale, -np.inf)
+            m = s.max(axis=1)
+            seen = np.isfinite(m)
+            m = np.where(seen, m, 0.0)
+            p = np.exp(s - m[:, None])
+            l = np.where(seen, p.sum(axis=1), 1.0)
+            o[b, :, h] = np.where(seen[:, None], (p @ v[b, :, kh]) / l[:, None], 0.0)
+            lse[b, h] = np.where(seen, m + np.log(l), -np.inf)
+    return o, lse

@@ -15,10 +15,23 @@ from jax_offload.models.params import LayerParams, ModelParams
 from jax_offload.models.rope import apply_rope, cos_sin
 
 
+def _sum_last_axis(x: jax.Array) -> jax.Array:
+    """Sum over the last axis by pairwise halving: the same additions in the same order however many rows
+    are computed together (XLA's CPU reductions change their order with the row count), so a token's
+    result does not depend on the chunk or batch it is computed in."""
+    size = 1 << (x.shape[-1] - 1).bit_length()
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm in float32, rounded back to the input dtype before the weight (as transformers does)."""
     x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    mean_square = _sum_last_axis(x32 * x32) / x.shape[-1]
+    normed = x32 * jax.lax.rsqrt(mean_square + eps)
     return weight * normed.astype(x.dtype)
 
 

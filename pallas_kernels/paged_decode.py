@@ -1,0 +1,273 @@
+"""Paged decode attention (one new query token per sequence over a paged KV pool) with LSE.
+
+The KV cache of a layer is a pool of fixed-size pages shared by all sequences (continuous
+batching, as in vLLM / nano-vllm); a block table maps each sequence's logical pages to
+physical ones. `paged_decode_attention_with_lse` launches one program per (page split,
+batch x KV head); each program attends the whole query-head group of its KV head to the keys
+of its pages, reading every page's physical index from the block table inside the key loop,
+so the pages are never gathered in memory. The per-split states are merged in float32.
+`paged_decode_attention_with_lse_xla` is the jnp twin (gathers the pages, then runs
+`decode_attention_with_lse_xla`).
+
+Semantics: q [B, Hq, D]; k_pages/v_pages [num_pages, page_size, Hkv, D]; block_tables int32
+[B, max_pages]; sequence b sees keys j < seq_lens[b], key j living at row j % page_size of
+physical page block_tables[b, j // page_size]. Entries of block_tables at or past
+ceil(seq_lens[b] / page_size) are padding and never read (any value, -1 included). o [B, Hq, D]
+in q.dtype (or `out_dtype`), lse [B, Hq] float32 natural log; seq_lens[b] = 0 gives o = 0,
+lse = -inf.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._common import (
+    LOG2E,
+    MIN_BLOCK,
+    NEG_INF,
+    cdiv,
+    check_out_dtype,
+    check_sm_scale,
+    compiler_params,
+    dot_precision,
+    empty_softmax_state,
+    fdiv,
+    fit_block,
+    finish_online_softmax,
+    interpret_aware_jit,
+    load_rows,
+    next_pow2,
+    online_softmax_update,
+    per_batch,
+    resolve_interpret,
+)
+from pallas_kernels.attention import _check_pallas_head_dim
+from pallas_kernels.decode import (
+    _TARGET_PROGRAMS,
+    decode_attention_with_lse_xla,
+    default_decode_config,
+)
+from pallas_kernels.merge import merge_stack
+
+
+def _paged_decode_kernel(seqlen_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
+                         scale_log2: float, page_size: int, block_k: int, split_len: int,
+                         group: int, precision):
+    split = pl.program_id(0)
+    seq_len = seqlen_ref[()]
+    start = split * split_len  # a multiple of page_size: a key block never straddles pages
+    n_keys = jnp.clip(seq_len - start, 0, split_len)
+    n_full = fdiv(n_keys, block_k)
+    n_blocks = cdiv(n_keys, block_k)
+    block_h = q_ref.shape[0]
+    row_ok = jnp.arange(block_h) < group
+    # Rows past the group are zero queries; they are computed (tensor-core tiles are >= 16
+    # rows) and never stored.
+    q = plgpu.load(q_ref, mask=row_ok[:, None], other=0)
+
+    def body(j, carry, masked: bool):
+        pos = start + j * block_k
+        # Only pages below ceil(seq_len / page_size) are reached, so padding entries of the
+        # block table are never read.
+        phys = bt_ref[fdiv(pos, page_size)]
+        row = pl.multiple_of(phys * page_size + lax.rem(pos, jnp.int32(page_size)), block_k)
+        kslice = pl.ds(row, block_k)
+        col_ok = None
+        if masked:
+            # Rows of the tail page past seq_len may hold stale keys (even NaN): never loaded.
+            col_ok = (j * block_k + jnp.arange(block_k, dtype=jnp.int32)) < n_keys
+        k = load_rows(k_ref, kslice, col_ok)
+        # Raw scores; the scale is folded into the exponent (one FMA per element).
+        s = plgpu.dot(q, k, trans_b=True, precision=precision)
+        if masked:
+            s = jnp.where(col_ok[None, :], s, NEG_INF)
+        return online_softmax_update(
+            carry, s, lambda: load_rows(v_ref, kslice, col_ok), scale_log2=scale_log2,
+            masked=masked, precision=precision)
+
+    carry = empty_softmax_state(block_h, q.shape[-1])
+    carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
+    carry = lax.fori_loop(n_full, n_blocks, functools.partial(body, masked=True), carry)
+    o, lse = finish_online_softmax(*carry)
+    plgpu.store(o_ref, o, mask=row_ok[:, None])
+    plgpu.store(lse_ref, lse, mask=row_ok)
+
+
+def _paged_decode_pallas(q, k_pages, v_pages, block_tables, seq_lens, *, sm_scale, out_dtype,
+                         interpret, block_k, num_splits, num_warps, num_stages):
+    batch, hq, d = q.shape
+    num_pages, page_size, hkv, _ = k_pages.shape
+    max_pages = block_tables.shape[1]
+    group = hq // hkv
+    block_h = max(MIN_BLOCK, next_pow2(group))
+    split_pages = -(-max_pages // num_splits)
+    num_splits = -(-max_pages // split_pages)
+    kernel = functools.partial(
+        _paged_decode_kernel, scale_log2=sm_scale * LOG2E, page_size=page_size,
+        block_k=block_k, split_len=split_pages * page_size, group=group,
+        precision=dot_precision(q.dtype))
+    qg = q.reshape(batch, hkv, group, d)
+    # The pool as rows [num_pages * page_size, Hkv, D] (a free reshape): page p starts at row
+    # p * page_size, so a key block is one contiguous row slice, as in the contiguous kernel.
+    pool_rows = num_pages * page_size
+    k_rows = k_pages.reshape(pool_rows, hkv, d)
+    v_rows = v_pages.reshape(pool_rows, hkv, d)
+    kv_spec = pl.BlockSpec((pool_rows, None, d), lambda s, bh: (0, bh % hkv, 0))
+    o_part, lse_part = pl.pallas_call(
+        kernel,
+        grid=(num_splits, batch * hkv),
+        in_specs=[
+            pl.BlockSpec((None,), lambda s, bh: (bh // hkv,)),
+            pl.BlockSpec((None, max_pages), lambda s, bh: (bh // hkv, 0)),
+            # The query block is padded past the group to a full tensor-core tile.
+            pl.BlockSpec((None, None, block_h, d), lambda s, bh: (bh // hkv, bh % hkv, 0, 0)),
+            kv_spec,
+            kv_spec,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, block_h, d),
+                         lambda s, bh: (s, bh // hkv, bh % hkv, 0, 0)),
+            pl.BlockSpec((None, None, None, block_h), lambda s, bh: (s, bh // hkv, bh % hkv, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((num_splits, batch, hkv, group, d), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, batch, hkv, group), jnp.float32),
+        ],
+        compiler_params=compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="paged_decode_attention_with_lse",
+    )(seq_lens, block_tables, qg, k_rows, v_rows)
+    o, lse = merge_stack(o_part, lse_part)
+    return o.reshape(batch, hq, d).astype(out_dtype), lse.reshape(batch, hq)
+
+
+_paged_decode_pallas = interpret_aware_jit(
+    _paged_decode_pallas, ("sm_scale", "out_dtype", "interpret", "block_k", "num_splits",
+                           "num_warps", "num_stages"))
+
+
+def _check_paged_args(q, k_pages, v_pages, block_tables, seq_lens):
+    """Validate the arguments; returns (int32 block_tables, int32 seq_lens clamped to the table)."""
+    if q.ndim != 3:
+        raise ValueError(f"q has shape {q.shape}; allowed: rank 3 [B, Hq, D]")
+    if k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
+        raise ValueError(f"k_pages has shape {k_pages.shape} and v_pages {v_pages.shape}; "
+                         "allowed: equal shapes [num_pages, page_size, Hkv, D]")
+    batch, hq, d = q.shape
+    num_pages, page_size, hkv, kd = k_pages.shape
+    if kd != d:
+        raise ValueError(f"q has shape {q.shape} and k_pages {k_pages.shape}; allowed: the same "
+                         "head_dim")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}; allowed: Hq % Hkv == 0")
+    if num_pages == 0:
+        raise ValueError("k_pages has 0 pages; allowed: num_pages >= 1")
+    if page_size < MIN_BLOCK or page_size & (page_size - 1):
+        raise ValueError(f"page_size={page_size}; allowed: a power of two >= {MIN_BLOCK}")
+    if q.dtype != k_pages.dtype or k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"q, k_pages, v_pages have dtypes {q.dtype}, {k_pages.dtype}, "
+                         f"{v_pages.dtype}; allowed: one dtype")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q has dtype {q.dtype}; allowed: a floating dtype")
+    block_tables = jnp.asarray(block_tables)
+    if block_tables.ndim != 2 or block_tables.shape[0] != batch or block_tables.shape[1] == 0:
+        raise ValueError(f"block_tables has shape {block_tables.shape}; allowed: "
+                         f"({batch}, max_pages) with max_pages >= 1")
+    if not jnp.issubdtype(block_tables.dtype, jnp.integer):
+        raise ValueError(f"block_tables has dtype {block_tables.dtype}; allowed: an integer type")
+    capacity = block_tables.shape[1] * page_size
+    seq_lens = jnp.clip(per_batch(seq_lens, batch, "seq_lens"), 0, capacity)
+    return block_tables.astype(jnp.int32), seq_lens
+
+
+def paged_decode_attention_with_lse(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                                    block_tables: jax.Array, seq_lens: jax.Array, *,
+                                    sm_scale: float | None = None, out_dtype=None,
+                                    interpret: bool | None = None, block_k: int | None = None,
+                                    num_splits: int | None = None, num_warps: int | None = None,
+                                    num_stages: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Attention of one query token per sequence over a paged KV pool, with LSE.
+
+    Args:
+      q: [B, Hq, D]; k_pages, v_pages: [num_pages, page_size, Hkv, D] (one layer's pool,
+        page_size a power of two >= 16) with Hq % Hkv == 0; D a power of two in [16, 256].
+      block_tables: int [B, max_pages]; logical page p of sequence b is physical page
+        block_tables[b, p]. Entries at or past ceil(seq_lens[b] / page_size) are never read;
+        the others must lie in [0, num_pages). May be traced (no recompile).
+      seq_lens: int [B] (or a scalar); keys j < seq_lens[b] are visible. Clamped to
+        [0, max_pages * page_size]. May be traced (no recompile).
+      sm_scale: score scale, default 1/sqrt(D). Static.
+      out_dtype: dtype of o, default q.dtype. Static; float32 keeps the merged split states
+        unrounded.
+      interpret: None picks Triton on a GPU backend and interpret mode elsewhere.
+      block_k: keys per tile load, a power of two >= 16, shrunk to page_size; default the
+        contiguous decode kernel's tile (128 bf16, 32 float32) capped at page_size, so a bf16
+        page of <= 128 keys is one tile load and a 256-key page two (the K and V tiles of every
+        pipeline stage must fit in shared memory).
+      num_splits: page splits (static); default gives ~128 programs on a GPU and 4 splits in
+        interpret mode; capped at max_pages. num_warps, num_stages: Triton launch params.
+
+    Returns:
+      o [B, Hq, D] in out_dtype (default q.dtype) and lse [B, Hq] float32 (natural log).
+    """
+    block_tables, seq_lens = _check_paged_args(q, k_pages, v_pages, block_tables, seq_lens)
+    batch, _, d = q.shape
+    page_size, hkv = k_pages.shape[1], k_pages.shape[2]
+    max_pages = block_tables.shape[1]
+    _check_pallas_head_dim(d)
+    cfg = default_decode_config(q.dtype)
+    # A power of two <= page_size (larger requests shrink to the page), so it divides the page.
+    block_k = fit_block(block_k or cfg["block_k"], page_size)
+    interpret = resolve_interpret(interpret)
+    if num_splits is None:
+        # Interpret mode runs programs one after another, so extra splits only cost time.
+        num_splits = 4 if interpret else -(-_TARGET_PROGRAMS // (batch * hkv))
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits}; allowed: >= 1")
+    return _paged_decode_pallas(
+        q, k_pages, v_pages, block_tables, seq_lens, sm_scale=check_sm_scale(sm_scale, d),
+        out_dtype=check_out_dtype(out_dtype, q.dtype), interpret=interpret, block_k=block_k,
+        num_splits=int(min(num_splits, max_pages)), num_warps=num_warps or cfg["num_warps"],
+        num_stages=num_stages or cfg["num_stages"])
+
+
+@jax.jit
+def _gather_pages(k_pages, v_pages, block_tables, seq_lens):
+    """[B, max_pages * page_size, Hkv, D] keys and values of every sequence, in logical order.
+
+    Padding entries of the block table (any value, -1 or out of range included) are replaced by
+    page 0, so the gather only takes in-range indices; values past seq_len are zeroed, so stale
+    (even NaN) rows of a tail page or of page 0 never reach the result.
+    """
+    batch, max_pages = block_tables.shape
+    _, page_size, hkv, d = k_pages.shape
+    live = jnp.arange(max_pages, dtype=jnp.int32)[None, :] < cdiv(seq_lens, page_size)[:, None]
+    table = jnp.where(live, block_tables, 0)
+    k = k_pages[table].reshape(batch, max_pages * page_size, hkv, d)
+    v = v_pages[table].reshape(batch, max_pages * page_size, hkv, d)
+    # Masked scores give exactly zero weight, but 0 * NaN would not be zero.
+    visible = jnp.arange(max_pages * page_size, dtype=jnp.int32)[None, :] < seq_lens[:, None]
+    return k, jnp.where(visible[:, :, None, None], v, jnp.zeros((), v.dtype))
+
+
+def paged_decode_attention_with_lse_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                                        block_tables: jax.Array, seq_lens: jax.Array, *,
+                                        sm_scale: float | None = None, out_dtype=None,
+                                        interpret: bool | None = None
+                                        ) -> tuple[jax.Array, jax.Array]:
+    """jnp twin of `paged_decode_attention_with_lse` (exact float32; `interpret` ignored).
+
+    Gathers each sequence's pages into a contiguous [B, max_pages * page_size, Hkv, D] cache
+    and runs `decode_attention_with_lse_xla` with kv_len = seq_lens.
+    """
+    del interpret
+    block_tables, seq_lens = _check_paged_args(q, k_pages, v_pages, block_tables, seq_lens)
+    k, v = _gather_pages(k_pages, v_pages, block_tables, seq_lens)
+    return decode_attention_with_lse_xla(q, k, v, kv_len=seq_lens, sm_scale=sm_scale,
+                                         out_dtype=out_dtype)

@@ -1,0 +1,50 @@
+"""bfloat16, the dtype users run: the offloaded engine must still give what the in-GPU engine gives.
+
+Attention states stay float32 from the kernels through every merge and are rounded once per layer, and
+every step rounds exactly where the program says (no excess precision), so only float32 rounding
+noise separates the two engines.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tiny_models
+from jax_offload import LLM, SamplingParams
+
+MODEL_SEEDS = {"llama3": 9101, "qwen2": 9102, "qwen3": 9103}
+PROMPT_SEED = 9200
+NUM_PROMPTS = 10
+GREEDY_120 = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+CONFIGS = [(bs, slots, prefill) for bs in (16, 64) for slots in (1, 3) for prefill in ("chunked", "layerwise")]
+# max |logit difference| offloaded vs in-GPU over these prompts and all eight configs, measured with the
+# engine before partial states stayed float32 and excess precision was turned off (commit ad70287, this
+# file run there): the bar is a quarter of it. Greedy outputs then matched on 0 to 5 of the 10 prompts.
+BEFORE = {"llama3": 0.0625, "qwen2": 0.046875, "qwen3": 0.0546875}
+
+
+@pytest.fixture(scope="module", params=list(MODEL_SEEDS))
+def reference(request, tmp_path_factory):
+    variant, seed = request.param, MODEL_SEEDS[request.param]
+    path = tmp_path_factory.mktemp(variant)
+    tiny_models.build(variant, path, seed=seed)
+    rng = np.random.default_rng(PROMPT_SEED)
+    prompts = [rng.integers(3, tiny_models.VOCAB, size=int(n)).tolist() for n in rng.integers(5, 130, NUM_PROMPTS)]
+    in_gpu = LLM(path, dtype="bfloat16")
+    logits = [in_gpu.logits(p) for p in prompts]
+    tokens = [o.token_ids for o in in_gpu.generate(prompts, GREEDY_120)]
+    return variant, seed, path, prompts, logits, tokens
+
+
+@pytest.mark.parametrize("block_size,num_ring_slots,prefill", CONFIGS)
+def test_bf16_offload_equals_in_gpu(reference, block_size, num_ring_slots, prefill, record_property):
+    variant, seed, path, prompts, logits, tokens = reference
+    offload = LLM(path, dtype="bfloat16", offload=True, block_size=block_size, num_ring_slots=num_ring_slots,
+                  prefill=prefill)
+    max_diff = max(float(np.abs(offload.logits(p) - ref).max()) for p, ref in zip(prompts, logits))
+    record_property("max_abs_logit_diff", max_diff)
+    print(f"\n{variant} (seed {seed}) block {block_size} slots {num_ring_slots} {prefill}: max |dlogit| {max_diff}")
+    outs = offload.generate(prompts, GREEDY_120)
+    same = [o.token_ids == ref for o, ref in zip(outs, tokens)]
+    assert all(same), f"{variant} model seed {seed}, prompt seed {PROMPT_SEED}: greedy differs on prompts {same}"
+    assert max_diff <= BEFORE[variant] / 4, f"{variant} model seed {seed}: max |dlogit| {max_diff}"
