@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from jax_offload.config import ModelConfig
+from jax_offload.kv.host_store import from_stored_layout
 from jax_offload.models import decoder
 from jax_offload.models.params import LayerParams
 from pallas_kernels import AttentionState
@@ -111,13 +112,15 @@ def attend(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, state: Attention
 
 
 def _split_block(block: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """A stored block [2, block_size, Hkv, D] -> k, v [1, block_size, Hkv, D]."""
+    """A GPU block [2, block_size, Hkv, D] -> k, v [1, block_size, Hkv, D]."""
     return block[0][None], block[1][None]
 
 
 def _join_blocks(blocks: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
-    """Consecutive blocks -> k, v [1, n * block_size, Hkv, D]: one kernel call covers the whole group."""
-    return _split_block(jnp.concatenate(blocks, axis=1) if len(blocks) > 1 else blocks[0])
+    """Consecutive blocks as the host store keeps them -> k, v [1, n * block_size, Hkv, D]: one kernel call
+    covers the whole group."""
+    pages = jnp.concatenate(blocks, axis=1) if len(blocks) > 1 else blocks[0]
+    return _split_block(from_stored_layout(pages))
 
 
 def _finish(cfg: ModelConfig, layer: LayerParams, x: jax.Array, state: AttentionState) -> jax.Array:

@@ -121,20 +121,36 @@ def _rope_from_dict(raw: dict) -> RopeConfig:
     )
 
 
+# Options that only mean something when the KV cache is offloaded, with their defaults there.
+OFFLOAD_DEFAULTS = {"block_size": 1024, "num_ring_slots": 4, "prefill": "chunked", "sparse_policy": "full"}
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Options of `LLM` that decide where the KV cache lives and how prefill runs."""
+    """Options of `LLM` that decide where the KV cache lives and how prefill runs. Offload-only options
+    are None unless given; `validate` fills in their defaults."""
 
     dtype: str = "bfloat16"
     max_model_len: int | None = None
     offload: bool = False
-    block_size: int = 1024
-    num_ring_slots: int = 4
-    prefill: str = "chunked"
-    sparse_policy: str = "full"
+    block_size: int | None = None
+    num_ring_slots: int | None = None
+    prefill: str | None = None
+    sparse_policy: str | None = None
 
     def validate(self, model: ModelConfig) -> "EngineConfig":
-        """Checks every option; returns a copy with `max_model_len` filled in."""
+        """Checks every option; returns a copy with `max_model_len` and the offload defaults filled in."""
+        given = [name for name in OFFLOAD_DEFAULTS if getattr(self, name) is not None]
+        if not self.offload and given:
+            raise ValueError(
+                f"{', '.join(given)} only apply to an offloaded KV cache; pass offload=True or leave them out."
+            )
+        if self.offload:
+            filled = {name: default for name, default in OFFLOAD_DEFAULTS.items() if getattr(self, name) is None}
+            return dataclasses.replace(self, **filled)._validate(model)
+        return self._validate(model)
+
+    def _validate(self, model: ModelConfig) -> "EngineConfig":
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype {self.dtype!r} is not supported; use float32, bfloat16 or float16.")
         max_len = self.max_model_len if self.max_model_len is not None else model.max_position_embeddings
@@ -145,12 +161,13 @@ class EngineConfig:
                 f"max_model_len {max_len} exceeds the model's max_position_embeddings "
                 f"{model.max_position_embeddings}."
             )
-        if not isinstance(self.block_size, int) or self.block_size < 16 or self.block_size % 16:
-            raise ValueError(f"block_size must be a positive multiple of 16, got {self.block_size!r}.")
-        if not isinstance(self.num_ring_slots, int) or self.num_ring_slots < 1:
-            raise ValueError(f"num_ring_slots must be an integer >= 1, got {self.num_ring_slots!r}.")
-        if self.prefill not in PREFILL_MODES:
-            raise ValueError(f"prefill mode {self.prefill!r} is unknown; valid: {', '.join(PREFILL_MODES)}.")
+        if self.offload:
+            if not isinstance(self.block_size, int) or self.block_size < 16 or self.block_size % 16:
+                raise ValueError(f"block_size must be a positive multiple of 16, got {self.block_size!r}.")
+            if not isinstance(self.num_ring_slots, int) or self.num_ring_slots < 1:
+                raise ValueError(f"num_ring_slots must be an integer >= 1, got {self.num_ring_slots!r}.")
+            if self.prefill not in PREFILL_MODES:
+                raise ValueError(f"prefill mode {self.prefill!r} is unknown; valid: {', '.join(PREFILL_MODES)}.")
         return dataclasses.replace(self, max_model_len=max_len)
 
 

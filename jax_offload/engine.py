@@ -60,10 +60,10 @@ class LLM:
         dtype: str = "bfloat16",
         max_model_len: int | None = None,
         offload: bool = False,
-        block_size: int = 1024,
-        num_ring_slots: int = 4,
-        prefill: str = "chunked",
-        sparse_policy: str = "full",
+        block_size: int | None = None,
+        num_ring_slots: int | None = None,
+        prefill: str | None = None,
+        sparse_policy: str | None = None,
         attention_impl: str | None = None,
     ):
         from transformers import AutoTokenizer
@@ -74,7 +74,8 @@ class LLM:
         model_config = ModelConfig.from_hf(model_dir)
         options = EngineConfig(dtype, max_model_len, offload, block_size, num_ring_slots, prefill, sparse_policy)
         options = options.validate(model_config)
-        make_policy(sparse_policy)
+        if options.offload:
+            make_policy(options.sparse_policy)
         check_attention_impl(attention_impl or default_attention_impl())
         params = load_params(model_dir, model_config, jnp.dtype(dtype))
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -104,7 +105,6 @@ class LLM:
         return llm
 
     def _setup(self, model_config, engine, params, tokenizer, eos_ids, attention_impl) -> None:
-        policy = make_policy(engine.sparse_policy)
         self.attention_impl = check_attention_impl(attention_impl or default_attention_impl())
         self.model_config, self.engine_config, self.params, self.tokenizer = model_config, engine, params, tokenizer
         self.dtype = jnp.dtype(engine.dtype)
@@ -112,7 +112,8 @@ class LLM:
         self._inv_freq = jnp.asarray(inverse_frequencies(model_config.rope, model_config.head_dim))
         if engine.offload:
             self._runner = OffloadRunner(
-                model_config, params, self._inv_freq, self.dtype, self.attention_impl, engine, policy
+                model_config, params, self._inv_freq, self.dtype, self.attention_impl, engine,
+                make_policy(engine.sparse_policy),
             )
         else:
             self._runner = DeviceRunner(model_config, params, self._inv_freq, self.dtype, self.attention_impl)

@@ -29,10 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--offload", action="store_true", help="keep the KV cache in pinned host memory")
-    p.add_argument("--block-size", type=int, default=1024, help="tokens per KV block (offload)")
-    p.add_argument("--ring-slots", type=int, default=4, help="GPU slots the KV blocks stream through (offload)")
-    p.add_argument("--prefill", default="chunked", help="chunked or layerwise (offload)")
-    p.add_argument("--sparse-policy", default="full", help="block-selection policy (offload)")
+    p.add_argument("--block-size", type=int, help="tokens per KV block (offload; default 1024)")
+    p.add_argument("--ring-slots", type=int, help="GPU slots the KV blocks stream through (offload; default 4)")
+    p.add_argument("--prefill", help="chunked or layerwise (offload; default chunked)")
+    p.add_argument("--sparse-policy", help="block-selection policy (offload; default full)")
     return p
 
 

@@ -67,7 +67,7 @@ class OffloadRunner:
         return round_up(prompt_bucket(prompt_len), self.block_size)
 
     def _empty_tail(self) -> jax.Array:
-        return jnp.zeros(self.store.block_shape, self.dtype)
+        return jnp.zeros((2, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim), self.dtype)
 
     # ---- streaming host blocks ---------------------------------------------------------------
 

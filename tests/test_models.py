@@ -8,21 +8,20 @@ import torch
 import tiny_models
 from jax_offload import LLM, SamplingParams
 
-CASES = [
-    ("llama3", None),
-    ("llama_tied", None),
-    ("qwen2", None),
-    ("qwen2", "40KB"),  # sharded checkpoint with model.safetensors.index.json
-    ("qwen3", None),
-    ("qwen3_tied", None),
+CASES = [  # (variant, shard size, seed of the weights and prompts)
+    ("llama3", None, 101),
+    ("llama_tied", None, 102),
+    ("qwen2", None, 103),
+    ("qwen2", "40KB", 104),  # sharded checkpoint with model.safetensors.index.json
+    ("qwen3", None, 105),
+    ("qwen3_tied", None, 106),
 ]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"{v}{'-sharded' if s else ''}" for v, s in CASES])
+@pytest.fixture(scope="module", params=CASES, ids=[f"{v}{'-sharded' if s else ''}" for v, s, _ in CASES])
 def model_pair(request, tmp_path_factory):
-    variant, shard = request.param
+    variant, shard, seed = request.param
     out = tmp_path_factory.mktemp(variant)
-    seed = int(np.random.SeedSequence().entropy % 2**31)
     torch_model = tiny_models.build(variant, out, seed=seed, max_shard_size=shard)
     return torch_model, LLM(out, dtype="float32"), seed
 
@@ -36,7 +35,7 @@ def test_logits_match_transformers(model_pair):
         with torch.no_grad():
             ref = torch_model(torch.tensor([ids])).logits[0].numpy()
         assert ours.shape == ref.shape == (length, tiny_models.VOCAB)
-        assert np.abs(ours - ref).max() <= 1e-4
+        assert np.abs(ours - ref).max() <= 1e-4, f"seed {seed}, length {length}"
 
 
 def test_greedy_generation_matches_transformers(model_pair):
@@ -49,4 +48,4 @@ def test_greedy_generation_matches_transformers(model_pair):
             ref = torch_model.generate(
                 torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=2
             )[0, len(ids):].tolist()
-        assert out.token_ids == ref
+        assert out.token_ids == ref, f"seed {seed}, prompt length {len(ids)}"
