@@ -11,6 +11,7 @@ from jax_offload.attention import decode_layer_in_device, embed_tokens, prefill_
 from jax_offload.buckets import cache_bucket, prompt_bucket
 from jax_offload.config import ModelConfig
 from jax_offload.models.params import ModelParams
+from jax_offload.progress import LaggedProgress
 
 
 class DeviceRunner:
@@ -37,13 +38,13 @@ class DeviceRunner:
         self._k = [jnp.zeros(shape, self.dtype) for _ in range(cfg.num_layers)]
         self._v = [jnp.zeros(shape, self.dtype) for _ in range(cfg.num_layers)]
         length = jnp.asarray(prompt_len, jnp.int32)
+        done = LaggedProgress(progress)
         for i, layer in enumerate(self.params.layers):
             x, self._k[i], self._v[i] = prefill_layer_in_device(
                 cfg, self.impl, layer, x, self.inv_freq, self._k[i], self._v[i], length
             )
-            if progress is not None:
-                jax.block_until_ready(x)  # report work done, not work dispatched
-                progress(prompt_len / cfg.num_layers)
+            done.step(x, prompt_len / cfg.num_layers)
+        done.close()
         return x, 0
 
     def decode(self, x: jax.Array, position: int) -> jax.Array:

@@ -25,6 +25,7 @@ from jax_offload.config import EngineConfig, ModelConfig, round_up
 from jax_offload.kv.host_store import HostKVStore
 from jax_offload.kv.ring import BlockRing, Key, group_size, grouped
 from jax_offload.models.params import ModelParams
+from jax_offload.progress import LaggedProgress
 from jax_offload.sparse import SparsePolicy
 
 
@@ -110,6 +111,7 @@ class OffloadRunner:
         bs, layers = self.block_size, self.params.layers
         outputs = []
         num_chunks = ids.shape[1] // bs
+        done = LaggedProgress(progress)
         for c in range(num_chunks):
             chunk_len = min(bs, prompt_len - c * bs)
             h = embed_tokens(self.params.embed, ids[:, c * bs : (c + 1) * bs])
@@ -121,22 +123,21 @@ class OffloadRunner:
                 self._keep_block(l, c, kv, chunk_len)
             if keep_all or c == num_chunks - 1:
                 outputs.append(h)
-            if progress is not None:
-                jax.block_until_ready(h)  # report work done, not work dispatched
-                progress(chunk_len)
+            done.step(h, chunk_len)
+        done.close()
         if keep_all:
             return jnp.concatenate(outputs, axis=1), 0
         return outputs[0], (num_chunks - 1) * bs
 
     def _prefill_layerwise(self, x: jax.Array, prompt_len: int, progress) -> jax.Array:
         length = jnp.int32(prompt_len)
+        done = LaggedProgress(progress)
         for l, layer in enumerate(self.params.layers):
             x, blocks = layerwise_layer(self.cfg, self.impl, self.block_size, layer, x, self.inv_freq, length)
             for b, block in enumerate(blocks):
                 self._keep_block(l, b, block, min(self.block_size, prompt_len - b * self.block_size))
-            if progress is not None:
-                jax.block_until_ready(x)  # report work done, not work dispatched
-                progress(prompt_len / len(self.params.layers))
+            done.step(x, prompt_len / len(self.params.layers))
+        done.close()
         return x
 
     def _keep_block(self, layer: int, index: int, block: jax.Array, filled: int) -> None:

@@ -97,6 +97,14 @@ def _pinned_host_bytes() -> int:
     return sum(a.nbytes for a in jax.live_arrays() if a.sharding.memory_kind == "pinned_host")
 
 
+@pytest.mark.parametrize("option", [dict(block_size=64), dict(num_ring_slots=2), dict(prefill="layerwise"),
+                                    dict(sparse_policy="full")])
+def test_offload_options_need_offload(model, option):
+    path, _, _ = model
+    with pytest.raises(ValueError, match=f"{next(iter(option))} only apply to an offloaded KV cache"):
+        LLM(path, dtype="float32", **option)
+
+
 @pytest.mark.parametrize(
     "kwargs,message",
     [
