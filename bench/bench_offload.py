@@ -1,474 +1,545 @@
 """Offload engine benchmark on one GPU: Llama-3.1-8B shape, random bf16 weights.
 
-Measures, in one run: the PCIe floor (KV bytes / measured host-to-device bandwidth), our offloaded and
-in-GPU prefill and decode, GPU memory, the transfer/compute overlap of each mode, and Hugging Face
-transformers' dynamic and offloaded caches on the same GPU (in a subprocess, so the two frameworks do
-not share GPU memory). Writes offload.json, offload.md and offload.png under --out.
+Each phase runs in a fresh process (so its peak GPU memory is its own) and writes phase_<name>.json:
+  chunked    ours, KV offloaded, chunked prefill: prefill and per-token decode at each context, and the
+             cost of the CLI's progress bar at 32K
+  layerwise  ours, KV offloaded, layerwise prefill (peak memory reported on its own)
+  in_gpu     ours, KV in GPU memory
+  overlap    per phase (decode, chunked prefill, layerwise prefill): with transfers, transfers alone (the same
+             blocks through the ring, trivial consumer) and compute alone (the same engine, blocks kept on GPU)
+  logits     last 64 logits of a 32K prompt: ours offloaded vs ours in-GPU vs transformers on the same weights,
+             with ours in float32 as the reference
+  hf         transformers' dynamic and offloaded caches, prefill and per-token decode (a streamer's clock)
+Every timed figure is the median of >= 5 runs after a warm-up at the same shape, with min and max.
+`--report` turns the phase files into offload.json, offload.md and offload.png.
 
-    python bench/bench_offload.py --out bench/results
+    python bench/bench_offload.py --phases hf,logits --out DIR       # one device call
+    python bench/bench_offload.py --phases chunked --out DIR         # another
+    python bench/bench_offload.py --phases layerwise,in_gpu,overlap --out DIR
+    python bench/bench_offload.py --report DIR --out bench/results
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import functools
-import gc
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-LLAMA_31_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 128256,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "max_position_embeddings": 131072,
-    "rope_theta": 500000.0,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-    "rope_scaling": {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-}
-GiB = 2**30
+from common import (  # noqa: E402
+    SHAPES, GiB, fmt, gpu_memory, h2d_bandwidth, model_config, random_params, run_metadata, stats,
+)
+
+PHASES = ("chunked", "layerwise", "in_gpu", "overlap", "logits", "hf")
 
 
-def random_params(cfg, dtype, seed: int = 0):
-    """Random weights at the config's shapes, made on the GPU (the real 8B checkpoint is not needed)."""
-    import jax
-    import jax.numpy as jnp
+class Bench:
+    """The model, the weights and the timing helpers one phase process uses."""
 
-    from jax_offload.models.params import LayerParams, ModelParams
+    def __init__(self, args):
+        import jax
+        import numpy as np
 
-    key = jax.random.PRNGKey(seed)
-    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
+        self.args = args
+        self.cfg = model_config(args.shape, args.num_layers)
+        self.params = random_params(self.cfg, jax.numpy.bfloat16)
+        jax.block_until_ready(self.params)
+        self.rng = np.random.default_rng(0)
+        self.weights_GiB = sum(x.nbytes for x in jax.tree.leaves(self.params)) / GiB
 
-    @functools.partial(jax.jit, static_argnums=1)
-    def rnd(k, shape):
-        # Drawn in the target dtype: no float32 temporaries inflating the GPU memory peak.
-        return jax.random.normal(k, shape, dtype) * jnp.asarray(0.02, dtype)
+    def llm(self, **options):
+        from jax_offload import LLM
 
-    layers = []
-    for n in range(cfg.num_layers):
-        ks = jax.random.split(jax.random.fold_in(key, n), 4)
-        layers.append(
-            LayerParams(
-                attn_norm=jnp.ones((h,), dtype),
-                wqkv=rnd(ks[0], (h, qkv)),
-                bqkv=None,
-                q_norm=None,
-                k_norm=None,
-                wo=rnd(ks[1], (cfg.num_heads * d, h)),
-                mlp_norm=jnp.ones((h,), dtype),
-                w_gate_up=rnd(ks[2], (h, 2 * i)),
-                w_down=rnd(ks[3], (i, h)),
-            )
-        )
-    ks = jax.random.split(jax.random.fold_in(key, 10_000), 2)
-    return ModelParams(
-        embed=rnd(ks[0], (cfg.vocab_size, h)),
-        layers=layers,
-        final_norm=jnp.ones((h,), dtype),
-        lm_head=rnd(ks[1], (h, cfg.vocab_size)),
-    )
+        return LLM.from_params(self.cfg, self.params, dtype="bfloat16", **options)
 
+    def prompt(self, n: int) -> list[int]:
+        return self.rng.integers(0, self.cfg.vocab_size, size=n).tolist()
 
-def h2d_bandwidth(nbytes: int = GiB, reps: int = 5) -> float:
-    """Bytes/s of one pinned-host -> GPU copy (best of `reps`)."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import SingleDeviceSharding
+    def prompt_len(self, ctx: int) -> int:
+        # "128K" fills the model's window: the prompt leaves room for the generated tokens.
+        return min(ctx, self.cfg.max_position_embeddings - self.args.decode_tokens - 1)
 
-    dev = jax.devices()[0]
-    host = jax.device_put(jnp.ones((nbytes // 2,), jnp.bfloat16), SingleDeviceSharding(dev, memory_kind="pinned_host"))
-    host.block_until_ready()
-    target = SingleDeviceSharding(dev, memory_kind="device")
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.device_put(host, target).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best
+    def generate(self, llm, n: int, tokens: int | None = None, progress: bool = False):
+        from jax_offload import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=tokens or self.args.decode_tokens, ignore_eos=True)
+        return llm.generate([self.prompt(n)], params, progress=progress)[0]
+
+    def timed_runs(self, llm, n: int, tokens: int | None = None) -> dict:
+        """One warm-up generation at this length, then `repeats` timed ones: prefill seconds per run and
+        every decode step's seconds, pooled."""
+        self.generate(llm, n, tokens)
+        prefill, steps = [], []
+        for _ in range(self.args.repeats):
+            out = self.generate(llm, n, tokens)
+            prefill.append(out.prefill_seconds)
+            steps += out.decode_token_seconds
+        return {"prefill_s": stats(prefill), "decode_ms": stats([s * 1e3 for s in steps])}
 
 
-def gpu_peak_bytes() -> int:
-    import jax
-
-    stats = jax.devices()[0].memory_stats() or {}  # None on CPU
-    return int(stats.get("peak_bytes_in_use", 0))
+# ---- phases ---------------------------------------------------------------------------------------
 
 
-def tree_bytes(tree) -> int:
-    import jax
+def phase_chunked(b: Bench) -> dict:
+    import resource
 
-    return sum(x.nbytes for x in jax.tree.leaves(tree))
-
-
-def run_ours(args) -> dict:
-    import jax
-    import numpy as np
-
-    from jax_offload import LLM, SamplingParams
-    from jax_offload.config import ModelConfig
     from jax_offload.kv.ring import group_size
 
-    cfg = ModelConfig.from_dict(LLAMA_31_8B | {"num_hidden_layers": args.num_layers})
-    params = random_params(cfg, jax.numpy.bfloat16)
-    jax.block_until_ready(params)
-    weights = tree_bytes(params)
-    bw = h2d_bandwidth()
-    rng = np.random.default_rng(0)
-    res: dict = {"weights_GiB": weights / GiB, "peak_gpu_after_init_GiB": gpu_peak_bytes() / GiB, "h2d_GBps": bw / 1e9, "kv_bytes_per_token": cfg.kv_bytes_per_token}
-    new = args.decode_tokens
-    greedy = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    a, rows = b.args, []
+    bs = a.block_size
+    llm = b.llm(max_model_len=b.cfg.max_position_embeddings, offload=True, block_size=bs,
+                num_ring_slots=a.ring_slots, prefill="chunked")
+    # Every chunked-prefill and decode shape: the last group of blocks has 1 .. half-the-ring blocks, and the
+    # tail starts empty or not. None depends on the prompt length.
+    for n in range(1, group_size(a.ring_slots) + 2):
+        b.generate(llm, n * bs)
+    b.generate(llm, bs + 7)
+    for ctx in a.contexts:
+        n = b.prompt_len(ctx)
+        row = {"ctx": ctx, "prompt_tokens": n, "host_blocks": n // bs, **b.timed_runs(llm, n)}
+        # Only full blocks cross PCIe; the partial block stays on the GPU as the tail.
+        row["pcie_bytes_per_token_step"] = (n // bs) * bs * b.cfg.kv_bytes_per_token
+        row["gpu_memory_after"] = gpu_memory()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    # The CLI's progress bar: the same prefill with and without it, interleaved.
+    n = b.prompt_len(a.progress_ctx)
+    with_bar, without = [], []
+    for _ in range(a.repeats):
+        without.append(b.generate(llm, n, 1).prefill_seconds)
+        with_bar.append(b.generate(llm, n, 1, progress=True).prefill_seconds)
+    progress = {"ctx": n, "with_bar_s": stats(with_bar), "without_s": stats(without),
+                "cost": stats(with_bar)["median"] / stats(without)["median"] - 1}
+    print(json.dumps(progress), flush=True)
+    return {"rows": rows, "progress_bar": progress, "max_rss_GiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "store_GiB": llm._runner.store.total_bytes / GiB}
 
-    def make(**opts):
-        return LLM.from_params(cfg, params, dtype="bfloat16", **opts)
 
-    max_pos = cfg.max_position_embeddings
+def phase_layerwise(b: Bench) -> dict:
+    a, bs = b.args, b.args.block_size
+    n = a.layerwise_ctx
+    before = gpu_memory()
+    llm = b.llm(max_model_len=n + a.decode_tokens + bs, offload=True, block_size=bs, num_ring_slots=a.ring_slots,
+                prefill="layerwise")
+    row = {"ctx": n, "host_blocks": n // bs, **b.timed_runs(llm, n), "gpu_memory_before": before,
+           "gpu_memory_after": gpu_memory()}
+    print(json.dumps(row), flush=True)
+    return {"rows": [row]}
 
-    def prompt_len(ctx):
-        # "128K" fills the model's whole window: the prompt leaves room for the generated tokens.
-        return min(ctx, max_pos - new - 1)
 
-    def timed(llm, n_ctx):
-        out = llm.generate([rng.integers(0, 128000, size=n_ctx).tolist()], greedy)[0]
-        return out.prefill_seconds, out.decode_seconds / (len(out.token_ids) - 1) * 1e3
-
-    def floor_ms(n_ctx):
-        return n_ctx * cfg.kv_bytes_per_token / bw * 1e3
-
-    rows = []
-    for ctx in args.contexts:
-        for bs in args.block_sizes:
-            llm = make(max_model_len=min(ctx + new + bs, max_pos), offload=True, block_size=bs,
-                       num_ring_slots=args.ring_slots, prefill="chunked")
-            # Compiles every chunked-prefill and decode shape; none depends on the prompt length, only on
-            # the size of the last group of blocks (1 .. half the ring) and on whether the tail starts empty.
-            for n in range(1, group_size(args.ring_slots) + 2):
-                timed(llm, n * bs)
-            timed(llm, bs + 7)
-            runs = [timed(llm, prompt_len(ctx)) for _ in range(args.repeats)]
-            prefill_s, decode_ms = min(r[0] for r in runs), min(r[1] for r in runs)
-            rows.append(dict(mode="offload", prefill="chunked", ctx=ctx, block_size=bs, ring_slots=args.ring_slots,
-                             prompt_tokens=prompt_len(ctx), prefill_s=prefill_s, decode_ms=decode_ms, runs=runs,
-                             floor_ms=floor_ms(prompt_len(ctx)), peak_gpu_GiB=gpu_peak_bytes() / GiB))
-            print(json.dumps(rows[-1]), flush=True)
-            del llm
-            gc.collect()
-    bs = args.block_sizes[0]
-    for ctx in args.layerwise_contexts:
-        llm = make(max_model_len=ctx + new + bs, offload=True, block_size=bs, num_ring_slots=args.ring_slots,
-                   prefill="layerwise")
-        timed(llm, ctx)  # layerwise shapes follow the prompt bucket: compile at this length
-        prefill_s, decode_ms = timed(llm, ctx)
-        rows.append(dict(mode="offload", prefill="layerwise", ctx=ctx, block_size=bs, ring_slots=args.ring_slots,
-                         prompt_tokens=ctx, prefill_s=prefill_s, decode_ms=decode_ms, floor_ms=floor_ms(ctx)))
-        print(json.dumps(rows[-1]), flush=True)
+def phase_in_gpu(b: Bench) -> dict:
+    a, rows = b.args, []
+    for n in a.in_gpu_contexts:
+        llm = b.llm(max_model_len=n + a.decode_tokens + 16)
+        row = {"ctx": n, **b.timed_runs(llm, n), "gpu_memory_after": gpu_memory()}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
         del llm
-        gc.collect()
-    for ctx in args.in_gpu_contexts:
-        llm = make(max_model_len=ctx + new + 16)
-        timed(llm, ctx)
-        prefill_s, decode_ms = timed(llm, ctx)
-        rows.append(dict(mode="in_gpu", prefill="whole", ctx=ctx, prompt_tokens=ctx, prefill_s=prefill_s,
-                         decode_ms=decode_ms))
-        print(json.dumps(rows[-1]), flush=True)
-        del llm
-        gc.collect()
-    res["rows"] = rows
-    # Last, because keeping every block on the GPU (compute alone) raises the memory peak.
-    res["overlap"] = measure_overlap(make, args, new, rng)
-    return res
+    return {"rows": rows}
 
 
-def _stream_time(store, num_slots: int, schedule: list) -> float:
-    """Seconds to stream `schedule` through the ring with a trivial consumer: transfers alone."""
+def _stream_seconds(store, num_slots: int, schedule: list) -> float:
+    """Seconds to stream `schedule` (layer, block) keys through the ring with a trivial consumer."""
     import jax
 
     from jax_offload.kv.ring import BlockRing, group_size, grouped
 
     groups = grouped(schedule, group_size(num_slots))
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        ring = BlockRing(store, num_slots, groups)
-        last = None
-        for g in groups:
-            last = ring.take()
-            ring.release(last[-1], len(g))  # the consumer is the transfer itself
-        jax.block_until_ready(last)
-        best = min(best, time.perf_counter() - t)
-    return best
+    t = time.perf_counter()
+    ring = BlockRing(store, num_slots, groups)
+    last = None
+    for g in groups:
+        last = ring.take()
+        ring.release(last[-1], len(g))  # the consumer is the transfer itself
+    jax.block_until_ready(last)
+    return time.perf_counter() - t
 
 
-def _offload_time(store, num_layers: int, num_blocks: int) -> float:
-    """Seconds to copy `num_blocks` blocks of every layer from the GPU to the host store."""
+def _write_seconds(store, num_layers: int, num_blocks: int) -> float:
+    """Seconds to write `num_blocks` GPU blocks of every layer into the host store, as prefill does."""
+    import jax
+    import jax.numpy as jnp
+
+    kv = jnp.ones((2, store.block_size) + store.block_shape[:1] + store.block_shape[-1:], jnp.bfloat16)
+    jax.block_until_ready(kv)
+    store.reset()
+    t = time.perf_counter()
+    for layer in range(num_layers):
+        for i in range(num_blocks):
+            store.write(layer, i, kv)
+    jax.block_until_ready(store._blocks)
+    return time.perf_counter() - t
+
+
+def _compute_only(llm):
+    """The same engine with its KV store on the GPU: the ring's copies become no-ops, dispatches unchanged."""
+    from jax_offload.kv.host_store import HostKVStore
+
+    s = llm._runner.store
+    llm._runner.store = HostKVStore(s.num_layers, s.num_blocks, s.block_size, s.block_shape[0], s.block_shape[-1],
+                                    llm.dtype, s.device.device_set.pop(), memory_kind="device")
+    return llm
+
+
+def _overlap(with_s, transfer_s, compute_s) -> dict:
+    w, t, c = (x["median"] for x in (with_s, transfer_s, compute_s))
+    return {"with_transfers": with_s, "transfers_alone": transfer_s, "compute_alone": compute_s,
+            "hidden_fraction": (t + c - w) / min(t, c)}
+
+
+def phase_overlap(b: Bench) -> dict:
     import jax
 
-    blocks = [jax.device_put(store.read(l, b), store.device) for l in range(num_layers) for b in range(num_blocks)]
-    jax.block_until_ready(blocks)
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        jax.block_until_ready([jax.device_put(b, store.host) for b in blocks])
-        best = min(best, time.perf_counter() - t)
-    return best
+    a, bs, out = b.args, b.args.block_size, {}
+    layers = b.cfg.num_layers
+    reps = a.repeats
 
-
-class _BlocksOnDevice:
-    """Within this context the store keeps every block on the GPU: the ring's copies become no-ops, so
-    the engine runs its exact dispatches with compute alone."""
-
-    def __init__(self, store):
-        self.store = store
-
-    def __enter__(self):
-        import jax
-
-        store = self.store
-        self.saved = store._blocks, store.write
-        store._blocks = [list(layer) for layer in store._blocks]
-
-        def write_on_device(layer, index, block):
-            store._blocks[layer][index] = jax.device_put(block, store.device)
-            store._written[layer] += 1
-
-        store.write = write_on_device
-        return self
-
-    def __exit__(self, *exc):
-        self.store._blocks, self.store.write = self.saved
-
-
-def measure_overlap(make, args, new, rng) -> list[dict]:
-    """For each phase: time with transfers, transfers alone, compute alone (the same dispatches)."""
-    from jax_offload import SamplingParams
-
-    bs, out = args.block_sizes[0], []
-    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    greedy = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-
-    def decode_ms(o):
-        return o.decode_seconds / (len(o.token_ids) - 1) * 1e3
-
-    ctx = args.overlap_ctx
-    llm = make(max_model_len=ctx + new + bs, offload=True, block_size=bs, num_ring_slots=args.ring_slots)
-    ids = rng.integers(0, 128000, size=ctx).tolist()
-    with_transfer = decode_ms(llm.generate([ids], greedy)[0])
-    store, layers = llm._runner.store, llm.model_config.num_layers
-    store._written = [ctx // bs] * layers  # the finished request's blocks are still there: read them again
-    transfer = _stream_time(store, args.ring_slots, [(l, b) for l in range(layers) for b in range(ctx // bs)]) * 1e3
+    # Decode at the overlap context: per-token step time.
+    n = a.overlap_ctx
+    mk = dict(max_model_len=n + a.decode_tokens + bs, offload=True, block_size=bs, num_ring_slots=a.ring_slots)
+    llm = b.llm(**mk)
+    with_t = b.timed_runs(llm, n)["decode_ms"]
+    store = llm._runner.store
+    store._written = [n // bs] * layers  # the finished request's blocks are still there: stream them again
+    keys = [(l, i) for l in range(layers) for i in range(n // bs)]
+    _stream_seconds(store, a.ring_slots, keys)
+    transfer = stats([_stream_seconds(store, a.ring_slots, keys) * 1e3 for _ in range(reps)])
     store.reset()
-    with _BlocksOnDevice(store):
-        compute = decode_ms(llm.generate([ids], greedy)[0])
-    out.append(dict(mode="decode", ctx=ctx, with_transfer_ms=with_transfer, transfer_only_ms=transfer,
-                    compute_only_ms=compute))
+    compute = b.timed_runs(_compute_only(b.llm(**mk)), n)["decode_ms"]
+    out["decode"] = {"ctx": n, **_overlap(with_t, transfer, compute)}
+    print(json.dumps(out["decode"]), flush=True)
 
     # Chunked prefill reads sum(c) earlier blocks per layer and writes every block once.
-    ctx = args.prefill_overlap_ctx
-    n = ctx // bs
-    ids = rng.integers(0, 128000, size=ctx).tolist()
-    with_transfer = llm.generate([ids], one)[0].prefill_seconds * 1e3
-    store._written = [n] * layers
-    reads = [(l, b) for c in range(n) for l in range(layers) for b in range(c)]
-    transfer = (_stream_time(store, args.ring_slots, reads) + _offload_time(store, layers, n)) * 1e3
-    store.reset()
-    with _BlocksOnDevice(store):
-        compute = llm.generate([ids], one)[0].prefill_seconds * 1e3
-    out.append(dict(mode="prefill_chunked", ctx=ctx, with_transfer_ms=with_transfer, transfer_only_ms=transfer,
-                    compute_only_ms=compute))
-    del llm
-    gc.collect()
-
-    # Layerwise prefill: the layer compute of in-GPU prefill plus one offload of each layer's KV.
-    llm = make(max_model_len=ctx + new + bs, offload=True, block_size=bs, num_ring_slots=args.ring_slots,
-               prefill="layerwise")
-    llm.generate([ids], one)
-    with_transfer = llm.generate([ids], one)[0].prefill_seconds * 1e3
-    store = llm._runner.store
-    store._written = [n] * layers
-    transfer = _offload_time(store, layers, n) * 1e3
-    store.reset()
-    with _BlocksOnDevice(store):
-        compute = llm.generate([ids], one)[0].prefill_seconds * 1e3
-    out.append(dict(mode="prefill_layerwise", ctx=ctx, with_transfer_ms=with_transfer, transfer_only_ms=transfer,
-                    compute_only_ms=compute))
-    for r in out:
-        r["ratio"] = r["with_transfer_ms"] / max(r["transfer_only_ms"], r["compute_only_ms"])
-        print(json.dumps(r), flush=True)
+    n = a.prefill_overlap_ctx
+    chunks = n // bs
+    mk = dict(max_model_len=n + a.decode_tokens + bs, offload=True, block_size=bs, num_ring_slots=a.ring_slots)
+    for mode in ("chunked", "layerwise"):
+        llm = b.llm(**mk, prefill=mode)
+        with_t = stats([x * 1e3 for x in [b.generate(llm, n, 1).prefill_seconds for _ in range(reps + 1)][1:]])
+        store = llm._runner.store
+        store._written = [chunks] * layers
+        reads = [(l, i) for c in range(chunks) for l in range(layers) for i in range(c)] if mode == "chunked" else []
+        transfer = []
+        for _ in range(reps + 1):
+            store._written = [chunks] * layers
+            t = _stream_seconds(store, a.ring_slots, reads) if reads else 0.0
+            transfer.append((t + _write_seconds(store, layers, chunks)) * 1e3)
+        store.reset()
+        compute_llm = _compute_only(b.llm(**mk, prefill=mode))
+        compute = stats([x * 1e3 for x in [b.generate(compute_llm, n, 1).prefill_seconds for _ in range(reps + 1)][1:]])
+        out[f"prefill_{mode}"] = {"ctx": n, **_overlap(with_t, stats(transfer[1:]), compute)}
+        print(json.dumps(out[f"prefill_{mode}"]), flush=True)
+        del llm, compute_llm
+        jax.clear_caches()
     return out
 
 
+def phase_logits(b: Bench) -> dict:
+    """Last 64 logits of one prompt: how far the offloaded engine is from the in-GPU one, beside how far the
+    in-GPU one is from transformers on the same weights; ours in float32 is the reference for both."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    a, last = b.args, 64
+    ids = b.prompt(a.logits_ctx)
+    bs = a.block_size
+    got = {"ours_in_gpu_bf16": b.llm(max_model_len=len(ids) + 16).logits(ids, last=last)}
+    got["ours_offload_bf16"] = b.llm(max_model_len=len(ids) + bs, offload=True, block_size=bs,
+                                     num_ring_slots=a.ring_slots).logits(ids, last=last)
+    from jax_offload import LLM
+
+    params32 = jax.tree.map(lambda x: x.astype(jnp.float32), b.params)
+    got["ours_in_gpu_fp32"] = LLM.from_params(b.cfg, params32, dtype="float32",
+                                              max_model_len=len(ids) + 16).logits(ids, last=last)
+    del params32
+    jax.clear_caches()
+    got["transformers_bf16"] = _hf_logits(b, ids, last)
+
+    def diff(x, y):
+        return float(np.abs(got[x] - got[y]).max())
+
+    res = {"ctx": len(ids), "positions": last, "max_abs_logit": float(np.abs(got["ours_in_gpu_fp32"]).max()),
+           "offload_vs_in_gpu": diff("ours_offload_bf16", "ours_in_gpu_bf16"),
+           "in_gpu_vs_transformers": diff("ours_in_gpu_bf16", "transformers_bf16"),
+           "offload_vs_fp32": diff("ours_offload_bf16", "ours_in_gpu_fp32"),
+           "in_gpu_vs_fp32": diff("ours_in_gpu_bf16", "ours_in_gpu_fp32"),
+           "transformers_vs_fp32": diff("transformers_bf16", "ours_in_gpu_fp32"),
+           "greedy_top1_agreement": {k: float(np.mean(v.argmax(-1) == got["ours_in_gpu_fp32"].argmax(-1)))
+                                     for k, v in got.items()}}
+    print(json.dumps(res), flush=True)
+    return res
+
+
+def _hf_logits(b: Bench, ids: list[int], last: int):
+    """transformers' LlamaForCausalLM (sdpa, bf16) over our very weights, shared through DLPack."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = b.cfg
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    raw = {k: v for k, v in SHAPES[b.args.shape].items() if k not in ("architectures", "model_type")}
+    raw["num_hidden_layers"] = cfg.num_layers
+    hf_cfg = LlamaConfig(**raw)
+    hf_cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hf_cfg)
+
+    def t(x):
+        return torch.from_dlpack(x)
+
+    def assign(module, name, tensor):
+        setattr(module, name, torch.nn.Parameter(tensor, requires_grad=False))
+
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    p = b.params
+    assign(model.model.embed_tokens, "weight", t(p.embed))
+    assign(model.model.norm, "weight", t(p.final_norm))
+    assign(model.lm_head, "weight", t(p.lm_head).T)
+    for layer, lp in zip(model.model.layers, p.layers):
+        wqkv = t(lp.wqkv)
+        assign(layer.self_attn.q_proj, "weight", wqkv[:, :q].T)
+        assign(layer.self_attn.k_proj, "weight", wqkv[:, q:q + kv].T)
+        assign(layer.self_attn.v_proj, "weight", wqkv[:, q + kv:].T)
+        assign(layer.self_attn.o_proj, "weight", t(lp.wo).T)
+        gate_up = t(lp.w_gate_up)
+        assign(layer.mlp.gate_proj, "weight", gate_up[:, :cfg.intermediate_size].T)
+        assign(layer.mlp.up_proj, "weight", gate_up[:, cfg.intermediate_size:].T)
+        assign(layer.mlp.down_proj, "weight", t(lp.w_down).T)
+        assign(layer.input_layernorm, "weight", t(lp.attn_norm))
+        assign(layer.post_attention_layernorm, "weight", t(lp.mlp_norm))
+    with torch.device(device):  # the only buffers: rotary frequencies, made where the weights are
+        model.model.rotary_emb = type(model.model.rotary_emb)(hf_cfg)
+    model.eval()
+    with torch.no_grad():
+        out = model(torch.tensor([ids], device=device), use_cache=False, logits_to_keep=last).logits
+    return out[0].float().cpu().numpy()
+
+
 HF_SCRIPT = r"""
-import json, os, sys, time, torch
+import json, sys, time, torch
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.generation.streamers import BaseStreamer
+
+class Clock(BaseStreamer):
+    # generate() hands the prompt, then each new token, to put() after moving it to the CPU (a sync).
+    def __init__(self): self.times = []
+    def put(self, value): self.times.append(time.perf_counter())
+    def end(self): pass
+
 cfg = LlamaConfig(**json.loads(sys.argv[1])); cfg._attn_implementation = "sdpa"
 torch.set_default_dtype(torch.bfloat16)
 with torch.device("cuda"):
     model = LlamaForCausalLM(cfg)
 model.eval()
-with torch.no_grad():  # warm-up: first-call library initialisation must not count as prefill
-    model.generate(torch.randint(0, 128000, (1, 512), device="cuda"), max_new_tokens=2, do_sample=False)
-new = int(sys.argv[3]); out = []
-for ctx in json.loads(sys.argv[2]):
-    ids = torch.randint(0, 128000, (1, ctx), device="cuda")
-    for impl in ("dynamic", "offloaded"):
+tokens, repeats = int(sys.argv[3]), int(sys.argv[4])
+
+def run(ids, cache):
+    kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, streamer=Clock())
+    if cache != "dynamic": kw["cache_implementation"] = cache
+    torch.cuda.synchronize(); start = time.perf_counter()
+    with torch.no_grad(): model.generate(ids, **kw)
+    t = kw["streamer"].times
+    return t[1] - start, [(y - x) * 1e3 for x, y in zip(t[1:], t[2:])]
+
+out = []
+for ctx, caches in json.loads(sys.argv[2]):
+    ids = torch.randint(0, cfg.vocab_size, (1, ctx), device="cuda")
+    for cache in caches:
         try:
-            kw = dict(max_new_tokens=1, min_new_tokens=1, do_sample=False)
-            if impl != "dynamic": kw["cache_implementation"] = impl
-            torch.cuda.synchronize(); t = time.perf_counter()
-            with torch.no_grad(): model.generate(ids, **kw)
-            torch.cuda.synchronize(); t1 = time.perf_counter() - t
-            kw["max_new_tokens"] = kw["min_new_tokens"] = new
-            torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); t = time.perf_counter()
-            with torch.no_grad(): model.generate(ids, **kw)
-            torch.cuda.synchronize(); t2 = time.perf_counter() - t
-            row = dict(ctx=ctx, cache=impl, prefill_s=t1, decode_ms=(t2 - t1) / (new - 1) * 1e3,
+            run(ids, cache)  # warm-up at this very shape
+            torch.cuda.reset_peak_memory_stats()
+            prefill, steps = [], []
+            for _ in range(repeats):
+                p, s = run(ids, cache); prefill.append(p); steps += s
+            row = dict(ctx=ctx, cache=cache, prefill_s=prefill, decode_ms=steps,
                        peak_gpu_GiB=torch.cuda.max_memory_allocated() / 2**30)
         except Exception as e:
-            row = dict(ctx=ctx, cache=impl, error=repr(e)[:200])
-        print(json.dumps(row), flush=True); out.append(row)
-        torch.cuda.empty_cache()
-import transformers
-print("RESULT " + json.dumps(dict(rows=out, torch=torch.__version__, transformers=transformers.__version__)))
+            row = dict(ctx=ctx, cache=cache, error=repr(e)[:300])
+        print(json.dumps({k: v for k, v in row.items() if k not in ("prefill_s", "decode_ms")}), flush=True)
+        out.append(row); torch.cuda.empty_cache()
+print("RESULT " + json.dumps(out))
 """
 
 
-def run_hf(args) -> dict:
-    cfg = {k: v for k, v in LLAMA_31_8B.items() if k not in ("architectures", "model_type")}
-    cfg["num_hidden_layers"] = args.num_layers
-    proc = subprocess.run(
-        [sys.executable, "-c", HF_SCRIPT, json.dumps(cfg), json.dumps(args.hf_contexts), str(args.decode_tokens)],
-        capture_output=True, text=True, timeout=args.hf_timeout,
-    )
+def phase_hf(a) -> dict:
+    raw = {k: v for k, v in SHAPES[a.shape].items() if k not in ("architectures", "model_type")}
+    if a.num_layers:
+        raw["num_hidden_layers"] = a.num_layers
+    plan = [(ctx, ["dynamic", "offloaded"] if ctx in a.hf_offloaded_contexts else ["dynamic"]) for ctx in a.hf_contexts]
+    proc = subprocess.run([sys.executable, "-c", HF_SCRIPT, json.dumps(raw), json.dumps(plan), str(a.decode_tokens),
+                           str(a.repeats)], capture_output=True, text=True, timeout=a.hf_timeout)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     if not lines:
-        return {"error": (proc.stderr or proc.stdout)[-2000:]}
-    return json.loads(lines[-1][len("RESULT "):])
+        return {"error": (proc.stderr or proc.stdout)[-3000:]}
+    rows = []
+    for r in json.loads(lines[-1][len("RESULT "):]):
+        if "error" not in r:
+            r["prefill_s"], r["decode_ms"] = stats(r["prefill_s"]), stats(r["decode_ms"])
+        rows.append(r)
+    return {"rows": rows}
 
 
-def write_report(result: dict, out: Path) -> None:
+# ---- report ---------------------------------------------------------------------------------------
+
+
+def report(src: Path, out: Path) -> None:
+    phases = {p: json.loads((src / f"phase_{p}.json").read_text()) for p in PHASES if (src / f"phase_{p}.json").exists()}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "offload.json").write_text(json.dumps(result, indent=1))
-    ours, hf = result["ours"], result.get("hf", {})
+    (out / "offload.json").write_text(json.dumps(phases, indent=1))
+    any_phase = next(iter(phases.values()))
+    meta = any_phase["meta"]
+    bw = any_phase["h2d_Bps"]
+    kv_tok = any_phase["kv_bytes_per_token"]
     lines = [
-        "# Offload benchmark: Llama-3.1-8B shape, random bf16 weights",
-        "",
-        f"{result['device']} | jax {result['jax']} | torch {hf.get('torch', '?')} | transformers "
-        f"{hf.get('transformers', '?')} | {result['date']}",
-        "",
-        f"Weights {ours['weights_GiB']:.2f} GiB; host->device {ours['h2d_GBps']:.1f} GB/s (1 GiB pinned copy); "
-        f"KV {ours['kv_bytes_per_token'] // 1024} KiB/token. PCIe floor = KV bytes / that bandwidth.",
-        "",
-        "| engine | prefill | ctx | block | prefill s | decode ms/token | floor ms | decode/floor | peak GPU GiB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"# Offload benchmark: {meta['shape']} shape, random bf16 weights", "",
+        f"{meta['device']} | jax {meta['jax']} | torch {meta.get('torch', '?')} | transformers {meta.get('transformers', '?')} "
+        f"| {meta['date']}", "",
+        f"Weights {any_phase['weights_GiB']:.2f} GiB. Host->GPU bandwidth of one 1 GiB pinned copy: {fmt(bw, 1e-9, 1)} GB/s "
+        f"(median (min-max) of {bw['n']}). KV {kv_tok // 1024} KiB/token. Every time below is the median (min-max) of "
+        f">= {meta['repeats']} runs after a warm-up at the same shape; decode figures pool every step of those runs.",
+        "PCIe floor of a decode step = bytes of the full blocks in the host store (the partial block stays on the GPU) / "
+        f"the median bandwidth.", "",
+        "| engine | ctx | prefill s | decode ms/token | floor ms | decode / floor | GPU GiB in use after | peak GiB of the phase so far |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    def fmt(x, spec):
-        return "-" if x is None else format(x, spec)
-
-    for r in ours["rows"]:
-        floor = r.get("floor_ms")
-        ratio = r["decode_ms"] / floor if floor else None
-        lines.append(
-            f"| ours {r['mode']} | {r['prefill']} | {r['ctx']} | {r.get('block_size', '-')} | {r['prefill_s']:.3f} | "
-            f"{r['decode_ms']:.2f} | {fmt(floor, '.1f')} | {fmt(ratio, '.3f')} | {fmt(r.get('peak_gpu_GiB'), '.2f')} |"
-        )
-    for r in hf.get("rows", []):
+    for name, label in (("chunked", "ours, offloaded, chunked prefill"), ("layerwise", "ours, offloaded, layerwise prefill"),
+                        ("in_gpu", "ours, KV in GPU memory")):
+        for r in phases.get(name, {}).get("rows", []):
+            floor = r.get("host_blocks", 0) * meta["block_size"] * kv_tok / bw["median"] * 1e3 if "host_blocks" in r else None
+            ratio = f"{r['decode_ms']['median'] / floor:.3f}" if floor else "-"
+            mem = r["gpu_memory_after"]
+            lines.append(f"| {label} | {r['ctx']} | {fmt(r['prefill_s'], 1, 3)} | {fmt(r['decode_ms'])} | "
+                         f"{f'{floor:.1f}' if floor else '-'} | {ratio} | {mem['in_use_GiB']:.2f} | {mem['peak_GiB']:.2f} |")
+    for r in phases.get("hf", {}).get("rows", []):
         if "error" in r:
-            lines.append(f"| transformers {r['cache']} | - | {r['ctx']} | - | error: {r['error'][:60]} | | | | |")
+            lines.append(f"| transformers, {r['cache']} cache | {r['ctx']} | error: {r['error'][:80]} | | | | | |")
         else:
-            lines.append(
-                f"| transformers {r['cache']} | - | {r['ctx']} | - | {r['prefill_s']:.3f} | {r['decode_ms']:.2f} | - | - | "
-                f"{r['peak_gpu_GiB']:.2f} |"
-            )
-    ov = ours.get("overlap", [])
+            lines.append(f"| transformers, {r['cache']} cache | {r['ctx']} | {fmt(r['prefill_s'], 1, 3)} | {fmt(r['decode_ms'])} "
+                         f"| - | - | - | {r['peak_gpu_GiB']:.2f} (torch, reset per context) |")
+    lines += ["", "Peak GPU memory: each engine runs in its own process; contexts run in increasing order, so the peak "
+              "column of a row is that process's peak over this context and the shorter ones before it."]
+    ch = phases.get("chunked", {})
+    if "progress_bar" in ch:
+        p = ch["progress_bar"]
+        lines += ["", f"Progress bar (the CLI's `generate(progress=True)`), chunked prefill of {p['ctx']} tokens: "
+                  f"{fmt(p['with_bar_s'], 1, 3)} s with it, {fmt(p['without_s'], 1, 3)} s without: cost {p['cost'] * 100:+.1f}% "
+                  "(ratio of medians)."]
+    ov = phases.get("overlap")
     if ov:
-        lines += ["", "Transfer/compute overlap, same dispatches: transfers alone stream the same blocks with a trivial",
-                  "consumer (plus the GPU->host writes for prefill); compute alone runs the same engine with every block",
-                  "kept on the GPU. Overlapped means with-transfer <= 1.15 x max(transfer, compute).", "",
-                  "| phase | ctx | with transfers ms | transfers alone ms | compute alone ms | ratio to max |",
-                  "|---|---|---|---|---|---|"]
-        for r in ov:
-            lines.append(f"| {r['mode']} | {r['ctx']} | {r['with_transfer_ms']:.1f} | {r['transfer_only_ms']:.1f} | "
-                         f"{r['compute_only_ms']:.1f} | {r['ratio']:.3f} |")
+        lines += ["", "Transfer/compute overlap. Hidden fraction = (transfers alone + compute alone - with transfers) / "
+                  "min(transfers alone, compute alone): 1 means the smaller side is fully hidden, 0 means serial.", "",
+                  "| phase | ctx | with transfers ms | transfers alone ms | compute alone ms | hidden fraction |", "|---|---|---|---|---|---|"]
+        for k in ("decode", "prefill_chunked", "prefill_layerwise"):
+            if k in ov:
+                r = ov[k]
+                lines.append(f"| {k} | {r['ctx']} | {fmt(r['with_transfers'], 1, 1)} | {fmt(r['transfers_alone'], 1, 1)} | "
+                             f"{fmt(r['compute_alone'], 1, 1)} | {r['hidden_fraction']:.2f} |")
+    lg = phases.get("logits")
+    if lg:
+        lines += ["", f"bfloat16 exactness, last {lg['positions']} logits of a {lg['ctx']}-token prompt (max |logit| "
+                  f"{lg['max_abs_logit']:.2f}): ours offloaded vs ours in-GPU {lg['offload_vs_in_gpu']:.4f}; ours in-GPU vs "
+                  f"transformers {lg['in_gpu_vs_transformers']:.4f}. Against ours in float32: offloaded "
+                  f"{lg['offload_vs_fp32']:.4f}, in-GPU {lg['in_gpu_vs_fp32']:.4f}, transformers {lg['transformers_vs_fp32']:.4f}. "
+                  f"Top-1 agreement with float32: {json.dumps({k: round(v, 3) for k, v in lg['greedy_top1_agreement'].items()})}."]
     (out / "offload.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    try:
-        import matplotlib
+    _plot(phases, meta, bw, kv_tok, out / "offload.png")
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for bs in sorted({r["block_size"] for r in ours["rows"] if r["mode"] == "offload" and r["prefill"] == "chunked"}):
-            rs = [r for r in ours["rows"] if r["mode"] == "offload" and r["prefill"] == "chunked" and r["block_size"] == bs]
-            ax.plot([r["ctx"] for r in rs], [r["decode_ms"] for r in rs], "o-", label=f"ours offloaded (block {bs})")
-        rs = [r for r in ours["rows"] if r["mode"] == "offload" and r["prefill"] == "chunked"]
-        ctxs = sorted({r["ctx"] for r in rs})
-        ax.plot(ctxs, [c * ours["kv_bytes_per_token"] / (ours["h2d_GBps"] * 1e9) * 1e3 for c in ctxs], "k--", label="PCIe floor")
-        for cache in ("dynamic", "offloaded"):
-            rs = [r for r in hf.get("rows", []) if r["cache"] == cache and "error" not in r]
-            if rs:
-                ax.plot([r["ctx"] for r in rs], [r["decode_ms"] for r in rs], "s:", label=f"transformers {cache}")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("context tokens")
-        ax.set_ylabel("decode ms / token")
-        ax.set_title(f"Llama-3.1-8B shape, bf16, {result['device']}")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "offload.png", dpi=120)
-    except ImportError:
-        pass
+def _plot(phases, meta, bw, kv_tok, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    rows = phases.get("chunked", {}).get("rows", [])
+    if rows:
+        ctx = [r["ctx"] for r in rows]
+        ax.errorbar(ctx, [r["decode_ms"]["median"] for r in rows],
+                    yerr=[[r["decode_ms"]["median"] - r["decode_ms"]["min"] for r in rows],
+                          [r["decode_ms"]["max"] - r["decode_ms"]["median"] for r in rows]],
+                    fmt="o-", label=f"ours offloaded (block {meta['block_size']})")
+        ax.plot(ctx, [r["host_blocks"] * meta["block_size"] * kv_tok / bw["median"] * 1e3 for r in rows], "k--",
+                label="PCIe floor")
+    for cache in ("dynamic", "offloaded"):
+        rs = [r for r in phases.get("hf", {}).get("rows", []) if r.get("cache") == cache and "error" not in r]
+        if rs:
+            ax.plot([r["ctx"] for r in rs], [r["decode_ms"]["median"] for r in rs], "s:", label=f"transformers {cache} cache")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("decode ms / token (median)")
+    ax.set_title(f"{meta['shape']} shape, bf16, {meta['device']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# ---- driver ---------------------------------------------------------------------------------------
+
+
+def run_phase(args) -> None:
+    name = args.run_phase
+    if name == "hf":
+        result = phase_hf(args)
+        result["meta"] = run_metadata()
+    else:
+        b = Bench(args)
+        result = globals()[f"phase_{name}"](b)
+        result |= {"weights_GiB": b.weights_GiB, "kv_bytes_per_token": b.cfg.kv_bytes_per_token,
+                   "h2d_Bps": h2d_bandwidth(), "gpu_memory_at_end": gpu_memory(), "meta": run_metadata()}
+    result["meta"] |= {"shape": args.shape, "block_size": args.block_size, "ring_slots": args.ring_slots,
+                       "repeats": args.repeats, "num_layers": args.num_layers}
+    result.setdefault("h2d_Bps", None)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"phase_{name}.json").write_text(json.dumps(result, indent=1))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
+    p.add_argument("--phases", default="", help=f"comma-separated, each in its own process: {','.join(PHASES)}")
+    p.add_argument("--run-phase", choices=PHASES, help=argparse.SUPPRESS)
+    p.add_argument("--report", type=Path, help="assemble offload.md/json/png from the phase files in this folder")
+    p.add_argument("--shape", default="llama-3.1-8b")
+    p.add_argument("--num-layers", type=int, help="fewer layers, for a smoke run")
     p.add_argument("--contexts", type=ints, default=[8192, 32768, 65536, 131072])
-    p.add_argument("--block-sizes", type=ints, default=[4096])
+    p.add_argument("--block-size", type=int, default=4096)
     p.add_argument("--ring-slots", type=int, default=4)
-    p.add_argument("--layerwise-contexts", type=ints, default=[32768])
+    p.add_argument("--layerwise-ctx", type=int, default=32768)
     p.add_argument("--in-gpu-contexts", type=ints, default=[8192])
     p.add_argument("--overlap-ctx", type=int, default=65536)
     p.add_argument("--prefill-overlap-ctx", type=int, default=32768)
+    p.add_argument("--progress-ctx", type=int, default=32768)
+    p.add_argument("--logits-ctx", type=int, default=32768)
     p.add_argument("--hf-contexts", type=ints, default=[8192, 32768, 65536])
-    p.add_argument("--decode-tokens", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=2, help="timed runs per point; the best is reported")
-    p.add_argument("--num-layers", type=int, default=32, help="fewer layers for a quick smoke run")
-    p.add_argument("--hf-timeout", type=int, default=240)
+    p.add_argument("--hf-offloaded-contexts", type=ints, default=[8192, 32768])
+    p.add_argument("--decode-tokens", type=int, default=6)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--hf-timeout", type=int, default=420)
     args = p.parse_args()
-    hf = run_hf(args) if args.hf_contexts else {}  # before JAX takes the GPU
-    import jax
-
-    result = {
-        "device": jax.devices()[0].device_kind,
-        "jax": jax.__version__,
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "args": {k: str(v) for k, v in vars(args).items()},
-    }
-    result["ours"] = run_ours(args)
-    result["hf"] = hf
-    write_report(result, args.out)
+    if args.report:
+        report(args.report, args.out)
+        return
+    if args.run_phase:
+        run_phase(args)
+        return
+    forwarded = [a for a in sys.argv[1:] if a not in ("--phases", args.phases)]
+    for name in [x for x in args.phases.split(",") if x]:
+        t = time.perf_counter()
+        cmd = [sys.executable, __file__, "--run-phase", name] + forwarded
+        # The logits phase hands GPU memory from JAX to PyTorch: JAX must return what it frees at once.
+        env = os.environ | ({"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"} if name == "logits" else {})
+        rc = subprocess.run(cmd, env=env).returncode
+        print(f"phase {name}: exit {rc} in {time.perf_counter() - t:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ class RequestOutput:
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
     prefill_seconds: float
     decode_seconds: float
+    decode_token_seconds: list[float] = dataclasses.field(default_factory=list)  # each decode step's wall time
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -181,13 +182,20 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([self.apply_chat_template(c) for c in conversations], params, on_text)
 
-    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        """float32 [len(token_ids), vocab]: the prefill logits at every position."""
+    def logits(self, token_ids: Sequence[int], last: int | None = None) -> np.ndarray:
+        """float32 [n, vocab]: the prefill logits at every position, or at the `last` n positions only (a long
+        prompt's full logits would not fit in memory)."""
         ids = self.encode(list(token_ids))
+        if last is not None and not 1 <= last <= len(ids):
+            raise ValueError(f"last must be between 1 and the prompt length {len(ids)}, got {last!r}.")
+        start = 0 if last is None else len(ids) - last
         try:
-            hidden, _ = self._prefill(ids, len(ids), keep_all=True)
-            out = _all_logits(self.model_config, self.params, hidden)
-            return np.asarray(out[0, : len(ids)])
+            hidden, first = self._prefill(ids, len(ids), keep_all=last is None)
+            if first > start:  # the runner kept too few rows: run again keeping them all
+                self._runner.finish()
+                hidden, first = self._prefill(ids, len(ids), keep_all=True)
+            rows = jax.lax.slice_in_dim(hidden, start - first, len(ids) - first, axis=1)
+            return np.asarray(_all_logits(self.model_config, self.params, rows)[0])
         finally:
             self._runner.finish()
 
@@ -227,7 +235,8 @@ class LLM:
             logit_row = _last_logits(cfg, self.params, hidden, jnp.int32(len(ids) - 1 - first_position))
             token = int(sample_token(logit_row, *knobs, jax.random.fold_in(key, 0)))
             prefill_s = time.perf_counter() - start
-            start = time.perf_counter()
+            start = step_start = time.perf_counter()
+            step_seconds: list[float] = []
             position = len(ids)
             while True:
                 generated.append(token)
@@ -249,13 +258,16 @@ class LLM:
                 hidden = self._runner.decode(x, position)
                 logit_row = _last_logits(cfg, self.params, hidden, jnp.int32(0))
                 token = int(sample_token(logit_row, *knobs, jax.random.fold_in(key, len(generated))))
+                now = time.perf_counter()
+                step_seconds.append(now - step_start)
+                step_start = now
                 position += 1
             decode_s = time.perf_counter() - start
             if not watch_text:
                 text = self._decode_text(generated)
         finally:
             self._runner.finish()
-        return RequestOutput(ids, text, generated, finish_reason, prefill_s, decode_s)
+        return RequestOutput(ids, text, generated, finish_reason, prefill_s, decode_s, step_seconds)
 
 
 def _first_stop(text: str, stops: list[str]) -> int | None:

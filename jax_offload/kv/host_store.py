@@ -51,7 +51,10 @@ class HostKVStore:
         head_dim: int,
         dtype: jnp.dtype,
         device: jax.Device,
+        memory_kind: str = "pinned_host",
     ):
+        """`memory_kind="device"` keeps the blocks on the GPU instead (benchmarks use it to time compute
+        without transfers)."""
         self.block_shape = (num_kv_heads, block_size // PAGE_UNIT, 2, PAGE_UNIT, head_dim)
         self.block_bytes = 2 * block_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
         self.total_bytes = num_layers * num_blocks * self.block_bytes
@@ -61,7 +64,7 @@ class HostKVStore:
                 f"The host KV store needs {self.total_bytes / 2**30:.2f} GiB for {num_blocks} blocks x {num_layers} "
                 f"layers but only {available / 2**30:.2f} GiB of host memory is available; lower max_model_len."
             )
-        self.host = SingleDeviceSharding(device, memory_kind="pinned_host")
+        self.host = SingleDeviceSharding(device, memory_kind=memory_kind)
         self.device = SingleDeviceSharding(device, memory_kind="device")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         zeros = jax.device_put(jnp.zeros(self.block_shape, dtype), self.host)

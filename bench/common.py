@@ -1,0 +1,139 @@
+"""What the GPU benchmarks share: real model shapes with random weights, timing statistics, run metadata."""
+from __future__ import annotations
+
+import datetime
+import functools
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+GiB = 2**30
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+SHAPES = {
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "max_position_embeddings": 131072, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False, "rope_scaling": _LLAMA3_ROPE,
+    },
+    "llama-3.1-70b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 8192,
+        "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "max_position_embeddings": 131072, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False, "rope_scaling": _LLAMA3_ROPE,
+    },
+    "qwen3-0.6b": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024,
+        "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 128, "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+    },
+    # A small Llama for checking the benchmark scripts on a CPU; no figure comes from it.
+    "smoke": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1024, "hidden_size": 128,
+        "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 131072, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False, "rope_scaling": _LLAMA3_ROPE,
+    },
+}
+
+
+def model_config(shape: str, num_layers: int | None = None):
+    from jax_offload.config import ModelConfig
+
+    raw = dict(SHAPES[shape])
+    if num_layers is not None:
+        raw["num_hidden_layers"] = num_layers
+    return ModelConfig.from_dict(raw)
+
+
+def random_params(cfg, dtype, seed: int = 0):
+    """Random weights at the config's shapes, drawn on the accelerator in `dtype` (no float32 temporaries)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_offload.models.params import LayerParams, ModelParams
+
+    key = jax.random.PRNGKey(seed)
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def rnd(k, shape):
+        return jax.random.normal(k, shape, dtype) * jnp.asarray(0.02, dtype)
+
+    def norm(n):
+        return jnp.ones((n,), dtype)
+
+    layers = []
+    for n in range(cfg.num_layers):
+        ks = jax.random.split(jax.random.fold_in(key, n), 4)
+        layers.append(LayerParams(
+            attn_norm=norm(h), wqkv=rnd(ks[0], (h, qkv)), bqkv=None,
+            q_norm=norm(d) if cfg.qk_norm else None, k_norm=norm(d) if cfg.qk_norm else None,
+            wo=rnd(ks[1], (cfg.num_heads * d, h)), mlp_norm=norm(h),
+            w_gate_up=rnd(ks[2], (h, 2 * i)), w_down=rnd(ks[3], (i, h))))
+    ks = jax.random.split(jax.random.fold_in(key, 10_000), 2)
+    return ModelParams(embed=rnd(ks[0], (cfg.vocab_size, h)), layers=layers, final_norm=norm(h),
+                       lm_head=None if cfg.tie_word_embeddings else rnd(ks[1], (h, cfg.vocab_size)))
+
+
+def stats(samples: list[float]) -> dict:
+    """Median with min, max and count: how every timed figure is reported."""
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
+
+
+def fmt(s: dict | None, scale: float = 1.0, digits: int = 2) -> str:
+    """'median (min-max)' of a `stats` dict."""
+    if not s:
+        return "-"
+    return f"{s['median'] * scale:.{digits}f} ({s['min'] * scale:.{digits}f}-{s['max'] * scale:.{digits}f})"
+
+
+def run_metadata() -> dict:
+    import jax
+
+    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    try:
+        import torch
+        import transformers
+
+        meta |= {"torch": torch.__version__, "transformers": transformers.__version__}
+    except ImportError:
+        pass
+    return meta
+
+
+def gpu_memory() -> dict:
+    """Bytes in use now and the process's peak so far (0 where the backend keeps no statistics)."""
+    import jax
+
+    s = jax.devices()[0].memory_stats() or {}
+    return {"in_use_GiB": s.get("bytes_in_use", 0) / GiB, "peak_GiB": s.get("peak_bytes_in_use", 0) / GiB}
+
+
+def h2d_bandwidth(nbytes: int = GiB, reps: int = 7) -> dict:
+    """Pinned-host -> GPU copy bandwidth of one large transfer, bytes/s (stats over `reps` copies)."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    dev = jax.devices()[0]
+    host = jax.device_put(jnp.ones((nbytes // 2,), jnp.bfloat16), SingleDeviceSharding(dev, memory_kind="pinned_host"))
+    host.block_until_ready()
+    target = SingleDeviceSharding(dev, memory_kind="device")
+    jax.device_put(host, target).block_until_ready()
+    rates = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.device_put(host, target).block_until_ready()
+        rates.append(nbytes / (time.perf_counter() - t))
+    return stats(rates)
