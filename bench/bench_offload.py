@@ -252,14 +252,12 @@ def phase_logits(b: Bench) -> dict:
     got = {"ours_in_gpu_bf16": b.llm(max_model_len=len(ids) + 16).logits(ids, last=last)}
     got["ours_offload_bf16"] = b.llm(max_model_len=len(ids) + bs, offload=True, block_size=bs,
                                      num_ring_slots=a.ring_slots).logits(ids, last=last)
+    got["transformers_bf16"] = _hf_logits(b, ids, last)  # before float32 grows JAX's memory pool
     from jax_offload import LLM
 
     params32 = jax.tree.map(lambda x: x.astype(jnp.float32), b.params)
     got["ours_in_gpu_fp32"] = LLM.from_params(b.cfg, params32, dtype="float32",
                                               max_model_len=len(ids) + 16).logits(ids, last=last)
-    del params32
-    jax.clear_caches()
-    got["transformers_bf16"] = _hf_logits(b, ids, last)
 
     def diff(x, y):
         return float(np.abs(got[x] - got[y]).max())
@@ -318,7 +316,11 @@ def _hf_logits(b: Bench, ids: list[int], last: int):
     model.eval()
     with torch.no_grad():
         out = model(torch.tensor([ids], device=device), use_cache=False, logits_to_keep=last).logits
-    return out[0].float().cpu().numpy()
+    logits = out[0].float().cpu().numpy()
+    del model, out
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return logits
 
 
 HF_SCRIPT = r"""
@@ -404,7 +406,7 @@ def report(src: Path, out: Path) -> None:
         f"(median (min-max) of {bw['n']}). KV {kv_tok // 1024} KiB/token. Every time below is the median (min-max) of "
         f">= {meta['repeats']} runs after a warm-up at the same shape; decode figures pool every step of those runs.",
         "PCIe floor of a decode step = bytes of the full blocks in the host store (the partial block stays on the GPU) / "
-        f"the median bandwidth.", "",
+        "the median bandwidth.", "",
         "| engine | ctx | prefill s | decode ms/token | floor ms | decode / floor | GPU GiB in use after | peak GiB of the phase so far |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -536,9 +538,7 @@ def main() -> None:
     for name in [x for x in args.phases.split(",") if x]:
         t = time.perf_counter()
         cmd = [sys.executable, __file__, "--run-phase", name] + forwarded
-        # The logits phase hands GPU memory from JAX to PyTorch: JAX must return what it frees at once.
-        env = os.environ | ({"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"} if name == "logits" else {})
-        rc = subprocess.run(cmd, env=env).returncode
+        rc = subprocess.run(cmd).returncode
         print(f"phase {name}: exit {rc} in {time.perf_counter() - t:.0f} s", flush=True)
 
 

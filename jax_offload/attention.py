@@ -90,11 +90,11 @@ def decode_layer_in_device(
 
 
 # ---- offloaded KV: a query chunk or token attends block by block ---------------------------------------
-# The float32 attention state (pallas_kernels.AttentionState) is carried through the blocks in ascending key
-# order, the chunk's own keys (or the decode tail) last, and rounded to the model dtype once, in the
-# layer's end step. The jnp twins continue the state exactly as one call over all keys would, so on them
-# the offloaded engine reproduces the in-GPU engine bit for bit; Pallas kernels return (o, lse) per call,
-# merged into the state in float32.
+# The float32 online-softmax state (pallas_kernels.AttentionState) is carried through the blocks in
+# ascending key order, the chunk's own keys (or the decode tail) last, and rounded to the model dtype once,
+# in the layer's end step. Prefill kernels (Pallas and jnp alike) continue the state exactly where one call
+# over all the keys would be, so chunked prefill gives the in-GPU bits; the Pallas decode kernel splits the
+# keys for parallelism and returns (o, lse), merged into the state in float32.
 
 
 def attend(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState, *, causal: bool,
@@ -105,10 +105,19 @@ def attend(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, state: Attention
         return pallas_kernels.attention_state_xla(q, k, v, state, causal=causal, kv_len=kv_len)
     if q.shape[1] == 1:
         o, lse = pallas_kernels.decode_attention_with_lse(q[:, 0], k, v, kv_len=kv_len, out_dtype=jnp.float32)
-        o, lse = o[:, None], lse[..., None]
-    else:
-        o, lse = pallas_kernels.attention_with_lse(q, k, v, causal=causal, kv_len=kv_len, out_dtype=jnp.float32)
-    return pallas_kernels.merge_into_state(state, o, lse)
+        return pallas_kernels.merge_into_state(state, o[:, None], lse[..., None])
+    return pallas_kernels.attention_state(q, k, v, state, causal=causal, kv_len=kv_len)
+
+
+def attend_and_finish(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState, *,
+                      causal: bool, kv_len=None) -> jax.Array:
+    """`attend`, then the final normalisation as the in-GPU kernels do it: o float32 [B, T, Hq, D]."""
+    if impl == "pallas" and q.shape[1] > 1:
+        o, _ = pallas_kernels.attention_with_lse(q, k, v, state=state, causal=causal, kv_len=kv_len,
+                                                 out_dtype=jnp.float32)
+        return o
+    o, _ = pallas_kernels.finish_state(attend(impl, q, k, v, state, causal=causal, kv_len=kv_len))
+    return o
 
 
 def _split_block(block: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -121,11 +130,6 @@ def _join_blocks(blocks: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
     covers the whole group."""
     pages = jnp.concatenate(blocks, axis=1) if len(blocks) > 1 else blocks[0]
     return _split_block(from_stored_layout(pages))
-
-
-def _finish(cfg: ModelConfig, layer: LayerParams, x: jax.Array, state: AttentionState) -> jax.Array:
-    o, _ = pallas_kernels.finish_state(state)
-    return decoder.attention_output_and_mlp(cfg, layer, x, o)  # the one rounding to the model dtype
 
 
 @functools.partial(step_jit, static_argnums=(0,))
@@ -153,7 +157,8 @@ def chunk_end(
 ) -> jax.Array:
     """The chunk's causal attention on its own keys, last in key order, then the rest of the layer."""
     k, v = _split_block(kv)
-    return _finish(cfg, layer, x, attend(impl, q, k, v, state, causal=True, kv_len=chunk_len))
+    o = attend_and_finish(impl, q, k, v, state, causal=True, kv_len=chunk_len)
+    return decoder.attention_output_and_mlp(cfg, layer, x, o)  # the one rounding to the model dtype
 
 
 @functools.partial(step_jit, static_argnums=(0,), donate_argnums=(4,))
@@ -175,7 +180,8 @@ def decode_end(
 ) -> jax.Array:
     """Attention over the tail (the newest keys, last in key order), then the rest of the layer."""
     k, v = _split_block(tail)
-    return _finish(cfg, layer, x, attend(impl, q, k, v, state, causal=False, kv_len=tail_len + 1))
+    o = attend_and_finish(impl, q, k, v, state, causal=False, kv_len=tail_len + 1)
+    return decoder.attention_output_and_mlp(cfg, layer, x, o)  # the one rounding to the model dtype
 
 
 @functools.partial(step_jit, static_argnums=(0, 1, 2))

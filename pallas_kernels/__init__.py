@@ -4,6 +4,7 @@ See README.md in this directory for semantics, layouts and tuning notes.
 """
 
 from pallas_kernels.attention import (
+    attention_state,
     attention_state_xla,
     attention_with_lse,
     attention_with_lse_xla,
@@ -35,6 +36,7 @@ from pallas_kernels.xattn import (
 __all__ = [
     "AttentionState",
     "antidiagonal_scores",
+    "attention_state",
     "attention_state_xla",
     "attention_with_lse",
     "attention_with_lse_xla",

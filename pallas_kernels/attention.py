@@ -42,7 +42,7 @@ from pallas_kernels._common import (
     per_batch,
     resolve_interpret,
 )
-from pallas_kernels.state import AttentionState, empty_state, finish_state
+from pallas_kernels.state import AttentionState, check_state, empty_state, finish_state
 
 
 def default_attention_config(dtype) -> dict[str, int]:
@@ -55,9 +55,13 @@ def default_attention_config(dtype) -> dict[str, int]:
     return dict(block_q=128, block_k=64, num_warps=4, num_stages=2)
 
 
-def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-                      causal: bool, scale_log2: float, block_q: int, block_k: int, tq: int,
-                      num_q_blocks: int, precision):
+def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *state_and_out_refs, causal: bool,
+                      scale_log2: float, block_q: int, block_k: int, tq: int, num_q_blocks: int,
+                      precision, resume: bool, finish: bool):
+    if resume:
+        acc0_ref, m0_ref, l0_ref, *out_refs = state_and_out_refs
+    else:
+        out_refs = state_and_out_refs
     pid = pl.program_id(0)
     # Causal: the last query blocks carry the most work, so launch them first.
     i = (num_q_blocks - 1 - pid) if causal else pid
@@ -66,8 +70,9 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, 
     row_ok = rows < tq
     q_offset = qoff_ref[()]
     kv_len = kvlen_ref[()]  # already clamped to [0, Tk] by the wrapper
+    row_slice = pl.ds(row0, block_q)
 
-    q = load_rows(q_ref, pl.ds(row0, block_q), row_ok)
+    q = load_rows(q_ref, row_slice, row_ok)
     head_dim = q.shape[-1]
 
     # Keys [0, hi) may be visible to some row of this block; blocks below n_full are visible
@@ -101,43 +106,63 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, 
             carry, s, lambda: load_rows(v_ref, kslice, col_ok), scale_log2=scale_log2,
             masked=masked, precision=precision)
 
-    carry = empty_softmax_state(block_q, head_dim)
+    if resume:  # continue an online softmax over earlier keys, exactly where it stopped
+        carry = (load_rows(acc0_ref, row_slice, row_ok),
+                 plgpu.load(m0_ref.at[row_slice], mask=row_ok, other=NEG_INF),
+                 plgpu.load(l0_ref.at[row_slice], mask=row_ok, other=0.0))
+    else:
+        carry = empty_softmax_state(block_q, head_dim)
     carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
     carry = lax.fori_loop(n_full, n_blocks, functools.partial(body, masked=True), carry)
-    o, lse = finish_online_softmax(*carry)
-    plgpu.store(o_ref.at[pl.ds(row0, block_q), :], o.astype(o_ref.dtype), mask=row_ok[:, None])
-    plgpu.store(lse_ref.at[pl.ds(row0, block_q)], lse, mask=row_ok)
+    if finish:
+        o_ref, lse_ref = out_refs
+        o, lse = finish_online_softmax(*carry)
+        plgpu.store(o_ref.at[row_slice, :], o.astype(o_ref.dtype), mask=row_ok[:, None])
+        plgpu.store(lse_ref.at[row_slice], lse, mask=row_ok)
+    else:
+        for ref, x in zip(out_refs, carry):
+            plgpu.store(ref.at[row_slice, :] if x.ndim == 2 else ref.at[row_slice], x,
+                        mask=row_ok[:, None] if x.ndim == 2 else row_ok)
 
 
-def _attention_pallas(q, k, v, q_offset, kv_len, *, causal, sm_scale, out_dtype, interpret,
-                      block_q, block_k, num_warps, num_stages):
+def _attention_pallas(q, k, v, q_offset, kv_len, state, *, causal, sm_scale, out_dtype, finish,
+                      interpret, block_q, block_k, num_warps, num_stages):
     batch, tq, hq, d = q.shape
     _, tk, hkv, _ = k.shape
     group = hq // hkv
     num_q_blocks = -(-tq // block_q)
     kernel = functools.partial(
         _attention_kernel, causal=causal, scale_log2=sm_scale * LOG2E, block_q=block_q,
-        block_k=block_k, tq=tq, num_q_blocks=num_q_blocks, precision=dot_precision(q.dtype))
+        block_k=block_k, tq=tq, num_q_blocks=num_q_blocks, precision=dot_precision(q.dtype),
+        resume=state is not None, finish=finish)
     scalar = pl.BlockSpec((None,), lambda i, bh: (bh // hq,))
     q_spec = pl.BlockSpec((None, tq, None, d), lambda i, bh: (bh // hq, 0, bh % hq, 0))
     kv_spec = pl.BlockSpec((None, tk, None, d), lambda i, bh: (bh // hq, 0, (bh % hq) // group, 0))
     lse_spec = pl.BlockSpec((None, None, tq), lambda i, bh: (bh // hq, bh % hq, 0))
-    return pl.pallas_call(
+    rows_f32 = jax.ShapeDtypeStruct((batch, hq, tq), jnp.float32)
+    if finish:
+        out_specs = [q_spec, lse_spec]
+        out_shape = [jax.ShapeDtypeStruct(q.shape, out_dtype), rows_f32]
+    else:
+        out_specs = [q_spec, lse_spec, lse_spec]
+        out_shape = [jax.ShapeDtypeStruct(q.shape, jnp.float32), rows_f32, rows_f32]
+    state_specs, state_args = ([q_spec, lse_spec, lse_spec], tuple(state)) if state is not None else ([], ())
+    out = pl.pallas_call(
         kernel,
         grid=(num_q_blocks, batch * hq),
-        in_specs=[scalar, scalar, q_spec, kv_spec, kv_spec],
-        out_specs=[q_spec, lse_spec],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, out_dtype),
-                   jax.ShapeDtypeStruct((batch, hq, tq), jnp.float32)],
+        in_specs=[scalar, scalar, q_spec, kv_spec, kv_spec] + state_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
-        name="attention_with_lse",
-    )(q_offset, kv_len, q, k, v)
+        name="attention_with_lse" if finish else "attention_state",
+    )(q_offset, kv_len, q, k, v, *state_args)
+    return tuple(out) if finish else AttentionState(*out)
 
 
 _attention_pallas = interpret_aware_jit(
-    _attention_pallas, ("causal", "sm_scale", "out_dtype", "interpret", "block_q", "block_k",
-                        "num_warps", "num_stages"))
+    _attention_pallas, ("causal", "sm_scale", "out_dtype", "finish", "interpret", "block_q",
+                        "block_k", "num_warps", "num_stages"))
 
 
 def _check_pallas_head_dim(d: int) -> None:
@@ -147,9 +172,27 @@ def _check_pallas_head_dim(d: int) -> None:
             "[16, 256] (use attention_with_lse_xla otherwise)")
 
 
+def _launch(q, k, v, state, *, causal, q_offset, kv_len, sm_scale, out_dtype, finish, interpret,
+            block_q, block_k, num_warps, num_stages):
+    batch, tq, hq, tk, hkv, d = check_attention_shapes(q, k, v, 4)
+    _check_pallas_head_dim(d)
+    if state is not None:
+        check_state(state, batch, tq, hq, d)
+    cfg = default_attention_config(q.dtype)
+    q_offset = per_batch(q_offset, batch, "q_offset")
+    kv_len = jnp.clip(per_batch(tk if kv_len is None else kv_len, batch, "kv_len"), 0, tk)
+    return _attention_pallas(
+        q, k, v, q_offset, kv_len, state, causal=bool(causal),
+        sm_scale=check_sm_scale(sm_scale, d), out_dtype=check_out_dtype(out_dtype, q.dtype),
+        finish=finish, interpret=resolve_interpret(interpret),
+        block_q=fit_block(block_q or cfg["block_q"], tq), block_k=fit_block(block_k or cfg["block_k"], tk),
+        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
+
+
 def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
                        q_offset=0, kv_len=None, sm_scale: float | None = None,
-                       out_dtype=None, interpret: bool | None = None, block_q: int | None = None,
+                       out_dtype=None, state: AttentionState | None = None,
+                       interpret: bool | None = None, block_q: int | None = None,
                        block_k: int | None = None, num_warps: int | None = None,
                        num_stages: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Flash attention forward with GQA, causal offset, per-batch key length and LSE.
@@ -163,6 +206,8 @@ def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool
       sm_scale: score scale, default 1/sqrt(D). Static.
       out_dtype: dtype of o, default q.dtype. Static. float32 returns the kernel's float32
         accumulator unrounded, for states that will be merged.
+      state: an `AttentionState` over earlier keys (from `attention_state`) to continue: the result
+        covers those keys and these, computed exactly as one call over all of them would.
       interpret: None picks Triton on a GPU backend and interpret mode elsewhere.
       block_q, block_k, num_warps, num_stages: launch parameters (powers of two >= 16 for
         blocks); None takes `default_attention_config`.
@@ -172,18 +217,23 @@ def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool
       visible key give o = 0 and lse = -inf. Key blocks that no row of a query block can see
       are never loaded, so a fully masked call costs only the launch.
     """
-    batch, tq, hq, tk, hkv, d = check_attention_shapes(q, k, v, 4)
-    _check_pallas_head_dim(d)
-    cfg = default_attention_config(q.dtype)
-    block_q = fit_block(block_q or cfg["block_q"], tq)
-    block_k = fit_block(block_k or cfg["block_k"], tk)
-    q_offset = per_batch(q_offset, batch, "q_offset")
-    kv_len = jnp.clip(per_batch(tk if kv_len is None else kv_len, batch, "kv_len"), 0, tk)
-    return _attention_pallas(
-        q, k, v, q_offset, kv_len, causal=bool(causal),
-        sm_scale=check_sm_scale(sm_scale, d), out_dtype=check_out_dtype(out_dtype, q.dtype),
-        interpret=resolve_interpret(interpret), block_q=block_q, block_k=block_k,
-        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
+    return _launch(q, k, v, state, causal=causal, q_offset=q_offset, kv_len=kv_len, sm_scale=sm_scale,
+                   out_dtype=out_dtype, finish=True, interpret=interpret, block_q=block_q, block_k=block_k,
+                   num_warps=num_warps, num_stages=num_stages)
+
+
+def attention_state(q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState | None = None, *,
+                    causal: bool = False, q_offset=0, kv_len=None, sm_scale: float | None = None,
+                    interpret: bool | None = None, block_q: int | None = None, block_k: int | None = None,
+                    num_warps: int | None = None, num_stages: int | None = None) -> AttentionState:
+    """The kernel of `attention_with_lse` stopped before its final normalisation: continues `state` (None:
+    no key seen yet) over k, v and returns the raw float32 online-softmax state. Keys streamed in blocks
+    whose sizes are multiples of block_k, in ascending order, with the last call made through
+    `attention_with_lse(state=...)`, give the bits of one call over all the keys.
+    """
+    return _launch(q, k, v, state, causal=causal, q_offset=q_offset, kv_len=kv_len, sm_scale=sm_scale,
+                   out_dtype=None, finish=False, interpret=interpret, block_q=block_q, block_k=block_k,
+                   num_warps=num_warps, num_stages=num_stages)
 
 
 # The jnp twin. It continues an online softmax (`AttentionState`) in steps of _GRANULE keys at absolute
@@ -196,8 +246,8 @@ _TWIN_KEYS = 128
 _GRANULE = 16
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sm_scale"))
-def _attention_state_xla(q, k, v, state, q_offset, kv_len, *, causal, sm_scale):
+@functools.partial(jax.jit, static_argnames=("causal", "scale_log2"))
+def _attention_state_xla(q, k, v, state, q_offset, kv_len, *, causal, scale_log2):
     batch, tq, hq, d = q.shape
     _, tk, hkv, _ = k.shape
     group = hq // hkv
@@ -232,7 +282,8 @@ def _attention_state_xla(q, k, v, state, q_offset, kv_len, *, causal, sm_scale):
         def key_tile(j, carry):
             acc, m, l = carry
             kj = kt[j].reshape(batch, hkv, _TWIN_KEYS, d)
-            s = jnp.einsum("bhgrd,bhkd->bhgrk", qi, kj, precision=lax.Precision.HIGHEST) * sm_scale
+            # Scores in base-2 units, as the kernels keep them: p = 2^(s - m).
+            s = jnp.einsum("bhgrd,bhkd->bhgrk", qi, kj, precision=lax.Precision.HIGHEST) * scale_log2
             cols = j * _TWIN_KEYS + jnp.arange(_TWIN_KEYS, dtype=jnp.int32)
             vis = cols < kv_len[bcast][..., None]
             if causal:
@@ -242,8 +293,8 @@ def _attention_state_xla(q, k, v, state, q_offset, kv_len, *, causal, sm_scale):
             m_steps = jnp.maximum(m[..., None], lax.cummax(jnp.max(s, axis=-1), axis=m.ndim))
             m_use = jnp.where(m_steps == NEG_INF, 0.0, m_steps)  # rows with nothing visible yet
             m_before = jnp.concatenate([m[..., None], m_steps[..., :-1]], axis=-1)
-            alpha = jnp.exp(m_before - m_use)
-            p = jnp.exp(s - m_use[..., None])
+            alpha = jnp.exp2(m_before - m_use)
+            p = jnp.exp2(s - m_use[..., None])
             p_sum = jnp.sum(p, axis=-1)
             pv = jnp.einsum("bhgrjk,bhjkd->bhgrjd", p, vt[j], precision=lax.Precision.HIGHEST)
             for g in range(per_tile):  # the granules in order, as one call over all keys would take them
@@ -275,15 +326,17 @@ def attention_state_xla(q: jax.Array, k: jax.Array, v: jax.Array, state: Attenti
     batch, tq, hq, tk, hkv, d = check_attention_shapes(q, k, v, 4)
     if state is None:
         state = empty_state(batch, tq, hq, d)
+    check_state(state, batch, tq, hq, d)
     q_offset = per_batch(q_offset, batch, "q_offset")
     kv_len = jnp.clip(per_batch(tk if kv_len is None else kv_len, batch, "kv_len"), 0, tk)
     return _attention_state_xla(q, k, v, state, q_offset, kv_len, causal=bool(causal),
-                                sm_scale=check_sm_scale(sm_scale, d))
+                                scale_log2=check_sm_scale(sm_scale, d) * LOG2E)
 
 
 def attention_with_lse_xla(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
                            q_offset=0, kv_len=None, sm_scale: float | None = None,
-                           out_dtype=None, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+                           out_dtype=None, state: AttentionState | None = None,
+                           interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """jnp twin of `attention_with_lse` (same arguments and results; `interpret` is ignored).
 
     Softmax statistics are float32 and dots use Precision.HIGHEST, so the result is exact to
@@ -293,6 +346,6 @@ def attention_with_lse_xla(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: 
     """
     del interpret
     out_dtype = check_out_dtype(out_dtype, q.dtype)
-    o, lse = finish_state(attention_state_xla(q, k, v, causal=causal, q_offset=q_offset, kv_len=kv_len,
-                                              sm_scale=sm_scale))
+    o, lse = finish_state(attention_state_xla(q, k, v, state, causal=causal, q_offset=q_offset,
+                                              kv_len=kv_len, sm_scale=sm_scale))
     return o.astype(out_dtype), lse

@@ -309,7 +309,8 @@ def _block_sparse_xla(q, k, v, kv_blocks, counts, q_offset, kv_len, *, causal, s
             block = lax.dynamic_index_in_dim(blocks, t, axis=3, keepdims=False)  # [B, Hkv, G]
             block = jnp.clip(block, 0, nkb - 1)  # padding entries: any in-range tile, masked below
             kj, vj = kb[b_ix, block, h_ix], vb[b_ix, block, h_ix]  # [B, Hkv, G, bs, D]
-            s = jnp.einsum("bngrd,bngkd->bngrk", qi, kj, precision=lax.Precision.HIGHEST) * sm_scale
+            # Base-2 units, as AttentionState keeps them.
+            s = jnp.einsum("bngrd,bngkd->bngrk", qi, kj, precision=lax.Precision.HIGHEST) * (sm_scale * LOG2E)
             cols = (block * bs)[..., None] + jnp.arange(bs, dtype=jnp.int32)  # [B, Hkv, G, bs]
             vis = (t < n_vis)[..., None] & (cols < kv_len[bcast])
             vis = vis[..., None, :]  # [B, Hkv, G, 1, bs]
@@ -318,8 +319,8 @@ def _block_sparse_xla(q, k, v, kv_blocks, counts, q_offset, kv_len, *, causal, s
             s = jnp.where(vis, s, NEG_INF)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             m_use = jnp.where(m_new == NEG_INF, 0.0, m_new)  # rows with nothing visible yet
-            alpha = jnp.exp(m - m_use)
-            p = jnp.exp(s - m_use[..., None])
+            alpha = jnp.exp2(m - m_use)
+            p = jnp.exp2(s - m_use[..., None])
             pv = jnp.einsum("bngrk,bngkd->bngrd", p, vj, precision=lax.Precision.HIGHEST)
             return acc * alpha[..., None] + pv, m_new, l * alpha + jnp.sum(p, axis=-1)
 

@@ -151,3 +151,23 @@ def test_float32_output_is_the_unrounded_state(impl):
     d32, _ = DECODE[impl](q, k, v, kv_len=jnp.asarray([200, 91]), out_dtype=jnp.float32)
     assert d32.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(d32.astype(jnp.bfloat16)), np.asarray(d16))
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_state_streamed_in_blocks_gives_the_bits_of_one_call(impl):
+    """A chunk of queries attending earlier key blocks one call at a time (the raw state carried between
+    calls), then its own keys causally, gives exactly the rows one causal call over all keys gives."""
+    (q, k, v), _ = _inputs(4100, (1, 256, 4, 64), (1, 256, 2, 64), "bfloat16")
+    if impl == "pallas":
+        state_fn, finish_fn, tiles = pk.attention_state, pk.attention_with_lse, dict(block_q=64, block_k=32)
+    else:
+        state_fn, finish_fn, tiles = pk.attention_state_xla, pk.attention_with_lse_xla, {}
+    whole, whole_lse = finish_fn(q, k, v, causal=True, out_dtype=jnp.float32, **tiles)
+    chunk = slice(128, 256)
+    state = None
+    for b in (slice(0, 64), slice(64, 128)):  # earlier blocks, ascending, all visible
+        state = state_fn(q[:, chunk], k[:, b], v[:, b], state, **tiles)
+    o, lse = finish_fn(q[:, chunk], k[:, chunk], v[:, chunk], causal=True, state=state, out_dtype=jnp.float32,
+                       **tiles)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(whole[:, chunk]))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(whole_lse[..., chunk]))
