@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from jax_offload.config import ModelConfig
 from jax_offload.kv.host_store import from_stored_layout
+from jax_offload.sparse import quest
 from jax_offload.models import decoder
 from jax_offload.models.params import LayerParams
 from pallas_kernels import AttentionState
@@ -161,6 +162,12 @@ def chunk_end(
     return decoder.attention_output_and_mlp(cfg, layer, x, o)  # the one rounding to the model dtype
 
 
+def _decode_inputs(cfg, layer, x, inv_freq, tail, position, tail_len):
+    q, k, v = decoder.attention_inputs(cfg, layer, x, position.reshape(1, 1), inv_freq)
+    tail = jax.lax.dynamic_update_slice(tail, jnp.stack([k[0], v[0]]).astype(tail.dtype), (0, tail_len, 0, 0))
+    return q, tail, pallas_kernels.empty_state(*q.shape)
+
+
 @functools.partial(step_jit, static_argnums=(0,), donate_argnums=(4,))
 def decode_begin(
     cfg: ModelConfig, layer: LayerParams, x: jax.Array, inv_freq: jax.Array, tail: jax.Array,
@@ -168,9 +175,7 @@ def decode_begin(
 ) -> tuple[jax.Array, jax.Array, AttentionState]:
     """For a new token x [1, 1, hidden]: q [1, 1, Hq, D], the GPU tail block [2, block_size, Hkv, D] with
     the token's K, V written at `tail_len`, and the empty attention state."""
-    q, k, v = decoder.attention_inputs(cfg, layer, x, position.reshape(1, 1), inv_freq)
-    tail = jax.lax.dynamic_update_slice(tail, jnp.stack([k[0], v[0]]).astype(tail.dtype), (0, tail_len, 0, 0))
-    return q, tail, pallas_kernels.empty_state(*q.shape)
+    return _decode_inputs(cfg, layer, x, inv_freq, tail, position, tail_len)
 
 
 @functools.partial(step_jit, static_argnums=(0, 1))
@@ -182,6 +187,36 @@ def decode_end(
     k, v = _split_block(tail)
     o = attend_and_finish(impl, q, k, v, state, causal=False, kv_len=tail_len + 1)
     return decoder.attention_output_and_mlp(cfg, layer, x, o)  # the one rounding to the model dtype
+
+
+@functools.partial(step_jit, static_argnums=(0, 8, 9, 10), donate_argnums=(4,))
+def quest_begin(
+    cfg: ModelConfig, layer: LayerParams, x: jax.Array, inv_freq: jax.Array, tail: jax.Array, position: jax.Array,
+    tail_len: jax.Array, bounds: tuple[jax.Array, jax.Array], budget_pages: int, page_size: int, block_size: int,
+    num_pages: jax.Array,
+) -> tuple[jax.Array, jax.Array, AttentionState, jax.Array, jax.Array]:
+    """`decode_begin` plus Quest's choice: the store rows of the pages each KV head reads, and how many of the
+    gathered keys are real (fewer than the budget while the context is short)."""
+    q, tail, state = _decode_inputs(cfg, layer, x, inv_freq, tail, position, tail_len)
+    kmin, kmax = bounds
+    pages = quest.select_pages(q[0, 0], kmin, kmax, num_pages, budget_pages)
+    rows = quest.page_rows(pages, kmin.shape[1], page_size, block_size)
+    return q, tail, state, rows, jnp.minimum(num_pages, budget_pages) * page_size
+
+
+@functools.partial(step_jit, static_argnums=(0, 1))
+def quest_end(
+    cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, q: jax.Array, pages: jax.Array,
+    num_keys: jax.Array, tail: jax.Array, tail_len: jax.Array, state: AttentionState,
+) -> jax.Array:
+    """Attention over the gathered pages [Hkv * n, 2, PAGE_UNIT, D] (the first `num_keys` keys of every head are
+    real), then over the tail, then the rest of the layer."""
+    hkv = cfg.num_kv_heads
+    k, v = _split_block(from_stored_layout(pages.reshape(hkv, -1, *pages.shape[1:])))
+    state = attend(impl, q, k, v, state, causal=False, kv_len=num_keys)
+    k, v = _split_block(tail)
+    o = attend_and_finish(impl, q, k, v, state, causal=False, kv_len=tail_len + 1)
+    return decoder.attention_output_and_mlp(cfg, layer, x, o)
 
 
 @functools.partial(step_jit, static_argnums=(0, 1, 2))

@@ -122,13 +122,17 @@ def _rope_from_dict(raw: dict) -> RopeConfig:
 
 
 # Options that only mean something when the KV cache is offloaded, with their defaults there.
-OFFLOAD_DEFAULTS = {"block_size": 1024, "num_ring_slots": 4, "prefill": "chunked", "sparse_policy": "full"}
+OFFLOAD_DEFAULTS = {"block_size": 1024, "num_ring_slots": 4, "prefill": "chunked", "decode_policy": "full"}
+# Options of Quest decode, with their defaults.
+QUEST_DEFAULTS = {"decode_budget": 4096, "page_size": 16, "dense_layers": 2}
+DECODE_POLICIES = ("full", "quest")
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Options of `LLM` that decide where the KV cache lives and how prefill runs. Offload-only options
-    are None unless given; `validate` fills in their defaults."""
+    """Options of `LLM` that decide where the KV cache lives, how prefill runs and which KV decode reads.
+    Offload-only options are None unless given; `validate` fills in their defaults. `sparse_policy` is the old
+    name of `decode_policy`."""
 
     dtype: str = "bfloat16"
     max_model_len: int | None = None
@@ -137,18 +141,40 @@ class EngineConfig:
     num_ring_slots: int | None = None
     prefill: str | None = None
     sparse_policy: str | None = None
+    decode_policy: str | None = None
+    decode_budget: int | None = None
+    page_size: int | None = None
+    dense_layers: int | None = None
 
     def validate(self, model: ModelConfig) -> "EngineConfig":
         """Checks every option; returns a copy with `max_model_len` and the offload defaults filled in."""
-        given = [name for name in OFFLOAD_DEFAULTS if getattr(self, name) is not None]
-        if not self.offload and given:
+        config = self
+        if self.sparse_policy is not None:
+            if self.decode_policy not in (None, self.sparse_policy):
+                raise ValueError(
+                    f"sparse_policy={self.sparse_policy!r} and decode_policy={self.decode_policy!r} disagree; "
+                    "sparse_policy is the old name of decode_policy, give one."
+                )
+            config = dataclasses.replace(self, decode_policy=self.sparse_policy, sparse_policy=None)
+        offload_only = list(OFFLOAD_DEFAULTS) + list(QUEST_DEFAULTS)
+        given = [name for name in offload_only if getattr(config, name) is not None]
+        if not config.offload and given:
             raise ValueError(
                 f"{', '.join(given)} only apply to an offloaded KV cache; pass offload=True or leave them out."
             )
-        if self.offload:
-            filled = {name: default for name, default in OFFLOAD_DEFAULTS.items() if getattr(self, name) is None}
-            return dataclasses.replace(self, **filled)._validate(model)
-        return self._validate(model)
+        if not config.offload:
+            return config._validate(model)
+        filled = {name: default for name, default in OFFLOAD_DEFAULTS.items() if getattr(config, name) is None}
+        config = dataclasses.replace(config, **filled)
+        if config.decode_policy not in DECODE_POLICIES:
+            raise ValueError(f"decode_policy {config.decode_policy!r} is unknown; valid: {', '.join(DECODE_POLICIES)}.")
+        quest_given = [name for name in QUEST_DEFAULTS if getattr(config, name) is not None]
+        if config.decode_policy != "quest" and quest_given:
+            raise ValueError(f"{', '.join(quest_given)} only apply with decode_policy='quest'.")
+        if config.decode_policy == "quest":
+            config = dataclasses.replace(
+                config, **{n: d for n, d in QUEST_DEFAULTS.items() if getattr(config, n) is None})
+        return config._validate(model)
 
     def _validate(self, model: ModelConfig) -> "EngineConfig":
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -162,13 +188,31 @@ class EngineConfig:
                 f"{model.max_position_embeddings}."
             )
         if self.offload:
-            if not isinstance(self.block_size, int) or self.block_size < 16 or self.block_size % 16:
+            if not _int(self.block_size) or self.block_size < 16 or self.block_size % 16:
                 raise ValueError(f"block_size must be a positive multiple of 16, got {self.block_size!r}.")
-            if not isinstance(self.num_ring_slots, int) or self.num_ring_slots < 1:
+            if not _int(self.num_ring_slots) or self.num_ring_slots < 1:
                 raise ValueError(f"num_ring_slots must be an integer >= 1, got {self.num_ring_slots!r}.")
             if self.prefill not in PREFILL_MODES:
                 raise ValueError(f"prefill mode {self.prefill!r} is unknown; valid: {', '.join(PREFILL_MODES)}.")
+        if self.decode_policy == "quest":
+            if not _int(self.page_size) or self.page_size < 16 or self.page_size % 16 or self.block_size % self.page_size:
+                raise ValueError(
+                    f"page_size must be a multiple of 16 that divides block_size {self.block_size}, got {self.page_size!r}."
+                )
+            if not _int(self.decode_budget) or self.decode_budget < self.page_size or self.decode_budget % self.page_size:
+                raise ValueError(
+                    f"decode_budget must be a positive multiple of page_size {self.page_size}, got {self.decode_budget!r}."
+                )
+            if not _int(self.dense_layers) or not 0 <= self.dense_layers <= model.num_layers:
+                raise ValueError(
+                    f"dense_layers must be an integer from 0 to the model's {model.num_layers} layers, "
+                    f"got {self.dense_layers!r}."
+                )
         return dataclasses.replace(self, max_model_len=max_len)
+
+
+def _int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def round_up(x: int, multiple: int) -> int:

@@ -23,7 +23,6 @@ from jax_offload.models.rope import inverse_frequencies
 from jax_offload.offload_runner import OffloadRunner
 from jax_offload.precision import step_jit
 from jax_offload.sampling import SamplingParams, sample_token
-from jax_offload.sparse import make_policy
 
 Prompt = str | Sequence[int]
 PROGRESS_MIN_TOKENS = 4096  # shorter prompts prefill too fast for a progress bar to help
@@ -65,6 +64,10 @@ class LLM:
         num_ring_slots: int | None = None,
         prefill: str | None = None,
         sparse_policy: str | None = None,
+        decode_policy: str | None = None,
+        decode_budget: int | None = None,
+        page_size: int | None = None,
+        dense_layers: int | None = None,
         attention_impl: str | None = None,
     ):
         from transformers import AutoTokenizer
@@ -73,10 +76,9 @@ class LLM:
         if not model_dir.is_dir():
             raise FileNotFoundError(f"Model directory {model_dir} does not exist.")
         model_config = ModelConfig.from_hf(model_dir)
-        options = EngineConfig(dtype, max_model_len, offload, block_size, num_ring_slots, prefill, sparse_policy)
+        options = EngineConfig(dtype, max_model_len, offload, block_size, num_ring_slots, prefill, sparse_policy,
+                               decode_policy, decode_budget, page_size, dense_layers)
         options = options.validate(model_config)
-        if options.offload:
-            make_policy(options.sparse_policy)
         check_attention_impl(attention_impl or default_attention_impl())
         params = load_params(model_dir, model_config, jnp.dtype(dtype))
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -112,10 +114,7 @@ class LLM:
         self.eos_token_ids = frozenset(int(i) for i in eos_ids)
         self._inv_freq = jnp.asarray(inverse_frequencies(model_config.rope, model_config.head_dim))
         if engine.offload:
-            self._runner = OffloadRunner(
-                model_config, params, self._inv_freq, self.dtype, self.attention_impl, engine,
-                make_policy(engine.sparse_policy),
-            )
+            self._runner = OffloadRunner(model_config, params, self._inv_freq, self.dtype, self.attention_impl, engine)
         else:
             self._runner = DeviceRunner(model_config, params, self._inv_freq, self.dtype, self.attention_impl)
 

@@ -32,7 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="tokens per KV block (offload; default 1024)")
     p.add_argument("--ring-slots", type=int, help="GPU slots the KV blocks stream through (offload; default 4)")
     p.add_argument("--prefill", help="chunked or layerwise (offload; default chunked)")
-    p.add_argument("--sparse-policy", help="block-selection policy (offload; default full)")
+    p.add_argument("--decode-policy", help="full or quest: which host KV decode reads (offload; default full)")
+    p.add_argument("--sparse-policy", dest="decode_policy", help=argparse.SUPPRESS)  # the old name
+    p.add_argument("--decode-budget", type=int, help="quest: tokens of host KV each KV head reads per step (4096)")
+    p.add_argument("--page-size", type=int, help="quest: tokens per page (16)")
+    p.add_argument("--dense-layers", type=int, help="quest: first layers kept in GPU memory and read in full (2)")
     return p
 
 
@@ -78,7 +82,10 @@ def _run(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         num_ring_slots=args.ring_slots,
         prefill=args.prefill,
-        sparse_policy=args.sparse_policy,
+        decode_policy=args.decode_policy,
+        decode_budget=args.decode_budget,
+        page_size=args.page_size,
+        dense_layers=args.dense_layers,
     )
     ids = llm.encode(prompt) if args.no_chat_template else llm.apply_chat_template([{"role": "user", "content": prompt}])
 

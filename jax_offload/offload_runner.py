@@ -2,6 +2,10 @@
 
 Per request the state is: full blocks in the host store (`store.num_written`) and one partial block per
 layer on the GPU (the tail) holding the tokens not yet flushed. `finish` clears both, always.
+
+With decode_policy="quest" the first `dense_layers` layers keep their blocks in GPU memory and attend in full;
+every other layer keeps its blocks in one pinned buffer, and each decode step gathers, per KV head, the pages
+Quest chose from it (`sparse/quest.py`). Prefill reads every block in either case.
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ from jax_offload.attention import (
     decode_end,
     embed_tokens,
     layerwise_layer,
+    quest_begin,
+    quest_end,
 )
 from jax_offload.buckets import prompt_bucket
 from jax_offload.config import EngineConfig, ModelConfig, round_up
@@ -26,7 +32,7 @@ from jax_offload.kv.host_store import HostKVStore
 from jax_offload.kv.ring import BlockRing, Key, group_size, grouped
 from jax_offload.models.params import ModelParams
 from jax_offload.progress import LaggedProgress
-from jax_offload.sparse import SparsePolicy
+from jax_offload.sparse.quest import QuestPages
 
 
 class OffloadRunner:
@@ -40,25 +46,24 @@ class OffloadRunner:
         dtype: jnp.dtype,
         impl: str,
         engine: EngineConfig,
-        policy: SparsePolicy,
     ):
         self.cfg, self.params, self.inv_freq, self.dtype, self.impl = cfg, params, inv_freq, dtype, impl
-        self.block_size, self.num_slots, self.mode, self.policy = (
-            engine.block_size,
-            engine.num_ring_slots,
-            engine.prefill,
-            policy,
-        )
+        self.block_size, self.num_slots, self.mode = engine.block_size, engine.num_ring_slots, engine.prefill
         self.group = group_size(engine.num_ring_slots)
+        num_blocks = -(-engine.max_model_len // engine.block_size)
+        self.quest: QuestPages | None = None
+        places = ["blocks"] * cfg.num_layers
+        if engine.decode_policy == "quest":
+            dense = engine.dense_layers
+            places = ["gpu"] * dense + ["pages"] * (cfg.num_layers - dense)
+            self.budget_pages, self.page_size = engine.decode_budget // engine.page_size, engine.page_size
+            self.quest = QuestPages(list(range(dense, cfg.num_layers)), num_blocks * engine.block_size // engine.page_size,
+                                    cfg.num_kv_heads, cfg.head_dim, engine.page_size, dtype)
         self.store = HostKVStore(
-            cfg.num_layers,
-            -(-engine.max_model_len // engine.block_size),
-            engine.block_size,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            dtype,
-            jax.devices()[0],
+            cfg.num_layers, num_blocks, engine.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, jax.devices()[0],
+            places,
         )
+        self.last_decode_pcie_bytes = 0  # bytes the last decode step moved from host to GPU
         self._tails: list[jax.Array | None] = []
         self._tail_len = 0
 
@@ -141,11 +146,19 @@ class OffloadRunner:
         return x
 
     def _keep_block(self, layer: int, index: int, block: jax.Array, filled: int) -> None:
-        """A full block goes to the host store; a partial one stays on the GPU as the layer's tail."""
+        """A full block goes to the store; a partial one stays on the GPU as the layer's tail."""
         if filled == self.block_size:
-            self.store.write(layer, index, block)
+            self._write(layer, index, block)
         elif filled > 0:
             self._tails[layer] = block
+
+    def _write(self, layer: int, index: int, block: jax.Array) -> None:
+        if self.quest is not None:
+            self.quest.record(layer, index, block)
+        self.store.write(layer, index, block)
+
+    def _sparse(self, layer: int) -> bool:
+        return self.quest is not None and layer in self.quest.layers
 
     # ---- decode --------------------------------------------------------------------------------
 
@@ -153,16 +166,30 @@ class OffloadRunner:
         """x [1, 1, hidden] embedded new token at `position` -> its final hidden state."""
         layers = self.params.layers
         pos, tail_len = jnp.int32(position), jnp.int32(self._tail_len)
-        groups, ring = self._stream([self.policy.select(l, self.store.num_written(l)) for l in range(len(layers))])
+        full = [[] if self._sparse(l) else range(self.store.num_written(l)) for l in range(len(layers))]
+        groups, ring = self._stream(full)
+        moved = sum(len(b) for l, b in enumerate(full) if self.store.places[l] != "gpu") * self.store.block_bytes
         for l, layer in enumerate(layers):
+            if self._sparse(l):
+                pages_per_block = self.block_size // self.page_size
+                q, self._tails[l], state, rows, num_keys = quest_begin(
+                    self.cfg, layer, x, self.inv_freq, self._tails[l], pos, tail_len,
+                    (self.quest.kmin[l], self.quest.kmax[l]), self.budget_pages, self.page_size, self.block_size,
+                    jnp.int32(self.store.num_written(l) * pages_per_block),
+                )
+                pages = self.store.gather_pages(l, rows)
+                moved += pages.nbytes
+                x = quest_end(self.cfg, self.impl, layer, x, q, pages, num_keys, self._tails[l], tail_len, state)
+                continue
             q, self._tails[l], state = decode_begin(self.cfg, layer, x, self.inv_freq, self._tails[l], pos, tail_len)
             state = self._attend_groups(ring, groups[l], q, state)
             x = decode_end(self.cfg, self.impl, layer, x, q, self._tails[l], tail_len, state)
+        self.last_decode_pcie_bytes = moved
         self._tail_len += 1
         if self._tail_len == self.block_size:
-            # The tail is full: flush it as the next host block and start an empty one.
+            # The tail is full: flush it as the next stored block and start an empty one.
             for l in range(len(layers)):
-                self.store.write(l, self.store.num_written(l), self._tails[l])
+                self._write(l, self.store.num_written(l), self._tails[l])
             self._tails = [self._empty_tail() for _ in layers]
             self._tail_len = 0
         return x

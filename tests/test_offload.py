@@ -97,18 +97,21 @@ def _pinned_host_bytes() -> int:
     return sum(a.nbytes for a in jax.live_arrays() if a.sharding.memory_kind == "pinned_host")
 
 
-@pytest.mark.parametrize("option", [dict(block_size=64), dict(num_ring_slots=2), dict(prefill="layerwise"),
-                                    dict(sparse_policy="full")])
-def test_offload_options_need_offload(model, option):
+@pytest.mark.parametrize("option,name", [
+    (dict(block_size=64), "block_size"), (dict(num_ring_slots=2), "num_ring_slots"),
+    (dict(prefill="layerwise"), "prefill"), (dict(sparse_policy="full"), "decode_policy"),
+    (dict(decode_policy="quest", decode_budget=512), "decode_policy, decode_budget"),
+])
+def test_offload_options_need_offload(model, option, name):
     path, _, _ = model
-    with pytest.raises(ValueError, match=f"{next(iter(option))} only apply to an offloaded KV cache"):
+    with pytest.raises(ValueError, match=f"{name} only apply to an offloaded KV cache"):
         LLM(path, dtype="float32", **option)
 
 
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(sparse_policy="nope"), "sparse_policy 'nope' is unknown; valid: full"),
+        (dict(sparse_policy="nope"), "decode_policy 'nope' is unknown; valid: full, quest"),
         (dict(prefill="sideways"), "prefill mode 'sideways' is unknown"),
         (dict(block_size=0), "block_size must be a positive multiple of 16"),
         (dict(block_size=100), "block_size must be a positive multiple of 16"),

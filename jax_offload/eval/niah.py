@@ -186,11 +186,16 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--block-size", type=int, dest="block_size")
     engine.add_argument("--ring-slots", type=int, dest="num_ring_slots")
     engine.add_argument("--prefill", choices=("chunked", "layerwise"))
-    engine.add_argument("--sparse-policy", dest="sparse_policy")
+    engine.add_argument("--decode-policy", dest="decode_policy", choices=("full", "quest"))
+    engine.add_argument("--sparse-policy", dest="decode_policy", help=argparse.SUPPRESS)  # the old name
+    engine.add_argument("--decode-budget", type=int, dest="decode_budget")
+    engine.add_argument("--page-size", type=int, dest="page_size")
+    engine.add_argument("--dense-layers", type=int, dest="dense_layers")
     return p
 
 
-ENGINE_OPTIONS = ("dtype", "max_model_len", "offload", "block_size", "num_ring_slots", "prefill", "sparse_policy")
+ENGINE_OPTIONS = ("dtype", "max_model_len", "offload", "block_size", "num_ring_slots", "prefill", "decode_policy",
+                  "decode_budget", "page_size", "dense_layers")
 
 
 def main(argv: list[str] | None = None) -> int:

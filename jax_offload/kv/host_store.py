@@ -1,20 +1,28 @@
-"""The host KV store: per layer, KV blocks of `block_size` tokens in pinned host memory, allocated once and
-written in place.
+"""The KV store of an offloaded request: per layer, KV blocks of `block_size` tokens, allocated once and written
+in place.
 
-A block is stored head-major in pages of PAGE_UNIT tokens, [Hkv, block_size / PAGE_UNIT, 2 (K|V), PAGE_UNIT, D],
-so that one KV head's page (its keys and values together) is one contiguous run of bytes: a sparse decode
-policy can gather the pages each head selected without touching the others. Whole blocks cross PCIe in this
-layout and are rearranged on the GPU (`from_stored_layout`), where it costs a pass over HBM, not PCIe.
+A block is kept head-major in pages of PAGE_UNIT tokens, [Hkv, block_size / PAGE_UNIT, 2 (K|V), PAGE_UNIT, D], so
+one KV head's page (its keys and values together) is one contiguous run of bytes. Whole blocks cross PCIe in
+this layout and are rearranged on the GPU (`from_stored_layout`), where it costs a pass over HBM, not PCIe.
+
+Each layer lives in one of three places:
+  - "gpu": blocks in GPU memory (the dense layers of a sparse decode policy; nothing crosses PCIe);
+  - "blocks": one pinned-host buffer per block, moved to the GPU group by group (full attention);
+  - "pages": one pinned-host buffer for all the layer's blocks, so the pages a sparse policy selects, from any
+    block, can be gathered in one pass on the host and cross PCIe as one transfer.
 """
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
 PAGE_UNIT = 16  # tokens per stored page: the finest page a sparse policy can select; block sizes are multiples
+PLACES = ("gpu", "blocks", "pages")
 
 
 def available_host_bytes() -> int:
@@ -33,13 +41,27 @@ def from_stored_layout(pages: jax.Array) -> jax.Array:
     return pages.transpose(2, 1, 3, 0, 4).reshape(2, n * unit, hkv, d)
 
 
-class HostKVStore:
-    """`num_layers x num_blocks` blocks in pinned host memory, each [Hkv, block_size / PAGE_UNIT, 2, PAGE_UNIT, D].
+def _host_compute(fn):
+    """`fn` run on the host CPU next to the pinned buffers it reads (compute_on moved in jax 0.11)."""
+    from jax.experimental import compute_on
 
-    Every block is allocated when the store is made; `write` copies a GPU block into the existing buffer (a
-    donated in-place update), so the pinned pool reaches its size once and every request reuses the same
-    buffers. Which blocks hold data of the current request is tracked explicitly and cleared by `reset`, so
-    no request can read another's KV.
+    try:
+        return compute_on.compute_on(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+    except TypeError:  # jax 0.10: a context manager
+        def on_host(*args):
+            with compute_on.compute_on("device_host"):
+                return fn(*args)
+
+        return on_host
+
+
+class HostKVStore:
+    """`num_layers x num_blocks` blocks of [Hkv, block_size / PAGE_UNIT, 2, PAGE_UNIT, D], placed per layer.
+
+    Every buffer is allocated when the store is made and `write` copies a GPU block into it in place (a donated
+    update), so the pinned pool reaches its size once and every request reuses the same buffers. Which blocks
+    hold data of the current request is tracked explicitly and cleared by `reset`, so no request can read
+    another's KV.
     """
 
     def __init__(
@@ -51,31 +73,52 @@ class HostKVStore:
         head_dim: int,
         dtype: jnp.dtype,
         device: jax.Device,
-        memory_kind: str = "pinned_host",
+        places: Sequence[str] | None = None,
+        host_memory_kind: str = "pinned_host",
     ):
-        """`memory_kind="device"` keeps the blocks on the GPU instead (benchmarks use it to time compute
+        """`places[l]` is "gpu", "blocks" (default) or "pages" (see the module docstring).
+        `host_memory_kind="device"` keeps even the host layers on the GPU (benchmarks use it to time compute
         without transfers)."""
+        places = list(places or ["blocks"] * num_layers)
+        if len(places) != num_layers or not set(places) <= set(PLACES):
+            raise ValueError(f"places {places} must name one of {PLACES} for each of the {num_layers} layers.")
         self.block_shape = (num_kv_heads, block_size // PAGE_UNIT, 2, PAGE_UNIT, head_dim)
         self.block_bytes = 2 * block_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
-        self.total_bytes = num_layers * num_blocks * self.block_bytes
+        self.places = places
+        layer_bytes = num_blocks * self.block_bytes
+        self.gpu_bytes = places.count("gpu") * layer_bytes
+        self.total_bytes = num_layers * layer_bytes
+        self.host_bytes = self.total_bytes - self.gpu_bytes
         available = available_host_bytes()
-        if self.total_bytes > available:
+        if self.host_bytes > available:
             raise ValueError(
-                f"The host KV store needs {self.total_bytes / 2**30:.2f} GiB for {num_blocks} blocks x {num_layers} "
-                f"layers but only {available / 2**30:.2f} GiB of host memory is available; lower max_model_len."
+                f"The host KV store needs {self.host_bytes / 2**30:.2f} GiB for {num_blocks} blocks x "
+                f"{num_layers - places.count('gpu')} layers but only {available / 2**30:.2f} GiB of host memory is "
+                "available; lower max_model_len."
             )
-        self.host = SingleDeviceSharding(device, memory_kind=memory_kind)
         self.device = SingleDeviceSharding(device, memory_kind="device")
+        host = SingleDeviceSharding(device, memory_kind=host_memory_kind)
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
-        zeros = jax.device_put(jnp.zeros(self.block_shape, dtype), self.host)
-        self._blocks = [[jax.device_put(zeros, self.host, may_alias=False) for _ in range(num_blocks)] for _ in range(num_layers)]
+        self._sharding = [self.device if p == "gpu" else host for p in places]
+        zeros = jnp.zeros(self.block_shape, dtype)
+        self._blocks: list[list[jax.Array] | jax.Array] = []
+        for place, sharding in zip(places, self._sharding):
+            if place == "pages":
+                self._blocks.append(jax.device_put(jnp.zeros((num_blocks, *self.block_shape), dtype), sharding))
+            else:
+                self._blocks.append([jax.device_put(zeros, sharding, may_alias=False) for _ in range(num_blocks)])
         self._written = [0] * num_layers
-        host = self.host
 
-        def write_in_place(old: jax.Array, kv: jax.Array) -> jax.Array:
-            return jax.lax.dynamic_update_slice(old, jax.device_put(to_stored_layout(kv), host), (0,) * old.ndim)
+    @staticmethod
+    @functools.partial(jax.jit, static_argnums=(2,), donate_argnums=(0,))
+    def _write_block(old: jax.Array, kv: jax.Array, sharding) -> jax.Array:
+        return jax.lax.dynamic_update_slice(old, jax.device_put(to_stored_layout(kv), sharding), (0,) * old.ndim)
 
-        self._write_in_place = jax.jit(write_in_place, donate_argnums=0)
+    @staticmethod
+    @functools.partial(jax.jit, static_argnums=(3,), donate_argnums=(0,))
+    def _write_into_layer(layer: jax.Array, kv: jax.Array, index: jax.Array, sharding) -> jax.Array:
+        block = jax.device_put(to_stored_layout(kv), sharding)[None]
+        return jax.lax.dynamic_update_slice(layer, block, (index,) + (0,) * (layer.ndim - 1))
 
     def write(self, layer: int, index: int, kv: jax.Array) -> None:
         """Stores a GPU block kv [2, block_size, Hkv, D] into its buffer; the copy is asynchronous. Blocks are
@@ -84,25 +127,67 @@ class HostKVStore:
             raise RuntimeError(f"Block {index} of layer {layer} written out of order (next is {self._written[layer]}).")
         if index >= self.num_blocks:
             raise RuntimeError(f"Block {index} is beyond the store's {self.num_blocks} blocks.")
-        self._blocks[layer][index] = self._write_in_place(self._blocks[layer][index], kv)
+        sharding = self._sharding[layer]
+        if self.places[layer] == "pages":
+            self._blocks[layer] = self._write_into_layer(self._blocks[layer], kv, jnp.int32(index), sharding)
+        else:
+            self._blocks[layer][index] = self._write_block(self._blocks[layer][index], kv, sharding)
         self._written[layer] += 1
 
     def num_written(self, layer: int) -> int:
         return self._written[layer]
 
-    def read(self, layer: int, index: int) -> jax.Array:
-        """The host array of a block this request has written (reading any other block is a bug)."""
-        if index >= self._written[layer]:
-            raise RuntimeError(f"Block {index} of layer {layer} has not been written by this request.")
-        return self._blocks[layer][index]
+    def fetch(self, keys: Sequence[tuple[int, int]]) -> list[jax.Array]:
+        """Starts moving the blocks `keys` [(layer, index), ...] of this request to the GPU (asynchronously);
+        blocks of a "pages" layer must be consecutive. Reading any block the request has not written is a bug."""
+        for layer, index in keys:
+            if index >= self._written[layer]:
+                raise RuntimeError(f"Block {index} of layer {layer} has not been written by this request.")
+        layer = keys[0][0]
+        if self.places[layer] != "pages":
+            return jax.device_put([self._blocks[l][i] for l, i in keys], self.device)
+        first = keys[0][1]
+        if [k for k in keys] != [(layer, first + j) for j in range(len(keys))]:
+            raise RuntimeError(f"Blocks {keys} of a paged layer must be consecutive blocks of one layer.")
+        group = self._read_consecutive(self._blocks[layer], jnp.int32(first), len(keys), self.device)
+        return [group[j] for j in range(len(keys))]
+
+    @staticmethod
+    @functools.partial(jax.jit, static_argnums=(2, 3))
+    def _read_consecutive(layer: jax.Array, first: jax.Array, count: int, device) -> jax.Array:
+        block = jax.lax.dynamic_slice_in_dim(layer, first, count)
+        return jax.device_put(block, device)
+
+    def gather_pages(self, layer: int, rows: jax.Array) -> jax.Array:
+        """Moves the 16-token pages `rows` (int32, anywhere; row (b * Hkv + h) * units + u is unit u of KV
+        head h in block b) of a "pages" layer to the GPU: gathered on the host, then one transfer.
+        -> [len(rows), 2, PAGE_UNIT, D]."""
+        if self.places[layer] != "pages":
+            raise RuntimeError(f"Layer {layer} keeps whole blocks; only 'pages' layers gather pages.")
+        return _gather(self._blocks[layer], rows, self._sharding[layer], self.device)
 
     def reset(self) -> None:
         """Forgets the request: every block counts as unwritten again."""
         self._written = [0] * self.num_layers
 
     def host_bytes_held(self) -> int:
-        return sum(b.nbytes for layer in self._blocks for b in layer)
+        return sum(b.nbytes for place, layer in zip(self.places, self._blocks) if place != "gpu"
+                   for b in (layer if isinstance(layer, list) else [layer]))
 
     def buffer_addresses(self) -> list[list[int]]:
-        """Where each block's pinned buffer lives: unchanged for the store's lifetime."""
-        return [[b.unsafe_buffer_pointer() for b in layer] for layer in self._blocks]
+        """Where each buffer lives: unchanged for the store's lifetime."""
+        return [[b.unsafe_buffer_pointer() for b in (layer if isinstance(layer, list) else [layer])]
+                for layer in self._blocks]
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _gather(layer: jax.Array, rows: jax.Array, host, device) -> jax.Array:
+    unit = layer.shape[-3:]
+
+    def take(layer, rows):
+        flat = layer.reshape(-1, *unit)
+        return flat.at[rows].get(mode="promise_in_bounds")
+
+    if host.memory_kind == "device":
+        return take(layer, rows)
+    return jax.device_put(_host_compute(take)(layer, jax.device_put(rows, host)), device)

@@ -44,8 +44,7 @@ class BlockRing:
 
     def _fill(self) -> None:
         while self._next is not None and self._used() + len(self._next) <= self._num_slots:
-            host = [self._store.read(layer, index) for layer, index in self._next]
-            self._in_flight.append(jax.device_put(host, self._store.device))
+            self._in_flight.append(self._store.fetch(self._next))
             self._next = next(self._pending, None)
 
     def take(self) -> list[jax.Array]:

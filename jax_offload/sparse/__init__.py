@@ -1,26 +1,6 @@
-"""Block-selection policies: which host KV blocks a decode step streams back. One registry, by name."""
-from __future__ import annotations
+"""Sparse attention policies: which keys attention reads. A policy decides *what* to read; the KV store and
+the ring decide *how* it moves.
 
-from typing import Protocol
-
-
-class SparsePolicy(Protocol):
-    def select(self, layer: int, num_blocks: int) -> list[int]:
-        """Indices (ascending) of the host blocks of `layer` the next decode step attends to."""
-        ...
-
-
-class FullPolicy:
-    """Every block: exact attention."""
-
-    def select(self, layer: int, num_blocks: int) -> list[int]:
-        return list(range(num_blocks))
-
-
-POLICIES: dict[str, type] = {"full": FullPolicy}
-
-
-def make_policy(name: str) -> SparsePolicy:
-    if name not in POLICIES:
-        raise ValueError(f"sparse_policy {name!r} is unknown; valid: {', '.join(POLICIES)}.")
-    return POLICIES[name]()
+Decode policies (`LLM(decode_policy=...)`, offloaded KV): "full" reads every block; "quest" (`quest.py`) reads,
+per KV head, the pages with the highest Quest bounds.
+"""

@@ -1,0 +1,79 @@
+"""Quest (Tang et al., ICML 2024) for offloaded decode: per page of keys, the elementwise min and max key on the
+GPU; a query's bound sum_d max(q_d min_d, q_d max_d) over a page bounds every q . k in it, and each KV head reads
+only the pages with the highest bounds (the query heads of a GQA group combined by the max of their bounds).
+
+The bounds are of post-RoPE keys, computed when a block is written to the host store; they are a 1/page_size
+fraction of the KV they describe and stay on the GPU, so choosing pages costs no transfer.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_offload.kv.host_store import PAGE_UNIT
+from jax_offload.precision import step_jit
+
+
+def page_bounds(k: jax.Array, page_size: int) -> tuple[jax.Array, jax.Array]:
+    """Keys k [T, Hkv, D] (T a multiple of page_size) -> elementwise (min, max) [Hkv, T / page_size, D]."""
+    t, hkv, d = k.shape
+    pages = k.reshape(t // page_size, page_size, hkv, d)
+    return jnp.min(pages, axis=1).transpose(1, 0, 2), jnp.max(pages, axis=1).transpose(1, 0, 2)
+
+
+def select_pages(q: jax.Array, kmin: jax.Array, kmax: jax.Array, num_pages: jax.Array, k: int) -> jax.Array:
+    """The `k` pages each KV head reads, ascending: page 0 (the attention sink) and the pages with the highest
+    bounds among the first `num_pages`. q [Hq, D]; kmin, kmax [Hkv, P, D]. -> int32 [Hkv, k]; when fewer than k
+    pages exist, the missing entries are P (past every real page) and sort last. Ties go to the lower page.
+    """
+    hkv, num_slots, _ = kmin.shape
+    q = q.astype(jnp.float32).reshape(hkv, -1, 1, q.shape[-1])  # [Hkv, G, 1, D]
+    bound = jnp.sum(jnp.maximum(q * kmin[:, None].astype(jnp.float32), q * kmax[:, None].astype(jnp.float32)), -1)
+    bound = jnp.max(bound, axis=1)  # [Hkv, P]: the GQA group's largest bound
+    page = jnp.arange(num_slots, dtype=jnp.int32)
+    bound = jnp.where(page == 0, jnp.inf, jnp.where(page < num_pages, bound, -jnp.inf))
+    _, chosen = jax.lax.top_k(bound, k)  # equal values: the lower index first
+    chosen = jnp.where(chosen < num_pages, chosen, num_slots).astype(jnp.int32)
+    return jnp.sort(chosen, axis=-1)
+
+
+def page_rows(pages: jax.Array, num_slots: int, page_size: int, block_size: int) -> jax.Array:
+    """Pages [Hkv, k] (index in the layer, or `num_slots` for a missing entry) -> the store's 16-token rows
+    [Hkv * k * page_size / PAGE_UNIT] of a "pages" layer, head by head, page by page. Missing pages map to row
+    0: gathered like any row and never attended (the caller masks them by length)."""
+    hkv, _ = pages.shape
+    units_per_page, units_per_block = page_size // PAGE_UNIT, block_size // PAGE_UNIT
+    unit = pages[..., None] * units_per_page + jnp.arange(units_per_page, dtype=jnp.int32)  # [Hkv, k, upp]
+    block, unit_in_block = unit // units_per_block, unit % units_per_block
+    head = jnp.arange(hkv, dtype=jnp.int32)[:, None, None]
+    rows = (block * hkv + head) * units_per_block + unit_in_block
+    return jnp.where(pages[..., None] < num_slots, rows, 0).reshape(-1)
+
+
+class QuestPages:
+    """Page bounds of every sparse layer, on the GPU, for up to `num_pages` pages per layer."""
+
+    def __init__(self, layers: list[int], num_pages: int, num_kv_heads: int, head_dim: int, page_size: int,
+                 dtype: jnp.dtype):
+        self.layers, self.page_size = set(layers), page_size
+        shape = (num_kv_heads, num_pages, head_dim)
+        self.kmin = {l: jnp.zeros(shape, dtype) for l in layers}
+        self.kmax = {l: jnp.zeros(shape, dtype) for l in layers}
+        self.nbytes = sum(x.nbytes for d in (self.kmin, self.kmax) for x in d.values())
+
+    def record(self, layer: int, block_index: int, kv: jax.Array) -> None:
+        """Bounds of a block kv [2, block_size, Hkv, D] being written as block `block_index` of `layer`."""
+        if layer in self.layers:
+            first = jnp.int32(block_index * kv.shape[1] // self.page_size)
+            self.kmin[layer], self.kmax[layer] = _record(self.kmin[layer], self.kmax[layer], kv, first,
+                                                         self.page_size)
+
+
+@functools.partial(step_jit, static_argnums=(4,), donate_argnums=(0, 1))
+def _record(kmin: jax.Array, kmax: jax.Array, kv: jax.Array, first: jax.Array, page_size: int):
+    lo, hi = page_bounds(kv[0], page_size)
+    at = (0, first, 0)
+    return jax.lax.dynamic_update_slice(kmin, lo.astype(kmin.dtype), at), \
+        jax.lax.dynamic_update_slice(kmax, hi.astype(kmax.dtype), at)

@@ -1,0 +1,134 @@
+"""Quest decode over the offloaded KV: page choice against a float64 reference, exactness at full budget, the
+bytes a step moves, the metadata's size, and no state across requests."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tiny_models
+from jax_offload import LLM, SamplingParams
+from jax_offload.sparse.quest import page_bounds, page_rows, select_pages
+
+MODEL_SEED = 501
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def quest_reference(q, k, num_pages, budget_pages, page_size):
+    """float64: per KV head the sink page and the highest GQA-max bounds among the written pages, ascending
+    (ties to the lower page); missing entries (fewer pages than the budget) are num_slots."""
+    q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    t, hkv, d = k.shape
+    num_slots = t // page_size
+    pages = k.reshape(num_slots, page_size, hkv, d)
+    kmin, kmax = pages.min(1).transpose(1, 0, 2), pages.max(1).transpose(1, 0, 2)  # [Hkv, P, D]
+    qg = q.reshape(hkv, -1, d)
+    out = np.full((hkv, budget_pages), num_slots, np.int64)
+    for h in range(hkv):
+        bound = np.maximum(qg[h][:, None] * kmin[h][None], qg[h][:, None] * kmax[h][None]).sum(-1).max(0)
+        candidates = sorted(range(1, num_pages), key=lambda p: (-bound[p], p))
+        chosen = sorted([0] + candidates[: budget_pages - 1])[:budget_pages]
+        out[h, : len(chosen)] = chosen
+    return out
+
+
+@pytest.mark.parametrize("hq,hkv,num_pages,budget", [(8, 2, 40, 8), (4, 4, 40, 40), (6, 3, 5, 8), (8, 1, 33, 1)])
+def test_selected_pages_match_float64(hq, hkv, num_pages, budget):
+    seed = 600 + hq * 10 + num_pages
+    rng = np.random.default_rng(seed)
+    page_size, d = 16, 32
+    k = rng.standard_normal((40 * page_size, hkv, d)).astype(np.float32)
+    q = rng.standard_normal((hq, d)).astype(np.float32)
+    kmin, kmax = page_bounds(jnp.asarray(k), page_size)
+    got = np.asarray(select_pages(jnp.asarray(q), kmin, kmax, jnp.int32(num_pages), budget))
+    np.testing.assert_array_equal(got, quest_reference(q, k, num_pages, budget, page_size), err_msg=f"seed {seed}")
+
+
+def test_page_rows_address_each_heads_pages():
+    """Rows of a paged layer [blocks, Hkv, units, 2, 16, D]: page p of head h holds its keys, in order."""
+    hkv, block_size, page_size, blocks = 3, 64, 32, 4
+    layer = np.arange(blocks * hkv * (block_size // 16)).reshape(blocks, hkv, block_size // 16)
+    pages = jnp.asarray([[0, 5, 8], [2, 3, 8], [1, 7, 8]], jnp.int32)  # 8 = missing
+    rows = np.asarray(page_rows(pages, 8, page_size, block_size)).reshape(hkv, 3, 2)
+    for h in range(hkv):
+        for j, p in enumerate(np.asarray(pages[h])):
+            if p == 8:
+                continue
+            units = [p * 2, p * 2 + 1]
+            expect = [layer[u // 4, h, u % 4] for u in units]
+            assert list(rows[h, j]) == expect
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3")
+    tiny_models.build("qwen3", path, seed=MODEL_SEED)
+    return path
+
+
+def _quest(path, budget, **kw):
+    return LLM(path, dtype="float32", offload=True, block_size=64, num_ring_slots=2, decode_policy="quest",
+               decode_budget=budget, page_size=16, dense_layers=1, **kw)
+
+
+def _decode_logits(llm, ids, steps):
+    """Prefill, then `steps` greedy decode steps: the logits of every step (float32 [steps, vocab])."""
+    from jax_offload.attention import embed_tokens
+    from jax_offload.engine import _last_logits
+
+    hidden, first = llm._prefill(ids, len(ids) + steps)
+    out = [np.asarray(_last_logits(llm.model_config, llm.params, hidden, jnp.int32(len(ids) - 1 - first)))]
+    try:
+        for i in range(steps - 1):
+            token = np.full((1, 1), int(out[-1].argmax()), np.int32)
+            hidden = llm._runner.decode(embed_tokens(llm.params.embed, token), len(ids) + i)
+            out.append(np.asarray(_last_logits(llm.model_config, llm.params, hidden, jnp.int32(0))))
+    finally:
+        llm._runner.finish()
+    return np.stack(out)
+
+
+def test_full_budget_equals_full_decode(model_dir):
+    """With a budget covering the whole context, Quest reads every page: the same logits and tokens as
+    full decode, across block flushes."""
+    ids = np.random.default_rng(502).integers(3, tiny_models.VOCAB, size=150).tolist()
+    full = LLM(model_dir, dtype="float32", offload=True, block_size=64, num_ring_slots=2)
+    quest = _quest(model_dir, 1024)
+    diff = np.abs(_decode_logits(quest, ids, 60) - _decode_logits(full, ids, 60)).max()
+    assert diff <= 1e-5, f"model seed {MODEL_SEED}, prompt seed 502: {diff}"
+    assert quest.generate([ids], GREEDY)[0].token_ids == full.generate([ids], GREEDY)[0].token_ids
+
+
+def test_bytes_moved_and_metadata_size(model_dir):
+    quest = _quest(model_dir, 64)
+    cfg = quest.model_config
+    quest.generate([np.random.default_rng(503).integers(3, 250, size=300).tolist()], SamplingParams(max_tokens=3))
+    runner = quest._runner
+    sparse_layers = cfg.num_layers - 1
+    kv_bytes_per_token_layer = 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    assert runner.last_decode_pcie_bytes == 64 * sparse_layers * kv_bytes_per_token_layer
+    described = runner.store.block_bytes * runner.store.num_blocks * sparse_layers
+    assert runner.quest.nbytes <= described / 8
+    assert runner.store.gpu_bytes == runner.store.block_bytes * runner.store.num_blocks  # the dense layer
+
+
+def test_back_to_back_requests_share_nothing(model_dir):
+    rng = np.random.default_rng(504)
+    long, short = rng.integers(3, 250, size=400).tolist(), rng.integers(3, 250, size=90).tolist()
+    shared = _quest(model_dir, 48)
+    first = shared.generate([short], GREEDY)[0].token_ids
+    shared.generate([long], GREEDY)
+    assert shared.generate([short], GREEDY)[0].token_ids == first == _quest(model_dir, 48).generate([short], GREEDY)[0].token_ids
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(decode_policy="nope"), "decode_policy 'nope' is unknown; valid: full, quest"),
+    (dict(decode_policy="quest", page_size=24), "page_size must be a multiple of 16 that divides block_size"),
+    (dict(decode_policy="quest", decode_budget=100), "decode_budget must be a positive multiple of page_size 16"),
+    (dict(decode_policy="quest", dense_layers=9), "dense_layers must be an integer from 0 to the model's 2 layers"),
+    (dict(decode_budget=256), "decode_budget only apply with decode_policy='quest'"),
+    (dict(sparse_policy="full", decode_policy="quest"), "sparse_policy is the old name of decode_policy"),
+])
+def test_bad_quest_options(model_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(model_dir, dtype="float32", offload=True, block_size=64, **kwargs)
