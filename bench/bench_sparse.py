@@ -1,0 +1,207 @@
+"""Sparse policies on one GPU: Llama-3.1-8B shape, random bf16 weights.
+
+Phases (each in a fresh process, writing phase_<name>.json under --out):
+  quest       Quest decode over the offloaded KV: ms/token and bytes moved per token at each context, full
+              offloaded decode at 128K in the same process, and where a 128K step's time goes (page choice,
+              gather + transfer, compute with the pages already on the GPU)
+  xattn       XAttention prefill: the block-sparse kernel against our dense causal kernel at fixed
+              densities, and end-to-end prefill at fixed densities, in GPU memory and offloaded
+Every time is the median (min-max) of >= 5 measurements after a warm-up at the same shape.
+`--report DIR` writes sparse.md, sparse.json and sparse.png from the phase files (and NIAH files if present).
+
+    python bench/bench_sparse.py --phases quest --out DIR
+    python bench/bench_sparse.py --report DIR --out bench/results
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import GiB, fmt, gpu_memory, model_config, random_params, run_metadata, stats  # noqa: E402
+
+PHASES = ("quest", "xattn")
+
+
+def _prompt(rng, cfg, n):
+    return rng.integers(0, cfg.vocab_size, size=n).tolist()
+
+
+def phase_quest(a) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_offload import LLM, SamplingParams
+    from jax_offload.attention import embed_tokens, quest_begin
+
+    cfg = model_config(a.shape, a.num_layers)
+    # Contexts past the checkpoint's window (256K on Llama-3.1) are positions like any other for timing.
+    cfg = dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings, max(a.contexts) + 2 * a.block_size))
+    params = random_params(cfg, jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    bs, tokens = a.block_size, a.decode_tokens
+    sparse = dict(decode_policy="quest", decode_budget=a.budget, page_size=a.page_size, dense_layers=a.dense_layers)
+    max_len = max(a.contexts) + tokens + bs
+
+    def make(**kw):
+        return LLM.from_params(cfg, params, dtype="bfloat16", offload=True, block_size=bs, num_ring_slots=a.ring_slots, **kw)
+
+    def run(llm, n):
+        out = llm.generate([_prompt(rng, cfg, n)], SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))[0]
+        return out.prefill_seconds, stats([s * 1e3 for s in out.decode_token_seconds])
+
+    from jax_offload.kv.ring import group_size
+
+    def warm_up(llm):
+        # Every decode shape: dense layers stream groups of 1 .. half-the-ring blocks, the tail starts empty
+        # or not; none depends on the context length.
+        for k in range(1, 2 * group_size(a.ring_slots) + 2):
+            run(llm, k * bs)
+        run(llm, bs + 7)
+
+    quest = make(max_model_len=max_len, **sparse)
+    inv_freq = quest._inv_freq
+    warm_up(quest)
+    rows = []
+    for ctx in a.contexts:
+        n = min(ctx, cfg.max_position_embeddings - tokens - 1)
+        prefill_s, decode = run(quest, n)
+        runner = quest._runner
+        rows.append({"ctx": n, "prefill_s": prefill_s, "decode_ms": decode, "pcie_bytes_per_token": runner.last_decode_pcie_bytes,
+                     "expected_bytes": a.budget * (cfg.num_layers - a.dense_layers) * cfg.kv_bytes_per_token // cfg.num_layers,
+                     "gpu_memory_after": gpu_memory()})
+        print(json.dumps(rows[-1]), flush=True)
+    runner = quest._runner
+    meta = {"page_bounds_GiB": runner.quest.nbytes / GiB, "dense_layers_gpu_GiB": runner.store.gpu_bytes / GiB,
+            "host_store_GiB": runner.store.host_bytes / GiB}
+
+    # Where a step's time goes, at the breakdown context: the request's blocks are still in the store.
+    n = a.breakdown_ctx
+    run(quest, n)
+    store, pages_per_block = runner.store, bs // a.page_size
+    written = n // bs
+    store._written = [written] * cfg.num_layers
+    sparse_layers = sorted(runner.quest.layers)
+    x = embed_tokens(params.embed, np.full((1, 1), 7, np.int32))
+    tail = jnp.zeros((2, bs, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
+
+    def select_all():
+        out = []
+        for l in sparse_layers:
+            r = quest_begin(cfg, params.layers[l], x, inv_freq, jnp.copy(tail), jnp.int32(n), jnp.int32(n % bs),
+                            (runner.quest.kmin[l], runner.quest.kmax[l]), runner.budget_pages, a.page_size, bs,
+                            jnp.int32(written * pages_per_block))
+            out.append(r[3])
+        return jax.block_until_ready(out)
+
+    def timed(fn, reps=a.repeats):
+        fn()
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t) * 1e3)
+        return stats(ts)
+
+    selection = timed(select_all)
+    rows_per_layer = select_all()
+    transfer = timed(lambda: jax.block_until_ready([store.gather_pages(l, r) for l, r in zip(sparse_layers, rows_per_layer)]))
+    store.reset()
+    del quest
+    compute_llm = make(max_model_len=n + tokens + bs, **sparse)
+    s = compute_llm._runner.store
+    from jax_offload.kv.host_store import HostKVStore
+
+    compute_llm._runner.store = HostKVStore(s.num_layers, s.num_blocks, s.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                            jnp.bfloat16, jax.devices()[0], s.places, host_memory_kind="device")
+    warm_up(compute_llm)
+    _, compute = run(compute_llm, n)
+    del compute_llm
+    full = make(max_model_len=n + tokens + bs)
+    warm_up(full)
+    _, full_decode = run(full, n)
+    breakdown = {"ctx": n, "selection_ms": selection, "gather_and_transfer_ms": transfer, "compute_only_ms": compute,
+                 "full_offloaded_decode_ms": full_decode}
+    print(json.dumps(breakdown), flush=True)
+    return {"rows": rows, "breakdown": breakdown, "memory": meta, "budget": a.budget, "page_size": a.page_size,
+            "dense_layers": a.dense_layers}
+
+
+def report(src: Path, out: Path) -> None:
+    phases = {p: json.loads((src / f"phase_{p}.json").read_text()) for p in PHASES if (src / f"phase_{p}.json").exists()}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sparse.json").write_text(json.dumps(phases, indent=1))
+    lines = ["# Sparse policies: Llama-3.1-8B shape, random bf16 weights", ""]
+    q = phases.get("quest")
+    if q:
+        m = q["meta"]
+        lines += [f"{m['device']} | jax {m['jax']} | {m['date']}", "",
+                  f"## Quest decode (budget {q['budget']} tokens per KV head, page {q['page_size']}, {q['dense_layers']} "
+                  f"dense layers in GPU memory), medians (min-max) of every decode step", "",
+                  "| ctx | prefill s | decode ms/token | bytes moved per token (measured) | budget x sparse layers x KV bytes |",
+                  "|---|---|---|---|---|"]
+        for r in q["rows"]:
+            lines.append(f"| {r['ctx']} | {r['prefill_s']:.2f} | {fmt(r['decode_ms'])} | {r['pcie_bytes_per_token'] / 2**20:.1f} MiB | "
+                         f"{r['expected_bytes'] / 2**20:.1f} MiB |")
+        b = q["breakdown"]
+        speedup = b["full_offloaded_decode_ms"]["median"] / next(r for r in q["rows"] if r["ctx"] >= b["ctx"] - 64)["decode_ms"]["median"]
+        lines += ["", f"At {b['ctx']} tokens, same process: full offloaded decode {fmt(b['full_offloaded_decode_ms'])} ms/token, "
+                  f"Quest {speedup:.1f}x faster. Where a Quest step goes: page choice for all sparse layers "
+                  f"{fmt(b['selection_ms'])} ms; gather on the host + transfer, all sparse layers {fmt(b['gather_and_transfer_ms'])} ms; "
+                  f"the whole step with the pages already in GPU memory (choice, attention, the rest of the layers) "
+                  f"{fmt(b['compute_only_ms'])} ms.",
+                  f"GPU memory: page bounds {q['memory']['page_bounds_GiB']:.2f} GiB, dense layers' KV "
+                  f"{q['memory']['dense_layers_gpu_GiB']:.2f} GiB; host store {q['memory']['host_store_GiB']:.1f} GiB."]
+    (out / "sparse.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def run_phase(a) -> None:
+    result = globals()[f"phase_{a.run_phase}"](a)
+    result["meta"] = run_metadata() | {"shape": a.shape, "repeats": a.repeats}
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / f"phase_{a.run_phase}.json").write_text(json.dumps(result, indent=1))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
+    p.add_argument("--phases", default="")
+    p.add_argument("--run-phase", choices=PHASES, help=argparse.SUPPRESS)
+    p.add_argument("--report", type=Path)
+    p.add_argument("--shape", default="llama-3.1-8b")
+    p.add_argument("--num-layers", type=int)
+    p.add_argument("--contexts", type=ints, default=[32768, 65536, 131072, 262144])
+    p.add_argument("--breakdown-ctx", type=int, default=131072)
+    p.add_argument("--block-size", type=int, default=4096)
+    p.add_argument("--ring-slots", type=int, default=4)
+    p.add_argument("--budget", type=int, default=4096)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--dense-layers", type=int, default=2)
+    p.add_argument("--decode-tokens", type=int, default=12)
+    p.add_argument("--repeats", type=int, default=5)
+    a = p.parse_args()
+    if a.report:
+        report(a.report, a.out)
+    elif a.run_phase:
+        run_phase(a)
+    else:
+        forwarded = [x for x in sys.argv[1:] if x not in ("--phases", a.phases)]
+        for name in [x for x in a.phases.split(",") if x]:
+            t = time.perf_counter()
+            rc = subprocess.run([sys.executable, __file__, "--run-phase", name] + forwarded).returncode
+            print(f"phase {name}: exit {rc} in {time.perf_counter() - t:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
