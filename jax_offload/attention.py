@@ -13,11 +13,12 @@ import jax.numpy as jnp
 import pallas_kernels
 from jax_offload.config import ModelConfig
 from jax_offload.kv.host_store import from_stored_layout
-from jax_offload.sparse import quest
 from jax_offload.models import decoder
 from jax_offload.models.params import LayerParams
-from pallas_kernels import AttentionState
 from jax_offload.precision import step_jit
+from jax_offload.sparse import quest, xattention
+from jax_offload.sparse.xattention import XAttention
+from pallas_kernels import AttentionState
 
 ATTENTION_IMPLS = ("pallas", "xla")
 
@@ -51,7 +52,18 @@ def decode_attention(impl: str, q, k, v, *, kv_len=None, out_dtype=None):
     return fn(q, k, v, kv_len=kv_len, out_dtype=out_dtype)
 
 
-@functools.partial(step_jit, static_argnums=(0, 1), donate_argnums=(5, 6))
+def prompt_attention(impl: str, xattn: XAttention | None, q, k, v, prompt_len) -> tuple[jax.Array, jax.Array]:
+    """Causal attention of a whole (padded) prompt, full or XAttention's blocks -> (o in q's dtype, [selected,
+    visible] key blocks as int32 [2]; both 0 for full attention)."""
+    if xattn is None:
+        o, _ = prefill_attention(impl, q, k, v, causal=True, kv_len=prompt_len)
+        return o, jnp.zeros(2, jnp.int32)
+    mask = xattention.select(xattn, impl, q, k, q_offset=0, kv_len=prompt_len)
+    o, _ = xattention.attention(xattn, impl, q, k, v, mask, causal=True, kv_len=prompt_len, out_dtype=q.dtype)
+    return o, xattention.block_counts(mask, 0, prompt_len, xattn.block)
+
+
+@functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("xattn",), donate_argnums=(5, 6))
 def prefill_layer_in_device(
     cfg: ModelConfig,
     impl: str,
@@ -61,14 +73,16 @@ def prefill_layer_in_device(
     k_cache: jax.Array,
     v_cache: jax.Array,
     prompt_len: jax.Array,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One layer over a whole (padded) prompt x [1, T, hidden]; writes its K, V into the caches [1, S, Hkv, D]."""
+    xattn: XAttention | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One layer over a whole (padded) prompt x [1, T, hidden]; writes its K, V into the caches [1, S, Hkv, D].
+    Also returns the [selected, visible] XAttention block counts."""
     positions = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
     q, k, v = decoder.attention_inputs(cfg, layer, x, positions, inv_freq)
-    o, _ = prefill_attention(impl, q, k, v, causal=True, kv_len=prompt_len)
+    o, counts = prompt_attention(impl, xattn, q, k, v, prompt_len)
     k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, 0, 0))
     v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, 0, 0))
-    return decoder.attention_output_and_mlp(cfg, layer, x, o), k_cache, v_cache
+    return decoder.attention_output_and_mlp(cfg, layer, x, o), k_cache, v_cache, counts
 
 
 @functools.partial(step_jit, static_argnums=(0, 1), donate_argnums=(5, 6))
@@ -219,14 +233,78 @@ def quest_end(
     return decoder.attention_output_and_mlp(cfg, layer, x, o)
 
 
-@functools.partial(step_jit, static_argnums=(0, 1, 2))
+@functools.partial(step_jit, static_argnums=(0, 1, 2), static_argnames=("xattn",))
 def layerwise_layer(
-    cfg: ModelConfig, impl: str, block_size: int, layer: LayerParams, x: jax.Array, inv_freq: jax.Array, prompt_len: jax.Array
-) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """One layer over the whole prompt x [1, T, hidden] (T a multiple of block_size); its KV as blocks."""
+    cfg: ModelConfig, impl: str, block_size: int, layer: LayerParams, x: jax.Array, inv_freq: jax.Array,
+    prompt_len: jax.Array, xattn: XAttention | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, ...], jax.Array]:
+    """One layer over the whole prompt x [1, T, hidden] (T a multiple of block_size); its KV as blocks, and the
+    [selected, visible] XAttention block counts."""
     positions = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
     q, k, v = decoder.attention_inputs(cfg, layer, x, positions, inv_freq)
-    o, _ = prefill_attention(impl, q, k, v, causal=True, kv_len=prompt_len)
+    o, counts = prompt_attention(impl, xattn, q, k, v, prompt_len)
     kv = jnp.stack([k[0], v[0]])
     blocks = tuple(kv[:, i : i + block_size] for i in range(0, x.shape[1], block_size))
-    return decoder.attention_output_and_mlp(cfg, layer, x, o), blocks
+    return decoder.attention_output_and_mlp(cfg, layer, x, o), blocks, counts
+
+
+# ---- XAttention over the offloaded KV: a prompt chunk estimates against every earlier key, then attends ---------
+# only the blocks some head chose. The estimate needs the earlier keys on the GPU: they stream through the ring
+# into one layer-sized key buffer (pass 1); the chosen blocks stream again, K and V, for attention (pass 2).
+
+
+@functools.partial(step_jit, donate_argnums=(0,))
+def gather_keys(keys: jax.Array, blocks: tuple[jax.Array, ...], start: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Writes the keys of consecutive host blocks (first key at `start`) into the layer's key buffer
+    [1, max_len, Hkv, D]; also returns a scalar computed from the blocks, to tell when their slots are free."""
+    k, _ = _join_blocks(blocks)
+    return jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype), (0, start, 0, 0)), k[0, 0, 0, 0]
+
+
+@functools.partial(step_jit, static_argnums=(0, 1))
+def xattn_chunk_select(
+    impl: str, xattn: XAttention, q: jax.Array, keys: jax.Array, kv: jax.Array, start: jax.Array,
+    chunk_len: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """XAttention's choice for a chunk's queries q [1, T, Hq, D] at `start`, over the earlier keys in `keys`
+    and the chunk's own (kv [2, T, Hkv, D]) -> (mask [1, Hq, T / block, max_len / block], the earlier host
+    blocks some head needs as bool [max_len / T], the keys buffer with the chunk's keys, [selected, visible])."""
+    keys = jax.lax.dynamic_update_slice(keys, kv[0][None].astype(keys.dtype), (0, start, 0, 0))
+    mask = xattention.select(xattn, impl, q, keys, q_offset=start, kv_len=start + chunk_len)
+    t, hq = q.shape[1], q.shape[2]
+    per_block = mask.reshape(hq, t // xattn.block, -1, t // xattn.block)
+    needed = jnp.any(per_block, axis=(0, 1, 3)) & (jnp.arange(per_block.shape[2]) * t < start)
+    return mask, needed, keys, xattention.block_counts(mask, start, start + chunk_len, xattn.block)
+
+
+def _mask_columns(mask: jax.Array, blocks: jax.Array, block_size: int, xattn_block: int) -> jax.Array:
+    """The columns of host blocks `blocks` (int32 [n]) of a chunk's mask, in that order: [1, Hq, nqb, n * per]."""
+    b, hq, nqb, _ = mask.shape
+    per = block_size // xattn_block
+    cols = mask.reshape(b, hq, nqb, -1, per)[:, :, :, blocks]
+    return cols.reshape(b, hq, nqb, -1)
+
+
+@functools.partial(step_jit, static_argnums=(0, 1))
+def xattn_attend_blocks(
+    impl: str, xattn: XAttention, q: jax.Array, blocks: tuple[jax.Array, ...], block_ids: jax.Array,
+    mask: jax.Array, state: AttentionState,
+) -> AttentionState:
+    """Continues the chunk's state over earlier host blocks (ids `block_ids`), visiting only the chosen tiles."""
+    k, v = _join_blocks(blocks)
+    cols = _mask_columns(mask, block_ids, blocks[0].shape[1] * blocks[0].shape[3], xattn.block)
+    o, lse = xattention.attention(xattn, impl, q, k, v, cols, causal=False, out_dtype=jnp.float32)
+    return pallas_kernels.merge_into_state(state, o, lse)
+
+
+@functools.partial(step_jit, static_argnums=(0, 1, 2))
+def xattn_chunk_end(
+    cfg: ModelConfig, impl: str, xattn: XAttention, layer: LayerParams, x: jax.Array, q: jax.Array, kv: jax.Array,
+    chunk_len: jax.Array, state: AttentionState, mask: jax.Array, start: jax.Array,
+) -> jax.Array:
+    """The chunk's chosen blocks of its own keys (causal, last in key order), then the rest of the layer."""
+    k, v = _split_block(kv)
+    own = jax.lax.dynamic_slice_in_dim(mask, start // xattn.block, k.shape[1] // xattn.block, axis=3)
+    o, lse = xattention.attention(xattn, impl, q, k, v, own, causal=True, kv_len=chunk_len, out_dtype=jnp.float32)
+    o, _ = pallas_kernels.finish_state(pallas_kernels.merge_into_state(state, o, lse))
+    return decoder.attention_output_and_mlp(cfg, layer, x, o)  # the one rounding to the model dtype

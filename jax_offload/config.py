@@ -6,6 +6,8 @@ import json
 import math
 from pathlib import Path
 
+from jax_offload.sparse.xattention import XAttention
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -126,6 +128,9 @@ OFFLOAD_DEFAULTS = {"block_size": 1024, "num_ring_slots": 4, "prefill": "chunked
 # Options of Quest decode, with their defaults.
 QUEST_DEFAULTS = {"decode_budget": 4096, "page_size": 16, "dense_layers": 2}
 DECODE_POLICIES = ("full", "quest")
+# Options of XAttention prefill (offloaded or not), with their defaults.
+XATTN_DEFAULTS = {"xattn_threshold": 0.9, "xattn_stride": 8, "xattn_block": 128}
+PREFILL_POLICIES = ("full", "xattention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +150,16 @@ class EngineConfig:
     decode_budget: int | None = None
     page_size: int | None = None
     dense_layers: int | None = None
+    prefill_policy: str = "full"
+    xattn_threshold: float | None = None
+    xattn_stride: int | None = None
+    xattn_block: int | None = None
+
+    def xattention(self) -> XAttention | None:
+        """The XAttention prefill policy, or None for full prefill."""
+        if self.prefill_policy != "xattention":
+            return None
+        return XAttention(self.xattn_threshold, self.xattn_stride, self.xattn_block)
 
     def validate(self, model: ModelConfig) -> "EngineConfig":
         """Checks every option; returns a copy with `max_model_len` and the offload defaults filled in."""
@@ -162,6 +177,7 @@ class EngineConfig:
             raise ValueError(
                 f"{', '.join(given)} only apply to an offloaded KV cache; pass offload=True or leave them out."
             )
+        config = config._with_prefill_policy()
         if not config.offload:
             return config._validate(model)
         filled = {name: default for name, default in OFFLOAD_DEFAULTS.items() if getattr(config, name) is None}
@@ -175,6 +191,24 @@ class EngineConfig:
             config = dataclasses.replace(
                 config, **{n: d for n, d in QUEST_DEFAULTS.items() if getattr(config, n) is None})
         return config._validate(model)
+
+    def _with_prefill_policy(self) -> "EngineConfig":
+        if self.prefill_policy not in PREFILL_POLICIES:
+            raise ValueError(f"prefill_policy {self.prefill_policy!r} is unknown; valid: {', '.join(PREFILL_POLICIES)}.")
+        given = [name for name in XATTN_DEFAULTS if getattr(self, name) is not None]
+        if self.prefill_policy != "xattention":
+            if given:
+                raise ValueError(f"{', '.join(given)} only apply with prefill_policy='xattention'.")
+            return self
+        config = dataclasses.replace(self, **{n: d for n, d in XATTN_DEFAULTS.items() if getattr(self, n) is None})
+        t, stride, block = config.xattn_threshold, config.xattn_stride, config.xattn_block
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1:
+            raise ValueError(f"xattn_threshold must be a number in (0, 1], got {t!r}.")
+        if not _int(block) or block < 16 or block & (block - 1):
+            raise ValueError(f"xattn_block must be a power of two >= 16, got {block!r}.")
+        if not _int(stride) or stride < 1 or stride & (stride - 1) or stride > block:
+            raise ValueError(f"xattn_stride must be a power of two that divides xattn_block {block}, got {stride!r}.")
+        return dataclasses.replace(config, xattn_threshold=float(t))
 
     def _validate(self, model: ModelConfig) -> "EngineConfig":
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -194,6 +228,10 @@ class EngineConfig:
                 raise ValueError(f"num_ring_slots must be an integer >= 1, got {self.num_ring_slots!r}.")
             if self.prefill not in PREFILL_MODES:
                 raise ValueError(f"prefill mode {self.prefill!r} is unknown; valid: {', '.join(PREFILL_MODES)}.")
+            if self.prefill_policy == "xattention" and self.block_size % self.xattn_block:
+                raise ValueError(
+                    f"xattn_block {self.xattn_block} must divide block_size {self.block_size} with an offloaded KV cache."
+                )
         if self.decode_policy == "quest":
             if not _int(self.page_size) or self.page_size < 16 or self.page_size % 16 or self.block_size % self.page_size:
                 raise ValueError(

@@ -12,15 +12,18 @@ from jax_offload.buckets import cache_bucket, prompt_bucket
 from jax_offload.config import ModelConfig
 from jax_offload.models.params import ModelParams
 from jax_offload.progress import LaggedProgress
+from jax_offload.sparse.xattention import XAttention
 
 
 class DeviceRunner:
     """KV cache in GPU memory, sized per request to a length bucket (so shapes, and compiles, repeat)."""
 
-    def __init__(self, cfg: ModelConfig, params: ModelParams, inv_freq: jax.Array, dtype: jnp.dtype, impl: str):
-        self.cfg, self.params, self.inv_freq, self.dtype, self.impl = cfg, params, inv_freq, dtype, impl
+    def __init__(self, cfg: ModelConfig, params: ModelParams, inv_freq: jax.Array, dtype: jnp.dtype, impl: str,
+                 xattn: XAttention | None = None):
+        self.cfg, self.params, self.inv_freq, self.dtype, self.impl, self.xattn = cfg, params, inv_freq, dtype, impl, xattn
         self._k: list[jax.Array] = []
         self._v: list[jax.Array] = []
+        self.prefill_block_counts: list[jax.Array] = []  # per layer, XAttention's [selected, visible] blocks
 
     def prefill(
         self,
@@ -39,10 +42,12 @@ class DeviceRunner:
         self._v = [jnp.zeros(shape, self.dtype) for _ in range(cfg.num_layers)]
         length = jnp.asarray(prompt_len, jnp.int32)
         done = LaggedProgress(progress)
+        self.prefill_block_counts = []
         for i, layer in enumerate(self.params.layers):
-            x, self._k[i], self._v[i] = prefill_layer_in_device(
-                cfg, self.impl, layer, x, self.inv_freq, self._k[i], self._v[i], length
+            x, self._k[i], self._v[i], counts = prefill_layer_in_device(
+                cfg, self.impl, layer, x, self.inv_freq, self._k[i], self._v[i], length, xattn=self.xattn
             )
+            self.prefill_block_counts.append(counts)
             done.step(x, prompt_len / cfg.num_layers)
         done.close()
         return x, 0

@@ -37,6 +37,8 @@ class RequestOutput:
     prefill_seconds: float
     decode_seconds: float
     decode_token_seconds: list[float] = dataclasses.field(default_factory=list)  # each decode step's wall time
+    # XAttention prefill: per layer, the selected share of the causally visible (query, key) blocks, all heads.
+    prefill_density: list[float] | None = None
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -68,6 +70,10 @@ class LLM:
         decode_budget: int | None = None,
         page_size: int | None = None,
         dense_layers: int | None = None,
+        prefill_policy: str = "full",
+        xattn_threshold: float | None = None,
+        xattn_stride: int | None = None,
+        xattn_block: int | None = None,
         attention_impl: str | None = None,
     ):
         from transformers import AutoTokenizer
@@ -76,8 +82,12 @@ class LLM:
         if not model_dir.is_dir():
             raise FileNotFoundError(f"Model directory {model_dir} does not exist.")
         model_config = ModelConfig.from_hf(model_dir)
-        options = EngineConfig(dtype, max_model_len, offload, block_size, num_ring_slots, prefill, sparse_policy,
-                               decode_policy, decode_budget, page_size, dense_layers)
+        options = EngineConfig(
+            dtype=dtype, max_model_len=max_model_len, offload=offload, block_size=block_size,
+            num_ring_slots=num_ring_slots, prefill=prefill, sparse_policy=sparse_policy, decode_policy=decode_policy,
+            decode_budget=decode_budget, page_size=page_size, dense_layers=dense_layers, prefill_policy=prefill_policy,
+            xattn_threshold=xattn_threshold, xattn_stride=xattn_stride, xattn_block=xattn_block,
+        )
         options = options.validate(model_config)
         check_attention_impl(attention_impl or default_attention_impl())
         params = load_params(model_dir, model_config, jnp.dtype(dtype))
@@ -116,7 +126,8 @@ class LLM:
         if engine.offload:
             self._runner = OffloadRunner(model_config, params, self._inv_freq, self.dtype, self.attention_impl, engine)
         else:
-            self._runner = DeviceRunner(model_config, params, self._inv_freq, self.dtype, self.attention_impl)
+            self._runner = DeviceRunner(model_config, params, self._inv_freq, self.dtype, self.attention_impl,
+                                        engine.xattention())
 
     @property
     def max_model_len(self) -> int:
@@ -234,6 +245,7 @@ class LLM:
             logit_row = _last_logits(cfg, self.params, hidden, jnp.int32(len(ids) - 1 - first_position))
             token = int(sample_token(logit_row, *knobs, jax.random.fold_in(key, 0)))
             prefill_s = time.perf_counter() - start
+            density = self._prefill_density()
             start = step_start = time.perf_counter()
             step_seconds: list[float] = []
             position = len(ids)
@@ -266,7 +278,13 @@ class LLM:
                 text = self._decode_text(generated)
         finally:
             self._runner.finish()
-        return RequestOutput(ids, text, generated, finish_reason, prefill_s, decode_s, step_seconds)
+        return RequestOutput(ids, text, generated, finish_reason, prefill_s, decode_s, step_seconds, density)
+
+    def _prefill_density(self) -> list[float] | None:
+        if self.engine_config.prefill_policy != "xattention":
+            return None
+        counts = np.asarray(jnp.stack(self._runner.prefill_block_counts)).astype(np.float64)
+        return list(counts[:, 0] / np.maximum(counts[:, 1], 1))
 
 
 def _first_stop(text: str, stops: list[str]) -> int | None:

@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-budget", type=int, help="quest: tokens of host KV each KV head reads per step (4096)")
     p.add_argument("--page-size", type=int, help="quest: tokens per page (16)")
     p.add_argument("--dense-layers", type=int, help="quest: first layers kept in GPU memory and read in full (2)")
+    p.add_argument("--prefill-policy", default="full", help="full or xattention: which blocks prefill attends")
+    p.add_argument("--xattn-threshold", type=float, help="xattention: softmax mass each query block keeps (0.9)")
+    p.add_argument("--xattn-stride", type=int, help="xattention: antidiagonal stride of the estimate (8)")
+    p.add_argument("--xattn-block", type=int, help="xattention: tokens per selection block (128)")
     return p
 
 
@@ -86,6 +90,10 @@ def _run(args: argparse.Namespace) -> int:
         decode_budget=args.decode_budget,
         page_size=args.page_size,
         dense_layers=args.dense_layers,
+        prefill_policy=args.prefill_policy,
+        xattn_threshold=args.xattn_threshold,
+        xattn_stride=args.xattn_stride,
+        xattn_block=args.xattn_block,
     )
     ids = llm.encode(prompt) if args.no_chat_template else llm.apply_chat_template([{"role": "user", "content": prompt}])
 
@@ -103,6 +111,7 @@ def _run(args: argparse.Namespace) -> int:
             "prefill_tokens_per_second": round(out.prefill_tokens_per_second, 1),
             "decode_seconds": round(out.decode_seconds, 4),
             "decode_tokens_per_second": round(out.decode_tokens_per_second, 1),
+            "prefill_density": out.prefill_density,
         }))
     else:
         print(

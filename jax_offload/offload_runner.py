@@ -6,6 +6,10 @@ layer on the GPU (the tail) holding the tokens not yet flushed. `finish` clears 
 With decode_policy="quest" the first `dense_layers` layers keep their blocks in GPU memory and attend in full;
 every other layer keeps its blocks in one pinned buffer, and each decode step gathers, per KV head, the pages
 Quest chose from it (`sparse/quest.py`). Prefill reads every block in either case.
+
+With prefill_policy="xattention", layerwise prefill attends each layer's whole prompt block-sparsely on the GPU;
+chunked prefill streams a chunk's earlier blocks once for XAttention's estimate and again, only those some head
+chose, for attention (`sparse/xattention.py`).
 """
 from __future__ import annotations
 
@@ -22,9 +26,13 @@ from jax_offload.attention import (
     decode_begin,
     decode_end,
     embed_tokens,
+    gather_keys,
     layerwise_layer,
     quest_begin,
     quest_end,
+    xattn_attend_blocks,
+    xattn_chunk_end,
+    xattn_chunk_select,
 )
 from jax_offload.buckets import prompt_bucket
 from jax_offload.config import EngineConfig, ModelConfig, round_up
@@ -63,7 +71,11 @@ class OffloadRunner:
             cfg.num_layers, num_blocks, engine.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, jax.devices()[0],
             places,
         )
+        self.xattn = engine.xattention()
         self.last_decode_pcie_bytes = 0  # bytes the last decode step moved from host to GPU
+        self.last_prefill_pcie_bytes = 0  # bytes the last prefill moved from host to GPU
+        self.prefill_block_counts: list[jax.Array] = []  # per layer, XAttention's [selected, visible] blocks
+        self._keys: jax.Array | None = None  # chunked XAttention: the current layer's keys, for the estimate
         self._tails: list[jax.Array | None] = []
         self._tail_len = 0
 
@@ -104,6 +116,8 @@ class OffloadRunner:
         does not grow with the prompt. `progress(tokens)` is told how much is done as work completes."""
         self.store.reset()
         self._tails = [None] * self.cfg.num_layers
+        self.last_prefill_pcie_bytes = 0
+        self.prefill_block_counts = [jnp.zeros(2, jnp.int32)] * self.cfg.num_layers
         if self.mode == "chunked":
             out = self._prefill_chunked(ids, prompt_len, progress, keep_all)
         else:
@@ -117,28 +131,62 @@ class OffloadRunner:
         outputs = []
         num_chunks = ids.shape[1] // bs
         done = LaggedProgress(progress)
+        if self.xattn is not None:
+            self._keys = jnp.zeros((1, self.store.num_blocks * bs, self.cfg.num_kv_heads, self.cfg.head_dim), self.dtype)
         for c in range(num_chunks):
             chunk_len = min(bs, prompt_len - c * bs)
             h = embed_tokens(self.params.embed, ids[:, c * bs : (c + 1) * bs])
-            groups, ring = self._stream([range(c)] * len(layers))
+            if self.xattn is None:
+                groups, ring = self._stream([range(c)] * len(layers))
+                self.last_prefill_pcie_bytes += c * self._host_layers() * self.store.block_bytes
             for l, layer in enumerate(layers):
                 q, kv, state = chunk_begin(self.cfg, layer, h, self.inv_freq, jnp.int32(c * bs))
-                state = self._attend_groups(ring, groups[l], q, state)
-                h = chunk_end(self.cfg, self.impl, layer, h, q, kv, jnp.int32(chunk_len), state)
+                if self.xattn is None:
+                    state = self._attend_groups(ring, groups[l], q, state)
+                    h = chunk_end(self.cfg, self.impl, layer, h, q, kv, jnp.int32(chunk_len), state)
+                else:
+                    h = self._xattn_chunk_layer(l, layer, h, q, kv, state, c, chunk_len)
                 self._keep_block(l, c, kv, chunk_len)
             if keep_all or c == num_chunks - 1:
                 outputs.append(h)
             done.step(h, chunk_len)
         done.close()
+        self._keys = None
         if keep_all:
             return jnp.concatenate(outputs, axis=1), 0
         return outputs[0], (num_chunks - 1) * bs
+
+    def _host_layers(self) -> int:
+        return sum(place != "gpu" for place in self.store.places)
+
+    def _xattn_chunk_layer(self, l: int, layer, h, q, kv, state, c: int, chunk_len: int) -> jax.Array:
+        """One layer of a prompt chunk under XAttention: the earlier blocks stream once into the key buffer for
+        the estimate, then the blocks some head chose stream again for attention."""
+        bs, start = self.block_size, jnp.int32(c * self.block_size)
+        ring = BlockRing(self.store, self.num_slots, grouped([(l, b) for b in range(c)], self.group))
+        for g in grouped(range(c), self.group):
+            self._keys, done = gather_keys(self._keys, tuple(ring.take()), jnp.int32(g[0] * bs))
+            ring.release(done, len(g))
+        mask, needed, self._keys, counts = xattn_chunk_select(
+            self.impl, self.xattn, q, self._keys, kv, start, jnp.int32(chunk_len))
+        chosen = [int(b) for b in np.flatnonzero(np.asarray(needed))]
+        ring = BlockRing(self.store, self.num_slots, grouped([(l, b) for b in chosen], self.group))
+        for g in grouped(chosen, self.group):
+            state = xattn_attend_blocks(self.impl, self.xattn, q, tuple(ring.take()), jnp.asarray(g, jnp.int32),
+                                        mask, state)
+            ring.release(state.m, len(g))
+        if self.store.places[l] != "gpu":
+            self.last_prefill_pcie_bytes += (c + len(chosen)) * self.store.block_bytes
+        self.prefill_block_counts[l] = self.prefill_block_counts[l] + counts
+        return xattn_chunk_end(self.cfg, self.impl, self.xattn, layer, h, q, kv, jnp.int32(chunk_len), state, mask,
+                               start)
 
     def _prefill_layerwise(self, x: jax.Array, prompt_len: int, progress) -> jax.Array:
         length = jnp.int32(prompt_len)
         done = LaggedProgress(progress)
         for l, layer in enumerate(self.params.layers):
-            x, blocks = layerwise_layer(self.cfg, self.impl, self.block_size, layer, x, self.inv_freq, length)
+            x, blocks, self.prefill_block_counts[l] = layerwise_layer(
+                self.cfg, self.impl, self.block_size, layer, x, self.inv_freq, length, xattn=self.xattn)
             for b, block in enumerate(blocks):
                 self._keep_block(l, b, block, min(self.block_size, prompt_len - b * self.block_size))
             done.step(x, prompt_len / len(self.params.layers))

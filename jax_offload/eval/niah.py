@@ -191,11 +191,16 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--decode-budget", type=int, dest="decode_budget")
     engine.add_argument("--page-size", type=int, dest="page_size")
     engine.add_argument("--dense-layers", type=int, dest="dense_layers")
+    engine.add_argument("--prefill-policy", dest="prefill_policy", choices=("full", "xattention"))
+    engine.add_argument("--xattn-threshold", type=float, dest="xattn_threshold")
+    engine.add_argument("--xattn-stride", type=int, dest="xattn_stride")
+    engine.add_argument("--xattn-block", type=int, dest="xattn_block")
     return p
 
 
 ENGINE_OPTIONS = ("dtype", "max_model_len", "offload", "block_size", "num_ring_slots", "prefill", "decode_policy",
-                  "decode_budget", "page_size", "dense_layers")
+                  "decode_budget", "page_size", "dense_layers", "prefill_policy", "xattn_threshold", "xattn_stride",
+                  "xattn_block")
 
 
 def main(argv: list[str] | None = None) -> int:

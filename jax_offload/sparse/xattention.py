@@ -1,0 +1,92 @@
+"""XAttention (Xu et al., 2025) for prefill: per head and query block, the fewest key blocks whose estimated
+softmax mass reaches a threshold, found from strided antidiagonal scores (`pallas_kernels.xattn_estimate`), then
+attention that visits only those blocks (`pallas_kernels.block_sparse_attention_with_lse`). Key block 0 (the
+sink) and the diagonal block are always kept. A threshold of 1 keeps every visible block: full attention.
+
+Blocks are `block` tokens of queries and keys, counted from position 0. Query blocks made only of padding
+attend nothing (their rows are never used).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+
+# Bytes of float32 antidiagonal scores one estimate call may hold; longer prompts are estimated in query chunks.
+SCORE_BYTES = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class XAttention:
+    threshold: float = 0.9  # softmax mass each query block's selected key blocks must reach
+    stride: int = 8  # antidiagonal stride of the estimate
+    block: int = 128  # tokens per selection block (queries and keys)
+    top_fraction: float | None = None  # instead of the threshold: this fraction of each row's visible blocks
+
+
+def visible_blocks(nqb: int, nkb: int, q_offset, kv_len, block: int) -> jax.Array:
+    """bool [nqb, nkb]: key blocks that some real row (position < kv_len) of each query block can see, for
+    query block i holding positions q_offset + i * block + [0, block)."""
+    first_row = q_offset + jnp.arange(nqb, dtype=jnp.int32) * block
+    key_start = jnp.arange(nkb, dtype=jnp.int32) * block
+    return (key_start[None, :] <= first_row[:, None] + block - 1) & (key_start[None, :] < kv_len) & (
+        first_row[:, None] < kv_len)
+
+
+def _query_chunk(policy: XAttention, num_heads: int, num_keys: int) -> int:
+    """Query rows per estimate call, a multiple of the block, so the scores stay under SCORE_BYTES."""
+    per_row = num_heads * math.ceil(num_keys / policy.stride) * 4 / policy.stride
+    return max(policy.block, int(SCORE_BYTES / per_row) // policy.block * policy.block)
+
+
+def select(policy: XAttention, impl: str, q: jax.Array, k: jax.Array, *, q_offset, kv_len) -> jax.Array:
+    """bool [1, Hq, nqb, nkb]: the key blocks each head's query blocks attend. q [1, T, Hq, D] holds positions
+    q_offset..; keys k [1, S, Hkv, D] positions 0.., those >= kv_len hidden."""
+    b, nqb, nkb = policy.block, -(-q.shape[1] // policy.block), -(-k.shape[1] // policy.block)
+    vis = visible_blocks(nqb, nkb, q_offset, kv_len, b)
+    if policy.top_fraction is None and policy.threshold >= 1.0:
+        return jnp.broadcast_to(vis, (1, q.shape[2], nqb, nkb))
+    rows = _query_chunk(policy, q.shape[2], k.shape[1])
+    parts = []
+    for start in range(0, q.shape[1], rows):
+        sums, mask = pallas_kernels.xattn_estimate(
+            q[:, start:start + rows], k, block_size=b, stride=policy.stride, threshold=policy.threshold, causal=True,
+            q_offset=q_offset + start, kv_len=kv_len, impl="pallas" if impl == "pallas" else "xla")
+        if policy.top_fraction is not None:
+            mask = _top_fraction(sums, vis[start // b:(start + rows) // b], policy.top_fraction, q_offset + start, b)
+        parts.append(mask)
+    return (jnp.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]) & vis
+
+
+def _top_fraction(sums: jax.Array, vis: jax.Array, fraction: float, q_offset, block: int) -> jax.Array:
+    """Sink, diagonal, and the estimated-heaviest others up to ceil(fraction x visible) blocks per row."""
+    nqb, nkb = vis.shape
+    kb = jnp.arange(nkb, dtype=jnp.int32)
+    diag = (q_offset + jnp.arange(nqb, dtype=jnp.int32) * block) // block
+    forced = ((kb[None, :] == 0) | (kb[None, :] == diag[:, None])) & vis
+    want = jnp.ceil(fraction * jnp.sum(vis, axis=-1)).astype(jnp.int32) - jnp.sum(forced, axis=-1)  # [nqb]
+    score = jnp.where(vis & ~forced, sums, -1.0)
+    rank = jnp.argsort(jnp.argsort(-score, axis=-1, stable=True), axis=-1)
+    return forced | ((rank < want[:, None]) & vis & ~forced)
+
+
+def block_counts(mask: jax.Array, q_offset, kv_len, block: int) -> jax.Array:
+    """int32 [2]: selected and causally visible (query block, key block) pairs, all heads; their ratio is the
+    density of the selection."""
+    vis = visible_blocks(mask.shape[2], mask.shape[3], q_offset, kv_len, block)
+    return jnp.stack([jnp.sum(mask & vis, dtype=jnp.int32), jnp.sum(vis, dtype=jnp.int32) * mask.shape[1]])
+
+
+def attention(policy: XAttention, impl: str, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
+              causal: bool, q_offset=0, kv_len=None, out_dtype=None) -> tuple[jax.Array, jax.Array]:
+    """Attention of q over the key blocks `mask` [1, Hq, nqb, nkb] lists: (o, natural-log lse) like
+    `attention_with_lse`."""
+    blocks, counts = pallas_kernels.mask_to_block_lists(mask)
+    fn = (pallas_kernels.block_sparse_attention_with_lse if impl == "pallas"
+          else pallas_kernels.block_sparse_attention_with_lse_xla)
+    return fn(q, k, v, blocks, counts, block_size=policy.block, causal=causal, q_offset=q_offset, kv_len=kv_len,
+              out_dtype=out_dtype)

@@ -1,0 +1,129 @@
+"""XAttention prefill in the engine: threshold 1 is full prefill in every mode, the offloaded chunked path makes
+the in-GPU path's choices, a sparse choice moves fewer blocks, the query-chunked estimate and the top-fraction
+selection, and the options' errors."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tiny_models
+from jax_offload import LLM, SamplingParams
+from jax_offload.sparse import xattention
+from jax_offload.sparse.xattention import XAttention
+
+MODEL_SEED = 701
+PROMPT_SEED = 702
+XATTN = dict(prefill_policy="xattention", xattn_stride=4, xattn_block=16)
+OFFLOAD = dict(offload=True, block_size=64, num_ring_slots=2)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama3")
+    tiny_models.build("llama3", path, seed=MODEL_SEED)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return np.random.default_rng(PROMPT_SEED).integers(3, tiny_models.VOCAB, size=300).tolist()
+
+
+@pytest.fixture(scope="module")
+def full_logits(model_dir, prompt):
+    return LLM(model_dir, dtype="float32").logits(prompt)
+
+
+@pytest.mark.parametrize("mode", [{}, dict(OFFLOAD, prefill="chunked"), dict(OFFLOAD, prefill="layerwise")],
+                         ids=["in_gpu", "offload_chunked", "offload_layerwise"])
+def test_threshold_one_is_full_prefill(model_dir, prompt, full_logits, mode):
+    """Threshold 1 keeps every visible block: the block-sparse path gives full attention's logits."""
+    llm = LLM(model_dir, dtype="float32", xattn_threshold=1.0, **XATTN, **mode)
+    diff = np.abs(llm.logits(prompt) - full_logits).max()
+    assert diff <= 1e-5, f"model seed {MODEL_SEED}, prompt seed {PROMPT_SEED}: max |dlogit| {diff}"
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2))[0]
+    assert out.prefill_density == [1.0] * llm.model_config.num_layers
+
+
+def test_offloaded_chunks_choose_as_in_gpu(model_dir, prompt, full_logits):
+    """A chunk estimated against the earlier blocks streamed from the host selects what the whole-prompt estimate
+    selects for those queries: same logits, same densities; and the selection is really sparse."""
+    in_gpu = LLM(model_dir, dtype="float32", xattn_threshold=0.6, **XATTN)
+    chunked = LLM(model_dir, dtype="float32", xattn_threshold=0.6, **XATTN, **OFFLOAD)
+    diff = np.abs(chunked.logits(prompt) - in_gpu.logits(prompt)).max()
+    assert diff <= 1e-5, f"model seed {MODEL_SEED}, prompt seed {PROMPT_SEED}: max |dlogit| {diff}"
+    greedy = SamplingParams(temperature=0.0, max_tokens=2)
+    dense_in_gpu = in_gpu.generate([prompt], greedy)[0].prefill_density
+    dense_chunked = chunked.generate([prompt], greedy)[0].prefill_density
+    # In-GPU counts the blocks of every query block; chunked ones count the same pairs chunk by chunk.
+    np.testing.assert_allclose(dense_chunked, dense_in_gpu, rtol=1e-6)
+    assert max(dense_in_gpu) < 0.9, dense_in_gpu
+    assert np.abs(in_gpu.logits(prompt) - full_logits).max() > 1e-3  # sparse is not full
+
+
+def test_sparse_chunks_move_fewer_blocks(model_dir, prompt):
+    """Pass 1 streams every earlier block for the estimate; pass 2 only the blocks some head chose (here a host
+    block is one selection block, so few are chosen): more bytes than full prefill, fewer than twice."""
+    small_blocks = dict(OFFLOAD, block_size=16)
+    full = LLM(model_dir, dtype="float32", **small_blocks)
+    sparse = LLM(model_dir, dtype="float32", xattn_threshold=0.3, **XATTN, **small_blocks)
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    full.generate([prompt], greedy)
+    sparse.generate([prompt], greedy)
+    full_bytes, sparse_bytes = full._runner.last_prefill_pcie_bytes, sparse._runner.last_prefill_pcie_bytes
+    assert full_bytes > 0
+    assert full_bytes < sparse_bytes < 2 * full_bytes, (full_bytes, sparse_bytes)
+
+
+def test_with_quest_decode(model_dir, prompt):
+    """Both policies at settings that keep everything: full prefill and full decode's tokens."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    full = LLM(model_dir, dtype="float32", **OFFLOAD).generate([prompt], greedy)[0].token_ids
+    both = LLM(model_dir, dtype="float32", xattn_threshold=1.0, decode_policy="quest", decode_budget=1024,
+               dense_layers=1, **XATTN, **OFFLOAD).generate([prompt], greedy)[0].token_ids
+    assert both == full
+
+
+def test_query_chunked_estimate_equals_one_call(monkeypatch):
+    seed = 703
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((1, 256, 4, 32)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, 256, 2, 32)), jnp.float32)
+    policy = XAttention(threshold=0.7, stride=4, block=16)
+    whole = xattention.select(policy, "xla", q, k, q_offset=0, kv_len=250)
+    monkeypatch.setattr(xattention, "SCORE_BYTES", 32 * 4 * 64 * 4 // 4)  # 32 query rows (two blocks) a call
+    assert xattention._query_chunk(policy, 4, 256) == 32
+    chunked = xattention.select(policy, "xla", q, k, q_offset=0, kv_len=250)
+    np.testing.assert_array_equal(np.asarray(chunked), np.asarray(whole), err_msg=f"seed {seed}")
+
+
+def test_top_fraction_keeps_that_share_of_each_row():
+    seed = 704
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((1, 320, 4, 32)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, 320, 2, 32)), jnp.float32)
+    policy = XAttention(stride=4, block=16, top_fraction=0.25)
+    mask = np.asarray(xattention.select(policy, "xla", q, k, q_offset=0, kv_len=320))[0]
+    nqb = mask.shape[1]
+    for i in range(nqb):
+        visible = i + 1
+        forced = {0, i}
+        want = max(int(np.ceil(0.25 * visible)), len(forced))
+        for h in range(4):
+            row = np.flatnonzero(mask[h, i])
+            assert set(forced) <= set(row) and len(row) == want and row.max() <= i, (seed, h, i, row)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(prefill_policy="sparse"), "prefill_policy 'sparse' is unknown; valid: full, xattention"),
+    (dict(xattn_threshold=0.9), "xattn_threshold only apply with prefill_policy='xattention'"),
+    (dict(prefill_policy="xattention", xattn_threshold=1.5), r"xattn_threshold must be a number in \(0, 1\]"),
+    (dict(prefill_policy="xattention", xattn_block=48), "xattn_block must be a power of two >= 16"),
+    (dict(prefill_policy="xattention", xattn_stride=3), "xattn_stride must be a power of two that divides"),
+    (dict(prefill_policy="xattention", xattn_block=128, offload=True, block_size=64),
+     "xattn_block 128 must divide block_size 64"),
+])
+def test_bad_xattention_options(model_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(model_dir, dtype="float32", **kwargs)
