@@ -1,0 +1,671 @@
+"""Sparse attention policies on RULER NIAH with a real model: scores per task, agreement with full attention
+output for output, XAttention prefill density per layer, and the share of full-attention probability mass
+that Quest's chosen pages hold.
+
+    python bench/eval_sparse.py --model DIR --lengths 4096,8192 --samples 10 \\
+        --configs full,quest512,quest1024,xattn0.8,xattn0.9,xattn0.95,xattn0.9+quest1024 --out DIR
+    python bench/eval_sparse.py --model DIR --lengths 4096,8192 --samples 10 --configs quest512,quest1024 \\
+        --mass --out DIR
+    python bench/eval_sparse.py --report DIR --out bench/results
+
+Every config is one `LLM` over the same base, `offload=True, block_size=256, num_ring_slots=2,
+prefill="chunked"` (`--base key=value,...` overrides or adds base options; `--dtype` defaults to bfloat16 on a
+GPU, float32 otherwise), and runs every length's prompts greedily for `--max-tokens` tokens. A config name is
+`full` or parts joined by `+`: `questN` (Quest decode, budget N tokens per KV head, 16-token pages, 2 dense
+layers) and `xattnT` (XAttention prefill, threshold T, stride 8, 128-token blocks). Each length's prompts (the
+eight RULER NIAH tasks, `--samples` each, `--seed`) are built once, so every config sees the same token ids;
+prompts are fitted to at most `min(length, max_model_len - max_tokens)` tokens, so that all tokens can be
+generated. A run writes `sparse_niah_{length}_{config}.json` per length and config under `--out`.
+
+`--mass` generates nothing: for each length and each Quest budget among `--configs` it runs the model layer by
+layer in device memory (float32 attention) and measures, per layer and query head, the share of the
+full-attention probability mass of the last prompt token's query that Quest's pages (chosen per KV head among
+the stored blocks' keys, as the engine chooses them) plus the tail (the keys past the last full block, always
+attended) hold; the first `dense_layers` layers attend in full (share 1). It writes `quest_mass_{length}.json`.
+(The engine's first Quest step reads with the first generated token's query, one position later; the last
+prompt token's query stands in for it, so no generation is needed.)
+
+`--report DIR --out OUT` reads those files and writes `OUT/sparse_niah.md` and `OUT/sparse_niah.png`.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import hashlib
+import inspect
+import json
+import math
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import run_metadata  # noqa: E402  (also puts the repository root on sys.path)
+
+from jax_offload.eval.ruler import TASKS, NiahSample, make_samples, score_string_match_all  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+BASE_OPTIONS: dict[str, Any] = {"offload": True, "block_size": 256, "num_ring_slots": 2, "prefill": "chunked"}
+# The parts a config name is made of: prefix -> (how its number is read, the LLM options it adds).
+PARTS: dict[str, tuple[Callable[[str], Any], Callable[[Any], dict[str, Any]]]] = {
+    "quest": (int, lambda budget: {"decode_policy": "quest", "decode_budget": budget, "page_size": 16,
+                                   "dense_layers": 2}),
+    "xattn": (float, lambda threshold: {"prefill_policy": "xattention", "xattn_threshold": threshold,
+                                        "xattn_stride": 8, "xattn_block": 128}),
+}
+NIAH_FILE, MASS_FILE = "sparse_niah_{length}_{config}.json", "quest_mass_{length}.json"
+MASS_CHUNK = 512  # query rows per attention step of the mass pass: scores are [heads, 512, T] float32
+
+
+# ---- configs ------------------------------------------------------------------------------------------------
+
+
+def config_options(name: str) -> dict[str, Any]:
+    """The LLM options a config name adds to the base: {} for `full`, else the union of its `+`-joined parts."""
+    if name == "full":
+        return {}
+    options: dict[str, Any] = {}
+    for part in name.split("+"):
+        match = re.fullmatch(r"([a-z]+)([0-9.]+)", part)
+        if match is None or match[1] not in PARTS:
+            raise ValueError(f"Config {name!r} is not full or questN / xattnT parts joined by '+'.")
+        read, options_of = PARTS[match[1]]
+        try:
+            value = read(match[2])
+        except ValueError:
+            raise ValueError(f"Config {name!r}: {match[2]!r} is not a valid {read.__name__} for {match[1]}.") from None
+        added = options_of(value)
+        if set(added) & set(options):
+            raise ValueError(f"Config {name!r} sets {match[1]} twice.")
+        options |= added
+    return options
+
+
+def _config_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("--configs must name at least one config")
+    try:
+        for name in names:
+            config_options(name)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return names
+
+
+def _base_options(text: str) -> dict[str, Any]:
+    """`key=value,...` -> options; values read as bool (true/false), none, int, float or else string."""
+    out: dict[str, Any] = {}
+    for item in (i.strip() for i in text.split(",") if i.strip()):
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"--base item {item!r} is not key=value")
+        out[key.strip()] = _literal(raw.strip())
+    return out
+
+
+def _literal(raw: str) -> Any:
+    lowered = raw.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must list positive integers")
+    return values
+
+
+def _check_llm_accepts(options_by_config: dict[str, dict[str, Any]]) -> None:
+    """Fails before any work if `LLM` lacks a keyword a config passes (e.g. options still being added)."""
+    from jax_offload import LLM
+
+    params = inspect.signature(LLM.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    for name, options in options_by_config.items():
+        unknown = sorted(set(options) - set(params))
+        if unknown:
+            raise ValueError(f"LLM does not accept option(s) {', '.join(unknown)} that config {name!r} passes; "
+                             "this engine version lacks them.")
+
+
+# ---- prompts and run metadata -------------------------------------------------------------------------------
+
+
+def prompt_target(model_dir: Path, base: dict[str, Any], length: int, max_tokens: int) -> int:
+    """The most prompt tokens at `length` that still leave room for `max_tokens` under max_model_len."""
+    from jax_offload.config import ModelConfig
+
+    max_len = base.get("max_model_len") or ModelConfig.from_hf(model_dir).max_position_embeddings
+    target = min(length, max_len - max_tokens)
+    if target < 1:
+        raise ValueError(f"max_model_len {max_len} leaves no room for a prompt and {max_tokens} new tokens.")
+    return target
+
+
+def build_prompts(model_dir: Path, targets: dict[int, int], samples: int, seed: int) -> dict[int, list[NiahSample]]:
+    """Per length, the eight NIAH tasks' prompts (`samples` each), at most `targets[length]` tokens long."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return {n: [s for task in TASKS for s in make_samples(task, tokenizer, target, samples, seed)]
+            for n, target in targets.items()}
+
+
+def prompts_digest(prompts: list[NiahSample]) -> str:
+    """sha256 of the prompts' (task, index, token ids): equal digests mean the very same prompts."""
+    text = json.dumps([[p.task, p.index, p.prompt_ids] for p in prompts])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def metadata() -> dict[str, Any]:
+    """Date, device, versions, the command line and the repository's commit (-dirty with local changes)."""
+    import jax
+    import jaxlib
+    import transformers
+
+    try:
+        commit = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return run_metadata() | {
+        "backend": jax.default_backend(), "jaxlib": jaxlib.__version__, "transformers": transformers.__version__,
+        "command": "python " + shlex.join(sys.argv), "git": commit,
+    }
+
+
+# ---- NIAH runs ----------------------------------------------------------------------------------------------
+
+
+def run_prompts(llm: Any, prompts: list[NiahSample], max_tokens: int, desc: str) -> list[dict[str, Any]]:
+    """Greedy generation for every prompt; one record per prompt with its output, score and densities."""
+    from tqdm import tqdm
+
+    from jax_offload import SamplingParams
+
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    records = []
+    for p in tqdm(prompts, desc=desc, unit="prompt", leave=False):
+        out = llm.generate([p.prompt_ids], sampling)[0]
+        density = getattr(out, "prefill_density", None)
+        records.append({
+            "task": p.task, "index": p.index, "prompt_tokens": p.length, "depths": p.depths,
+            "expected": p.answers, "output": out.text, "output_token_ids": list(out.token_ids),
+            "score": score_string_match_all([out.text], [p.answers]), "finish_reason": out.finish_reason,
+            "prefill_seconds": round(out.prefill_seconds, 4), "decode_seconds": round(out.decode_seconds, 4),
+            "prefill_density": None if density is None else [float(d) for d in density],
+        })
+    return records
+
+
+def task_scores(records: list[dict[str, Any]]) -> dict[str, float]:
+    """RULER string_match_all per task, in TASKS order."""
+    return {t: score_string_match_all([r["output"] for r in rs], [r["expected"] for r in rs])
+            for t in TASKS if (rs := [r for r in records if r["task"] == t])}
+
+
+def same_outputs(records: list[dict[str, Any]], reference: list[dict[str, Any]]) -> tuple[int, int]:
+    """(prompts whose output token ids equal the reference's, prompts both have), matched by (task, index)."""
+    ref = {(r["task"], r["index"]): r["output_token_ids"] for r in reference}
+    pairs = [(r["output_token_ids"], ref[(r["task"], r["index"])]) for r in records if (r["task"], r["index"]) in ref]
+    return sum(a == b for a, b in pairs), len(pairs)
+
+
+def evaluate(args: argparse.Namespace, model_dir: Path, base: dict[str, Any]) -> None:
+    """Runs every config over every length's prompts, writing one JSON file per (length, config)."""
+    from jax_offload import LLM
+
+    options = {name: base | config_options(name) for name in args.configs}
+    _check_llm_accepts(options)
+    targets = {n: prompt_target(model_dir, base, n, args.max_tokens) for n in args.lengths}
+    prompts = build_prompts(model_dir, targets, args.samples, args.seed)
+    digests = {n: prompts_digest(ps) for n, ps in prompts.items()}
+    meta = metadata()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[tuple[int, str], dict[str, Any]] = {}
+    for name in args.configs:
+        start = time.perf_counter()
+        try:
+            llm = LLM(model_dir, **options[name])
+        except TypeError as err:
+            raise ValueError(f"LLM rejected the options of config {name!r} ({err}).") from None
+        except ValueError as err:
+            raise ValueError(f"Config {name!r}: {err}") from None
+        load_s = time.perf_counter() - start
+        for n in args.lengths:
+            start = time.perf_counter()
+            records = run_prompts(llm, prompts[n], args.max_tokens, f"{name} @ {n}")
+            scores = task_scores(records)
+            result = {
+                "kind": "sparse_niah", "config": name, "options": options[name], "length": n,
+                "prompt_target": targets[n], "model": str(model_dir), "samples": args.samples, "seed": args.seed,
+                "max_tokens": args.max_tokens, "prompts_sha256": digests[n], "scores": scores,
+                "mean_score": sum(scores.values()) / len(scores), "records": records,
+                "load_seconds": round(load_s, 2), "wall_seconds": round(time.perf_counter() - start, 2), "meta": meta,
+            }
+            results[(n, name)] = result
+            (args.out / NIAH_FILE.format(length=n, config=name)).write_text(json.dumps(result, indent=1) + "\n")
+            agree = ""
+            if (n, "full") in results and name != "full":
+                same, total = same_outputs(records, results[(n, "full")]["records"])
+                agree = f", same ids as full {same}/{total}"
+            print(f"{name} @ {n} (prompts <= {targets[n]} tokens): mean score {result['mean_score']:.1f}{agree}, "
+                  f"{result['wall_seconds']:.0f} s (+{load_s:.0f} s load)", flush=True)
+        del llm
+        gc.collect()
+    print(summary_table(results, args.lengths, args.configs))
+
+
+def summary_table(results: dict[tuple[int, str], dict[str, Any]], lengths: list[int], configs: list[str]) -> str:
+    """Markdown: config x length mean scores, with output-for-output agreement with full where it ran."""
+    lines = ["| config | " + " | ".join(str(n) for n in lengths) + " |", "|---|" + "---:|" * len(lengths)]
+    for name in configs:
+        cells = []
+        for n in lengths:
+            result, full = results[(n, name)], results.get((n, "full"))
+            cell = f"{result['mean_score']:.1f}"
+            if full is not None and name != "full":
+                cell += " ({}/{} same)".format(*same_outputs(result["records"], full["records"]))
+            cells.append(cell)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ---- Quest attention mass -----------------------------------------------------------------------------------
+
+
+def _causal_attention_f32(q, k, v, chunk: int):
+    """Causal softmax attention in float32 (full precision matmuls), `chunk` query rows at a time.
+    q [T, Hq, D], k and v [T, Hkv, D] (query head h reads KV head h // (Hq / Hkv)) -> [T, Hq, D]."""
+    import jax
+    import jax.numpy as jnp
+
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    hp = jax.lax.Precision.HIGHEST
+    qs = q.astype(jnp.float32).reshape(t // chunk, chunk, hkv, hq // hkv, d) / math.sqrt(d)
+    k, v, keys = k.astype(jnp.float32), v.astype(jnp.float32), jnp.arange(t)
+
+    def rows(args):
+        qc, first = args
+        s = jnp.einsum("cngd,tnd->ngct", qc, k, precision=hp)
+        s = jnp.where(keys <= first + jnp.arange(chunk)[:, None], s, -jnp.inf)
+        return jnp.einsum("ngct,tnd->cngd", jax.nn.softmax(s, axis=-1), v, precision=hp)
+
+    return jax.lax.map(rows, (qs, jnp.arange(0, t, chunk))).reshape(t, hq, d)
+
+
+def _quest_shares(q, k, length, block_size: int, page_size: int, budgets_pages: tuple[int, ...]):
+    """For the query q [Hq, D] at position length - 1 over keys k [T, Hkv, D] (the first `length` real): per
+    budget and query head, the full-softmax mass on the pages Quest chooses among the stored blocks' keys plus
+    the tail past them -> float32 [len(budgets), Hq]."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_offload.sparse.quest import page_bounds, select_pages
+
+    t, hkv, d = k.shape
+    hq = q.shape[0]
+    keys = jnp.arange(t)
+    s = jnp.einsum("ngd,tnd->ngt", q.astype(jnp.float32).reshape(hkv, hq // hkv, d), k.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST) / math.sqrt(d)
+    p = jax.nn.softmax(jnp.where(keys < length, s, -jnp.inf), axis=-1)  # [Hkv, G, T]
+    stored = length // block_size * block_size
+    kmin, kmax = page_bounds(k, page_size)  # [Hkv, T / page_size, D]
+    slots = max(t // page_size, *budgets_pages)  # top_k needs at least `budget` candidates
+    pad = ((0, 0), (0, slots - kmin.shape[1]), (0, 0))
+    kmin, kmax = jnp.pad(kmin, pad), jnp.pad(kmax, pad)
+    tail = (keys >= stored) & (keys < length)
+    shares = []
+    for budget in budgets_pages:
+        chosen = select_pages(q, kmin, kmax, stored // page_size, budget)  # [Hkv, budget]; `slots` = none
+        picked = jnp.zeros((hkv, slots + 1), bool).at[jnp.arange(hkv)[:, None], chosen].set(True)
+        attended = (picked[:, keys // page_size] & (keys < stored)) | tail  # [Hkv, T]
+        shares.append(jnp.sum(jnp.where(attended[:, None], p, 0.0), axis=-1).reshape(hq))
+    return jnp.stack(shares)
+
+
+@functools.cache
+def _mass_layer_fn() -> Callable:
+    """The jitted layer of the mass pass: (cfg, layer, x [1, T, hidden], prompt length, inv_freq, block_size,
+    page_size, budgets in pages) -> (the layer's output, `_quest_shares` of its last prompt query)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_offload.models import decoder
+    from jax_offload.precision import step_jit
+
+    @functools.partial(step_jit, static_argnums=(0, 5, 6, 7))
+    def layer_step(cfg, layer, x, length, inv_freq, block_size, page_size, budgets_pages):
+        positions = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
+        q, k, v = decoder.attention_inputs(cfg, layer, x, positions, inv_freq)
+        o = _causal_attention_f32(q[0], k[0], v[0], MASS_CHUNK)
+        shares = _quest_shares(jax.lax.dynamic_index_in_dim(q[0], length - 1, keepdims=False), k[0], length,
+                               block_size, page_size, budgets_pages)
+        return decoder.attention_output_and_mlp(cfg, layer, x, o[None]), shares
+
+    return layer_step
+
+
+def prompt_shares(cfg: Any, params: Any, inv_freq: Any, ids: list[int], block_size: int, page_size: int,
+                  budgets: tuple[int, ...], dense_layers: int) -> Any:
+    """One prompt through every layer -> np.float32 [layers, len(budgets), Hq] Quest mass shares (1 for the
+    first `dense_layers` layers)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_offload.models import decoder
+
+    padded = -(-len(ids) // math.lcm(MASS_CHUNK, page_size)) * math.lcm(MASS_CHUNK, page_size)
+    x = decoder.embed(params, jnp.asarray([ids + [0] * (padded - len(ids))], jnp.int32))
+    step, length = _mass_layer_fn(), jnp.int32(len(ids))
+    budgets_pages = tuple(b // page_size for b in budgets)
+    out = []
+    for l, layer in enumerate(params.layers):
+        x, shares = step(cfg, layer, x, length, inv_freq, block_size, page_size, budgets_pages)
+        out.append(np.ones_like(shares) if l < dense_layers else np.asarray(shares))
+    return np.stack(out)
+
+
+def measure_mass(args: argparse.Namespace, model_dir: Path, base: dict[str, Any], dtype: str) -> None:
+    """Writes quest_mass_{length}.json for every length: per layer the mean and 5th percentile over
+    (prompts x query heads) of the mass share of every Quest budget among the configs."""
+    import jax.numpy as jnp
+    import numpy as np
+    from tqdm import tqdm
+
+    from convert.safetensors_loader import load_params
+    from jax_offload.config import ModelConfig
+    from jax_offload.models.rope import inverse_frequencies
+
+    quest = {}
+    for name in args.configs:
+        options = config_options(name)
+        if options.get("decode_policy") == "quest":
+            quest[options["decode_budget"]] = options
+    if not quest:
+        raise ValueError("--mass needs at least one questN config in --configs.")
+    page_sizes, dense = {o["page_size"] for o in quest.values()}, {o["dense_layers"] for o in quest.values()}
+    if len(page_sizes) > 1 or len(dense) > 1:
+        raise ValueError("--mass needs every Quest config to share one page_size and one dense_layers.")
+    (page_size,), (dense_layers,) = page_sizes, dense
+    budgets = tuple(sorted(quest))
+    block_size = (base | quest[budgets[0]]).get("block_size")
+    if not isinstance(block_size, int) or block_size % page_size:
+        raise ValueError(f"--mass needs an integer block_size that page_size {page_size} divides, got {block_size!r}.")
+    cfg = ModelConfig.from_hf(model_dir)
+    params = load_params(model_dir, cfg, jnp.dtype(dtype))
+    inv_freq = jnp.asarray(inverse_frequencies(cfg.rope, cfg.head_dim))
+    targets = {n: prompt_target(model_dir, base, n, args.max_tokens) for n in args.lengths}
+    prompts = build_prompts(model_dir, targets, args.samples, args.seed)
+    meta = metadata()
+    args.out.mkdir(parents=True, exist_ok=True)
+    for n, ps in prompts.items():
+        start = time.perf_counter()
+        shares = np.stack([prompt_shares(cfg, params, inv_freq, p.prompt_ids, block_size, page_size, budgets,
+                                         dense_layers)
+                           for p in tqdm(ps, desc=f"mass @ {n}", unit="prompt", leave=False)])  # [P, L, B, Hq]
+        per_budget = {}
+        for i, b in enumerate(budgets):
+            flat = shares[:, :, i].transpose(1, 0, 2).reshape(cfg.num_layers, -1)  # [L, P * Hq]
+            per_budget[str(b)] = {"mean": flat.mean(1).round(6).tolist(),
+                                  "p5": np.percentile(flat, 5, axis=1).round(6).tolist(),
+                                  "shares": shares[:, :, i].round(5).tolist()}
+        result = {
+            "kind": "quest_mass", "length": n, "prompt_target": targets[n], "model": str(model_dir), "dtype": dtype,
+            "samples": args.samples, "seed": args.seed, "prompts_sha256": prompts_digest(ps),
+            "block_size": block_size, "page_size": page_size, "dense_layers": dense_layers,
+            "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
+            "query": "last prompt token (position T-1), full softmax over keys 0..T-1, attention in float32",
+            "prompts": [{"task": p.task, "index": p.index, "prompt_tokens": p.length} for p in ps],
+            "budgets": per_budget, "wall_seconds": round(time.perf_counter() - start, 2), "meta": meta,
+        }
+        (args.out / MASS_FILE.format(length=n)).write_text(json.dumps(result) + "\n")
+        means = ", ".join(f"budget {b}: {np.mean(per_budget[str(b)]['mean'][dense_layers:]):.3f}" for b in budgets)
+        print(f"mass @ {n} ({len(ps)} prompts <= {targets[n]} tokens): mean share over sparse layers {means}, "
+              f"{result['wall_seconds']:.0f} s", flush=True)
+
+
+# ---- report -------------------------------------------------------------------------------------------------
+
+
+def _config_order(result: dict[str, Any]) -> tuple:
+    """full, then Quest by budget, XAttention by threshold, then combinations."""
+    o = result["options"]
+    quest, xattn = o.get("decode_policy") == "quest", "xattn_threshold" in o
+    rank = 3 if quest and xattn else 2 if xattn else 1 if quest else 0
+    return rank, o.get("xattn_threshold", 0.0), o.get("decode_budget", 0), result["config"]
+
+
+def load_results(src: Path) -> tuple[dict[int, list[dict[str, Any]]], dict[int, dict[str, Any]]]:
+    """-> ({length: NIAH results in config order}, {length: Quest mass result}) of the files in `src`."""
+    niah: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted(src.glob("sparse_niah_*.json")):
+        result = json.loads(path.read_text())
+        niah.setdefault(result["length"], []).append(result)
+    for n, results in niah.items():
+        results.sort(key=_config_order)
+        digests = {r["prompts_sha256"] for r in results}
+        if len(digests) > 1:
+            raise ValueError(f"The {n}-token files in {src} were run on different prompts (another --samples, "
+                             "--seed, tokenizer or max_model_len); put one run's files in a directory.")
+    mass = {r["length"]: r for r in (json.loads(p.read_text()) for p in sorted(src.glob("quest_mass_*.json")))}
+    if not niah and not mass:
+        raise FileNotFoundError(f"No sparse_niah_*.json or quest_mass_*.json files in {src}.")
+    return dict(sorted(niah.items())), dict(sorted(mass.items()))
+
+
+def _niah_section(n: int, results: list[dict[str, Any]]) -> list[str]:
+    names = [r["config"] for r in results]
+    full = next((r for r in results if r["config"] == "full"), None)
+    samples = {r["samples"] for r in results}
+    lines = [f"## {n} tokens", "",
+             f"Prompts of at most {results[0]['prompt_target']} tokens, {'/'.join(map(str, sorted(samples)))} per "
+             "task; string_match_all score (prompts).", "",
+             "| task | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for task in TASKS:
+        if any(task in r["scores"] for r in results):
+            cells = [f"{r['scores'][task]:.1f} ({sum(x['task'] == task for x in r['records'])})"
+                     if task in r["scores"] else "-" for r in results]
+            lines.append(f"| {task} | " + " | ".join(cells) + " |")
+    lines.append("| **mean** | " + " | ".join(f"{r['mean_score']:.1f}" for r in results) + " |")
+    others = [r for r in results if r["config"] != "full"]
+    if full is not None and others:
+        lines += ["", "Difference to full (score points); the last row counts prompts whose output token ids equal "
+                  "full's.", "", "| task | " + " | ".join(r["config"] for r in others) + " |",
+                  "|---|" + "---:|" * len(others)]
+        diffs = {r["config"]: {t: r["scores"][t] - full["scores"][t] for t in r["scores"] if t in full["scores"]}
+                 for r in others}
+        for task in (t for t in TASKS if t in full["scores"]):
+            lines.append(f"| {task} | " + " | ".join(
+                f"{diffs[r['config']][task]:+.1f}" if task in diffs[r["config"]] else "-" for r in others) + " |")
+        lines.append("| **max abs** | " + " | ".join(
+            f"{max(map(abs, diffs[r['config']].values()), default=0.0):.1f}" for r in others) + " |")
+        agree = [same_outputs(r["records"], full["records"]) for r in others]
+        lines.append("| **same ids as full** | " + " | ".join(
+            f"{s}/{t} ({s / t:.2f})" if t else "-" for s, t in agree) + " |")
+    dense = [r for r in results if any(x["prefill_density"] for x in r["records"])]
+    if dense:
+        per_layer = {r["config"]: [sum(col) / len(col) for col in zip(*(x["prefill_density"] for x in r["records"]
+                                                                          if x["prefill_density"]))]
+                     for r in dense}
+        layers = max(len(v) for v in per_layer.values())
+        lines += ["", "XAttention prefill density per layer (selected / causally visible blocks), mean over prompts.",
+                  "", "| layer | " + " | ".join(per_layer) + " |", "|---|" + "---:|" * len(per_layer)]
+        for l in range(layers):
+            lines.append(f"| {l} | " + " | ".join(f"{v[l]:.3f}" if l < len(v) else "-" for v in per_layer.values())
+                         + " |")
+        lines.append("| **mean** | " + " | ".join(f"{sum(v) / len(v):.3f}" for v in per_layer.values()) + " |")
+    return lines + [""]
+
+
+def _mass_section(n: int, m: dict[str, Any]) -> list[str]:
+    budgets = list(m["budgets"])
+    lines = [f"## Quest attention mass, {n} tokens", "",
+             f"Share of the full-attention probability mass on Quest's pages plus the tail (block {m['block_size']}, "
+             f"page {m['page_size']}, the first {m['dense_layers']} layers dense), query of the last prompt token; "
+             f"mean and 5th percentile over {len(m['prompts'])} prompts x {m['num_heads']} query heads, "
+             f"{m['dtype']} weights, float32 attention.", "",
+             "| layer | " + " | ".join(f"{b} mean | {b} p5" for b in budgets) + " |",
+             "|---|" + "---:|---:|" * len(budgets)]
+    layers = len(m["budgets"][budgets[0]]["mean"])
+    for l in range(layers):
+        lines.append(f"| {l} | " + " | ".join(f"{m['budgets'][b]['mean'][l]:.4f} | {m['budgets'][b]['p5'][l]:.4f}"
+                                               for b in budgets) + " |")
+    sparse = slice(m["dense_layers"], layers)
+    lines.append("| **sparse layers** | " + " | ".join(
+        f"{sum(m['budgets'][b]['mean'][sparse]) / max(layers - m['dense_layers'], 1):.4f} | "
+        f"{min(m['budgets'][b]['p5'][sparse], default=1.0):.4f} (min)" for b in budgets) + " |")
+    return lines + [""]
+
+
+def _provenance(files: list[dict[str, Any]]) -> list[str]:
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for f in files:
+        runs.setdefault(f["meta"]["command"], []).append(f["meta"])
+    lines = ["## Provenance", ""]
+    for command, metas in runs.items():
+        dates = sorted(m["date"] for m in metas)
+        keys = ("device", "backend", "jax", "jaxlib", "transformers", "python", "git")
+        versions = "; ".join(f"{k} {', '.join(sorted({str(m.get(k)) for m in metas}))}" for k in keys)
+        lines += [f"- `{command}`", f"  ({len(metas)} files, {dates[0]}"
+                  + (f" to {dates[-1]}" if dates[-1] != dates[0] else "") + f"; {versions})"]
+    return lines + [""]
+
+
+def _plot(niah: dict[int, list[dict[str, Any]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for (n, results), color in zip(niah.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4):
+        full = next((r["mean_score"] for r in results if r["config"] == "full"), None)
+        quest = sorted((r["options"]["decode_budget"], r["mean_score"]) for r in results
+                       if r["options"].get("decode_policy") == "quest" and "xattn_threshold" not in r["options"])
+        xattn = sorted((r["options"]["xattn_threshold"], r["mean_score"]) for r in results
+                       if "xattn_threshold" in r["options"] and r["options"].get("decode_policy") != "quest")
+        for ax, points in ((left, quest), (right, xattn)):
+            if points:
+                ax.plot(*zip(*points), "o-", color=color, label=f"{n} tokens")
+            if full is not None:
+                ax.axhline(full, color=color, linestyle="--", linewidth=1, label=f"{n} tokens, full")
+    left.set_xscale("log", base=2)
+    left.set(xlabel="Quest decode budget (tokens per KV head)", ylabel="mean NIAH score",
+             title="Quest decode")
+    right.set(xlabel="XAttention threshold", ylabel="mean NIAH score", title="XAttention prefill")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        if ax.has_data():
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def report(src: Path, out: Path) -> None:
+    """Writes OUT/sparse_niah.md (tables) and OUT/sparse_niah.png (score vs budget and vs threshold)."""
+    niah, mass = load_results(src)
+    model = next(iter(niah.values()))[0]["model"] if niah else next(iter(mass.values()))["model"]
+    files = [r for rs in niah.values() for r in rs] + list(mass.values())
+    lines = ["# Sparse attention on RULER NIAH", "", f"Model `{Path(model).name}`; source files in `{src}`. "
+             "Configs: full = offloaded engine, no sparsity; questN = Quest decode with an N-token budget per KV head; "
+             "xattnT = XAttention prefill at threshold T.", ""]
+    for n, results in niah.items():
+        first = results[0]
+        base = {k: v for k, v in first["options"].items() if k not in config_options(first["config"])}
+        lines += [f"Base engine options at {n} tokens: `{base}`", ""] + _niah_section(n, results)
+    for n, m in mass.items():
+        lines += _mass_section(n, m)
+    if niah:
+        lines += ["`sparse_niah.png`: mean score against the Quest budget (questN configs) and against the XAttention "
+                  "threshold (xattnT configs), one line per length; dashed: full.", ""]
+    lines += _provenance(files) + [f"This report: `python {shlex.join(sys.argv)}`.", ""]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sparse_niah.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    if niah:
+        try:
+            _plot(niah, out / "sparse_niah.png")
+        except ImportError:
+            raise ImportError("matplotlib is missing (pip install -e '.[bench]'): sparse_niah.md is written, "
+                              "sparse_niah.png is not.") from None
+
+
+# ---- command line -------------------------------------------------------------------------------------------
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, help="Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--lengths", type=_int_list, default=[4096], help="comma-separated prompt lengths in tokens")
+    p.add_argument("--samples", type=int, default=10, help="prompts per task and length")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--configs", type=_config_list, default=_config_list(
+        "full,quest512,quest1024,xattn0.8,xattn0.9,xattn0.95,xattn0.9+quest1024"))
+    p.add_argument("--base", type=_base_options, default={}, help="key=value,... added to or replacing the base "
+                   f"engine options {BASE_OPTIONS}")
+    p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on a GPU, float32 otherwise)")
+    p.add_argument("--mass", action="store_true", help="measure Quest's attention mass instead of running NIAH")
+    p.add_argument("--report", type=Path, metavar="DIR", help="write tables and a plot from the files in DIR")
+    p.add_argument("--out", type=Path, required=True, help="where result files (or the report) go")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.report is not None:
+            report(args.report, args.out)
+            return 0
+        if args.samples < 1 or args.max_tokens < 1:
+            raise ValueError("--samples and --max-tokens must be at least 1.")
+        import jax
+
+        dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+        base = BASE_OPTIONS | args.base | {"dtype": dtype}
+        if args.model is not None:
+            model_dir = args.model
+        else:
+            from jax_offload.default_model import ensure_default_model
+
+            model_dir = ensure_default_model()
+        if args.mass:
+            measure_mass(args, model_dir, base, dtype)
+        else:
+            evaluate(args, model_dir, base)
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
