@@ -4,8 +4,12 @@ Phases (each in a fresh process, writing phase_<name>.json under --out):
   quest       Quest decode over the offloaded KV: ms/token and bytes moved per token at each context, full
               offloaded decode at 128K in the same process, and where a 128K step's time goes (page choice,
               gather + transfer, compute with the pages already on the GPU)
-  xattn       XAttention prefill: the block-sparse kernel against our dense causal kernel at fixed
-              densities, and end-to-end prefill at fixed densities, in GPU memory and offloaded
+  xattn_kernel   XAttention's block-sparse kernel against our dense causal kernel at fixed densities of the
+                 causal blocks (random choice per head and query block, sink and diagonal kept), and the
+                 estimate of one layer (threshold 0.9) at the same length
+  xattn_prefill  end-to-end prefill, full and XAttention at fixed densities (random weights attend nearly
+                 uniformly, so a threshold would keep almost everything: the benchmark keeps the top blocks by
+                 estimate instead), for each --xattn-modes (in_gpu, layerwise, chunked)
 Every time is the median (min-max) of >= 5 measurements after a warm-up at the same shape.
 `--report DIR` writes sparse.md, sparse.json and sparse.png from the phase files (and NIAH files if present).
 
@@ -28,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import GiB, fmt, gpu_memory, model_config, random_params, run_metadata, stats  # noqa: E402
 
-PHASES = ("quest", "xattn")
+PHASES = ("quest", "xattn_kernel", "xattn_prefill")
 
 
 def _prompt(rng, cfg, n):
@@ -136,6 +140,112 @@ def phase_quest(a) -> dict:
             "dense_layers": a.dense_layers}
 
 
+def _timed(fn, reps: int) -> dict:
+    import jax
+
+    jax.block_until_ready(fn())
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append(time.perf_counter() - t)
+    return stats(ts)
+
+
+def _random_mask(rng, heads: int, nqb: int, density: float):
+    """bool [1, heads, nqb, nqb]: per head and query block i, round(density x (i + 1)) of its causal key blocks
+    (at least the sink and the diagonal), the rest drawn at random."""
+    import numpy as np
+
+    mask = np.zeros((1, heads, nqb, nqb), bool)
+    for i in range(nqb):
+        n = max(min(i + 1, 2), round(density * (i + 1)))
+        extra = rng.random((heads, i + 1))
+        extra[:, [0, i]] = -1.0  # forced ones sort first
+        keep = np.argsort(extra, axis=1)[:, :n]
+        np.put_along_axis(mask[0, :, i], keep, True, axis=1)
+    return mask
+
+
+def phase_xattn_kernel(a) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import pallas_kernels
+    from jax_offload.sparse import xattention
+
+    cfg = model_config(a.shape, a.num_layers)
+    t, hq, hkv, d, block = a.kernel_ctx, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 128
+    key = jax.random.split(jax.random.PRNGKey(0), 3)
+    q = jax.random.normal(key[0], (1, t, hq, d), jnp.bfloat16)
+    k = jax.random.normal(key[1], (1, t, hkv, d), jnp.bfloat16)
+    v = jax.random.normal(key[2], (1, t, hkv, d), jnp.bfloat16)
+    dense = jax.jit(lambda q, k, v: pallas_kernels.attention_with_lse(q, k, v, causal=True)[0])
+    sparse = jax.jit(lambda q, k, v, blocks, counts: pallas_kernels.block_sparse_attention_with_lse(
+        q, k, v, blocks, counts, block_size=block, causal=True)[0])
+    rows = [{"density": "dense kernel", "s": _timed(lambda: dense(q, k, v), a.repeats)}]
+    print(json.dumps(rows[-1]), flush=True)
+    rng = np.random.default_rng(0)
+    for density in a.densities:
+        mask = _random_mask(rng, hq, t // block, density)
+        blocks, counts = pallas_kernels.mask_to_block_lists(jnp.asarray(mask))
+        vis = np.tril(np.ones((t // block, t // block), bool))
+        rows.append({"density": density, "measured_density": float(mask.sum() / (vis.sum() * hq)),
+                     "s": _timed(lambda: sparse(q, k, v, blocks, counts), a.repeats)})
+        rows[-1]["speedup_vs_dense"] = rows[0]["s"]["median"] / rows[-1]["s"]["median"]
+        print(json.dumps(rows[-1]), flush=True)
+        del blocks, counts
+    policy = xattention.XAttention(threshold=0.9, stride=8, block=block)
+    estimate = jax.jit(lambda q, k: xattention.select(policy, "pallas", q, k, q_offset=0, kv_len=t))
+    est = {"s": _timed(lambda: estimate(q, k), a.repeats)}
+    print(json.dumps(est), flush=True)
+    return {"ctx": t, "heads": hq, "kv_heads": hkv, "head_dim": d, "block": block, "rows": rows,
+            "estimate_one_layer": est}
+
+
+def phase_xattn_prefill(a) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_offload import LLM, SamplingParams
+    from jax_offload.sparse.xattention import XAttention
+
+    cfg = model_config(a.shape, a.num_layers)
+    cfg = dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings, max(a.contexts) + a.block_size))
+    params = random_params(cfg, jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    rows = []
+    for mode in a.xattn_modes:
+        options = dict(max_model_len=max(a.contexts) + a.block_size, prefill_policy="xattention")
+        if mode != "in_gpu":
+            options.update(offload=True, block_size=a.block_size, num_ring_slots=a.ring_slots, prefill=mode)
+        llm = LLM.from_params(cfg, params, dtype="bfloat16", **options)
+        runner = llm._runner
+        for ctx in a.contexts:
+            ids = _prompt(rng, cfg, ctx)
+            for density in [None] + (a.densities if ctx == max(a.contexts) else [0.1]):
+                runner.xattn = None if density is None else XAttention(stride=8, block=128, top_fraction=density)
+
+                def prefill():
+                    return llm.generate([ids], one)[0]
+
+                prefill()  # warm-up at this shape
+                outs = [prefill() for _ in range(a.repeats)]
+                row = {"mode": mode, "ctx": ctx, "density": density,
+                       "prefill_s": stats([o.prefill_seconds for o in outs]),
+                       "pcie_GB": getattr(runner, "last_prefill_pcie_bytes", 0) / 1e9, "gpu_memory": gpu_memory()}
+                if density is not None:
+                    counts = np.asarray(jnp.stack(runner.prefill_block_counts)).astype(np.float64)
+                    row["measured_density"] = float(counts[:, 0].sum() / counts[:, 1].sum())
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        del llm, runner
+    return {"rows": rows, "block_size": a.block_size, "ring_slots": a.ring_slots}
+
+
 def report(src: Path, out: Path) -> None:
     phases = {p: json.loads((src / f"phase_{p}.json").read_text()) for p in PHASES if (src / f"phase_{p}.json").exists()}
     out.mkdir(parents=True, exist_ok=True)
@@ -161,8 +271,70 @@ def report(src: Path, out: Path) -> None:
                   f"{fmt(b['compute_only_ms'])} ms.",
                   f"GPU memory: page bounds {q['memory']['page_bounds_GiB']:.2f} GiB, dense layers' KV "
                   f"{q['memory']['dense_layers_gpu_GiB']:.2f} GiB; host store {q['memory']['host_store_GiB']:.1f} GiB."]
+    kernel = phases.get("xattn_kernel")
+    if kernel:
+        m = kernel["meta"]
+        dense = kernel["rows"][0]["s"]
+        lines += ["", f"## XAttention block-sparse kernel, causal, {kernel['ctx']} keys, {kernel['heads']} heads "
+                  f"({kernel['kv_heads']} KV), head dim {kernel['head_dim']}, block {kernel['block']}, bf16",
+                  "", f"{m['device']} | jax {m['jax']} | {m['date']}; seconds, median (min-max) of {dense['n']}", "",
+                  "| causal blocks selected | kernel s | vs our dense causal kernel |", "|---|---|---|",
+                  f"| dense kernel | {fmt(dense, digits=3)} | 1.00x |"]
+        for r in kernel["rows"][1:]:
+            lines.append(f"| {r['measured_density']:.1%} | {fmt(r['s'], digits=3)} | {r['speedup_vs_dense']:.2f}x |")
+        lines += ["", f"The estimate of one layer (threshold 0.9, stride 8) at this length: "
+                  f"{fmt(kernel['estimate_one_layer']['s'], digits=3)} s."]
+    pre = phases.get("xattn_prefill")
+    if pre:
+        m = pre["meta"]
+        lines += ["", f"## Prefill, full and XAttention at fixed densities (top blocks by estimate), Llama-3.1-8B shape",
+                  "", f"{m['device']} | jax {m['jax']} | {m['date']}; offloaded: block {pre['block_size']}, "
+                  f"{pre['ring_slots']} ring slots; seconds, median (min-max) of {pre['rows'][0]['prefill_s']['n']} "
+                  "after a warm-up", "",
+                  "| mode | ctx | density asked | measured | prefill s | vs full, same mode | vs full chunked | host->GPU GB |",
+                  "|---|---|---|---|---|---|---|---|"]
+        full = {(r["mode"], r["ctx"]): r["prefill_s"]["median"] for r in pre["rows"] if r["density"] is None}
+        for r in pre["rows"]:
+            seconds = r["prefill_s"]["median"]
+            base = full.get((r["mode"], r["ctx"]))
+            chunked = full.get(("chunked", r["ctx"]))
+            asked = "full" if r["density"] is None else f"{r['density']:.0%}"
+            measured = "-" if r["density"] is None else f"{r['measured_density']:.1%}"
+            vs_chunked = "-" if chunked is None else f"{chunked / seconds:.2f}x"
+            lines.append(f"| {r['mode']} | {r['ctx']} | {asked} | {measured} | {fmt(r['prefill_s'])} | "
+                         f"{base / seconds:.2f}x | {vs_chunked} | {r['pcie_GB']:.1f} |")
     (out / "sparse.md").write_text("\n".join(lines) + "\n")
+    _plot(phases, out / "sparse.png")
     print("\n".join(lines))
+
+
+def _plot(phases: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    q = phases.get("quest")
+    if q:
+        ctx = [r["ctx"] for r in q["rows"]]
+        axes[0].plot(ctx, [r["decode_ms"]["median"] for r in q["rows"]], "o-", label=f"Quest, budget {q['budget']}")
+        b = q["breakdown"]
+        axes[0].plot([b["ctx"]], [b["full_offloaded_decode_ms"]["median"]], "s", label="full offloaded decode")
+        axes[0].set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms / token",
+                    title="Offloaded decode, 8B shape")
+        axes[0].legend()
+    pre = phases.get("xattn_prefill")
+    if pre:
+        for mode in dict.fromkeys(r["mode"] for r in pre["rows"]):
+            for density, style in ((None, "o-"), (0.1, "s--")):
+                rows = [r for r in pre["rows"] if r["mode"] == mode and r["density"] == density]
+                axes[1].plot([r["ctx"] for r in rows], [r["prefill_s"]["median"] for r in rows], style,
+                             label=f"{mode}, {'full' if density is None else 'XAttention 10%'}")
+        axes[1].set(xscale="log", yscale="log", xlabel="prompt (tokens)", ylabel="prefill s", title="Prefill, 8B shape")
+        axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def run_phase(a) -> None:
@@ -190,6 +362,10 @@ def main() -> None:
     p.add_argument("--dense-layers", type=int, default=2)
     p.add_argument("--decode-tokens", type=int, default=12)
     p.add_argument("--repeats", type=int, default=5)
+    floats = lambda s: [float(x) for x in s.split(",") if x]  # noqa: E731
+    p.add_argument("--densities", type=floats, default=[0.05, 0.1, 0.2, 0.5, 1.0])
+    p.add_argument("--kernel-ctx", type=int, default=131072)
+    p.add_argument("--xattn-modes", type=lambda s: s.split(","), default=["in_gpu", "layerwise", "chunked"])
     a = p.parse_args()
     if a.report:
         report(a.report, a.out)
