@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 __all__ = ["LLM", "SamplingParams", "RequestOutput"]
 
 if TYPE_CHECKING:
-    from jax_offload.engine import LLM, RequestOutput
+    from jax_offload.engine import LLM
+    from jax_offload.outputs import RequestOutput
     from jax_offload.sampling import SamplingParams
 
 

@@ -154,6 +154,11 @@ class EngineConfig:
     xattn_threshold: float | None = None
     xattn_stride: int | None = None
     xattn_block: int | None = None
+    # Continuous batching (several prompts, KV in GPU memory): running requests at most, tokens per prefill step
+    # (padding included), and the share of device memory the weights and the paged KV pool may fill.
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 16384
+    gpu_memory_utilization: float = 0.9
 
     def xattention(self) -> XAttention | None:
         """The XAttention prefill policy, or None for full prefill."""
@@ -211,6 +216,13 @@ class EngineConfig:
         return dataclasses.replace(config, xattn_threshold=float(t))
 
     def _validate(self, model: ModelConfig) -> "EngineConfig":
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not _int(value) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}.")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype {self.dtype!r} is not supported; use float32, bfloat16 or float16.")
         max_len = self.max_model_len if self.max_model_len is not None else model.max_position_embeddings

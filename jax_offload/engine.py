@@ -1,7 +1,7 @@
-"""`LLM`: loads a model and runs requests (prefill, then token-by-token decode) one after another."""
+"""`LLM`: loads a model and runs requests: several together (continuous batching, `jax_offload.serving`), or one
+after another (prefill, then token-by-token decode)."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import time
@@ -21,39 +21,21 @@ from jax_offload.models import decoder
 from jax_offload.models.params import ModelParams
 from jax_offload.models.rope import inverse_frequencies
 from jax_offload.offload_runner import OffloadRunner
+from jax_offload.outputs import RequestOutput, first_stop
 from jax_offload.precision import step_jit
 from jax_offload.sampling import SamplingParams, sample_token
+from jax_offload.serving.engine import BatchEngine
 
 Prompt = str | Sequence[int]
 PROGRESS_MIN_TOKENS = 4096  # shorter prompts prefill too fast for a progress bar to help
 
 
-@dataclasses.dataclass
-class RequestOutput:
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
-    prefill_seconds: float
-    decode_seconds: float
-    decode_token_seconds: list[float] = dataclasses.field(default_factory=list)  # each decode step's wall time
-    # XAttention prefill: per layer, the selected share of the causally visible (query, key) blocks, all heads.
-    prefill_density: list[float] | None = None
-
-    @property
-    def prefill_tokens_per_second(self) -> float:
-        return len(self.prompt_token_ids) / max(self.prefill_seconds, 1e-9)
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        # The first token comes out of prefill; decode makes the rest.
-        return max(len(self.token_ids) - 1, 0) / max(self.decode_seconds, 1e-9)
-
-
 class LLM:
     """A Hugging Face Llama / Qwen2 / Qwen3 checkpoint ready to generate.
 
-    Requests run one after another; each starts from a fresh KV cache, so no state crosses requests.
+    Several prompts with the KV cache in GPU memory run together (continuous batching over a paged KV pool,
+    `jax_offload.serving`), the pool allocated at the first such call and kept. One prompt, an offloaded KV cache
+    or XAttention prefill run requests one after another, each from a fresh KV cache.
     """
 
     def __init__(
@@ -75,6 +57,9 @@ class LLM:
         xattn_stride: int | None = None,
         xattn_block: int | None = None,
         attention_impl: str | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 16384,
+        gpu_memory_utilization: float = 0.9,
     ):
         from transformers import AutoTokenizer
 
@@ -87,6 +72,8 @@ class LLM:
             num_ring_slots=num_ring_slots, prefill=prefill, sparse_policy=sparse_policy, decode_policy=decode_policy,
             decode_budget=decode_budget, page_size=page_size, dense_layers=dense_layers, prefill_policy=prefill_policy,
             xattn_threshold=xattn_threshold, xattn_stride=xattn_stride, xattn_block=xattn_block,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            gpu_memory_utilization=gpu_memory_utilization,
         )
         options = options.validate(model_config)
         check_attention_impl(attention_impl or default_attention_impl())
@@ -128,6 +115,7 @@ class LLM:
         else:
             self._runner = DeviceRunner(model_config, params, self._inv_freq, self.dtype, self.attention_impl,
                                         engine.xattention())
+        self._batch_engine: BatchEngine | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -165,22 +153,43 @@ class LLM:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | None = None,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
         on_text: Callable[[int, str], None] | None = None,
         progress: bool = False,
     ) -> list[RequestOutput]:
-        """Generates for each prompt (raw text or token ids); `on_text(i, delta)` streams new text;
-        `progress` shows a bar with tokens/s while a long prompt is prefilled."""
-        params = params or SamplingParams()
+        """Generates for each prompt (raw text or token ids), outputs in prompt order; `params` is one
+        SamplingParams for all or one per prompt; `on_text(i, delta)` streams prompt i's new text; `progress`
+        shows a bar (requests done and output tokens/s when batching, else tokens/s of a long prefill)."""
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], (int, np.integer))
         ):
             prompts = [prompts]
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            params = list(params)
+            if len(params) != len(prompts):
+                raise ValueError(f"Got {len(params)} SamplingParams for {len(prompts)} prompts; give one, or one each.")
         encoded = [self.encode(p) for p in prompts]
+        if len(encoded) > 1 and self._batches():
+            return self._batch().generate(encoded, params, on_text, progress)
+        each = [params] * len(encoded) if isinstance(params, SamplingParams) else params
         return [
-            self._run_request(ids, params, None if on_text is None else (lambda d, i=i: on_text(i, d)), progress)
-            for i, ids in enumerate(encoded)
+            self._run_request(ids, p, None if on_text is None else (lambda d, i=i: on_text(i, d)), progress)
+            for i, (ids, p) in enumerate(zip(encoded, each))
         ]
+
+    def _batches(self) -> bool:
+        """Whether several prompts run together: with the KV cache in GPU memory and full prefill."""
+        return not self.engine_config.offload and self.engine_config.prefill_policy == "full"
+
+    def _batch(self) -> BatchEngine:
+        if self._batch_engine is None:
+            e = self.engine_config
+            self._batch_engine = BatchEngine(
+                self.model_config, self.params, self._inv_freq, self.dtype, self.attention_impl, self.max_model_len,
+                self.tokenizer, self.eos_token_ids, max_num_seqs=e.max_num_seqs,
+                max_num_batched_tokens=e.max_num_batched_tokens, gpu_memory_utilization=e.gpu_memory_utilization)
+        return self._batch_engine
 
     def chat(
         self,
@@ -257,7 +266,7 @@ class LLM:
                     break
                 if watch_text:
                     new_text = self._decode_text(generated)
-                    cut = _first_stop(new_text, stops)
+                    cut = first_stop(new_text, stops)
                     if cut is not None:
                         new_text, finish_reason = new_text[:cut], "stop"
                     if on_text is not None and len(new_text) > len(text):
@@ -285,11 +294,6 @@ class LLM:
             return None
         counts = np.asarray(jnp.stack(self._runner.prefill_block_counts)).astype(np.float64)
         return list(counts[:, 0] / np.maximum(counts[:, 1], 1))
-
-
-def _first_stop(text: str, stops: list[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
 
 
 @functools.partial(step_jit, static_argnums=0)

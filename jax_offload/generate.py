@@ -1,4 +1,5 @@
-"""Command line: `python -m jax_offload.generate --prompt "..."` streams a completion and its speed."""
+"""Command line: `python -m jax_offload.generate --prompt "..."` streams a completion and its speed;
+`--prompt-file prompts.jsonl` runs many prompts together (continuous batching)."""
 from __future__ import annotations
 
 import argparse
@@ -18,14 +19,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", type=Path, help="Hugging Face model directory (default: SmolLM2-135M-Instruct)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-file", type=Path, help="file holding the prompt text")
+    src.add_argument("--prompt-file", type=Path,
+                     help="a .jsonl file: one prompt per line (a JSON string, or an object with a 'prompt' string), "
+                          "run together; any other file: its whole text is one prompt")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int)
     p.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument("--json", action="store_true", help="print one JSON line per output instead of streaming")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--offload", action="store_true", help="keep the KV cache in pinned host memory")
@@ -41,7 +44,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--xattn-threshold", type=float, help="xattention: softmax mass each query block keeps (0.9)")
     p.add_argument("--xattn-stride", type=int, help="xattention: antidiagonal stride of the estimate (8)")
     p.add_argument("--xattn-block", type=int, help="xattention: tokens per selection block (128)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="several prompts: running requests at most (256)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384,
+                   help="several prompts: tokens per prefill step, padding included (16384)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="several prompts: share of GPU memory for weights and the paged KV pool (0.9)")
     return p
+
+
+def read_prompts(path: Path) -> list[str]:
+    """The prompts of a --prompt-file: one per line of a .jsonl file, else the file's whole text."""
+    text = path.read_text()
+    if path.suffix != ".jsonl":
+        return [text]
+    prompts = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} line {number} is not valid JSON ({err}).") from None
+        prompt = item.get("prompt") if isinstance(item, dict) else item
+        if not isinstance(prompt, str):
+            raise ValueError(f"{path} line {number} must be a JSON string or an object with a 'prompt' string, "
+                             f"got {line.strip()[:60]!r}.")
+        prompts.append(prompt)
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts; write one JSON string per line.")
+    return prompts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,13 +94,14 @@ def _run(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
     )
     if args.prompt_file is not None:
-        prompt = args.prompt_file.read_text()
+        prompts = read_prompts(args.prompt_file)
     elif args.prompt is not None:
-        prompt = args.prompt
+        prompts = [args.prompt]
     else:
         raise ValueError("give a prompt with --prompt TEXT or --prompt-file PATH")
-    if not prompt.strip():
-        raise ValueError("the prompt is empty")
+    empty = [i for i, p in enumerate(prompts) if not p.strip()]
+    if empty:
+        raise ValueError("the prompt is empty" if len(prompts) == 1 else f"prompt {empty[0] + 1} is empty")
 
     import jax
 
@@ -94,32 +126,42 @@ def _run(args: argparse.Namespace) -> int:
         xattn_threshold=args.xattn_threshold,
         xattn_stride=args.xattn_stride,
         xattn_block=args.xattn_block,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
-    ids = llm.encode(prompt) if args.no_chat_template else llm.apply_chat_template([{"role": "user", "content": prompt}])
-
-    def stream(_: int, delta: str) -> None:
-        print(delta, end="", flush=True)
-
-    out = llm.generate([ids], params, on_text=None if args.json else stream, progress=not args.json)[0]
-    if args.json:
-        print(json.dumps({
-            "text": out.text,
-            "token_ids": out.token_ids,
-            "prompt_tokens": len(out.prompt_token_ids),
-            "finish_reason": out.finish_reason,
-            "prefill_seconds": round(out.prefill_seconds, 4),
-            "prefill_tokens_per_second": round(out.prefill_tokens_per_second, 1),
-            "decode_seconds": round(out.decode_seconds, 4),
-            "decode_tokens_per_second": round(out.decode_tokens_per_second, 1),
-            "prefill_density": out.prefill_density,
-        }))
-    else:
+    chat = not args.no_chat_template
+    ids = [llm.apply_chat_template([{"role": "user", "content": p}]) if chat else llm.encode(p) for p in prompts]
+    if len(ids) == 1 and not args.json:
+        out = llm.generate(ids, params, on_text=lambda _, delta: print(delta, end="", flush=True), progress=True)[0]
         print(
             f"\n[prefill {len(out.prompt_token_ids)} tokens: {out.prefill_tokens_per_second:.1f} tokens/s | "
             f"decode {len(out.token_ids)} tokens: {out.decode_tokens_per_second:.1f} tokens/s; "
             "a first run includes jit compilation]"
         )
+        return 0
+    outs = llm.generate(ids, params, progress=not args.json)
+    for i, out in enumerate(outs):
+        if args.json:
+            print(json.dumps(_as_json(i, out)), flush=True)
+        else:
+            print(f"[{i}] {out.text}")
     return 0
+
+
+def _as_json(index: int, out) -> dict:
+    return {
+        "index": index,
+        "text": out.text,
+        "token_ids": out.token_ids,
+        "prompt_tokens": len(out.prompt_token_ids),
+        "finish_reason": out.finish_reason,
+        "prefill_seconds": round(out.prefill_seconds, 4),
+        "prefill_tokens_per_second": round(out.prefill_tokens_per_second, 1),
+        "decode_seconds": round(out.decode_seconds, 4),
+        "decode_tokens_per_second": round(out.decode_tokens_per_second, 1),
+        "prefill_density": out.prefill_density,
+    }
 
 
 if __name__ == "__main__":

@@ -1,0 +1,296 @@
+"""Continuous-batching throughput on one GPU, nano-vllm's benchmark: 256 requests, prompt and output lengths
+uniform in 100..1024 (Python's random, seed 0, nano-vllm's draw order), temperature 0.6, ignore_eos; random bf16
+weights at a real shape.
+
+Phases, each in a fresh process writing phase_<phase>_<shape>.json under --out:
+  ours    LLM.generate of all requests (continuous batching): a full warm-up run of the same workload (every
+          padded shape compiled), then --runs timed runs: output tokens/s; each decode step's time against its
+          HBM floor (weights read + KV bytes read) / measured device copy bandwidth
+  hf      transformers' own continuous batching (init_continuous_batching + add_request with each request's
+          max_new_tokens; generate_batch with one max_new_tokens if that API is missing), warmed at the same
+          shape, --hf-runs timed runs
+  batch1  batch 1, KV in GPU memory, --batch1-context tokens (8K): per-token decode time against the HBM floor
+          (8B shape unless --shape smoke)
+
+    python bench/bench_throughput.py --shapes qwen3-0.6b --phases ours,hf --out DIR         # one device call
+    python bench/bench_throughput.py --shapes llama-3.1-8b --phases ours,hf,batch1 --runs 3 --out DIR
+    python bench/bench_throughput.py --shape smoke --out /tmp/tp                             # CPU check, < 1 min
+    python bench/bench_throughput.py --report DIR --out bench/results                        # throughput.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import SHAPES, GiB, fmt, model_config, random_params, run_metadata, stats  # noqa: E402
+
+PHASES = ("ours", "hf", "batch1")
+BATCH1_SHAPE = "llama-3.1-8b"
+
+
+def workload(args) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's bench.py draws: prompts of randint(100, 1024) ids in [0, 10000], then max_tokens
+    randint(100, 1024) each (smaller with --shape smoke)."""
+    random.seed(0)
+    lo, hi, vocab = (8, 48, 1000) if args.shape == "smoke" else (100, 1024, 10000)
+    prompts = [[random.randint(0, vocab) for _ in range(random.randint(lo, hi))] for _ in range(args.num_seqs)]
+    max_tokens = [random.randint(lo, hi) for _ in range(args.num_seqs)]
+    return prompts, max_tokens
+
+
+def copy_bandwidth(nbytes: int) -> dict:
+    """Device memory bandwidth of a jitted elementwise pass over `nbytes` (read + write), bytes/s."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    double = jax.jit(lambda a: a * 2)
+    double(x).block_until_ready()
+    rates = []
+    for _ in range(7):
+        t = time.perf_counter()
+        double(x).block_until_ready()
+        rates.append(2 * nbytes / (time.perf_counter() - t))
+    return stats(rates)
+
+
+def weight_bytes_read(params) -> int:
+    """Bytes a decode step reads of the weights: all but an untied embedding table (only its rows are read)."""
+    import jax
+
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    return total - (params.embed.nbytes if params.lm_head is not None else 0)
+
+
+def phase_ours(args) -> dict:
+    import jax
+
+    from jax_offload import LLM, SamplingParams
+
+    cfg = model_config(args.shape)
+    params = random_params(cfg, jax.numpy.bfloat16)
+    jax.block_until_ready(params)
+    bw = copy_bandwidth(GiB if args.shape != "smoke" else 2**24)
+    prompts, max_tokens = workload(args)
+    sps = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m, seed=i) for i, m in enumerate(max_tokens)]
+    llm = LLM.from_params(cfg, params, dtype="bfloat16", max_model_len=max(map(len, prompts)) + max(max_tokens) + 1,
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                          gpu_memory_utilization=args.gpu_memory_utilization)
+    t = time.perf_counter()
+    llm.generate(prompts, sps)
+    warm_s = time.perf_counter() - t
+    seconds, tokens = [], 0
+    for _ in range(args.runs):
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sps)
+        seconds.append(time.perf_counter() - t)
+        tokens = sum(len(o.token_ids) for o in outs)
+    engine = llm._batch_engine
+    w_bytes, kv_tok = weight_bytes_read(params), cfg.kv_bytes_per_token
+    decode = [(n, kv, s) for kind, n, kv, s in engine.step_log if kind == "decode"]
+    floors = [(w_bytes + kv * kv_tok) / bw["median"] for _, kv, _ in decode]
+    ratios = [s / f for (_, _, s), f in zip(decode, floors)]
+    full = [r for (n, _, _), r in zip(decode, ratios) if n >= args.max_num_seqs // 2]
+    return {
+        "shape": args.shape, "requests": len(prompts), "output_tokens": tokens,
+        "input_tokens": sum(map(len, prompts)), "warmup_seconds": warm_s, "seconds": stats(seconds),
+        "output_tokens_per_second": stats([tokens / s for s in seconds]),
+        "copy_bandwidth": bw, "weights_read_GiB": w_bytes / GiB, "kv_bytes_per_token": kv_tok,
+        "num_kv_blocks": engine.blocks.num_blocks, "kv_block_size": engine.blocks.block_size,
+        "preemptions": engine.stats.preemptions, "swap_outs": engine.stats.swap_outs,
+        "recomputes": engine.stats.recomputes,
+        "decode_steps": len(decode), "prefill_steps": sum(k == "prefill" for k, *_ in engine.step_log),
+        "decode_seconds_total": sum(s for *_, s in decode),
+        "decode_step_seconds": stats([s for *_, s in decode]),
+        "decode_step_floor_ratio": stats(ratios),
+        "decode_step_floor_ratio_large_batch": stats(full) if full else None,
+        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+    }
+
+
+def phase_batch1(args) -> dict:
+    import jax
+
+    from jax_offload import LLM, SamplingParams
+
+    shape = "smoke" if args.shape == "smoke" else BATCH1_SHAPE
+    ctx = 512 if args.shape == "smoke" else args.batch1_context
+    cfg = model_config(shape)
+    params = random_params(cfg, jax.numpy.bfloat16)
+    jax.block_until_ready(params)
+    bw = copy_bandwidth(GiB if args.shape != "smoke" else 2**24)
+    llm = LLM.from_params(cfg, params, dtype="bfloat16", max_model_len=ctx + 64)
+    prompt = random.Random(1).choices(range(1000), k=ctx)
+    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    llm.generate(prompt, sp)
+    per_token = []
+    for _ in range(args.runs):
+        per_token.append(sorted(llm.generate(prompt, sp)[0].decode_token_seconds)[15])  # median of 31 steps
+    floor = (weight_bytes_read(params) + ctx * cfg.kv_bytes_per_token) / bw["median"]
+    return {"shape": shape, "context": ctx, "decode_token_seconds": stats(per_token), "floor_seconds": floor,
+            "floor_ratio": stats([s / floor for s in per_token]), "copy_bandwidth": bw}
+
+
+HF_SCRIPT = r"""
+import json, sys, time, torch, transformers
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+raw, prompts, max_tokens, runs = json.loads(sys.stdin.read())
+config = AutoConfig.for_model(raw.pop("model_type"), **{k: v for k, v in raw.items() if k != "architectures"})
+config.eos_token_id = None
+torch.manual_seed(0)
+with torch.device("cuda"):
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+gen = GenerationConfig(do_sample=True, temperature=0.6, top_k=0, max_new_tokens=max(max_tokens), eos_token_id=None,
+                       pad_token_id=0)
+
+def manager_run(ps, ms):
+    manager = model.init_continuous_batching(generation_config=gen)
+    manager.start()
+    for i, (p, m) in enumerate(zip(ps, ms)):
+        manager.add_request(p, request_id=str(i), max_new_tokens=m)
+    tokens = 0
+    for _ in ps:
+        out = manager.get_result(timeout=600)
+        tokens += len(out.generated_tokens)
+    manager.stop(block=True)
+    return tokens
+
+def batch_run(ps, ms):
+    outs = model.generate_batch(ps, generation_config=gen, max_new_tokens=ms[0])
+    return sum(len(o.generated_tokens) for o in outs.values())
+
+api = "init_continuous_batching + add_request"
+try:
+    manager_run(prompts[:8], max_tokens[:8])
+    run = manager_run
+except Exception as err:  # older transformers: one max_new_tokens for the whole batch
+    api, mean = f"generate_batch, every request max_new_tokens = the mean ({err!r:.80})", sum(max_tokens) // len(max_tokens)
+    max_tokens = [mean] * len(max_tokens)
+    run = batch_run
+    run(prompts[:8], max_tokens[:8])
+seconds, tokens = [], 0
+for _ in range(runs):
+    torch.cuda.synchronize(); t = time.perf_counter()
+    tokens = run(prompts, max_tokens)
+    torch.cuda.synchronize(); seconds.append(time.perf_counter() - t)
+print(json.dumps({"api": api, "seconds": seconds, "output_tokens": tokens, "requests": len(prompts),
+                  "transformers": transformers.__version__}))
+"""
+
+
+def phase_hf(args) -> dict:
+    prompts, max_tokens = workload(args)
+    n = args.hf_requests or len(prompts)
+    payload = json.dumps([dict(SHAPES[args.shape]), prompts[:n], max_tokens[:n], args.hf_runs])
+    run = subprocess.run([sys.executable, "-c", HF_SCRIPT], input=payload, capture_output=True, text=True)
+    if run.returncode:
+        return {"shape": args.shape, "error": run.stderr.strip().splitlines()[-1] if run.stderr.strip() else "?",
+                "stderr_tail": run.stderr[-3000:]}
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    return {"shape": args.shape, **out, "seconds": stats(out["seconds"]),
+            "output_tokens_per_second": stats([out["output_tokens"] / s for s in out["seconds"]])}
+
+
+def run_phase(args) -> None:
+    from common import gpu_memory
+
+    result = {"ours": phase_ours, "hf": phase_hf, "batch1": phase_batch1}[args.run_phase](args)
+    if args.run_phase != "hf":
+        result["gpu_memory"] = gpu_memory()
+    result["meta"] = run_metadata()
+    path = Path(args.out) / f"phase_{args.run_phase}_{args.shape}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+
+
+def report(src: Path, out: Path) -> None:
+    phases = {p.stem[len("phase_"):]: json.loads(p.read_text()) for p in sorted(src.glob("phase_*.json"))}
+    meta = next(iter(phases.values()))["meta"] if phases else {}
+    lines = ["# Continuous-batching throughput (nano-vllm's benchmark)", "",
+             f"{meta.get('device')}, jax {meta.get('jax')}, torch {meta.get('torch')}, transformers "
+             f"{meta.get('transformers')}, {meta.get('date')}. Random bf16 weights; 256 requests, input and output "
+             "lengths uniform in 100..1024 (seed 0), temperature 0.6, ignore_eos. Timings: median (min-max) of the "
+             "runs after a warm-up of the same workload.", "",
+             "| shape | ours output tok/s | transformers output tok/s | ratio | ours decode step / HBM floor "
+             "(all steps; batch >= max/2) | preemptions | runs |", "|---|---|---|---|---|---|---|"]
+    for key, ours in phases.items():
+        if not key.startswith("ours_"):
+            continue
+        shape = key[len("ours_"):]
+        hf = phases.get(f"hf_{shape}", {})
+        ratio = (ours["output_tokens_per_second"]["median"] / hf["output_tokens_per_second"]["median"]
+                 if "output_tokens_per_second" in hf else None)
+        large = ours.get("decode_step_floor_ratio_large_batch")
+        lines.append(
+            f"| {shape} | {fmt(ours['output_tokens_per_second'], digits=0)} | "
+            f"{fmt(hf.get('output_tokens_per_second'), digits=0) if 'error' not in hf else 'failed: ' + hf['error']} | "
+            f"{f'{ratio:.1f}x' if ratio else '-'} | {fmt(ours['decode_step_floor_ratio'])}; {fmt(large)} | "
+            f"{ours['preemptions']} | {ours['output_tokens_per_second']['n']} |")
+    for key, b in phases.items():
+        if key.startswith("batch1_"):
+            lines += ["", f"Batch 1, KV in GPU memory, {b['shape']} at {b['context']} tokens: "
+                      f"{fmt(b['decode_token_seconds'], 1e3)} ms/token, HBM floor {b['floor_seconds'] * 1e3:.2f} ms "
+                      f"(ratio {fmt(b['floor_ratio'])}; copy bandwidth {b['copy_bandwidth']['median'] / 1e9:.0f} GB/s)."]
+    hf_apis = {p.get("api") for k, p in phases.items() if k.startswith("hf_") and "api" in p}
+    lines += ["", "HBM floor of a decode step: (weights read + KV bytes of every running request) / the device's "
+              "measured elementwise copy bandwidth. transformers API: " + ", ".join(sorted(hf_apis)) + ".",
+              "Phase files: " + ", ".join(f"phase_{k}.json" for k in phases) + "."]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "throughput.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="qwen3-0.6b,llama-3.1-8b")
+    p.add_argument("--shape", help="one shape (smoke: a tiny Llama and workload for a CPU check)")
+    p.add_argument("--phases", default=",".join(PHASES))
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--hf-runs", type=int, default=1)
+    p.add_argument("--hf-requests", type=int, help="transformers: the first N requests only (default all)")
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--batch1-context", type=int, default=8192)
+    p.add_argument("--out", default=os.environ.get("OUT", "bench/results/runs/throughput"))
+    p.add_argument("--report", type=Path, help="write throughput.md from the phase files in this folder")
+    p.add_argument("--run-phase", choices=PHASES, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.report:
+        return report(args.report, Path(args.out))
+    if args.run_phase:
+        return run_phase(args)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    shapes = [args.shape] if args.shape else args.shapes.split(",")
+    phases = [x for x in args.phases.split(",") if x]
+    bad = [x for x in phases if x not in PHASES] + [s for s in shapes if s not in SHAPES]
+    if bad:
+        p.error(f"unknown phase or shape {bad[0]!r}; phases: {', '.join(PHASES)}; shapes: {', '.join(SHAPES)}")
+    if shapes == ["smoke"]:
+        phases = [x for x in phases if x != "hf"]  # transformers' continuous batching needs CUDA
+        extra = ["--num-seqs", "8", "--max-num-seqs", "4", "--max-num-batched-tokens", "256", "--runs", "1"]
+    else:
+        extra = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
+                 ("runs", "hf_runs", "num_seqs", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
+                  "batch1_context")] + ([f"--hf-requests={args.hf_requests}"] if args.hf_requests else [])
+    for phase in phases:
+        for shape in shapes if phase != "batch1" else shapes[-1:]:
+            t = time.perf_counter()
+            subprocess.run([sys.executable, __file__, "--run-phase", phase, "--shape", shape, "--out", args.out,
+                            *extra], check=True)
+            print(f"phase {phase} {shape}: {time.perf_counter() - t:.0f} s", flush=True)
+    report(Path(args.out), Path(args.out))
+
+
+if __name__ == "__main__":
+    main()

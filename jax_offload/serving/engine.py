@@ -1,0 +1,176 @@
+"""`BatchEngine`: continuous batching over the already loaded model pieces that `LLM` holds."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from jax_offload.attention import check_attention_impl
+from jax_offload.config import ModelConfig
+from jax_offload.kv.host_store import available_host_bytes
+from jax_offload.models.params import ModelParams
+from jax_offload.outputs import RequestOutput, first_stop
+from jax_offload.sampling import SamplingParams
+from jax_offload.serving.block_manager import BlockManager
+from jax_offload.serving.model_runner import ModelRunner, default_num_blocks, kv_block_bytes
+from jax_offload.serving.scheduler import Scheduler, Step
+from jax_offload.serving.sequence import Sequence
+
+
+class BatchEngine:
+    """Generates for many requests at once: new prompts are prefilled together, then every running request
+    decodes one token per step in one compiled call, and a finished request's place is taken by the next one.
+
+    Greedy and seeded results are those of `LLM.generate` one request at a time: the same layer arithmetic,
+    attention kernels whose results do not depend on padding or batch, and per-request sampling keys."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        params: ModelParams,
+        inv_freq: jax.Array,
+        dtype: jnp.dtype,
+        attention_impl: str,
+        max_model_len: int,
+        tokenizer=None,
+        eos_token_ids: Collection[int] = (),
+        *,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 16384,
+        block_size: int = 256,
+        num_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        swap_space_bytes: int | None = None,
+    ):
+        """`num_blocks` KV blocks of `block_size` tokens (default: what `gpu_memory_utilization` of the device
+        memory JAX may use leaves after the weights); `swap_space_bytes` of host memory hold preempted requests'
+        KV (default: half the free host memory, at most the pool's size); beyond it preempted requests are
+        recomputed. The options `LLM` shares with this engine are checked by `EngineConfig`."""
+        if not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 16, got {block_size!r}.")
+        if num_blocks is None:
+            num_blocks = default_num_blocks(model_config, dtype, block_size, max_num_seqs, max_model_len,
+                                            max_num_batched_tokens, gpu_memory_utilization)
+            if num_blocks < 1:
+                raise ValueError(
+                    f"gpu_memory_utilization {gpu_memory_utilization} leaves no memory for KV blocks after the "
+                    "weights and activations; raise it or lower max_num_batched_tokens / max_num_seqs.")
+        _check_int("num_blocks", num_blocks, 1)
+        if swap_space_bytes is None:
+            swap_space_bytes = min(available_host_bytes() // 2, num_blocks * kv_block_bytes(model_config, dtype,
+                                                                                            block_size))
+        _check_int("swap_space_bytes", swap_space_bytes, 0)
+        self.model_config, self.tokenizer = model_config, tokenizer
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.runner = ModelRunner(
+            model_config, params, inv_freq, jnp.dtype(dtype), check_attention_impl(attention_impl),
+            num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            swap_space_bytes=swap_space_bytes)
+        self.scheduler = Scheduler(self.blocks, self.runner, max_num_seqs, max_num_batched_tokens,
+                                   self.runner.prefill_tokens)
+        # (kind, batch size, KV tokens read, seconds) of every step of the last `generate` call.
+        self.step_log: list[tuple[str, int, int, float]] = []
+
+    def generate(
+        self,
+        prompts_ids: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        on_text: Callable[[int, str], None] | None = None,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
+        """One output per prompt, in prompt order; `on_text(i, delta)` streams prompt i's new text; `progress`
+        shows a bar of finished requests with the output tokens/s."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts_ids)
+        if len(params) != len(prompts_ids):
+            raise ValueError(f"Got {len(params)} SamplingParams for {len(prompts_ids)} prompts; give one, or one each.")
+        seqs = [self._sequence(i, ids, p) for i, (ids, p) in enumerate(zip(prompts_ids, params))]
+        for seq in seqs:
+            self.scheduler.add(seq)
+        self.step_log = []
+        bar = tqdm(total=len(seqs), desc="requests", unit="req", disable=not progress, dynamic_ncols=True)
+        generated, began = 0, time.perf_counter()
+        while self.scheduler.has_work():
+            step = self.scheduler.schedule()
+            start = time.perf_counter()
+            run = self.runner.prefill if step.kind == "prefill" else self.runner.decode
+            tokens = run(step.seqs)
+            seconds = time.perf_counter() - start
+            self._log(step, seconds)
+            for seq, token in zip(step.seqs, tokens):
+                seq.num_cached = seq.num_tokens
+                if not seq.output_ids:
+                    seq.prefill_seconds = seconds
+                else:
+                    seq.step_seconds.append(seconds)
+                self._append(seq, token, on_text)
+            generated += len(step.seqs)
+            bar.update(sum(s.finish_reason is not None for s in step.seqs))
+            bar.set_postfix_str(f"{generated / (time.perf_counter() - began):.0f} output tok/s", refresh=False)
+        bar.close()
+        if self.blocks.num_used or self.runner.host_bytes_used:
+            raise RuntimeError(f"{self.blocks.num_used} KV blocks and {self.runner.host_bytes_used} host bytes "
+                               "are still held after every request finished.")
+        return [self._output(seq) for seq in seqs]
+
+    @property
+    def stats(self):
+        """Preemptions, swaps and recomputes so far (they accumulate across `generate` calls)."""
+        return self.scheduler.stats
+
+    # ---- requests -----------------------------------------------------------------------------------------
+
+    def _sequence(self, index: int, ids: Seq[int], params: SamplingParams) -> Sequence:
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise ValueError(f"Prompt {index} is empty; give at least one token.")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"Prompt {index} has {len(ids)} tokens; max_model_len {self.max_model_len} leaves no "
+                             "room to generate.")
+        seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (2**31))
+        key = np.asarray(jax.random.PRNGKey(seed), np.uint32)
+        return Sequence(index, ids, params, key, min(len(ids) + params.max_tokens, self.max_model_len))
+
+    def _append(self, seq: Sequence, token: int, on_text: Callable[[int, str], None] | None) -> None:
+        """Takes a sampled token, and finishes the request on EOS, a stop string or its length (as `LLM` does)."""
+        params = seq.params
+        seq.output_ids.append(token)
+        if token in self.eos_token_ids and not params.ignore_eos:
+            seq.output_ids.pop()
+            seq.finish_reason = "stop"
+        elif params.stop_strings or on_text is not None:
+            text = self._decode_text(seq.output_ids)
+            cut = first_stop(text, params.stop_strings)
+            if cut is not None:
+                text, seq.finish_reason = text[:cut], "stop"
+            if on_text is not None and len(text) > len(seq.text):
+                on_text(seq.index, text[len(seq.text):])
+            seq.text = text
+        if seq.finish_reason is None and seq.num_tokens >= seq.max_len:
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            if not (params.stop_strings or on_text is not None):
+                seq.text = self._decode_text(seq.output_ids)
+            self.scheduler.finish(seq)
+
+    def _decode_text(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(seq.prompt_ids, seq.text, seq.output_ids, seq.finish_reason, seq.prefill_seconds,
+                             sum(seq.step_seconds), seq.step_seconds)
+
+    def _log(self, step: Step, seconds: float) -> None:
+        kv_tokens = sum(s.num_tokens for s in step.seqs)
+        self.step_log.append((step.kind, len(step.seqs), kv_tokens, seconds))
+
+
+def _check_int(name: str, value: object, least: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}.")

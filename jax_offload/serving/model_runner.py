@@ -1,0 +1,273 @@
+"""The model over a paged KV pool: batched prefill of padded prompts, one compiled decode step for the whole
+model and batch (sampling included), and the host swap of preempted sequences' blocks.
+
+The pool is a tuple over layers of [num_blocks, block_size, Hkv, D] arrays for K and one for V, all donated to
+every step, so each layer's pages reach the attention kernel as a whole buffer: slicing a layer out of one
+stacked array would copy it, and one array over all layers would pass 2^31 elements (int32 offsets in the
+kernel) at real sizes. A block id means the same block in every layer.
+
+Prefill pads the prompts of a step to a common length and runs the tested causal kernels with a key length per
+row: there is no variable-length (packed) attention kernel here, and one program per (batch, length) bucket
+keeps compiles few. The scheduler's token budget counts the padding, so it bounds what is really computed.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+import pallas_kernels
+from jax_offload.attention import embed_tokens, prefill_attention
+from jax_offload.buckets import prompt_bucket
+from jax_offload.config import ModelConfig
+from jax_offload.kv.host_store import available_host_bytes
+from jax_offload.models import decoder
+from jax_offload.models.params import LayerParams, ModelParams
+from jax_offload.precision import step_jit
+from jax_offload.sampling import sample_token
+from jax_offload.serving.sequence import Sequence
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes steps are padded to: powers of two up to the first >= max_num_seqs. The same set for every
+    limit in a power-of-two range, so engines with different limits share their compiled steps."""
+    return [1 << i for i in range((max_num_seqs - 1).bit_length() + 1)]
+
+
+def prefill_bucket(longest: int) -> int:
+    """Padded prompt length of a prefill step: the one-request buckets from 64 up (shorter buckets save
+    little compute and would multiply the (batch, length) shapes to compile)."""
+    return max(prompt_bucket(longest), 64)
+
+
+def kv_block_bytes(cfg: ModelConfig, dtype: jnp.dtype, block_size: int) -> int:
+    """Bytes of one block of K and V over all layers."""
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def default_num_blocks(cfg: ModelConfig, dtype: jnp.dtype, block_size: int, max_num_seqs: int, max_model_len: int,
+                       max_num_batched_tokens: int, gpu_memory_utilization: float) -> int:
+    """As many blocks as `gpu_memory_utilization` of what JAX's allocator may use leaves after the weights and
+    a step's activations, and no more than max_num_seqs full-length sequences need. Without device memory
+    statistics (CPU) a quarter of the free host memory is the budget."""
+    wanted = max_num_seqs * -(-max_model_len // block_size)
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        itemsize = jnp.dtype(dtype).itemsize
+        qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        activations = max_num_batched_tokens * (6 * cfg.hidden_size + 2 * qkv + 4 * cfg.intermediate_size) * itemsize
+        logits = 4 * max_num_seqs * cfg.vocab_size * 4  # float32 logits, scaled copy, noise, sort
+        budget = stats["bytes_limit"] * gpu_memory_utilization - stats["bytes_in_use"] - activations - logits
+    else:
+        budget = available_host_bytes() / 4
+    return int(max(min(wanted, budget // kv_block_bytes(cfg, dtype, block_size)), 0))
+
+
+class SamplingBatch(NamedTuple):
+    """Per-row sampling knobs; token n of a request is drawn with fold_in(its own key, n), so no row's draw
+    depends on which other requests share the step."""
+
+    temperature: jax.Array  # float32 [B]
+    top_p: jax.Array  # float32 [B]
+    top_k: jax.Array  # int32 [B]
+    keys: jax.Array  # uint32 [B, 2]
+    steps: jax.Array  # int32 [B]: tokens the request has generated so far
+
+
+def sampling_batch(seqs: list[Sequence], size: int) -> tuple[SamplingBatch, bool]:
+    """Knobs of `seqs`, padded with greedy rows to `size`, and whether any row samples (static, so that a greedy
+    batch compiles no sampler at all)."""
+    temperature = np.zeros(size, np.float32)
+    top_p = np.ones(size, np.float32)
+    top_k = np.full(size, -1, np.int32)
+    keys = np.zeros((size, 2), np.uint32)
+    steps = np.zeros(size, np.int32)
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        temperature[row], top_p[row], top_k[row] = p.temperature, p.top_p, p.top_k
+        keys[row], steps[row] = seq.key, len(seq.output_ids)
+    return SamplingBatch(temperature, top_p, top_k, keys, steps), bool((temperature > 0).any())
+
+
+def sample(logits: jax.Array, s: SamplingBatch, sampled: bool) -> jax.Array:
+    """Token ids [B] from float32 logits [B, vocab]. Greedy rows take the argmax; rows with top-p or top-k run
+    `sample_token` itself; other rows draw from the tempered logits directly with the same key (sample_token
+    would drop at most the float rounding mass of its cumulative sum), which spares them a vocabulary sort.
+    Without `sampled` rows the draws are not compiled; a row's token never depends on the other rows."""
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not sampled:
+        return tokens
+    keys = jax.vmap(jax.random.fold_in)(s.keys, s.steps)
+    hot = s.temperature > 0
+    filtered = hot & ((s.top_p < 1) | (s.top_k > 0))
+    scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
+    plain = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    # The plain function under the jit: a nested jit may not carry the step's compiler options.
+    drawn = jax.vmap(sample_token.__wrapped__)(logits, s.temperature, s.top_p, s.top_k, keys)
+    return jnp.where(filtered, drawn, jnp.where(hot, plain, tokens))
+
+
+def _write_kv(pool: jax.Array, slots: jax.Array, kv: jax.Array) -> jax.Array:
+    """Writes kv [..., Hkv, D] into one layer's pool at `slots` [...] (block * block_size + offset; -1 writes
+    nothing)."""
+    rows = pool.reshape(-1, *pool.shape[2:])
+    index = jnp.where(slots >= 0, slots, rows.shape[0]).reshape(-1)
+    rows = rows.at[index].set(kv.reshape(-1, *kv.shape[-2:]).astype(pool.dtype), mode="drop")
+    return rows.reshape(pool.shape)
+
+
+@functools.partial(step_jit, static_argnums=(0, 1), donate_argnums=(4, 5))
+def _prefill_layer(cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, k_pool: jax.Array,
+                   v_pool: jax.Array, inv_freq: jax.Array, slots: jax.Array, lens: jax.Array):
+    """One layer over padded prompts x [B, T, hidden] (row b real up to lens[b]); writes their K, V into the
+    layer's pool. The same arithmetic as the one-request engine's `prefill_layer_in_device`."""
+    positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
+    q, k, v = decoder.attention_inputs(cfg, layer, x, positions, inv_freq)
+    o, _ = prefill_attention(impl, q, k, v, causal=True, kv_len=lens)
+    k_pool = _write_kv(k_pool, slots, k)
+    v_pool = _write_kv(v_pool, slots, v)
+    return decoder.attention_output_and_mlp(cfg, layer, x, o), k_pool, v_pool
+
+
+@functools.partial(step_jit, static_argnums=(0, 5))
+def _sample_last(cfg: ModelConfig, params: ModelParams, hidden: jax.Array, lens: jax.Array,
+                 sampling: SamplingBatch, sampled: bool) -> jax.Array:
+    last = hidden[jnp.arange(hidden.shape[0]), jnp.maximum(lens - 1, 0)]
+    return sample(decoder.logits(cfg, params, last), sampling, sampled)
+
+
+@functools.partial(step_jit, static_argnums=(0, 1, 10), donate_argnums=(3, 4))
+def _decode_step(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tuple[jax.Array, ...],
+                 v_pool: tuple[jax.Array, ...], inv_freq: jax.Array, tokens: jax.Array, seq_lens: jax.Array,
+                 tables: jax.Array, sampling: SamplingBatch, sampled: bool
+                 ) -> tuple[jax.Array, tuple, tuple]:
+    """The whole model for one token per sequence: tokens [B] at positions seq_lens - 1 (rows with seq_len 0 are
+    padding), block tables [B, max_blocks]. Returns the next tokens [B] and the updated pools."""
+    block_size = k_pool[0].shape[1]
+    attend = (pallas_kernels.paged_decode_attention_with_lse if impl == "pallas"
+              else pallas_kernels.paged_decode_attention_with_lse_xla)
+    positions = jnp.maximum(seq_lens - 1, 0)
+    block = tables[jnp.arange(tables.shape[0]), positions // block_size]
+    slots = jnp.where(seq_lens > 0, block * block_size + positions % block_size, -1)
+    x = decoder.embed(params, tokens[:, None])
+    k_out, v_out = [], []
+    for layer, k_pages, v_pages in zip(params.layers, k_pool, v_pool):
+        q, k, v = decoder.attention_inputs(cfg, layer, x, positions[:, None], inv_freq)
+        k_out.append(_write_kv(k_pages, slots, k[:, 0]))
+        v_out.append(_write_kv(v_pages, slots, v[:, 0]))
+        o, _ = attend(q[:, 0], k_out[-1], v_out[-1], tables, seq_lens)
+        x = decoder.attention_output_and_mlp(cfg, layer, x, o[:, None])
+    return sample(decoder.logits(cfg, params, x[:, 0]), sampling, sampled), tuple(k_out), tuple(v_out)
+
+
+@jax.jit
+def _gather_blocks(pools: tuple[jax.Array, ...], blocks: jax.Array) -> jax.Array:
+    """-> [num_layers, len(blocks), block_size, Hkv, D]."""
+    return jnp.stack([pool[blocks] for pool in pools])
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _scatter_blocks(pools: tuple[jax.Array, ...], blocks: jax.Array, kv: jax.Array) -> tuple[jax.Array, ...]:
+    """Inverse of `_gather_blocks`; out-of-range block ids write nothing."""
+    return tuple(pool.at[blocks].set(layer, mode="drop") for pool, layer in zip(pools, kv))
+
+
+class ModelRunner:
+    """Owns the KV pool and runs steps over it; also the scheduler's `KVSwapper`."""
+
+    def __init__(self, cfg: ModelConfig, params: ModelParams, inv_freq: jax.Array, dtype: jnp.dtype, impl: str, *,
+                 num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int, swap_space_bytes: int):
+        self.cfg, self.params, self.inv_freq, self.impl = cfg, params, inv_freq, impl
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.buckets = batch_buckets(max_num_seqs)
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k_pool = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+        self.v_pool = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+        self.block_bytes = kv_block_bytes(cfg, dtype, block_size)
+        device = jax.devices()[0]
+        kinds = {m.kind for m in device.addressable_memories()}
+        self._host = SingleDeviceSharding(device, memory_kind="pinned_host" if "pinned_host" in kinds
+                                          else "unpinned_host")
+        self._device = SingleDeviceSharding(device, memory_kind="device")
+        self.swap_space_bytes, self.host_bytes_used = swap_space_bytes, 0
+
+    def batch_size(self, num_seqs: int) -> int:
+        return next(b for b in self.buckets if b >= num_seqs)
+
+    def prefill_tokens(self, num_seqs: int, longest: int) -> int:
+        """Tokens a prefill of `num_seqs` prompts up to `longest` long computes, padding included."""
+        return self.batch_size(num_seqs) * prefill_bucket(longest)
+
+    def prefill(self, seqs: list[Sequence]) -> list[int]:
+        """Runs every token of each sequence (none cached yet) and samples the next one."""
+        size, length = self.batch_size(len(seqs)), prefill_bucket(max(s.num_tokens for s in seqs))
+        ids = np.zeros((size, length), np.int32)
+        slots = np.full((size, length), -1, np.int32)
+        lens = np.zeros(size, np.int32)
+        for row, seq in enumerate(seqs):
+            n = seq.num_tokens
+            pos = np.arange(n)
+            ids[row, :n] = seq.token_ids
+            slots[row, :n] = np.asarray(seq.block_table, np.int32)[pos // self.block_size] * self.block_size \
+                + pos % self.block_size
+            lens[row] = n
+        x = embed_tokens(self.params.embed, ids)
+        k_out, v_out = [], []
+        for layer, k_pages, v_pages in zip(self.params.layers, self.k_pool, self.v_pool):
+            x, k_pages, v_pages = _prefill_layer(
+                self.cfg, self.impl, layer, x, k_pages, v_pages, self.inv_freq, slots, lens)
+            k_out.append(k_pages)
+            v_out.append(v_pages)
+        self.k_pool, self.v_pool = tuple(k_out), tuple(v_out)
+        tokens = _sample_last(self.cfg, self.params, x, lens, *sampling_batch(seqs, size))
+        return np.asarray(tokens)[: len(seqs)].tolist()
+
+    def decode(self, seqs: list[Sequence]) -> list[int]:
+        """Runs each sequence's last token and samples the next one."""
+        size = self.batch_size(len(seqs))
+        tokens = np.zeros(size, np.int32)
+        seq_lens = np.zeros(size, np.int32)
+        tables = np.zeros((size, self.max_blocks_per_seq), np.int32)
+        for row, seq in enumerate(seqs):
+            tokens[row], seq_lens[row] = seq.last_token, seq.num_cached + 1
+            tables[row, : len(seq.block_table)] = seq.block_table
+        out, self.k_pool, self.v_pool = _decode_step(
+            self.cfg, self.impl, self.params, self.k_pool, self.v_pool, self.inv_freq, tokens, seq_lens, tables,
+            *sampling_batch(seqs, size))
+        return np.asarray(out)[: len(seqs)].tolist()
+
+    # ---- KVSwapper --------------------------------------------------------------------------------------------
+
+    def _swap_blocks(self, seq: Sequence) -> tuple[int, int]:
+        """(blocks holding the sequence's KV, that count padded to a power of two, at most the pool, so copies
+        compile rarely)."""
+        n = -(-seq.num_cached // self.block_size)
+        return n, min(1 << (n - 1).bit_length(), self.num_blocks)
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return self.host_bytes_used + self._swap_blocks(seq)[1] * self.block_bytes <= self.swap_space_bytes
+
+    def swap_out(self, seq: Sequence) -> None:
+        """Copies the sequence's KV blocks to host memory (its pool blocks are freed by the scheduler next)."""
+        n, padded = self._swap_blocks(seq)
+        blocks = np.zeros(padded, np.int32)  # padding reads block 0; those rows are never written back
+        blocks[:n] = seq.block_table[:n]
+        kv = (_gather_blocks(self.k_pool, blocks), _gather_blocks(self.v_pool, blocks))
+        seq.host_kv = jax.device_put(kv, self._host)
+        self.host_bytes_used += padded * self.block_bytes
+
+    def swap_in(self, seq: Sequence) -> None:
+        """Writes the host copy back into the sequence's newly allocated blocks."""
+        n, padded = self._swap_blocks(seq)
+        blocks = np.full(padded, self.num_blocks, np.int32)  # out of range: padding rows are dropped
+        blocks[:n] = seq.block_table[:n]
+        k, v = jax.device_put(seq.host_kv, self._device)
+        self.k_pool = _scatter_blocks(self.k_pool, blocks, k)
+        self.v_pool = _scatter_blocks(self.v_pool, blocks, v)
+        seq.host_kv = None
+        self.host_bytes_used -= padded * self.block_bytes

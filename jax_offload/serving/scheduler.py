@@ -1,0 +1,146 @@
+"""Which sequences run in the next step: a prefill of newly admitted prompts, or one decode token for every
+running sequence, preempting the newest ones when the KV pool runs out of blocks."""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+from jax_offload.serving.block_manager import BlockManager
+from jax_offload.serving.sequence import Sequence, SequenceStatus
+
+
+class KVSwapper(Protocol):
+    """Moves a sequence's KV blocks between the GPU pool and host memory (the model runner does it)."""
+
+    def can_swap_out(self, seq: Sequence) -> bool: ...
+
+    def swap_out(self, seq: Sequence) -> None: ...
+
+    def swap_in(self, seq: Sequence) -> None: ...
+
+
+@dataclasses.dataclass
+class Step:
+    kind: str  # "prefill" or "decode"
+    seqs: list[Sequence]
+
+
+@dataclasses.dataclass
+class SchedulerStats:
+    preemptions: int = 0
+    swap_outs: int = 0
+    swap_ins: int = 0
+    recomputes: int = 0
+
+
+class Scheduler:
+    """FIFO admission with prefill first (as nano-vllm): a step either prefills prompts or decodes every running
+    sequence. When a decode step needs a block and none is free, the newest running sequence is preempted: its
+    KV goes to host memory (swap) and comes back before any new prompt is admitted; only when the host budget
+    is spent is its KV dropped and recomputed by a later prefill."""
+
+    def __init__(
+        self,
+        blocks: BlockManager,
+        swapper: KVSwapper,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        prefill_tokens: Callable[[int, int], int],
+    ):
+        """`prefill_tokens(num_seqs, longest)` is the padded size of such a prefill batch: the budget
+        `max_num_batched_tokens` counts what is computed, padding included."""
+        self.blocks, self.swapper = blocks, swapper
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.prefill_tokens = prefill_tokens
+        self.waiting: deque[Sequence] = deque()
+        # Both oldest first (by index): the newest running sequence is preempted first, the oldest swapped one
+        # comes back first.
+        self.swapped: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.stats = SchedulerStats()
+
+    def add(self, seq: Sequence) -> None:
+        need = self.blocks.blocks_for(seq.max_len)
+        if need > self.blocks.num_blocks:
+            raise ValueError(
+                f"Request {seq.index} may reach {seq.max_len} tokens ({need} KV blocks) but the pool has only "
+                f"{self.blocks.num_blocks} blocks; lower max_tokens or give the pool more blocks."
+            )
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.swapped or self.running)
+
+    def schedule(self) -> Step:
+        # Blocks the running sequences need for their next token stay free, so admitting work never forces an
+        # immediate preemption.
+        reserve = sum(self.blocks.new_blocks_to_append(s) for s in self.running)
+        while (self.swapped and len(self.running) < self.max_num_seqs
+               and self.blocks.can_allocate(self.swapped[0].num_cached + 1, reserve)):
+            seq = self.swapped.pop(0)
+            self.blocks.allocate(seq, seq.num_cached + 1)
+            self.swapper.swap_in(seq)
+            self.stats.swap_ins += 1
+            self._run(seq)
+        batch: list[Sequence] = []
+        longest = 0
+        while not self.swapped and self.waiting and len(self.running) + len(batch) < self.max_num_seqs:
+            seq = self.waiting[0]
+            longest = max(longest, seq.num_tokens)
+            # One sequence alone may exceed the budget; otherwise no prompt could ever be longer than it.
+            if batch and self.prefill_tokens(len(batch) + 1, longest) > self.max_num_batched_tokens:
+                break
+            if not self.blocks.can_allocate(seq.num_tokens, reserve):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq, seq.num_tokens)
+            batch.append(seq)
+        if batch:
+            for seq in batch:
+                self._run(seq)
+            return Step("prefill", batch)
+        return Step("decode", self._make_room_for_decode())
+
+    def _make_room_for_decode(self) -> list[Sequence]:
+        scheduled = []
+        while len(scheduled) < len(self.running):
+            seq = self.running[len(scheduled)]
+            while not self.blocks.can_append(seq):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    return scheduled
+            self.blocks.append(seq)
+            scheduled.append(seq)
+        return scheduled
+
+    def _run(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=_age)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.stats.preemptions += 1
+        if self.swapper.can_swap_out(seq):
+            self.swapper.swap_out(seq)
+            self.stats.swap_outs += 1
+            seq.status = SequenceStatus.SWAPPED
+            bisect.insort(self.swapped, seq, key=_age)
+        else:
+            seq.num_cached = 0
+            self.stats.recomputes += 1
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+        self.blocks.free(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.FINISHED
+        self.running.remove(seq)
+        self.blocks.free(seq)
+
+
+def _age(seq: Sequence) -> int:
+    return seq.index

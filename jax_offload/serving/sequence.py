@@ -1,0 +1,52 @@
+"""One request's state, as the scheduler, the block manager and the model runner share it."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import numpy as np
+
+from jax_offload.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()  # needs a prefill (new, or preempted and to be recomputed)
+    RUNNING = enum.auto()  # its KV is in the GPU pool
+    SWAPPED = enum.auto()  # its KV waits in host memory
+    FINISHED = enum.auto()
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """A prompt and what has been generated for it.
+
+    `num_cached` counts the tokens whose K and V are in the pool (or, while swapped, on the host). A running
+    sequence has all but its last token cached: the last one is the input of its next decode step.
+    """
+
+    index: int  # position in the caller's list: outputs come back in this order, and lower is older
+    prompt_ids: list[int]
+    params: SamplingParams
+    key: np.ndarray  # uint32 [2], jax.random.PRNGKey(seed); token n is drawn with fold_in(key, n)
+    max_len: int  # prompt + max_tokens, capped at max_model_len
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = dataclasses.field(default_factory=list)
+    num_cached: int = 0
+    host_kv: object = None  # the swapped-out KV blocks (host arrays) while SWAPPED
+    text: str = ""
+    finish_reason: str | None = None
+    prefill_seconds: float = 0.0  # the step that gave its first token
+    step_seconds: list[float] = dataclasses.field(default_factory=list)  # each decode step it took part in
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]

@@ -1,0 +1,295 @@
+"""Continuous batching (jax_offload.serving) gives what `LLM.generate` gives one request at a time: greedy and
+seeded tokens do not depend on the batch a request runs in, on preemption, or on where its KV lives."""
+from __future__ import annotations
+
+import functools
+import json
+
+import numpy as np
+import pytest
+
+import tiny_models
+from jax_offload import LLM, SamplingParams
+from jax_offload import generate as generate_cli
+from jax_offload.serving.block_manager import BlockManager
+from jax_offload.serving.engine import BatchEngine
+from jax_offload.serving.sequence import Sequence
+
+MODEL_SEEDS = {"llama3": 401, "qwen2": 402, "qwen3": 403}
+PROMPT_SEED = 411
+NUM_PROMPTS = 24
+MAX_MODEL_LEN = 512
+BLOCK_SIZE = 16
+POOL_BLOCKS = 600  # every request fits at once: no preemption
+SCARCE_BLOCKS = 30  # 1 to 3 requests at a time (the longest needs 22 blocks)
+
+
+@functools.cache
+def _llm(variant: str, tmp_root) -> LLM:
+    path = tmp_root / variant
+    tiny_models.build(variant, path, seed=MODEL_SEEDS[variant])
+    return LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def tmp_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("batching")
+
+
+def _workload(seed: int = PROMPT_SEED) -> tuple[list[list[int]], list[SamplingParams]]:
+    """24 prompts of 1..300 tokens, 1..64 new tokens each, greedy; every fourth stops at a word."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, tiny_models.VOCAB, size=int(n)).tolist() for n in rng.integers(1, 301, NUM_PROMPTS)]
+    params = [SamplingParams(temperature=0.0, max_tokens=int(m), stop="w7" if i % 4 == 3 else None)
+              for i, m in enumerate(rng.integers(1, 65, NUM_PROMPTS))]
+    return prompts, params
+
+
+def _engine(llm: LLM, **options) -> BatchEngine:
+    options = {"block_size": BLOCK_SIZE, "num_blocks": POOL_BLOCKS, "max_num_batched_tokens": 2048} | options
+    return BatchEngine(llm.model_config, llm.params, llm._inv_freq, llm.dtype, llm.attention_impl,
+                       llm.max_model_len, llm.tokenizer, llm.eos_token_ids, **options)
+
+
+@functools.cache
+def _one_at_a_time(variant: str, tmp_root, sampling_seed: int | None = None) -> list[tuple[list[int], str]]:
+    llm = _llm(variant, tmp_root)
+    prompts, params = _workload() if sampling_seed is None else _sampled_workload(sampling_seed)
+    outs = [llm.generate([p], sp)[0] for p, sp in zip(prompts, params)]
+    return [(o.token_ids, o.text) for o in outs]
+
+
+def _check(outs, reference, where: str) -> None:
+    got = [(o.token_ids, o.text) for o in outs]
+    bad = [i for i, (g, r) in enumerate(zip(got, reference)) if g != r]
+    assert not bad, f"{where}: requests {bad} differ from one-at-a-time LLM.generate"
+
+
+# ---- (a) batched greedy == one at a time -------------------------------------------------------------------
+# Every max_num_seqs from 1 (no batching) to 24 (all at once). Steps are padded to the same power-of-two batch
+# sizes whatever the limit, so the whole sweep compiles each step once per model and pool.
+
+ALL_LIMITS = tuple(range(1, NUM_PROMPTS + 1))
+
+
+@pytest.mark.parametrize("variant,limits", [("llama3", ALL_LIMITS)])
+def test_batched_greedy_equals_one_at_a_time(tmp_root, variant, limits):
+    llm = _llm(variant, tmp_root)
+    prompts, params = _workload()
+    reference = _one_at_a_time(variant, tmp_root)
+    for max_num_seqs in limits:
+        engine = _engine(llm, max_num_seqs=max_num_seqs)
+        outs = engine.generate(prompts, params)
+        where = f"model seed {MODEL_SEEDS[variant]}, prompt seed {PROMPT_SEED}, max_num_seqs {max_num_seqs}"
+        _check(outs, reference, where)
+        assert engine.stats.preemptions == 0, where
+        largest = max(n for kind, n, _, _ in engine.step_log if kind == "decode")
+        assert largest <= max_num_seqs and (largest > 1 or max_num_seqs == 1), where
+
+
+def test_llm_generate_batches_several_prompts(tmp_root):
+    """`LLM.generate` with several prompts and the KV in GPU memory runs the batch engine (default block size,
+    pool sized by gpu_memory_utilization); outputs in prompt order, streamed text equal to the outputs."""
+    _llm("qwen3", tmp_root)
+    llm = LLM(tmp_root / "qwen3", dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=24)
+    prompts, params = _workload()
+    streamed = [""] * NUM_PROMPTS
+
+    def on_text(i: int, delta: str) -> None:
+        streamed[i] += delta
+
+    outs = llm.generate(prompts, params, on_text, progress=True)
+    where = f"model seed {MODEL_SEEDS['qwen3']}, prompt seed {PROMPT_SEED}"
+    _check(outs, _one_at_a_time("qwen3", tmp_root), where)
+    assert streamed == [o.text for o in outs], where
+    engine = llm._batch_engine
+    assert engine is not None and engine.stats.preemptions == 0, where
+    assert max(n for kind, n, _, _ in engine.step_log if kind == "decode") > 1, where
+
+
+def test_cli_prompt_file_jsonl_writes_json_lines(tmp_root, tmp_path, capsys):
+    """`--prompt-file x.jsonl --json`: the prompts run together, one JSON line per output in prompt order, the
+    tokens those of one-at-a-time greedy `LLM.generate`."""
+    _llm("qwen3", tmp_root)
+    prompts = [p for p in _workload()[0][:5]]
+    texts = [" ".join(tiny_models.WORDS[i - 3] for i in p) for p in prompts]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(t if i % 2 else {"prompt": t}) for i, t in enumerate(texts)) + "\n")
+    argv = ["--model", str(tmp_root / "qwen3"), "--prompt-file", str(path), "--json", "--no-chat-template",
+            "--max-tokens", "6", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "24"]
+    assert generate_cli.main(argv) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    expected = [_llm("qwen3", tmp_root).generate([p], greedy)[0].token_ids for p in prompts]
+    assert [line["index"] for line in lines] == list(range(5))
+    assert [line["prompt_tokens"] for line in lines] == [len(p) for p in prompts]
+    assert [line["token_ids"] for line in lines] == expected, f"prompt seed {PROMPT_SEED}"
+
+
+def test_streamed_text_is_the_output_text(tmp_root):
+    llm = _llm("llama3", tmp_root)
+    prompts, params = _workload()
+    streamed = [""] * NUM_PROMPTS
+
+    def on_text(i: int, delta: str) -> None:
+        streamed[i] += delta
+
+    outs = _engine(llm, max_num_seqs=8).generate(prompts, params, on_text)
+    assert streamed == [o.text for o in outs], f"model seed {MODEL_SEEDS['llama3']}, prompt seed {PROMPT_SEED}"
+    assert any(o.finish_reason == "stop" for o in outs[3::4]), "no request met its stop string; pick another word"
+
+
+# ---- (b) preemption: KV swapped to host and back, or recomputed ---------------------------------------------
+
+def _swap_bytes(llm: LLM, blocks: int) -> int:
+    cfg = llm.model_config
+    return blocks * 2 * cfg.num_layers * BLOCK_SIZE * cfg.num_kv_heads * cfg.head_dim * 4
+
+
+@pytest.mark.parametrize("variant,limits", [("llama3", ALL_LIMITS), ("qwen3", (8,))])
+def test_preemption_swaps_and_keeps_outputs(tmp_root, variant, limits):
+    """A pool of 30 blocks for 24 requests: the newest running requests are preempted again and again, their KV
+    swapped to host memory and back."""
+    llm = _llm(variant, tmp_root)
+    prompts, params = _workload()
+    reference = _one_at_a_time(variant, tmp_root)
+    for max_num_seqs in limits:
+        engine = _engine(llm, max_num_seqs=max_num_seqs, num_blocks=SCARCE_BLOCKS,
+                         swap_space_bytes=_swap_bytes(llm, 10 * SCARCE_BLOCKS))
+        outs = engine.generate(prompts, params)
+        stats = engine.stats
+        where = f"model seed {MODEL_SEEDS[variant]}, prompt seed {PROMPT_SEED}, max_num_seqs {max_num_seqs}, {stats}"
+        _check(outs, reference, where)
+        assert stats.preemptions == stats.swap_outs == stats.swap_ins and stats.recomputes == 0, where
+        assert (stats.preemptions > 0) == (max_num_seqs > 1), where
+        assert engine.blocks.num_free == SCARCE_BLOCKS and engine.runner.host_bytes_used == 0, where
+
+
+@pytest.mark.parametrize("swap_blocks", [0, 16])
+def test_preemption_recomputes_when_host_room_runs_out(tmp_root, swap_blocks):
+    """With no host room every preempted request is recomputed (a prefill of prompt + output so far); with room
+    for a few swaps, the first preemptions swap and the later ones recompute."""
+    llm = _llm("llama3", tmp_root)
+    prompts, params = _workload()
+    engine = _engine(llm, max_num_seqs=8, num_blocks=SCARCE_BLOCKS, swap_space_bytes=_swap_bytes(llm, swap_blocks))
+    outs = engine.generate(prompts, params)
+    stats = engine.stats
+    where = f"model seed {MODEL_SEEDS['llama3']}, prompt seed {PROMPT_SEED}, swap blocks {swap_blocks}, {stats}"
+    _check(outs, _one_at_a_time("llama3", tmp_root), where)
+    assert stats.preemptions == stats.swap_outs + stats.recomputes and stats.swap_ins == stats.swap_outs, where
+    assert stats.recomputes > 0 and (stats.swap_outs > 0) == (swap_blocks > 0), where
+    assert engine.blocks.num_free == SCARCE_BLOCKS and engine.runner.host_bytes_used == 0, where
+
+
+# ---- (c) seeded sampling does not depend on the batch -----------------------------------------------------
+
+def _sampled_workload(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    prompts, greedy = _workload()
+    # Most requests use top-p (sample_token itself); every third samples the tempered logits without filters.
+    params = [SamplingParams(temperature=0.8, top_p=1.0 if i % 3 == 2 else 0.9, max_tokens=g.max_tokens,
+                             seed=seed + i) for i, g in enumerate(greedy)]
+    return prompts, params
+
+
+SAMPLING_SEED = 1000
+
+
+def test_seeded_sampling_ignores_batch_composition(tmp_root):
+    llm = _llm("llama3", tmp_root)
+    prompts, params = _sampled_workload(SAMPLING_SEED)
+    where = f"model seed {MODEL_SEEDS['llama3']}, prompt seed {PROMPT_SEED}, request seeds {SAMPLING_SEED}+i"
+    runs = {n: [o.token_ids for o in _engine(llm, max_num_seqs=n).generate(prompts, params)] for n in (1, 5, 24)}
+    assert runs[1] == runs[5] == runs[24], where
+    # Other neighbours: the odd requests alone, in reverse order, then preempted and swapped.
+    odd = [o.token_ids for o in _engine(llm, max_num_seqs=3).generate(prompts[::-2], params[::-2])]
+    assert odd == runs[24][::-2], where
+    scarce = _engine(llm, max_num_seqs=8, num_blocks=SCARCE_BLOCKS)
+    assert [o.token_ids for o in scarce.generate(prompts, params)] == runs[24], where
+    assert scarce.stats.swap_outs > 0, where
+    # top-p requests run sample_token with LLM's keys, so they match LLM.generate one at a time too.
+    reference = _one_at_a_time("llama3", tmp_root, SAMPLING_SEED)
+    assert [runs[24][i] for i in range(NUM_PROMPTS) if i % 3 != 2] == \
+        [reference[i][0] for i in range(NUM_PROMPTS) if i % 3 != 2], where
+
+
+# ---- (d) the block manager --------------------------------------------------------------------------------
+
+def _seq(index: int, prompt_len: int) -> Sequence:
+    return Sequence(index, [5] * prompt_len, SamplingParams(), np.zeros(2, np.uint32), prompt_len + 10)
+
+
+def test_block_manager_accounting():
+    blocks = BlockManager(num_blocks=6, block_size=16)
+    a, b = _seq(0, 17), _seq(1, 16)
+    assert blocks.can_allocate(17 + 16 * 4) and not blocks.can_allocate(16 * 6 + 1)
+    blocks.allocate(a, a.num_tokens)
+    blocks.allocate(b, b.num_tokens)
+    assert (len(a.block_table), len(b.block_table), blocks.num_free, blocks.num_used) == (2, 1, 3, 3)
+    assert not set(a.block_table) & set(b.block_table)
+    a.num_cached = 17  # 17 cached + the next token fit in its 2 blocks
+    assert blocks.new_blocks_to_append(a) == 0
+    b.num_cached = 16  # block 1 is full: its next token needs a new block
+    assert blocks.new_blocks_to_append(b) == 1
+    blocks.append(b)
+    assert len(b.block_table) == 2 and blocks.num_free == 2
+    with pytest.raises(RuntimeError, match="already holds blocks"):
+        blocks.allocate(a, 1)
+    blocks.free(a)
+    assert a.block_table == [] and blocks.num_free == 4
+    c = _seq(2, 64)
+    blocks.allocate(c, 64)
+    assert blocks.num_free == 0 and blocks.can_append(b)
+    b.num_cached = 32
+    assert not blocks.can_append(b)
+    with pytest.raises(RuntimeError, match="needs 1 blocks but only 0 are free"):
+        blocks.allocate(_seq(3, 1), 1)
+    blocks.free(b)
+    blocks.free(c)
+    assert blocks.num_free == 6 and blocks.num_used == 0
+    stale = _seq(4, 1)
+    stale.block_table = [0]
+    with pytest.raises(RuntimeError, match="Block 0 of sequence 4 is not in use"):
+        blocks.free(stale)
+
+
+def test_no_blocks_or_host_bytes_leak(tmp_root):
+    """After each of several runs (greedy, preempted, sampled) the pool is whole and nothing waits on the host."""
+    llm = _llm("llama3", tmp_root)
+    prompts, params = _workload()
+    engine = _engine(llm, max_num_seqs=8, num_blocks=SCARCE_BLOCKS)
+    for run in (params, _sampled_workload(SAMPLING_SEED)[1], params):
+        engine.generate(prompts[:12], run[:12])
+        assert engine.blocks.num_free == SCARCE_BLOCKS and engine.blocks.num_used == 0
+        assert engine.runner.host_bytes_used == 0 and not engine.scheduler.has_work()
+    assert engine.stats.swap_outs > 0
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(block_size=24), "block_size must be a power of two >= 16, got 24"),
+    (dict(num_blocks=10), "Request 0 may reach 301 tokens .19 KV blocks. but the pool has only 10 blocks"),
+])
+def test_bad_options(tmp_root, options, message):
+    llm = _llm("llama3", tmp_root)
+    with pytest.raises(ValueError, match=message):
+        _engine(llm, **options).generate([[5] * 300], SamplingParams(max_tokens=1))
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1, got 0"),
+    (dict(max_num_batched_tokens=2.5), "max_num_batched_tokens must be an integer >= 1, got 2.5"),
+    (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be a number in \(0, 1\], got 1.5"),
+])
+def test_bad_llm_options(tmp_root, options, message):
+    llm = _llm("llama3", tmp_root)
+    with pytest.raises(ValueError, match=message):
+        LLM.from_params(llm.model_config, llm.params, dtype="float32", **options)
+
+
+def test_bad_requests(tmp_root):
+    engine = _engine(_llm("llama3", tmp_root))
+    with pytest.raises(ValueError, match="Got 2 SamplingParams for 1 prompts"):
+        engine.generate([[5]], [SamplingParams(), SamplingParams()])
+    with pytest.raises(ValueError, match="Prompt 1 is empty"):
+        engine.generate([[5], []], SamplingParams())
+    with pytest.raises(ValueError, match="Prompt 0 has 512 tokens; max_model_len 512 leaves no room"):
+        engine.generate([[5] * 512], SamplingParams())
