@@ -303,6 +303,10 @@ def report(src: Path, out: Path) -> None:
             vs_chunked = "-" if chunked is None else f"{chunked / seconds:.2f}x"
             lines.append(f"| {r['mode']} | {r['ctx']} | {asked} | {measured} | {fmt(r['prefill_s'])} | "
                          f"{base / seconds:.2f}x | {vs_chunked} | {r['pcie_GB']:.1f} |")
+        if "runs" in pre:
+            lines += ["", "Each mode ran in its own device call (same GPU model and software); 'vs full, same mode' "
+                      "compares within one call, 'vs full chunked' across calls. Runs: "
+                      + "; ".join(f"{mode}: {when}" for mode, when in pre["runs"].items()) + "."]
     (out / "sparse.md").write_text("\n".join(lines) + "\n")
     _plot(phases, out / "sparse.png")
     print("\n".join(lines))
@@ -314,25 +318,28 @@ def _plot(phases: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    q = phases.get("quest")
+    q, pre = phases.get("quest"), phases.get("xattn_prefill")
+    panels = [name for name, phase in (("quest", q), ("prefill", pre)) if phase]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    axes = dict(zip(panels, axes[0]))
     if q:
+        ax = axes["quest"]
         ctx = [r["ctx"] for r in q["rows"]]
-        axes[0].plot(ctx, [r["decode_ms"]["median"] for r in q["rows"]], "o-", label=f"Quest, budget {q['budget']}")
+        ax.plot(ctx, [r["decode_ms"]["median"] for r in q["rows"]], "o-", label=f"Quest, budget {q['budget']}")
         b = q["breakdown"]
-        axes[0].plot([b["ctx"]], [b["full_offloaded_decode_ms"]["median"]], "s", label="full offloaded decode")
-        axes[0].set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms / token",
-                    title="Offloaded decode, 8B shape")
-        axes[0].legend()
-    pre = phases.get("xattn_prefill")
+        ax.plot([b["ctx"]], [b["full_offloaded_decode_ms"]["median"]], "s", label="full offloaded decode")
+        ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms / token",
+               title="Offloaded decode, 8B shape")
+        ax.legend()
     if pre:
+        ax = axes["prefill"]
         for mode in dict.fromkeys(r["mode"] for r in pre["rows"]):
             for density, style in ((None, "o-"), (0.1, "s--")):
                 rows = [r for r in pre["rows"] if r["mode"] == mode and r["density"] == density]
-                axes[1].plot([r["ctx"] for r in rows], [r["prefill_s"]["median"] for r in rows], style,
-                             label=f"{mode}, {'full' if density is None else 'XAttention 10%'}")
-        axes[1].set(xscale="log", yscale="log", xlabel="prompt (tokens)", ylabel="prefill s", title="Prefill, 8B shape")
-        axes[1].legend(fontsize=7)
+                ax.plot([r["ctx"] for r in rows], [r["prefill_s"]["median"] for r in rows], style,
+                        label=f"{mode}, {'full' if density is None else 'XAttention 10%'}")
+        ax.set(xscale="log", yscale="log", xlabel="prompt (tokens)", ylabel="prefill s", title="Prefill, 8B shape")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

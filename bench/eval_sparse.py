@@ -15,7 +15,7 @@ GPU, float32 otherwise), and runs every length's prompts greedily for `--max-tok
 layers) and `xattnT` (XAttention prefill, threshold T, stride 8, 128-token blocks). Each length's prompts (the
 eight RULER NIAH tasks, `--samples` each, `--seed`) are built once, so every config sees the same token ids;
 prompts are fitted to at most `min(length, max_model_len - max_tokens)` tokens, so that all tokens can be
-generated. A run writes `sparse_niah_{length}_{config}.json` per length and config under `--out`.
+generated. A run writes `sparse_niah_{length}_{config}.json` per length and config under `--out` (`+` written as `-`).
 
 `--mass` generates nothing: for each length and each Quest budget among `--configs` it runs the model layer by
 layer in device memory (float32 attention) and measures, per layer and query head, the share of the
@@ -264,7 +264,8 @@ def evaluate(args: argparse.Namespace, model_dir: Path, base: dict[str, Any]) ->
                 "load_seconds": round(load_s, 2), "wall_seconds": round(time.perf_counter() - start, 2), "meta": meta,
             }
             results[(n, name)] = result
-            (args.out / NIAH_FILE.format(length=n, config=name)).write_text(json.dumps(result, indent=1) + "\n")
+            # "+" is kept out of file names: some copy tools refuse it.
+            (args.out / NIAH_FILE.format(length=n, config=name.replace("+", "-"))).write_text(json.dumps(result, indent=1) + "\n")
             agree = ""
             if (n, "full") in results and name != "full":
                 same, total = same_outputs(records, results[(n, "full")]["records"])
@@ -590,7 +591,7 @@ def report(src: Path, out: Path) -> None:
     model = next(iter(niah.values()))[0]["model"] if niah else next(iter(mass.values()))["model"]
     files = [r for rs in niah.values() for r in rs] + list(mass.values())
     lines = ["# Sparse attention on RULER NIAH", "", f"Model `{Path(model).name}`; source files in `{src}`. "
-             "Configs: full = offloaded engine, no sparsity; questN = Quest decode with an N-token budget per KV head; "
+             "Configs: full = the base engine (options below), no sparsity; questN = Quest decode with an N-token budget per KV head; "
              "xattnT = XAttention prefill at threshold T.", ""]
     for n, results in niah.items():
         first = results[0]

@@ -46,12 +46,6 @@ def prefill_attention(impl: str, q, k, v, *, causal: bool, q_offset=0, kv_len=No
     return fn(q, k, v, causal=causal, q_offset=q_offset, kv_len=kv_len, out_dtype=out_dtype)
 
 
-def decode_attention(impl: str, q, k, v, *, kv_len=None, out_dtype=None):
-    """Attention with LSE of one query token [B, Hq, D] over keys [B, S, Hkv, D]."""
-    fn = pallas_kernels.decode_attention_with_lse if impl == "pallas" else pallas_kernels.decode_attention_with_lse_xla
-    return fn(q, k, v, kv_len=kv_len, out_dtype=out_dtype)
-
-
 def prompt_attention(impl: str, xattn: XAttention | None, q, k, v, prompt_len) -> tuple[jax.Array, jax.Array]:
     """Causal attention of a whole (padded) prompt, full or XAttention's blocks -> (o in q's dtype, [selected,
     visible] key blocks as int32 [2]; both 0 for full attention)."""
@@ -100,16 +94,18 @@ def decode_layer_in_device(
     q, k, v = decoder.attention_inputs(cfg, layer, x, position.reshape(1, 1), inv_freq)
     k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, position, 0, 0))
     v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, position, 0, 0))
-    o, _ = decode_attention(impl, q[:, 0], k_cache, v_cache, kv_len=position + 1)
-    return decoder.attention_output_and_mlp(cfg, layer, x, o[:, None]), k_cache, v_cache
+    # The offloaded decode's attention over one block holding every key: both round o once, from the same bits.
+    o = attend_and_finish(impl, q, k_cache, v_cache, pallas_kernels.empty_state(*q.shape), causal=False,
+                          kv_len=position + 1)
+    return decoder.attention_output_and_mlp(cfg, layer, x, o), k_cache, v_cache
 
 
 # ---- offloaded KV: a query chunk or token attends block by block ---------------------------------------
 # The float32 online-softmax state (pallas_kernels.AttentionState) is carried through the blocks in
 # ascending key order, the chunk's own keys (or the decode tail) last, and rounded to the model dtype once,
 # in the layer's end step. Prefill kernels (Pallas and jnp alike) continue the state exactly where one call
-# over all the keys would be, so chunked prefill gives the in-GPU bits; the Pallas decode kernel splits the
-# keys for parallelism and returns (o, lse), merged into the state in float32.
+# over all the keys would be, so chunked prefill gives the in-GPU bits; the Pallas decode cuts the keys into
+# fixed splits folded into the state in key order, so blocks of a multiple of DECODE_SPLIT keys give them too.
 
 
 def attend(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState, *, causal: bool,
@@ -119,8 +115,7 @@ def attend(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, state: Attention
     if impl == "xla":
         return pallas_kernels.attention_state_xla(q, k, v, state, causal=causal, kv_len=kv_len)
     if q.shape[1] == 1:
-        o, lse = pallas_kernels.decode_attention_with_lse(q[:, 0], k, v, kv_len=kv_len, out_dtype=jnp.float32)
-        return pallas_kernels.merge_into_state(state, o[:, None], lse[..., None])
+        return pallas_kernels.decode_state(q[:, 0], k, v, state, kv_len=kv_len)
     return pallas_kernels.attention_state(q, k, v, state, causal=causal, kv_len=kv_len)
 
 

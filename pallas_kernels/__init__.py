@@ -16,8 +16,10 @@ from pallas_kernels.block_sparse import (
     mask_to_block_lists,
 )
 from pallas_kernels.decode import (
+    DECODE_SPLIT,
     decode_attention_with_lse,
     decode_attention_with_lse_xla,
+    decode_state,
     default_decode_config,
 )
 from pallas_kernels.merge import merge_states, merge_states_n
@@ -42,8 +44,10 @@ __all__ = [
     "attention_with_lse_xla",
     "block_sparse_attention_with_lse",
     "block_sparse_attention_with_lse_xla",
+    "DECODE_SPLIT",
     "decode_attention_with_lse",
     "decode_attention_with_lse_xla",
+    "decode_state",
     "default_attention_config",
     "default_decode_config",
     "default_xattn_config",

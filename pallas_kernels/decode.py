@@ -3,7 +3,8 @@
 `decode_attention_with_lse` launches one program per (key split, batch, KV head); each
 program attends the whole query-head group of its KV head to its slice of keys, so KV is
 read once per group and never repeated. The per-split states are merged in float32.
-`decode_attention_with_lse_xla` is the jnp twin.
+`decode_attention_with_lse_xla` is the jnp twin. `decode_state` is the engine's form: fixed-length splits
+folded into a running float32 `AttentionState` in key order, so keys streamed in pieces give one call's bits.
 
 Semantics: q [B, Hq, D] sees keys j < kv_len of k/v [B, S, Hkv, D]; o [B, Hq, D] in q.dtype
 (or `out_dtype`),
@@ -13,6 +14,7 @@ lse [B, Hq] float32 natural log; a row with kv_len = 0 gets o = 0 and lse = -inf
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -43,11 +45,15 @@ from pallas_kernels._common import (
 )
 from pallas_kernels.attention import _check_pallas_head_dim, attention_with_lse_xla
 from pallas_kernels.merge import merge_stack
+from pallas_kernels.state import AttentionState, check_state, merge_into_state
 
 # About one program per SM of an H100/H200 (132): on 64K keys, 16 splits x 8 KV heads ran at
 # 0.94x the device copy bandwidth, against 0.81x for 64 splits (fewer, longer programs keep
 # their loads pipelined for longer).
 _TARGET_PROGRAMS = 128
+# Keys per split of `decode_state`, the engine's decode: offload block sizes that are multiples of it give the
+# in-GPU bits; two bf16 key tiles per program keep the loads pipelined.
+DECODE_SPLIT = 256
 
 
 def default_decode_config(dtype) -> dict[str, int]:
@@ -94,19 +100,19 @@ def _decode_kernel(kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale_log2
     plgpu.store(lse_ref, lse, mask=row_ok)
 
 
-def _decode_pallas(q, k, v, kv_len, *, sm_scale, out_dtype, interpret, block_k, num_splits,
-                   num_warps, num_stages):
+def _decode_parts(q, k, v, kv_len, *, sm_scale, interpret, block_k, split_len, num_warps, num_stages):
+    """Unmerged float32 states of consecutive key splits of `split_len` keys (a multiple of block_k):
+    o [num_splits, B, Hkv, group, D], natural-log lse [num_splits, B, Hkv, group]."""
     batch, hq, d = q.shape
     _, seq, hkv, _ = k.shape
     group = hq // hkv
     block_h = max(MIN_BLOCK, next_pow2(group))
-    split_len = -(-(-(-seq // num_splits)) // block_k) * block_k
     num_splits = -(-seq // split_len)
     kernel = functools.partial(
         _decode_kernel, scale_log2=sm_scale * LOG2E, block_k=block_k, split_len=split_len,
         group=group, precision=dot_precision(q.dtype))
     qg = q.reshape(batch, hkv, group, d)
-    o_part, lse_part = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         grid=(num_splits, batch * hkv),
         in_specs=[
@@ -129,6 +135,19 @@ def _decode_pallas(q, k, v, kv_len, *, sm_scale, out_dtype, interpret, block_k, 
         interpret=interpret,
         name="decode_attention_with_lse",
     )(kv_len, qg, k, v)
+
+
+_decode_parts = interpret_aware_jit(
+    _decode_parts, ("sm_scale", "interpret", "block_k", "split_len", "num_warps", "num_stages"))
+
+
+def _decode_pallas(q, k, v, kv_len, *, sm_scale, out_dtype, interpret, block_k, num_splits,
+                   num_warps, num_stages):
+    batch, hq, d = q.shape
+    seq = k.shape[1]
+    split_len = -(-(-(-seq // num_splits)) // block_k) * block_k
+    o_part, lse_part = _decode_parts(q, k, v, kv_len, sm_scale=sm_scale, interpret=interpret, block_k=block_k,
+                                     split_len=split_len, num_warps=num_warps, num_stages=num_stages)
     o, lse = merge_stack(o_part, lse_part)
     return o.reshape(batch, hq, d).astype(out_dtype), lse.reshape(batch, hq)
 
@@ -186,3 +205,37 @@ def decode_attention_with_lse_xla(q: jax.Array, k: jax.Array, v: jax.Array, *, k
     o, lse = attention_with_lse_xla(q[:, None], k, v, kv_len=kv_len, sm_scale=sm_scale,
                                     out_dtype=out_dtype)
     return o[:, 0], lse[..., 0]
+
+
+def decode_state(q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState, *, kv_len=None,
+                 sm_scale: float | None = None, split_len: int = DECODE_SPLIT,
+                 interpret: bool | None = None) -> AttentionState:
+    """Continues the attention state of one query token per sequence over k/v, split for parallelism.
+
+    The keys are cut into consecutive splits of `split_len` keys, each attended by its own programs, and the
+    splits' float32 states are folded into `state` one after another in ascending key order. So attention over
+    keys that arrive in pieces (blocks streamed from the host, then the GPU tail) whose lengths are multiples
+    of `split_len` ends in the same bits as one call over all of them: offloaded decode reproduces in-GPU
+    decode exactly. Splits past kv_len hold no key and leave the state unchanged bit for bit.
+
+    Args:
+      q: [B, Hq, D]; k, v: [B, S, Hkv, D] with Hq % Hkv == 0.
+      state: AttentionState with acc [B, 1, Hq, D], m and l [B, Hq, 1].
+      kv_len: keys j >= kv_len are invisible (int or int32 array, scalar or [B]); None means S.
+      split_len: keys per split (static), a multiple of 16.
+    """
+    batch, _, hq, seq, hkv, d = check_attention_shapes(q, k, v, 3)
+    _check_pallas_head_dim(d)
+    check_state(state, batch, 1, hq, d)
+    if split_len < MIN_BLOCK or split_len % MIN_BLOCK:
+        raise ValueError(f"split_len={split_len}; allowed: a positive multiple of {MIN_BLOCK}")
+    cfg = default_decode_config(q.dtype)
+    block_k = fit_block(math.gcd(cfg["block_k"], split_len), seq)
+    split_len = min(split_len, -(-seq // block_k) * block_k)
+    kv_len = jnp.clip(per_batch(seq if kv_len is None else kv_len, batch, "kv_len"), 0, seq)
+    o_part, lse_part = _decode_parts(
+        q, k, v, kv_len, sm_scale=check_sm_scale(sm_scale, d), interpret=resolve_interpret(interpret),
+        block_k=block_k, split_len=split_len, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    for o, lse in zip(o_part.reshape(-1, batch, 1, hq, d), lse_part.reshape(-1, batch, hq, 1)):
+        state = merge_into_state(state, o, lse)
+    return state
