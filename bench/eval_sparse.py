@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import run_metadata  # noqa: E402  (also puts the repository root on sys.path)
 
+from jax_offload.eval.niah import positive_int_list  # noqa: E402
 from jax_offload.eval.ruler import TASKS, NiahSample, make_samples, score_string_match_all  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,16 +123,6 @@ def _literal(raw: str) -> Any:
         except ValueError:
             pass
     return raw
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must list positive integers")
-    return values
 
 
 def _check_llm_accepts(options_by_config: dict[str, dict[str, Any]]) -> None:
@@ -625,7 +616,7 @@ class _ArgumentParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="Hugging Face model directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--lengths", type=_int_list, default=[4096], help="comma-separated prompt lengths in tokens")
+    p.add_argument("--lengths", type=positive_int_list, default=[4096], help="comma-separated prompt lengths in tokens")
     p.add_argument("--samples", type=int, default=10, help="prompts per task and length")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--max-tokens", type=int, default=32)

@@ -148,7 +148,8 @@ class _ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see --help)\n")
 
 
-def _int_list(text: str) -> list[int]:
+def positive_int_list(text: str) -> list[int]:
+    """argparse type: "1024,2048" -> [1024, 2048], positive integers only."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -172,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _ArgumentParser(prog="python -m jax_offload.eval.niah", description=__doc__)
     p.add_argument("--model", type=Path, help="Hugging Face model directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--tasks", type=_task_list, default=list(TASKS), help="comma-separated task names, or all (default)")
-    p.add_argument("--lengths", type=_int_list, default=[1024], help="comma-separated prompt lengths in tokens")
+    p.add_argument("--lengths", type=positive_int_list, default=[1024], help="comma-separated prompt lengths in tokens")
     p.add_argument("--samples", type=int, default=10, help="prompts per task and length")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--max-tokens", type=int, default=32)
