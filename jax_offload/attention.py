@@ -9,10 +9,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Sharding
 
 import pallas_kernels
 from jax_offload.config import ModelConfig
-from jax_offload.kv.host_store import from_stored_layout
+from jax_offload.kv.host_store import from_stored_layout, gather_rows
 from jax_offload.models import decoder
 from jax_offload.models.params import LayerParams
 from jax_offload.precision import step_jit
@@ -187,25 +188,43 @@ def decode_begin(
     return _decode_inputs(cfg, layer, x, inv_freq, tail, position, tail_len)
 
 
+def _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state):
+    k, v = _split_block(tail)
+    o = attend_and_finish(impl, q, k, v, state, causal=False, kv_len=tail_len + 1)
+    return decoder.attention_output_and_mlp(cfg, layer, x, o)  # the one rounding to the model dtype
+
+
 @functools.partial(step_jit, static_argnums=(0, 1))
 def decode_end(
     cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, q: jax.Array, tail: jax.Array,
     tail_len: jax.Array, state: AttentionState,
 ) -> jax.Array:
     """Attention over the tail (the newest keys, last in key order), then the rest of the layer."""
-    k, v = _split_block(tail)
-    o = attend_and_finish(impl, q, k, v, state, causal=False, kv_len=tail_len + 1)
-    return decoder.attention_output_and_mlp(cfg, layer, x, o)  # the one rounding to the model dtype
+    return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state)
 
 
-@functools.partial(step_jit, static_argnums=(0, 8, 9, 10), donate_argnums=(4,))
-def quest_begin(
-    cfg: ModelConfig, layer: LayerParams, x: jax.Array, inv_freq: jax.Array, tail: jax.Array, position: jax.Array,
-    tail_len: jax.Array, bounds: tuple[jax.Array, jax.Array], budget_pages: int, page_size: int, block_size: int,
-    num_pages: jax.Array,
-) -> tuple[jax.Array, jax.Array, AttentionState, jax.Array, jax.Array]:
-    """`decode_begin` plus Quest's choice: the store rows of the pages each KV head reads, and how many of the
-    gathered keys are real (fewer than the budget while the context is short)."""
+def _layer_blocks(buffer: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A one-buffer layer [num_blocks, Hkv, units, 2, PAGE_UNIT, D] -> k, v [1, num_blocks * block_size, Hkv, D]."""
+    nb, hkv, units = buffer.shape[:3]
+    return _split_block(from_stored_layout(buffer.swapaxes(0, 1).reshape(hkv, nb * units, *buffer.shape[3:])))
+
+
+@functools.partial(step_jit, static_argnums=(0, 1), donate_argnums=(5,))
+def decode_gpu_layer(
+    cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, inv_freq: jax.Array, tail: jax.Array,
+    position: jax.Array, tail_len: jax.Array, buffer: jax.Array, num_keys: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """A decode layer whose stored blocks stay in GPU memory (`buffer`, the first `num_keys` keys written):
+    one call over all of them, in the key order and splits the streamed blocks would meet, then the tail.
+    -> (hidden, tail with the token's K, V)."""
+    q, tail, state = _decode_inputs(cfg, layer, x, inv_freq, tail, position, tail_len)
+    k, v = _layer_blocks(buffer)
+    state = attend(impl, q, k, v, state, causal=False, kv_len=num_keys)
+    return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state), tail
+
+
+def _quest_choice(cfg, layer, x, inv_freq, tail, position, tail_len, bounds, budget_pages, page_size, block_size,
+                  num_pages):
     q, tail, state = _decode_inputs(cfg, layer, x, inv_freq, tail, position, tail_len)
     kmin, kmax = bounds
     pages = quest.select_pages(q[0, 0], kmin, kmax, num_pages, budget_pages)
@@ -213,19 +232,32 @@ def quest_begin(
     return q, tail, state, rows, jnp.minimum(num_pages, budget_pages) * page_size
 
 
-@functools.partial(step_jit, static_argnums=(0, 1))
-def quest_end(
-    cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, q: jax.Array, pages: jax.Array,
-    num_keys: jax.Array, tail: jax.Array, tail_len: jax.Array, state: AttentionState,
-) -> jax.Array:
-    """Attention over the gathered pages [Hkv * n, 2, PAGE_UNIT, D] (the first `num_keys` keys of every head are
-    real), then over the tail, then the rest of the layer."""
-    hkv = cfg.num_kv_heads
-    k, v = _split_block(from_stored_layout(pages.reshape(hkv, -1, *pages.shape[1:])))
+def _quest_attend(cfg, impl, layer, x, q, pages, num_keys, tail, tail_len, state):
+    k, v = _split_block(from_stored_layout(pages.reshape(cfg.num_kv_heads, -1, *pages.shape[1:])))
     state = attend(impl, q, k, v, state, causal=False, kv_len=num_keys)
-    k, v = _split_block(tail)
-    o = attend_and_finish(impl, q, k, v, state, causal=False, kv_len=tail_len + 1)
-    return decoder.attention_output_and_mlp(cfg, layer, x, o)
+    return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state)
+
+
+@functools.partial(step_jit, static_argnums=(0, 1, 9, 10, 11, 14, 15), donate_argnums=(5,))
+def quest_layer(
+    cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, inv_freq: jax.Array, tail: jax.Array,
+    position: jax.Array, tail_len: jax.Array, bounds: tuple[jax.Array, jax.Array], budget_pages: int,
+    page_size: int, block_size: int, num_pages: jax.Array, buffer: jax.Array, host: Sharding, device: Sharding,
+) -> tuple[jax.Array, jax.Array]:
+    """A whole Quest decode layer as one program: the choice of pages among the first `num_pages` (the store
+    rows each KV head reads), the host gather of those rows from the pinned `buffer` and their transfer,
+    attention over them (fewer real keys than the budget while the context is short), the tail, and the rest
+    of the layer: one dispatch, no round trip through Python between choosing and reading.
+    -> (hidden, tail with the token's K, V)."""
+    q, tail, state, rows, num_keys = _quest_choice(cfg, layer, x, inv_freq, tail, position, tail_len, bounds,
+                                                   budget_pages, page_size, block_size, num_pages)
+    pages = gather_rows(buffer, rows, host, device)
+    return _quest_attend(cfg, impl, layer, x, q, pages, num_keys, tail, tail_len, state), tail
+
+
+# The two halves of `quest_layer` as calls of their own, for the benchmark to time apart.
+quest_begin = functools.partial(step_jit, static_argnums=(0, 8, 9, 10))(_quest_choice)
+quest_end = functools.partial(step_jit, static_argnums=(0, 1))(_quest_attend)
 
 
 @functools.partial(step_jit, static_argnums=(0, 1, 2), static_argnames=("xattn",))

@@ -25,11 +25,11 @@ from jax_offload.attention import (
     chunk_end,
     decode_begin,
     decode_end,
+    decode_gpu_layer,
     embed_tokens,
     gather_keys,
     layerwise_layer,
-    quest_begin,
-    quest_end,
+    quest_layer,
     xattn_attend_blocks,
     xattn_chunk_end,
     xattn_chunk_select,
@@ -65,6 +65,8 @@ class OffloadRunner:
             dense = engine.dense_layers
             places = ["gpu"] * dense + ["pages"] * (cfg.num_layers - dense)
             self.budget_pages, self.page_size = engine.decode_budget // engine.page_size, engine.page_size
+            # Every KV head gathers budget_pages pages of K and V per sparse layer, whatever it chose.
+            self.gathered_bytes = 2 * engine.decode_budget * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
             self.quest = QuestPages(list(range(dense, cfg.num_layers)), num_blocks * engine.block_size // engine.page_size,
                                     cfg.num_kv_heads, cfg.head_dim, engine.page_size, dtype)
         self.store = HostKVStore(
@@ -212,26 +214,28 @@ class OffloadRunner:
 
     def decode(self, x: jax.Array, position: int) -> jax.Array:
         """x [1, 1, hidden] embedded new token at `position` -> its final hidden state."""
-        layers = self.params.layers
+        layers, store = self.params.layers, self.store
         pos, tail_len = jnp.int32(position), jnp.int32(self._tail_len)
-        full = [[] if self._sparse(l) else range(self.store.num_written(l)) for l in range(len(layers))]
-        groups, ring = self._stream(full)
-        moved = sum(len(b) for l, b in enumerate(full) if self.store.places[l] != "gpu") * self.store.block_bytes
+        streamed = [range(store.num_written(l)) if place == "blocks" else [] for l, place in enumerate(store.places)]
+        groups, ring = self._stream(streamed)
+        moved = sum(len(b) for b in streamed) * store.block_bytes
         for l, layer in enumerate(layers):
-            if self._sparse(l):
-                pages_per_block = self.block_size // self.page_size
-                q, self._tails[l], state, rows, num_keys = quest_begin(
-                    self.cfg, layer, x, self.inv_freq, self._tails[l], pos, tail_len,
+            num_keys = jnp.int32(store.num_written(l) * self.block_size)
+            if store.places[l] == "gpu":
+                x, self._tails[l] = decode_gpu_layer(self.cfg, self.impl, layer, x, self.inv_freq, self._tails[l], pos,
+                                                     tail_len, store.layer_buffer(l), num_keys)
+            elif store.places[l] == "pages":
+                x, self._tails[l] = quest_layer(
+                    self.cfg, self.impl, layer, x, self.inv_freq, self._tails[l], pos, tail_len,
                     (self.quest.kmin[l], self.quest.kmax[l]), self.budget_pages, self.page_size, self.block_size,
-                    jnp.int32(self.store.num_written(l) * pages_per_block),
-                )
-                pages = self.store.gather_pages(l, rows)
-                moved += pages.nbytes
-                x = quest_end(self.cfg, self.impl, layer, x, q, pages, num_keys, self._tails[l], tail_len, state)
-                continue
-            q, self._tails[l], state = decode_begin(self.cfg, layer, x, self.inv_freq, self._tails[l], pos, tail_len)
-            state = self._attend_groups(ring, groups[l], q, state)
-            x = decode_end(self.cfg, self.impl, layer, x, q, self._tails[l], tail_len, state)
+                    jnp.int32(store.num_written(l) * (self.block_size // self.page_size)), store.layer_buffer(l),
+                    store.layer_sharding(l), store.device)
+                moved += self.gathered_bytes
+            else:
+                q, self._tails[l], state = decode_begin(self.cfg, layer, x, self.inv_freq, self._tails[l], pos,
+                                                        tail_len)
+                state = self._attend_groups(ring, groups[l], q, state)
+                x = decode_end(self.cfg, self.impl, layer, x, q, self._tails[l], tail_len, state)
         self.last_decode_pcie_bytes = moved
         self._tail_len += 1
         if self._tail_len == self.block_size:

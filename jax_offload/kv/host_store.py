@@ -6,10 +6,11 @@ one KV head's page (its keys and values together) is one contiguous run of bytes
 this layout and are rearranged on the GPU (`from_stored_layout`), where it costs a pass over HBM, not PCIe.
 
 Each layer lives in one of three places:
-  - "gpu": blocks in GPU memory (the dense layers of a sparse decode policy; nothing crosses PCIe);
+  - "gpu": one GPU buffer for all the layer's blocks (the dense layers of a sparse decode policy; nothing
+    crosses PCIe, and a decode step attends the whole layer in one call);
   - "blocks": one pinned-host buffer per block, moved to the GPU group by group (full attention);
   - "pages": one pinned-host buffer for all the layer's blocks, so the pages a sparse policy selects, from any
-    block, can be gathered in one pass on the host and cross PCIe as one transfer.
+    block, can be gathered in one pass on the host and cross PCIe as one transfer (`gather_rows`).
 """
 from __future__ import annotations
 
@@ -103,7 +104,7 @@ class HostKVStore:
         zeros = jnp.zeros(self.block_shape, dtype)
         self._blocks: list[list[jax.Array] | jax.Array] = []
         for place, sharding in zip(places, self._sharding):
-            if place == "pages":
+            if place != "blocks":
                 self._blocks.append(jax.device_put(jnp.zeros((num_blocks, *self.block_shape), dtype), sharding))
             else:
                 self._blocks.append([jax.device_put(zeros, sharding, may_alias=False) for _ in range(num_blocks)])
@@ -128,7 +129,7 @@ class HostKVStore:
         if index >= self.num_blocks:
             raise RuntimeError(f"Block {index} is beyond the store's {self.num_blocks} blocks.")
         sharding = self._sharding[layer]
-        if self.places[layer] == "pages":
+        if self.places[layer] != "blocks":
             self._blocks[layer] = self._write_into_layer(self._blocks[layer], kv, jnp.int32(index), sharding)
         else:
             self._blocks[layer][index] = self._write_block(self._blocks[layer][index], kv, sharding)
@@ -139,16 +140,16 @@ class HostKVStore:
 
     def fetch(self, keys: Sequence[tuple[int, int]]) -> list[jax.Array]:
         """Starts moving the blocks `keys` [(layer, index), ...] of this request to the GPU (asynchronously);
-        blocks of a "pages" layer must be consecutive. Reading any block the request has not written is a bug."""
+        blocks of a "gpu" or "pages" layer must be consecutive. Reading any block the request has not written is a bug."""
         for layer, index in keys:
             if index >= self._written[layer]:
                 raise RuntimeError(f"Block {index} of layer {layer} has not been written by this request.")
         layer = keys[0][0]
-        if self.places[layer] != "pages":
+        if self.places[layer] == "blocks":
             return jax.device_put([self._blocks[l][i] for l, i in keys], self.device)
         first = keys[0][1]
         if [k for k in keys] != [(layer, first + j) for j in range(len(keys))]:
-            raise RuntimeError(f"Blocks {keys} of a paged layer must be consecutive blocks of one layer.")
+            raise RuntimeError(f"Blocks {keys} of a one-buffer layer must be consecutive blocks of one layer.")
         group = self._read_consecutive(self._blocks[layer], jnp.int32(first), len(keys), self.device)
         return [group[j] for j in range(len(keys))]
 
@@ -158,13 +159,22 @@ class HostKVStore:
         block = jax.lax.dynamic_slice_in_dim(layer, first, count)
         return jax.device_put(block, device)
 
+    def layer_buffer(self, layer: int) -> jax.Array:
+        """The one buffer [num_blocks, *block_shape] of a "gpu" or "pages" layer (blocks past `num_written`
+        hold another request's data or zeros: the reader masks them by length)."""
+        if self.places[layer] == "blocks":
+            raise RuntimeError(f"Layer {layer} keeps one buffer per block, not one for the layer.")
+        return self._blocks[layer]
+
+    def layer_sharding(self, layer: int) -> SingleDeviceSharding:
+        """Where a layer's buffers live (GPU memory for a "gpu" layer, pinned host memory otherwise)."""
+        return self._sharding[layer]
+
     def gather_pages(self, layer: int, rows: jax.Array) -> jax.Array:
-        """Moves the 16-token pages `rows` (int32, anywhere; row (b * Hkv + h) * units + u is unit u of KV
-        head h in block b) of a "pages" layer to the GPU: gathered on the host, then one transfer.
-        -> [len(rows), 2, PAGE_UNIT, D]."""
+        """`gather_rows` of a "pages" layer, as a call of its own."""
         if self.places[layer] != "pages":
-            raise RuntimeError(f"Layer {layer} keeps whole blocks; only 'pages' layers gather pages.")
-        return _gather(self._blocks[layer], rows, self._sharding[layer], self.device)
+            raise RuntimeError(f"Layer {layer} is not kept as pages; only 'pages' layers gather pages.")
+        return gather_rows(self._blocks[layer], rows, self._sharding[layer], self.device)
 
     def reset(self) -> None:
         """Forgets the request: every block counts as unwritten again."""
@@ -181,7 +191,10 @@ class HostKVStore:
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
-def _gather(layer: jax.Array, rows: jax.Array, host, device) -> jax.Array:
+def gather_rows(layer: jax.Array, rows: jax.Array, host, device) -> jax.Array:
+    """The 16-token pages `rows` (int32, anywhere; row (b * Hkv + h) * units + u is unit u of KV head h in block
+    b) of a one-buffer layer kept in `host`, on `device`: gathered on the host next to the pinned buffer, then
+    one transfer. -> [len(rows), 2, PAGE_UNIT, D]. Called inside a jit, both join that program."""
     unit = layer.shape[-3:]
 
     def take(layer, rows):
