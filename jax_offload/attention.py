@@ -209,18 +209,13 @@ def _layer_blocks(buffer: jax.Array) -> tuple[jax.Array, jax.Array]:
     return _split_block(from_stored_layout(buffer.swapaxes(0, 1).reshape(hkv, nb * units, *buffer.shape[3:])))
 
 
-@functools.partial(step_jit, static_argnums=(0, 1), donate_argnums=(5,))
-def decode_gpu_layer(
-    cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, inv_freq: jax.Array, tail: jax.Array,
-    position: jax.Array, tail_len: jax.Array, buffer: jax.Array, num_keys: jax.Array,
-) -> tuple[jax.Array, jax.Array]:
-    """A decode layer whose stored blocks stay in GPU memory (`buffer`, the first `num_keys` keys written):
-    one call over all of them, in the key order and splits the streamed blocks would meet, then the tail.
-    -> (hidden, tail with the token's K, V)."""
-    q, tail, state = _decode_inputs(cfg, layer, x, inv_freq, tail, position, tail_len)
-    k, v = _layer_blocks(buffer)
-    state = attend(impl, q, k, v, state, causal=False, kv_len=num_keys)
-    return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state), tail
+@functools.partial(step_jit, static_argnums=(0, 5))
+def attend_stored(impl: str, q: jax.Array, buffer: jax.Array, first: jax.Array, state: AttentionState, count: int,
+                  kv_len: jax.Array) -> AttentionState:
+    """Continues a token's state over `count` blocks of a one-buffer layer in GPU memory from block `first`, of
+    which the first `kv_len` keys are real: the key order and splits of those blocks streamed through the ring."""
+    k, v = _layer_blocks(jax.lax.dynamic_slice_in_dim(buffer, first, count))
+    return attend(impl, q, k, v, state, causal=False, kv_len=kv_len)
 
 
 def _quest_choice(cfg, layer, x, inv_freq, tail, position, tail_len, bounds, budget_pages, page_size, block_size,

@@ -21,11 +21,11 @@ import numpy as np
 
 from jax_offload.attention import (
     attend_blocks,
+    attend_stored,
     chunk_begin,
     chunk_end,
     decode_begin,
     decode_end,
-    decode_gpu_layer,
     embed_tokens,
     gather_keys,
     layerwise_layer,
@@ -41,6 +41,8 @@ from jax_offload.kv.ring import BlockRing, Key, group_size, grouped
 from jax_offload.models.params import ModelParams
 from jax_offload.progress import LaggedProgress
 from jax_offload.sparse.quest import QuestPages
+
+GPU_RUN_KEYS = 16384
 
 
 class OffloadRunner:
@@ -69,9 +71,11 @@ class OffloadRunner:
             self.gathered_bytes = 2 * engine.decode_budget * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
             self.quest = QuestPages(list(range(dense, cfg.num_layers)), num_blocks * engine.block_size // engine.page_size,
                                     cfg.num_kv_heads, cfg.head_dim, engine.page_size, dtype)
+        # Blocks per call over a "gpu" layer: runs of GPU_RUN_KEYS keys (their splits unrolled in one program).
+        self.gpu_run = min(max(1, GPU_RUN_KEYS // engine.block_size), num_blocks)
         self.store = HostKVStore(
             cfg.num_layers, num_blocks, engine.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, jax.devices()[0],
-            places,
+            places, gpu_block_multiple=self.gpu_run,
         )
         self.xattn = engine.xattention()
         self.last_decode_pcie_bytes = 0  # bytes the last decode step moved from host to GPU
@@ -95,6 +99,15 @@ class OffloadRunner:
         """Per layer, its blocks in groups of `self.group`, and a ring that streams every group in that order."""
         groups = [grouped([(l, b) for b in blocks], self.group) for l, blocks in enumerate(blocks_per_layer)]
         return groups, BlockRing(self.store, self.num_slots, (g for layer_groups in groups for g in layer_groups))
+
+    def _attend_in_gpu(self, layer: int, q, state):
+        """Continues the state over a "gpu" layer's blocks, a fixed-size run of them per call: no transfer to
+        wait for, so nothing syncs, and one compiled shape covers every context length."""
+        buffer, written = self.store.layer_buffer(layer), self.store.num_written(layer)
+        for first in range(0, written, self.gpu_run):
+            keys = jnp.int32(min(self.gpu_run, written - first) * self.block_size)
+            state = attend_stored(self.impl, q, buffer, jnp.int32(first), state, self.gpu_run, keys)
+        return state
 
     def _attend_groups(self, ring: BlockRing, layer_groups: list[list[Key]], q, state):
         """Continues the attention state over each of the layer's groups, handing each group's slots back."""
@@ -207,9 +220,6 @@ class OffloadRunner:
             self.quest.record(layer, index, block)
         self.store.write(layer, index, block)
 
-    def _sparse(self, layer: int) -> bool:
-        return self.quest is not None and layer in self.quest.layers
-
     # ---- decode --------------------------------------------------------------------------------
 
     def decode(self, x: jax.Array, position: int) -> jax.Array:
@@ -220,11 +230,7 @@ class OffloadRunner:
         groups, ring = self._stream(streamed)
         moved = sum(len(b) for b in streamed) * store.block_bytes
         for l, layer in enumerate(layers):
-            num_keys = jnp.int32(store.num_written(l) * self.block_size)
-            if store.places[l] == "gpu":
-                x, self._tails[l] = decode_gpu_layer(self.cfg, self.impl, layer, x, self.inv_freq, self._tails[l], pos,
-                                                     tail_len, store.layer_buffer(l), num_keys)
-            elif store.places[l] == "pages":
+            if store.places[l] == "pages":
                 x, self._tails[l] = quest_layer(
                     self.cfg, self.impl, layer, x, self.inv_freq, self._tails[l], pos, tail_len,
                     (self.quest.kmin[l], self.quest.kmax[l]), self.budget_pages, self.page_size, self.block_size,
@@ -234,7 +240,10 @@ class OffloadRunner:
             else:
                 q, self._tails[l], state = decode_begin(self.cfg, layer, x, self.inv_freq, self._tails[l], pos,
                                                         tail_len)
-                state = self._attend_groups(ring, groups[l], q, state)
+                if store.places[l] == "gpu":
+                    state = self._attend_in_gpu(l, q, state)
+                else:
+                    state = self._attend_groups(ring, groups[l], q, state)
                 x = decode_end(self.cfg, self.impl, layer, x, q, self._tails[l], tail_len, state)
         self.last_decode_pcie_bytes = moved
         self._tail_len += 1

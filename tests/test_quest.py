@@ -88,9 +88,11 @@ def _decode_logits(llm, ids, steps):
     return np.stack(out)
 
 
-def test_full_budget_equals_full_decode(model_dir):
+@pytest.mark.parametrize("gpu_run_keys", [16384, 128], ids=["one_run", "runs_of_2_blocks"])
+def test_full_budget_equals_full_decode(model_dir, gpu_run_keys, monkeypatch):
     """With a budget covering the whole context, Quest reads every page: the same logits and tokens as
-    full decode, across block flushes."""
+    full decode, across block flushes, whether the dense layer's GPU blocks are attended in one run or several."""
+    monkeypatch.setattr("jax_offload.offload_runner.GPU_RUN_KEYS", gpu_run_keys)
     ids = np.random.default_rng(502).integers(3, tiny_models.VOCAB, size=150).tolist()
     full = LLM(model_dir, dtype="float32", offload=True, block_size=64, num_ring_slots=2)
     quest = _quest(model_dir, 1024)

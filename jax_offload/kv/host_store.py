@@ -76,8 +76,11 @@ class HostKVStore:
         device: jax.Device,
         places: Sequence[str] | None = None,
         host_memory_kind: str = "pinned_host",
+        gpu_block_multiple: int = 1,
     ):
-        """`places[l]` is "gpu", "blocks" (default) or "pages" (see the module docstring).
+        """`places[l]` is "gpu", "blocks" (default) or "pages" (see the module docstring). A "gpu" layer's
+        buffer holds `num_blocks` rounded up to `gpu_block_multiple`, so a reader can take fixed-size runs of
+        blocks from it (the blocks past `num_blocks` are never written).
         `host_memory_kind="device"` keeps even the host layers on the GPU (benchmarks use it to time compute
         without transfers)."""
         places = list(places or ["blocks"] * num_layers)
@@ -87,9 +90,10 @@ class HostKVStore:
         self.block_bytes = 2 * block_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
         self.places = places
         layer_bytes = num_blocks * self.block_bytes
-        self.gpu_bytes = places.count("gpu") * layer_bytes
-        self.total_bytes = num_layers * layer_bytes
-        self.host_bytes = self.total_bytes - self.gpu_bytes
+        gpu_blocks = -(-num_blocks // gpu_block_multiple) * gpu_block_multiple
+        self.gpu_bytes = places.count("gpu") * gpu_blocks * self.block_bytes
+        self.host_bytes = (num_layers - places.count("gpu")) * layer_bytes
+        self.total_bytes = self.host_bytes + self.gpu_bytes
         available = available_host_bytes()
         if self.host_bytes > available:
             raise ValueError(
@@ -105,7 +109,8 @@ class HostKVStore:
         self._blocks: list[list[jax.Array] | jax.Array] = []
         for place, sharding in zip(places, self._sharding):
             if place != "blocks":
-                self._blocks.append(jax.device_put(jnp.zeros((num_blocks, *self.block_shape), dtype), sharding))
+                count = gpu_blocks if place == "gpu" else num_blocks
+                self._blocks.append(jax.device_put(jnp.zeros((count, *self.block_shape), dtype), sharding))
             else:
                 self._blocks.append([jax.device_put(zeros, sharding, may_alias=False) for _ in range(num_blocks)])
         self._written = [0] * num_layers
