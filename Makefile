@@ -18,4 +18,4 @@ run: setup
 
 test: setup-test
 	$(PYTHON) -m jax_offload.default_model
-	$(PYTHON) -m pytest tests
+	$(PYTHON) -m pytest -n 2 tests

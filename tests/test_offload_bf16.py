@@ -16,7 +16,9 @@ MODEL_SEEDS = {"llama3": 9101, "qwen2": 9102, "qwen3": 9103}
 PROMPT_SEED = 9200
 NUM_PROMPTS = 10
 GREEDY_120 = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
-CONFIGS = [(bs, slots, prefill) for bs in (16, 64) for slots in (1, 3) for prefill in ("chunked", "layerwise")]
+# Every pair of (block size, ring slots, prefill) values meets in one of these four (all eight combinations
+# passed when this test ran them all, commit 63fba59; four keep the suite fast).
+CONFIGS = [(16, 1, "chunked"), (16, 3, "layerwise"), (64, 1, "layerwise"), (64, 3, "chunked")]
 # max |logit difference| offloaded vs in-GPU over these prompts and all eight configs, measured with the
 # engine before partial states stayed float32 and excess precision was turned off (commit ad70287, this
 # file run there): the bar is a quarter of it. Greedy outputs then matched on 0 to 5 of the 10 prompts.
