@@ -7,7 +7,7 @@ this layout and are rearranged on the GPU (`from_stored_layout`), where it costs
 
 Each layer lives in one of three places:
   - "gpu": one GPU buffer for all the layer's blocks (the dense layers of a sparse decode policy; nothing
-    crosses PCIe, and a decode step attends the whole layer in one call);
+    crosses PCIe, and a decode step attends runs of blocks straight from the buffer);
   - "blocks": one pinned-host buffer per block, moved to the GPU group by group (full attention);
   - "pages": one pinned-host buffer for all the layer's blocks, so the pages a sparse policy selects, from any
     block, can be gathered in one pass on the host and cross PCIe as one transfer (`gather_rows`).
@@ -145,7 +145,8 @@ class HostKVStore:
 
     def fetch(self, keys: Sequence[tuple[int, int]]) -> list[jax.Array]:
         """Starts moving the blocks `keys` [(layer, index), ...] of this request to the GPU (asynchronously);
-        blocks of a "gpu" or "pages" layer must be consecutive. Reading any block the request has not written is a bug."""
+        blocks of a "gpu" or "pages" layer must be consecutive. Reading a block the request has not written is a
+        bug."""
         for layer, index in keys:
             if index >= self._written[layer]:
                 raise RuntimeError(f"Block {index} of layer {layer} has not been written by this request.")
