@@ -10,6 +10,9 @@ Each layer lives in one of three places:
   - "blocks": one pinned-host buffer per block, moved to the GPU group by group (full attention);
   - "pages": one pinned-host buffer for all the layer's blocks, so the pages a sparse policy selects, from any
     block, can be gathered in one pass on the host and cross PCIe as one transfer.
+
+Under tensor parallelism every buffer is split on its KV-head axis over the mesh: each device's heads live in
+pinned memory attached to that device and cross only its own link.
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import SingleDeviceSharding
+
+from jax_offload.tensor_parallel import TensorParallel
 
 PAGE_UNIT = 16  # tokens per stored page: the finest page a sparse policy can select; block sizes are multiples
 PLACES = ("gpu", "blocks", "pages")
@@ -72,7 +76,7 @@ class HostKVStore:
         num_kv_heads: int,
         head_dim: int,
         dtype: jnp.dtype,
-        device: jax.Device,
+        tp: TensorParallel,
         places: Sequence[str] | None = None,
         host_memory_kind: str = "pinned_host",
     ):
@@ -96,15 +100,18 @@ class HostKVStore:
                 f"{num_layers - places.count('gpu')} layers but only {available / 2**30:.2f} GiB of host memory is "
                 "available; lower max_model_len."
             )
-        self.device = SingleDeviceSharding(device, memory_kind="device")
-        host = SingleDeviceSharding(device, memory_kind=host_memory_kind)
+        self.tp = tp
+        self.device = tp.sharding(0, memory_kind="device")  # a fetched block: [Hkv, ...] on the GPUs
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
-        self._sharding = [self.device if p == "gpu" else host for p in places]
-        zeros = jnp.zeros(self.block_shape, dtype)
+        # A "pages" layer is [num_blocks, Hkv, ...]: split on axis 1; blocks on axis 0.
+        self._sharding = [tp.sharding(1 if p == "pages" else 0, "device" if p == "gpu" else host_memory_kind)
+                          for p in places]
+        zeros = tp.zeros(self.block_shape, dtype, 0)
         self._blocks: list[list[jax.Array] | jax.Array] = []
         for place, sharding in zip(places, self._sharding):
             if place == "pages":
-                self._blocks.append(jax.device_put(jnp.zeros((num_blocks, *self.block_shape), dtype), sharding))
+                layer = tp.zeros((num_blocks, *self.block_shape), dtype, 1)
+                self._blocks.append(jax.device_put(layer, sharding, may_alias=False))
             else:
                 self._blocks.append([jax.device_put(zeros, sharding, may_alias=False) for _ in range(num_blocks)])
         self._written = [0] * num_layers
@@ -149,7 +156,7 @@ class HostKVStore:
         first = keys[0][1]
         if [k for k in keys] != [(layer, first + j) for j in range(len(keys))]:
             raise RuntimeError(f"Blocks {keys} of a paged layer must be consecutive blocks of one layer.")
-        group = self._read_consecutive(self._blocks[layer], jnp.int32(first), len(keys), self.device)
+        group = self._read_consecutive(self._blocks[layer], jnp.int32(first), len(keys), self.tp.sharding(1, "device"))
         return [group[j] for j in range(len(keys))]
 
     @staticmethod
@@ -164,7 +171,8 @@ class HostKVStore:
         -> [len(rows), 2, PAGE_UNIT, D]."""
         if self.places[layer] != "pages":
             raise RuntimeError(f"Layer {layer} keeps whole blocks; only 'pages' layers gather pages.")
-        return _gather(self._blocks[layer], rows, self._sharding[layer], self.device)
+        kind = self._sharding[layer].memory_kind
+        return _gather(self._blocks[layer], rows, self.tp.sharding(None, kind), self.tp.sharding(None, "device"))
 
     def reset(self) -> None:
         """Forgets the request: every block counts as unwritten again."""
@@ -182,6 +190,7 @@ class HostKVStore:
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def _gather(layer: jax.Array, rows: jax.Array, host, device) -> jax.Array:
+    """`host`: where `layer` lives, replicated (for the rows); `device`: where the pages go."""
     unit = layer.shape[-3:]
 
     def take(layer, rows):

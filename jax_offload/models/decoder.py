@@ -49,10 +49,12 @@ def attention_inputs(
     qkv = h @ layer.wqkv
     if layer.bqkv is not None:
         qkv = qkv + layer.bqkv
-    nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = qkv[..., : nq * d].reshape(b, t, nq, d)
-    k = qkv[..., nq * d : (nq + nkv) * d].reshape(b, t, nkv, d)
-    v = qkv[..., (nq + nkv) * d :].reshape(b, t, nkv, d)
+    n = layer.num_shards
+    nq, nkv, d = cfg.num_heads // n, cfg.num_kv_heads // n, cfg.head_dim  # per shard
+    qkv = qkv.reshape(b, t, n, (nq + 2 * nkv) * d)  # shard g's columns are [q_g | k_g | v_g]
+    q = qkv[..., : nq * d].reshape(b, t, n * nq, d)
+    k = qkv[..., nq * d : (nq + nkv) * d].reshape(b, t, n * nkv, d)
+    v = qkv[..., (nq + nkv) * d :].reshape(b, t, n * nkv, d)
     if layer.q_norm is not None:
         q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
@@ -65,8 +67,8 @@ def attention_output_and_mlp(cfg: ModelConfig, layer: LayerParams, x: jax.Array,
     b, t, _ = x.shape
     x = x + attn.astype(x.dtype).reshape(b, t, -1) @ layer.wo
     h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-    gate_up = h @ layer.w_gate_up
-    gate, up = jnp.split(gate_up, 2, axis=-1)
+    gate_up = (h @ layer.w_gate_up).reshape(b, t, layer.num_shards, 2, -1)  # shard g's columns are [gate_g | up_g]
+    gate, up = gate_up[..., 0, :].reshape(b, t, -1), gate_up[..., 1, :].reshape(b, t, -1)
     return x + (jax.nn.silu(gate) * up) @ layer.w_down
 
 
