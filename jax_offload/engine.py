@@ -312,7 +312,7 @@ class LLM:
     def _prefill_density(self) -> list[float] | None:
         if self.engine_config.prefill_policy != "xattention":
             return None
-        counts = np.asarray(jnp.stack(self._runner.prefill_block_counts)).astype(np.float64)
+        counts = to_host(jnp.stack(self._runner.prefill_block_counts)).astype(np.float64)
         return list(counts[:, 0] / np.maximum(counts[:, 1], 1))
 
 
