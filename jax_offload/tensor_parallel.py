@@ -72,10 +72,6 @@ class TensorParallel:
     def size(self) -> int:
         return self.mesh.size
 
-    @property
-    def first_device(self) -> jax.Device:
-        return self.mesh.devices.flat[0]
-
     def sharding(self, head_axis: int | None = None, memory_kind: str | None = None) -> NamedSharding:
         """Split on `head_axis` (None: replicated), in `memory_kind` ("device", "pinned_host"; None: default)."""
         return NamedSharding(self.mesh, _spec(head_axis), memory_kind=memory_kind)
