@@ -182,7 +182,7 @@ def _compute_only(llm):
 
     s = llm._runner.store
     llm._runner.store = HostKVStore(s.num_layers, s.num_blocks, s.block_size, s.block_shape[0], s.block_shape[-1],
-                                    llm.dtype, s.device.device_set.pop(), memory_kind="device")
+                                    llm.dtype, s.tp, host_memory_kind="device")
     return llm
 
 

@@ -126,7 +126,8 @@ def phase_quest(a) -> dict:
     from jax_offload.kv.host_store import HostKVStore
 
     compute_llm._runner.store = HostKVStore(s.num_layers, s.num_blocks, s.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                            jnp.bfloat16, jax.devices()[0], s.places, host_memory_kind="device")
+                                            jnp.bfloat16, s.tp, s.places, host_memory_kind="device",
+                                            gpu_block_multiple=compute_llm._runner.gpu_run)
     warm_up(compute_llm)
     _, compute = run(compute_llm, n)
     del compute_llm

@@ -57,8 +57,10 @@ def model_config(shape: str, num_layers: int | None = None):
     return ModelConfig.from_dict(raw)
 
 
-def random_params(cfg, dtype, seed: int = 0):
-    """Random weights at the config's shapes, drawn on the accelerator in `dtype` (no float32 temporaries)."""
+def random_params(cfg, dtype, seed: int = 0, tp=None):
+    """Random weights at the config's shapes, drawn on the accelerator in `dtype` (no float32 temporaries).
+    With a `TensorParallel` `tp`, each device draws only its shard (column-split wqkv and w_gate_up, row-split wo
+    and w_down, the rest replicated), in the layout `LLM.from_params(tensor_parallel_size=tp.size)` expects."""
     import jax
     import jax.numpy as jnp
 
@@ -68,21 +70,27 @@ def random_params(cfg, dtype, seed: int = 0):
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
 
-    @functools.partial(jax.jit, static_argnums=1)
-    def rnd(k, shape):
-        return jax.random.normal(k, shape, dtype) * jnp.asarray(0.02, dtype)
+    @functools.lru_cache(maxsize=None)
+    def draw(shape, split_axis):
+        out = None if tp is None else tp.sharding(split_axis)
+        return jax.jit(lambda k: jax.random.normal(k, shape, dtype) * jnp.asarray(0.02, dtype), out_shardings=out)
+
+    def rnd(k, shape, split_axis=None):
+        return draw(shape, split_axis)(k)
 
     def norm(n):
-        return jnp.ones((n,), dtype)
+        x = jnp.ones((n,), dtype)
+        return x if tp is None else jax.device_put(x, tp.sharding(None))
 
     layers = []
     for n in range(cfg.num_layers):
         ks = jax.random.split(jax.random.fold_in(key, n), 4)
         layers.append(LayerParams(
-            attn_norm=norm(h), wqkv=rnd(ks[0], (h, qkv)), bqkv=None,
+            attn_norm=norm(h), wqkv=rnd(ks[0], (h, qkv), 1), bqkv=None,
             q_norm=norm(d) if cfg.qk_norm else None, k_norm=norm(d) if cfg.qk_norm else None,
-            wo=rnd(ks[1], (cfg.num_heads * d, h)), mlp_norm=norm(h),
-            w_gate_up=rnd(ks[2], (h, 2 * i)), w_down=rnd(ks[3], (i, h))))
+            wo=rnd(ks[1], (cfg.num_heads * d, h), 0), mlp_norm=norm(h),
+            w_gate_up=rnd(ks[2], (h, 2 * i), 1), w_down=rnd(ks[3], (i, h), 0),
+            num_shards=1 if tp is None else tp.size))
     ks = jax.random.split(jax.random.fold_in(key, 10_000), 2)
     return ModelParams(embed=rnd(ks[0], (cfg.vocab_size, h)), layers=layers, final_norm=norm(h),
                        lm_head=None if cfg.tie_word_embeddings else rnd(ks[1], (h, cfg.vocab_size)))

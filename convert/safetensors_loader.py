@@ -1,18 +1,22 @@
-"""Hugging Face safetensors (one file or sharded) -> `ModelParams` in the requested dtype.
+"""Hugging Face safetensors (one file or sharded) -> `ModelParams` in the requested dtype, on a tensor-parallel mesh.
 
 Only safetensors are read: pickled `.bin` checkpoints can run arbitrary code when loaded.
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from jax_offload.config import ModelConfig
 from jax_offload.models.params import LayerParams, ModelParams
+from jax_offload.models.sharded_layout import attention_output_rows, mlp_rows, qkv_rows
+from jax_offload.tensor_parallel import TensorParallel, sharded_model_config
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -81,8 +85,10 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_params(model_dir: str | Path, cfg: ModelConfig, dtype: jnp.dtype) -> ModelParams:
-    """Reads, checks and converts the checkpoint in `model_dir` into `ModelParams` of `dtype`."""
+def load_params(model_dir: str | Path, cfg: ModelConfig, dtype: jnp.dtype, tp: TensorParallel) -> ModelParams:
+    """Reads, checks and converts the checkpoint in `model_dir` into `ModelParams` of `dtype`, laid out over
+    `tp`'s devices: each device's shard of a split tensor is read from the files on its own (only the rows
+    it holds), replicated tensors once per process."""
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     want = expected_shapes(cfg)
@@ -94,22 +100,8 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, dtype: jnp.dtype) -> Mo
     extra = sorted(set(files) - set(want) - ignorable - _rotary_buffers(files))
     if extra:
         raise CheckpointError(f"Checkpoint in {model_dir} has unexpected tensor {extra[0]} ({len(extra)} extra).")
-
-    tensors: dict[str, jax.Array] = {}
-    by_file: dict[Path, list[str]] = {}
-    for name in want:
-        by_file.setdefault(files[name], []).append(name)
-    for path, names in by_file.items():
-        try:
-            with safe_open(path, framework="flax") as f:
-                for name in names:
-                    shape = tuple(f.get_slice(name).get_shape())
-                    if shape != want[name]:
-                        raise CheckpointError(f"Tensor {name} in {path.name} has shape {shape}, expected {want[name]}.")
-                    tensors[name] = f.get_tensor(name).astype(dtype)
-        except (SafetensorError, OSError) as err:
-            raise CheckpointError(f"Cannot read safetensors file {path}: {err}.") from None
-    return _assemble(cfg, tensors)
+    with _Reader(files, want, jnp.dtype(dtype)) as reader:
+        return _assemble(cfg, reader, tp)
 
 
 def _rotary_buffers(files: dict[str, Path]) -> set[str]:
@@ -117,34 +109,115 @@ def _rotary_buffers(files: dict[str, Path]) -> set[str]:
     return {n for n in files if n.endswith("rotary_emb.inv_freq")}
 
 
-def _assemble(cfg: ModelConfig, t: dict[str, jax.Array]) -> ModelParams:
-    # Tensors are popped as they are fused so that peak memory stays near one copy of the model.
+class _Reader:
+    """Rows of checkpoint tensors as NumPy arrays in the target dtype, read with safetensors' slices (only the
+    requested rows leave the file). The slices are made on the host CPU device, never on an accelerator."""
+
+    def __init__(self, files: dict[str, Path], shapes: dict[str, tuple[int, ...]], dtype: jnp.dtype):
+        self._files, self._shapes, self._dtype = files, shapes, dtype
+        self._open: dict[Path, object] = {}
+        self._checked: set[str] = set()
+        try:
+            self._host = jax.local_devices(backend="cpu")[0]
+        except RuntimeError:  # no CPU backend (JAX_PLATFORMS excludes it): the default device then
+            self._host = None
+
+    def __enter__(self) -> "_Reader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for f in self._open.values():
+            f.__exit__(None, None, None)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def _file(self, path: Path):
+        if path not in self._open:
+            try:
+                self._open[path] = safe_open(path, framework="flax").__enter__()
+            except (SafetensorError, OSError) as err:
+                raise CheckpointError(f"Cannot read safetensors file {path}: {err}.") from None
+        return self._open[path]
+
+    def rows(self, name: str, start: int | None = None, stop: int | None = None, columns: bool = False) -> np.ndarray:
+        """Tensor `name` (HF layout), or its rows [start, stop) (its columns with `columns`), in the dtype."""
+        path = self._files[name]
+        try:
+            piece = self._file(path).get_slice(name)
+            if name not in self._checked:
+                shape = tuple(piece.get_shape())
+                if shape != self._shapes[name]:
+                    raise CheckpointError(f"Tensor {name} in {path.name} has shape {shape}, expected {self._shapes[name]}.")
+                self._checked.add(name)
+            with jax.default_device(self._host):
+                part = piece[:, start:stop] if columns else piece[start:stop]
+            return np.asarray(part).astype(self._dtype, copy=False)
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"Cannot read safetensors file {path}: {err}.") from None
+
+
+def _place(tp: TensorParallel, shape: tuple[int, ...], split_axis: int | None,
+           read: Callable[[int], np.ndarray]) -> jax.Array:
+    """A global array split on `split_axis` (None: replicated) whose shard g is `read(g)`; only the shards of
+    this process's devices are read, and a replicated tensor once."""
+    sharding = tp.sharding(split_axis)
+    width = 1 if split_axis is None else shape[split_axis] // tp.size
+    cache: dict[int, np.ndarray] = {}
+
+    def shard(index: tuple[slice, ...]) -> np.ndarray:
+        g = 0 if split_axis is None else (index[split_axis].start or 0) // width
+        if g not in cache:
+            cache[g] = read(g)
+        return cache[g]
+
+    return jax.make_array_from_callback(shape, sharding, shard)
+
+
+def _assemble(cfg: ModelConfig, r: _Reader, tp: TensorParallel) -> ModelParams:
+    """Parameters in the fused layout of `sharded_layout`, one tensor at a time so that host memory holds at
+    most one tensor's shards."""
+    n = tp.size
+    held = sharded_model_config(cfg, n)  # the KV heads as the devices hold them
+    h, d = cfg.hidden_size, cfg.head_dim
+    qkv_width = (held.num_heads + 2 * held.num_kv_heads) * d
+
+    def qkv(a: str, suffix: str, g: int) -> np.ndarray:
+        parts = [r.rows(a + proj + suffix, *rows) for proj, rows in zip(("q_proj.", "k_proj.", "v_proj."),
+                                                                        qkv_rows(cfg, n, g))]
+        return np.concatenate(parts).T if suffix == "weight" else np.concatenate(parts)
+
+    def gate_up(p: str, g: int) -> np.ndarray:
+        rows = mlp_rows(cfg, n, g)
+        return np.concatenate([r.rows(p + "mlp.gate_proj.weight", *rows), r.rows(p + "mlp.up_proj.weight", *rows)]).T
+
+    def whole(name: str, transpose: bool = False) -> jax.Array:
+        shape = r.shape(name)
+        if transpose:
+            return _place(tp, shape[::-1], None, lambda g: r.rows(name).T)
+        return _place(tp, shape, None, lambda g: r.rows(name))
+
     layers = []
-    for n in range(cfg.num_layers):
-        p = f"model.layers.{n}."
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
         a = p + "self_attn."
-        wqkv = jnp.concatenate([t.pop(a + "q_proj.weight"), t.pop(a + "k_proj.weight"), t.pop(a + "v_proj.weight")]).T
-        bqkv = (
-            jnp.concatenate([t.pop(a + "q_proj.bias"), t.pop(a + "k_proj.bias"), t.pop(a + "v_proj.bias")])
-            if cfg.qkv_bias
-            else None
-        )
-        layers.append(
-            LayerParams(
-                attn_norm=t.pop(p + "input_layernorm.weight"),
-                wqkv=wqkv,
-                bqkv=bqkv,
-                q_norm=t.pop(a + "q_norm.weight") if cfg.qk_norm else None,
-                k_norm=t.pop(a + "k_norm.weight") if cfg.qk_norm else None,
-                wo=t.pop(a + "o_proj.weight").T,
-                mlp_norm=t.pop(p + "post_attention_layernorm.weight"),
-                w_gate_up=jnp.concatenate([t.pop(p + "mlp.gate_proj.weight"), t.pop(p + "mlp.up_proj.weight")]).T,
-                w_down=t.pop(p + "mlp.down_proj.weight").T,
-            )
-        )
+        layers.append(LayerParams(
+            attn_norm=whole(p + "input_layernorm.weight"),
+            wqkv=_place(tp, (h, qkv_width), 1, lambda g: qkv(a, "weight", g)),
+            bqkv=_place(tp, (qkv_width,), 0, lambda g: qkv(a, "bias", g)) if cfg.qkv_bias else None,
+            q_norm=whole(a + "q_norm.weight") if cfg.qk_norm else None,
+            k_norm=whole(a + "k_norm.weight") if cfg.qk_norm else None,
+            wo=_place(tp, (cfg.num_heads * d, h), 0,
+                      lambda g: r.rows(a + "o_proj.weight", *attention_output_rows(cfg, n, g), columns=True).T),
+            mlp_norm=whole(p + "post_attention_layernorm.weight"),
+            w_gate_up=_place(tp, (h, 2 * cfg.intermediate_size), 1, lambda g: gate_up(p, g)),
+            w_down=_place(tp, (cfg.intermediate_size, h), 0,
+                          lambda g: r.rows(p + "mlp.down_proj.weight", *mlp_rows(cfg, n, g), columns=True).T),
+            num_shards=n,
+        ))
     return ModelParams(
-        embed=t["model.embed_tokens.weight"],
+        embed=whole("model.embed_tokens.weight"),
         layers=layers,
-        final_norm=t["model.norm.weight"],
-        lm_head=None if cfg.tie_word_embeddings else t["lm_head.weight"].T,
+        final_norm=whole("model.norm.weight"),
+        lm_head=None if cfg.tie_word_embeddings else whole("lm_head.weight", transpose=True),
     )

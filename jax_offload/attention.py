@@ -19,9 +19,16 @@ from jax_offload.models.params import LayerParams
 from jax_offload.precision import step_jit
 from jax_offload.sparse import quest, xattention
 from jax_offload.sparse.xattention import XAttention
+from jax_offload.tensor_parallel import TensorParallel
 from pallas_kernels import AttentionState
 
 ATTENTION_IMPLS = ("pallas", "xla")
+
+# Head axes of the arrays attention reads and writes, for tensor parallelism (`TensorParallel.per_head`):
+HEADS = 2  # q, k, v, o [B, T, H, D]; KV blocks [2, T, Hkv, D]
+STATE_HEADS = AttentionState(2, 1, 1)  # acc [B, T, H, D], m and l [B, H, T]
+LSE_HEADS = 1  # lse [B, H, T]
+MASK_HEADS = 1  # XAttention's block mask [B, H, nqb, nkb]
 
 
 def default_attention_impl() -> str:
@@ -40,25 +47,64 @@ def embed_tokens(table: jax.Array, token_ids: jax.Array) -> jax.Array:
     return jnp.take(table, token_ids, axis=0)
 
 
-def prefill_attention(impl: str, q, k, v, *, causal: bool, q_offset=0, kv_len=None, out_dtype=None):
+def _local(tp: TensorParallel | None, fn, in_axes: tuple, out_axes):
+    """`fn` on each device's heads under tensor parallelism; `fn` itself on one device."""
+    return fn if tp is None else tp.per_head(fn, in_axes, out_axes)
+
+
+def _qkv(cfg: ModelConfig, tp: TensorParallel | None, layer: LayerParams, x, positions, inv_freq):
+    """q, k, v of the layer, pinned to be split by heads (each device computes its own from its wqkv columns)."""
+    q, k, v = decoder.attention_inputs(cfg, layer, x, positions, inv_freq)
+    return (q, k, v) if tp is None else tp.constrain((q, k, v), HEADS)
+
+
+def _empty_state(tp: TensorParallel | None, q: jax.Array) -> AttentionState:
+    state = pallas_kernels.empty_state(*q.shape)
+    return state if tp is None else tp.constrain(state, STATE_HEADS)
+
+
+def prefill_attention(impl: str, q, k, v, *, causal: bool, q_offset=0, kv_len=None, out_dtype=None,
+                      tp: TensorParallel | None = None):
     """Attention with LSE of a query chunk [B, T, Hq, D] over keys [B, S, Hkv, D]; o in `out_dtype`
     (default q's dtype; float32 for a partial state that will be merged)."""
     fn = pallas_kernels.attention_with_lse if impl == "pallas" else pallas_kernels.attention_with_lse_xla
-    return fn(q, k, v, causal=causal, q_offset=q_offset, kv_len=kv_len, out_dtype=out_dtype)
+
+    def local(q, k, v, q_offset, kv_len):
+        return fn(q, k, v, causal=causal, q_offset=q_offset, kv_len=kv_len, out_dtype=out_dtype)
+
+    return _local(tp, local, (HEADS, HEADS, HEADS, None, None), (HEADS, LSE_HEADS))(q, k, v, q_offset, kv_len)
 
 
-def prompt_attention(impl: str, xattn: XAttention | None, q, k, v, prompt_len) -> tuple[jax.Array, jax.Array]:
+def xattn_select(impl: str, xattn: XAttention, q, k, *, q_offset, kv_len, tp: TensorParallel | None = None):
+    """XAttention's block mask [1, Hq, nqb, nkb] (`xattention.select`), each device choosing for its heads."""
+    def local(q, k, q_offset, kv_len):
+        return xattention.select(xattn, impl, q, k, q_offset=q_offset, kv_len=kv_len)
+
+    return _local(tp, local, (HEADS, HEADS, None, None), MASK_HEADS)(q, k, q_offset, kv_len)
+
+
+def xattn_attention(impl: str, xattn: XAttention, q, k, v, mask, *, causal: bool, kv_len=None, out_dtype=None,
+                    tp: TensorParallel | None = None):
+    """`xattention.attention` -> (o, lse), each device over its heads' chosen blocks."""
+    def local(q, k, v, mask, kv_len):
+        return xattention.attention(xattn, impl, q, k, v, mask, causal=causal, kv_len=kv_len, out_dtype=out_dtype)
+
+    return _local(tp, local, (HEADS, HEADS, HEADS, MASK_HEADS, None), (HEADS, LSE_HEADS))(q, k, v, mask, kv_len)
+
+
+def prompt_attention(impl: str, xattn: XAttention | None, q, k, v, prompt_len,
+                     tp: TensorParallel | None = None) -> tuple[jax.Array, jax.Array]:
     """Causal attention of a whole (padded) prompt, full or XAttention's blocks -> (o in q's dtype, [selected,
     visible] key blocks as int32 [2]; both 0 for full attention)."""
     if xattn is None:
-        o, _ = prefill_attention(impl, q, k, v, causal=True, kv_len=prompt_len)
+        o, _ = prefill_attention(impl, q, k, v, causal=True, kv_len=prompt_len, tp=tp)
         return o, jnp.zeros(2, jnp.int32)
-    mask = xattention.select(xattn, impl, q, k, q_offset=0, kv_len=prompt_len)
-    o, _ = xattention.attention(xattn, impl, q, k, v, mask, causal=True, kv_len=prompt_len, out_dtype=q.dtype)
+    mask = xattn_select(impl, xattn, q, k, q_offset=0, kv_len=prompt_len, tp=tp)
+    o, _ = xattn_attention(impl, xattn, q, k, v, mask, causal=True, kv_len=prompt_len, out_dtype=q.dtype, tp=tp)
     return o, xattention.block_counts(mask, 0, prompt_len, xattn.block)
 
 
-@functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("xattn",), donate_argnums=(5, 6))
+@functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("xattn", "tp"), donate_argnums=(5, 6))
 def prefill_layer_in_device(
     cfg: ModelConfig,
     impl: str,
@@ -69,18 +115,19 @@ def prefill_layer_in_device(
     v_cache: jax.Array,
     prompt_len: jax.Array,
     xattn: XAttention | None = None,
+    tp: TensorParallel | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """One layer over a whole (padded) prompt x [1, T, hidden]; writes its K, V into the caches [1, S, Hkv, D].
     Also returns the [selected, visible] XAttention block counts."""
     positions = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
-    q, k, v = decoder.attention_inputs(cfg, layer, x, positions, inv_freq)
-    o, counts = prompt_attention(impl, xattn, q, k, v, prompt_len)
+    q, k, v = _qkv(cfg, tp, layer, x, positions, inv_freq)
+    o, counts = prompt_attention(impl, xattn, q, k, v, prompt_len, tp)
     k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, 0, 0))
     v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, 0, 0))
     return decoder.attention_output_and_mlp(cfg, layer, x, o), k_cache, v_cache, counts
 
 
-@functools.partial(step_jit, static_argnums=(0, 1), donate_argnums=(5, 6))
+@functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",), donate_argnums=(5, 6))
 def decode_layer_in_device(
     cfg: ModelConfig,
     impl: str,
@@ -90,14 +137,14 @@ def decode_layer_in_device(
     k_cache: jax.Array,
     v_cache: jax.Array,
     position: jax.Array,
+    tp: TensorParallel | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One layer for one new token x [1, 1, hidden] at `position`; appends its K, V to the caches."""
-    q, k, v = decoder.attention_inputs(cfg, layer, x, position.reshape(1, 1), inv_freq)
+    q, k, v = _qkv(cfg, tp, layer, x, position.reshape(1, 1), inv_freq)
     k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, position, 0, 0))
     v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, position, 0, 0))
     # The offloaded decode's attention over one block holding every key: both round o once, from the same bits.
-    o = attend_and_finish(impl, q, k_cache, v_cache, pallas_kernels.empty_state(*q.shape), causal=False,
-                          kv_len=position + 1)
+    o = attend_and_finish(impl, q, k_cache, v_cache, _empty_state(tp, q), causal=False, kv_len=position + 1, tp=tp)
     return decoder.attention_output_and_mlp(cfg, layer, x, o), k_cache, v_cache
 
 
@@ -110,25 +157,31 @@ def decode_layer_in_device(
 
 
 def attend(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState, *, causal: bool,
-           kv_len=None) -> AttentionState:
+           kv_len=None, tp: TensorParallel | None = None) -> AttentionState:
     """Continues `state` of queries q [B, T, Hq, D] over keys [B, S, Hkv, D]; causal keys are the queries'
     own (positions aligned with the queries), otherwise keys wholly before them."""
-    if impl == "xla":
-        return pallas_kernels.attention_state_xla(q, k, v, state, causal=causal, kv_len=kv_len)
-    if q.shape[1] == 1:
-        return pallas_kernels.decode_state(q[:, 0], k, v, state, kv_len=kv_len)
-    return pallas_kernels.attention_state(q, k, v, state, causal=causal, kv_len=kv_len)
+    def local(q, k, v, state, kv_len):
+        if impl == "xla":
+            return pallas_kernels.attention_state_xla(q, k, v, state, causal=causal, kv_len=kv_len)
+        if q.shape[1] == 1:
+            return pallas_kernels.decode_state(q[:, 0], k, v, state, kv_len=kv_len)
+        return pallas_kernels.attention_state(q, k, v, state, causal=causal, kv_len=kv_len)
+
+    return _local(tp, local, (HEADS, HEADS, HEADS, STATE_HEADS, None), STATE_HEADS)(q, k, v, state, kv_len)
 
 
 def attend_and_finish(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState, *,
-                      causal: bool, kv_len=None) -> jax.Array:
+                      causal: bool, kv_len=None, tp: TensorParallel | None = None) -> jax.Array:
     """`attend`, then the final normalisation as the in-GPU kernels do it: o float32 [B, T, Hq, D]."""
-    if impl == "pallas" and q.shape[1] > 1:
-        o, _ = pallas_kernels.attention_with_lse(q, k, v, state=state, causal=causal, kv_len=kv_len,
-                                                 out_dtype=jnp.float32)
+    def local(q, k, v, state, kv_len):
+        if impl == "pallas" and q.shape[1] > 1:
+            o, _ = pallas_kernels.attention_with_lse(q, k, v, state=state, causal=causal, kv_len=kv_len,
+                                                     out_dtype=jnp.float32)
+            return o
+        o, _ = pallas_kernels.finish_state(attend(impl, q, k, v, state, causal=causal, kv_len=kv_len))
         return o
-    o, _ = pallas_kernels.finish_state(attend(impl, q, k, v, state, causal=causal, kv_len=kv_len))
-    return o
+
+    return _local(tp, local, (HEADS, HEADS, HEADS, STATE_HEADS, None), HEADS)(q, k, v, state, kv_len)
 
 
 def _split_block(block: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -143,64 +196,66 @@ def _join_blocks(blocks: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
     return _split_block(from_stored_layout(pages))
 
 
-@functools.partial(step_jit, static_argnums=(0,))
+@functools.partial(step_jit, static_argnums=(0,), static_argnames=("tp",))
 def chunk_begin(
-    cfg: ModelConfig, layer: LayerParams, x: jax.Array, inv_freq: jax.Array, start: jax.Array
+    cfg: ModelConfig, layer: LayerParams, x: jax.Array, inv_freq: jax.Array, start: jax.Array,
+    tp: TensorParallel | None = None,
 ) -> tuple[jax.Array, jax.Array, AttentionState]:
     """q of a prompt chunk x [1, T, hidden] at absolute `start`, its KV block [2, T, Hkv, D], and the empty
     attention state its queries start from."""
     positions = start + jnp.arange(x.shape[1], dtype=jnp.int32)[None]
-    q, k, v = decoder.attention_inputs(cfg, layer, x, positions, inv_freq)
-    return q, jnp.stack([k[0], v[0]]), pallas_kernels.empty_state(*q.shape)
+    q, k, v = _qkv(cfg, tp, layer, x, positions, inv_freq)
+    return q, jnp.stack([k[0], v[0]]), _empty_state(tp, q)
 
 
-@functools.partial(step_jit, static_argnums=(0,))
-def attend_blocks(impl: str, q: jax.Array, blocks: tuple[jax.Array, ...], state: AttentionState) -> AttentionState:
+@functools.partial(step_jit, static_argnums=(0,), static_argnames=("tp",))
+def attend_blocks(impl: str, q: jax.Array, blocks: tuple[jax.Array, ...], state: AttentionState,
+                  tp: TensorParallel | None = None) -> AttentionState:
     """Continues the state of a chunk's (or a token's) queries over earlier host blocks, all visible."""
     k, v = _join_blocks(blocks)
-    return attend(impl, q, k, v, state, causal=False)
+    return attend(impl, q, k, v, state, causal=False, tp=tp)
 
 
-@functools.partial(step_jit, static_argnums=(0, 1))
+@functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",))
 def chunk_end(
     cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, q: jax.Array, kv: jax.Array,
-    chunk_len: jax.Array, state: AttentionState,
+    chunk_len: jax.Array, state: AttentionState, tp: TensorParallel | None = None,
 ) -> jax.Array:
     """The chunk's causal attention on its own keys, last in key order, then the rest of the layer."""
     k, v = _split_block(kv)
-    o = attend_and_finish(impl, q, k, v, state, causal=True, kv_len=chunk_len)
+    o = attend_and_finish(impl, q, k, v, state, causal=True, kv_len=chunk_len, tp=tp)
     return decoder.attention_output_and_mlp(cfg, layer, x, o)  # the one rounding to the model dtype
 
 
-def _decode_inputs(cfg, layer, x, inv_freq, tail, position, tail_len):
-    q, k, v = decoder.attention_inputs(cfg, layer, x, position.reshape(1, 1), inv_freq)
+def _decode_inputs(cfg, layer, x, inv_freq, tail, position, tail_len, tp=None):
+    q, k, v = _qkv(cfg, tp, layer, x, position.reshape(1, 1), inv_freq)
     tail = jax.lax.dynamic_update_slice(tail, jnp.stack([k[0], v[0]]).astype(tail.dtype), (0, tail_len, 0, 0))
-    return q, tail, pallas_kernels.empty_state(*q.shape)
+    return q, tail, _empty_state(tp, q)
 
 
-@functools.partial(step_jit, static_argnums=(0,), donate_argnums=(4,))
+@functools.partial(step_jit, static_argnums=(0,), static_argnames=("tp",), donate_argnums=(4,))
 def decode_begin(
     cfg: ModelConfig, layer: LayerParams, x: jax.Array, inv_freq: jax.Array, tail: jax.Array,
-    position: jax.Array, tail_len: jax.Array,
+    position: jax.Array, tail_len: jax.Array, tp: TensorParallel | None = None,
 ) -> tuple[jax.Array, jax.Array, AttentionState]:
     """For a new token x [1, 1, hidden]: q [1, 1, Hq, D], the GPU tail block [2, block_size, Hkv, D] with
     the token's K, V written at `tail_len`, and the empty attention state."""
-    return _decode_inputs(cfg, layer, x, inv_freq, tail, position, tail_len)
+    return _decode_inputs(cfg, layer, x, inv_freq, tail, position, tail_len, tp)
 
 
-def _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state):
+def _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state, tp=None):
     k, v = _split_block(tail)
-    o = attend_and_finish(impl, q, k, v, state, causal=False, kv_len=tail_len + 1)
+    o = attend_and_finish(impl, q, k, v, state, causal=False, kv_len=tail_len + 1, tp=tp)
     return decoder.attention_output_and_mlp(cfg, layer, x, o)  # the one rounding to the model dtype
 
 
-@functools.partial(step_jit, static_argnums=(0, 1))
+@functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",))
 def decode_end(
     cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, q: jax.Array, tail: jax.Array,
-    tail_len: jax.Array, state: AttentionState,
+    tail_len: jax.Array, state: AttentionState, tp: TensorParallel | None = None,
 ) -> jax.Array:
     """Attention over the tail (the newest keys, last in key order), then the rest of the layer."""
-    return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state)
+    return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state, tp)
 
 
 def _layer_blocks(buffer: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -255,16 +310,16 @@ quest_begin = functools.partial(step_jit, static_argnums=(0, 8, 9, 10))(_quest_c
 quest_end = functools.partial(step_jit, static_argnums=(0, 1))(_quest_attend)
 
 
-@functools.partial(step_jit, static_argnums=(0, 1, 2), static_argnames=("xattn",))
+@functools.partial(step_jit, static_argnums=(0, 1, 2), static_argnames=("xattn", "tp"))
 def layerwise_layer(
     cfg: ModelConfig, impl: str, block_size: int, layer: LayerParams, x: jax.Array, inv_freq: jax.Array,
-    prompt_len: jax.Array, xattn: XAttention | None = None,
+    prompt_len: jax.Array, xattn: XAttention | None = None, tp: TensorParallel | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...], jax.Array]:
     """One layer over the whole prompt x [1, T, hidden] (T a multiple of block_size); its KV as blocks, and the
     [selected, visible] XAttention block counts."""
     positions = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
-    q, k, v = decoder.attention_inputs(cfg, layer, x, positions, inv_freq)
-    o, counts = prompt_attention(impl, xattn, q, k, v, prompt_len)
+    q, k, v = _qkv(cfg, tp, layer, x, positions, inv_freq)
+    o, counts = prompt_attention(impl, xattn, q, k, v, prompt_len, tp)
     kv = jnp.stack([k[0], v[0]])
     blocks = tuple(kv[:, i : i + block_size] for i in range(0, x.shape[1], block_size))
     return decoder.attention_output_and_mlp(cfg, layer, x, o), blocks, counts
@@ -278,21 +333,22 @@ def layerwise_layer(
 @functools.partial(step_jit, donate_argnums=(0,))
 def gather_keys(keys: jax.Array, blocks: tuple[jax.Array, ...], start: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Writes the keys of consecutive host blocks (first key at `start`) into the layer's key buffer
-    [1, max_len, Hkv, D]; also returns a scalar computed from the blocks, to tell when their slots are free."""
+    [1, max_len, Hkv, D]; also returns a value computed from the blocks on every device (one key element per
+    head), to tell when their slots are free."""
     k, _ = _join_blocks(blocks)
-    return jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype), (0, start, 0, 0)), k[0, 0, 0, 0]
+    return jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype), (0, start, 0, 0)), k[0, 0, :, 0]
 
 
-@functools.partial(step_jit, static_argnums=(0, 1))
+@functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",))
 def xattn_chunk_select(
     impl: str, xattn: XAttention, q: jax.Array, keys: jax.Array, kv: jax.Array, start: jax.Array,
-    chunk_len: jax.Array,
+    chunk_len: jax.Array, tp: TensorParallel | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """XAttention's choice for a chunk's queries q [1, T, Hq, D] at `start`, over the earlier keys in `keys`
     and the chunk's own (kv [2, T, Hkv, D]) -> (mask [1, Hq, T / block, max_len / block], the earlier host
     blocks some head needs as bool [max_len / T], the keys buffer with the chunk's keys, [selected, visible])."""
     keys = jax.lax.dynamic_update_slice(keys, kv[0][None].astype(keys.dtype), (0, start, 0, 0))
-    mask = xattention.select(xattn, impl, q, keys, q_offset=start, kv_len=start + chunk_len)
+    mask = xattn_select(impl, xattn, q, keys, q_offset=start, kv_len=start + chunk_len, tp=tp)
     t, hq = q.shape[1], q.shape[2]
     per_block = mask.reshape(hq, t // xattn.block, -1, t // xattn.block)
     needed = jnp.any(per_block, axis=(0, 1, 3)) & (jnp.arange(per_block.shape[2]) * t < start)
@@ -307,26 +363,26 @@ def _mask_columns(mask: jax.Array, blocks: jax.Array, block_size: int, xattn_blo
     return cols.reshape(b, hq, nqb, -1)
 
 
-@functools.partial(step_jit, static_argnums=(0, 1))
+@functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",))
 def xattn_attend_blocks(
     impl: str, xattn: XAttention, q: jax.Array, blocks: tuple[jax.Array, ...], block_ids: jax.Array,
-    mask: jax.Array, state: AttentionState,
+    mask: jax.Array, state: AttentionState, tp: TensorParallel | None = None,
 ) -> AttentionState:
     """Continues the chunk's state over earlier host blocks (ids `block_ids`), visiting only the chosen tiles."""
     k, v = _join_blocks(blocks)
     cols = _mask_columns(mask, block_ids, blocks[0].shape[1] * blocks[0].shape[3], xattn.block)
-    o, lse = xattention.attention(xattn, impl, q, k, v, cols, causal=False, out_dtype=jnp.float32)
+    o, lse = xattn_attention(impl, xattn, q, k, v, cols, causal=False, out_dtype=jnp.float32, tp=tp)
     return pallas_kernels.merge_into_state(state, o, lse)
 
 
-@functools.partial(step_jit, static_argnums=(0, 1, 2))
+@functools.partial(step_jit, static_argnums=(0, 1, 2), static_argnames=("tp",))
 def xattn_chunk_end(
     cfg: ModelConfig, impl: str, xattn: XAttention, layer: LayerParams, x: jax.Array, q: jax.Array, kv: jax.Array,
-    chunk_len: jax.Array, state: AttentionState, mask: jax.Array, start: jax.Array,
+    chunk_len: jax.Array, state: AttentionState, mask: jax.Array, start: jax.Array, tp: TensorParallel | None = None,
 ) -> jax.Array:
     """The chunk's chosen blocks of its own keys (causal, last in key order), then the rest of the layer."""
     k, v = _split_block(kv)
     own = jax.lax.dynamic_slice_in_dim(mask, start // xattn.block, k.shape[1] // xattn.block, axis=3)
-    o, lse = xattention.attention(xattn, impl, q, k, v, own, causal=True, kv_len=chunk_len, out_dtype=jnp.float32)
+    o, lse = xattn_attention(impl, xattn, q, k, v, own, causal=True, kv_len=chunk_len, out_dtype=jnp.float32, tp=tp)
     o, _ = pallas_kernels.finish_state(pallas_kernels.merge_into_state(state, o, lse))
     return decoder.attention_output_and_mlp(cfg, layer, x, o)  # the one rounding to the model dtype

@@ -45,6 +45,14 @@ class ModelConfig:
     qk_norm: bool
     eos_token_ids: tuple[int, ...] = ()
 
+    def tensor_parallel_sizes(self) -> list[int]:
+        """Device counts the model splits over: each must give every device whole query heads and the KV heads
+        they read (a divisor of the KV heads, or a multiple of them, each KV head then repeated on N / Hkv
+        devices as vLLM does) and an equal slice of the MLP."""
+        return [n for n in range(1, self.num_heads + 1)
+                if self.num_heads % n == 0 and (self.num_kv_heads % n == 0 or n % self.num_kv_heads == 0)
+                and self.intermediate_size % n == 0]
+
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token over all layers at 2 bytes per element."""
@@ -159,6 +167,8 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
     gpu_memory_utilization: float = 0.9
+    # Devices the model's heads and MLP are split over (tensor parallelism).
+    tensor_parallel_size: int = 1
 
     def xattention(self) -> XAttention | None:
         """The XAttention prefill policy, or None for full prefill."""
@@ -216,6 +226,20 @@ class EngineConfig:
         return dataclasses.replace(config, xattn_threshold=float(t))
 
     def _validate(self, model: ModelConfig) -> "EngineConfig":
+        n = self.tensor_parallel_size
+        if not _int(n) or n < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {n!r}.")
+        if n not in model.tensor_parallel_sizes():
+            raise ValueError(
+                f"tensor_parallel_size {n} does not split the model's {model.num_kv_heads} KV heads, {model.num_heads} "
+                f"attention heads and MLP of {model.intermediate_size}; valid sizes: "
+                f"{', '.join(map(str, model.tensor_parallel_sizes()))}."
+            )
+        if n > 1 and self.decode_policy == "quest":
+            raise ValueError(
+                f"decode_policy='quest' does not support tensor_parallel_size {n} yet (its host-side page gather is "
+                "per device); use decode_policy='full' or tensor_parallel_size=1."
+            )
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not _int(value) or value < 1:

@@ -13,14 +13,17 @@ from jax_offload.config import ModelConfig
 from jax_offload.models.params import ModelParams
 from jax_offload.progress import LaggedProgress
 from jax_offload.sparse.xattention import XAttention
+from jax_offload.tensor_parallel import TensorParallel
 
 
 class DeviceRunner:
-    """KV cache in GPU memory, sized per request to a length bucket (so shapes, and compiles, repeat)."""
+    """KV cache in GPU memory, sized per request to a length bucket (so shapes, and compiles, repeat), split by KV
+    heads over the tensor-parallel devices."""
 
     def __init__(self, cfg: ModelConfig, params: ModelParams, inv_freq: jax.Array, dtype: jnp.dtype, impl: str,
-                 xattn: XAttention | None = None):
+                 tp: TensorParallel, xattn: XAttention | None = None):
         self.cfg, self.params, self.inv_freq, self.dtype, self.impl, self.xattn = cfg, params, inv_freq, dtype, impl, xattn
+        self.tp = tp
         self._k: list[jax.Array] = []
         self._v: list[jax.Array] = []
         self.prefill_block_counts: list[jax.Array] = []  # per layer, XAttention's [selected, visible] blocks
@@ -38,14 +41,14 @@ class DeviceRunner:
         x = embed_tokens(self.params.embed, ids)
         cache_len = max(cache_bucket(total_len), x.shape[1])
         shape = (1, cache_len, cfg.num_kv_heads, cfg.head_dim)
-        self._k = [jnp.zeros(shape, self.dtype) for _ in range(cfg.num_layers)]
-        self._v = [jnp.zeros(shape, self.dtype) for _ in range(cfg.num_layers)]
+        self._k = [self.tp.zeros(shape, self.dtype, 2) for _ in range(cfg.num_layers)]
+        self._v = [self.tp.zeros(shape, self.dtype, 2) for _ in range(cfg.num_layers)]
         length = jnp.asarray(prompt_len, jnp.int32)
         done = LaggedProgress(progress)
         self.prefill_block_counts = []
         for i, layer in enumerate(self.params.layers):
             x, self._k[i], self._v[i], counts = prefill_layer_in_device(
-                cfg, self.impl, layer, x, self.inv_freq, self._k[i], self._v[i], length, xattn=self.xattn
+                cfg, self.impl, layer, x, self.inv_freq, self._k[i], self._v[i], length, xattn=self.xattn, tp=self.tp
             )
             self.prefill_block_counts.append(counts)
             done.step(x, prompt_len / cfg.num_layers)
@@ -57,7 +60,7 @@ class DeviceRunner:
         pos = jnp.asarray(position, jnp.int32)
         for i, layer in enumerate(self.params.layers):
             x, self._k[i], self._v[i] = decode_layer_in_device(
-                self.cfg, self.impl, layer, x, self.inv_freq, self._k[i], self._v[i], pos
+                self.cfg, self.impl, layer, x, self.inv_freq, self._k[i], self._v[i], pos, tp=self.tp
             )
         return x
 

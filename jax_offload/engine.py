@@ -25,6 +25,7 @@ from jax_offload.outputs import RequestOutput, first_stop
 from jax_offload.precision import step_jit
 from jax_offload.sampling import SamplingParams, sample_token
 from jax_offload.serving.engine import BatchEngine
+from jax_offload.tensor_parallel import TensorParallel, check_devices, sharded_model_config, to_host
 
 Prompt = str | Sequence[int]
 PROGRESS_MIN_TOKENS = 4096  # shorter prompts prefill too fast for a progress bar to help
@@ -36,6 +37,9 @@ class LLM:
     Several prompts with the KV cache in GPU memory run together (continuous batching over a paged KV pool,
     `jax_offload.serving`), the pool allocated at the first such call and kept. One prompt, an offloaded KV cache
     or XAttention prefill run requests one after another, each from a fresh KV cache.
+
+    `tensor_parallel_size` N splits every layer over N devices by KV-head groups (the KV cache too, offloaded or
+    not); several prompts then also run one after another.
     """
 
     def __init__(
@@ -60,6 +64,7 @@ class LLM:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 16384,
         gpu_memory_utilization: float = 0.9,
+        tensor_parallel_size: int = 1,
     ):
         from transformers import AutoTokenizer
 
@@ -73,11 +78,13 @@ class LLM:
             decode_budget=decode_budget, page_size=page_size, dense_layers=dense_layers, prefill_policy=prefill_policy,
             xattn_threshold=xattn_threshold, xattn_stride=xattn_stride, xattn_block=xattn_block,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            gpu_memory_utilization=gpu_memory_utilization,
+            gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
         )
         options = options.validate(model_config)
         check_attention_impl(attention_impl or default_attention_impl())
-        params = load_params(model_dir, model_config, jnp.dtype(dtype))
+        check_devices(options.tensor_parallel_size)
+        tp = TensorParallel.create(options.tensor_parallel_size)
+        params = load_params(model_dir, model_config, jnp.dtype(dtype), tp)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         eos = set(model_config.eos_token_ids)
         gen_cfg = model_dir / "generation_config.json"
@@ -86,7 +93,7 @@ class LLM:
             eos.update(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
-        self._setup(model_config, options, params, tokenizer, eos, attention_impl)
+        self._setup(model_config, options, params, tokenizer, eos, attention_impl, tp)
 
     @classmethod
     def from_params(
@@ -98,22 +105,34 @@ class LLM:
         **options,
     ) -> "LLM":
         """An engine over parameters already in memory (e.g. random weights at a real shape, for benchmarks).
-        Without a tokenizer, prompts must be token ids and outputs carry ids only."""
+        Without a tokenizer, prompts must be token ids and outputs carry ids only. With `tensor_parallel_size` N the
+        parameters must already be laid out for N devices (`LayerParams.num_shards`, placed on the mesh)."""
         llm = cls.__new__(cls)
         engine = EngineConfig(**options).validate(model_config)
-        llm._setup(model_config, engine, params, tokenizer, set(model_config.eos_token_ids), attention_impl)
+        n = engine.tensor_parallel_size
+        check_devices(n)
+        if params.layers and params.layers[0].num_shards != n:
+            raise ValueError(
+                f"The parameters are laid out for {params.layers[0].num_shards} devices, not tensor_parallel_size {n}."
+            )
+        llm._setup(model_config, engine, params, tokenizer, set(model_config.eos_token_ids), attention_impl,
+                   TensorParallel.create(n))
         return llm
 
-    def _setup(self, model_config, engine, params, tokenizer, eos_ids, attention_impl) -> None:
+    def _setup(self, model_config, engine, params, tokenizer, eos_ids, attention_impl, tp: TensorParallel) -> None:
         self.attention_impl = check_attention_impl(attention_impl or default_attention_impl())
+        # With fewer KV heads than devices, the devices hold repeated KV heads: the model as they run it.
+        model_config = sharded_model_config(model_config, tp.size)
+        self.tp = tp
         self.model_config, self.engine_config, self.params, self.tokenizer = model_config, engine, params, tokenizer
         self.dtype = jnp.dtype(engine.dtype)
         self.eos_token_ids = frozenset(int(i) for i in eos_ids)
         self._inv_freq = jnp.asarray(inverse_frequencies(model_config.rope, model_config.head_dim))
         if engine.offload:
-            self._runner = OffloadRunner(model_config, params, self._inv_freq, self.dtype, self.attention_impl, engine)
+            self._runner = OffloadRunner(model_config, params, self._inv_freq, self.dtype, self.attention_impl, engine,
+                                         tp)
         else:
-            self._runner = DeviceRunner(model_config, params, self._inv_freq, self.dtype, self.attention_impl,
+            self._runner = DeviceRunner(model_config, params, self._inv_freq, self.dtype, self.attention_impl, tp,
                                         engine.xattention())
         self._batch_engine: BatchEngine | None = None
 
@@ -179,8 +198,9 @@ class LLM:
         ]
 
     def _batches(self) -> bool:
-        """Whether several prompts run together: with the KV cache in GPU memory and full prefill."""
-        return not self.engine_config.offload and self.engine_config.prefill_policy == "full"
+        """Whether several prompts run together: with the KV cache in GPU memory, full prefill, one device."""
+        e = self.engine_config
+        return not e.offload and e.prefill_policy == "full" and self.tp.size == 1
 
     def _batch(self) -> BatchEngine:
         if self._batch_engine is None:
@@ -214,7 +234,7 @@ class LLM:
                 self._runner.finish()
                 hidden, first = self._prefill(ids, len(ids), keep_all=True)
             rows = jax.lax.slice_in_dim(hidden, start - first, len(ids) - first, axis=1)
-            return np.asarray(_all_logits(self.model_config, self.params, rows)[0])
+            return to_host(_all_logits(self.model_config, self.params, rows)[0])
         finally:
             self._runner.finish()
 
@@ -252,7 +272,7 @@ class LLM:
             start = time.perf_counter()
             hidden, first_position = self._prefill(ids, total_len, progress)
             logit_row = _last_logits(cfg, self.params, hidden, jnp.int32(len(ids) - 1 - first_position))
-            token = int(sample_token(logit_row, *knobs, jax.random.fold_in(key, 0)))
+            token = int(to_host(sample_token(logit_row, *knobs, jax.random.fold_in(key, 0))))
             prefill_s = time.perf_counter() - start
             density = self._prefill_density()
             start = step_start = time.perf_counter()
@@ -277,7 +297,7 @@ class LLM:
                 x = embed_tokens(self.params.embed, np.full((1, 1), token, np.int32))
                 hidden = self._runner.decode(x, position)
                 logit_row = _last_logits(cfg, self.params, hidden, jnp.int32(0))
-                token = int(sample_token(logit_row, *knobs, jax.random.fold_in(key, len(generated))))
+                token = int(to_host(sample_token(logit_row, *knobs, jax.random.fold_in(key, len(generated)))))
                 now = time.perf_counter()
                 step_seconds.append(now - step_start)
                 step_start = now
@@ -292,7 +312,7 @@ class LLM:
     def _prefill_density(self) -> list[float] | None:
         if self.engine_config.prefill_policy != "xattention":
             return None
-        counts = np.asarray(jnp.stack(self._runner.prefill_block_counts)).astype(np.float64)
+        counts = to_host(jnp.stack(self._runner.prefill_block_counts)).astype(np.float64)
         return list(counts[:, 0] / np.maximum(counts[:, 1], 1))
 
 

@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="several prompts: tokens per prefill step, padding included (16384)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="several prompts: share of GPU memory for weights and the paged KV pool (0.9)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices each layer is split over by KV-head groups (1); with several processes, all of them")
     return p
 
 
@@ -129,6 +131,7 @@ def _run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     chat = not args.no_chat_template
     ids = [llm.apply_chat_template([{"role": "user", "content": p}]) if chat else llm.encode(p) for p in prompts]

@@ -41,12 +41,15 @@ from jax_offload.kv.ring import BlockRing, Key, group_size, grouped
 from jax_offload.models.params import ModelParams
 from jax_offload.progress import LaggedProgress
 from jax_offload.sparse.quest import QuestPages
+from jax_offload.tensor_parallel import TensorParallel, to_host
 
 GPU_RUN_KEYS = 16384
 
 
 class OffloadRunner:
-    """The request's KV in the pinned-host store; attention streams it back group by group through the ring."""
+    """The request's KV in the pinned-host store; attention streams it back group by group through the ring.
+    Under tensor parallelism the store, the ring's slots and the tails are split by KV heads: each device streams
+    its own heads, and every transfer is one per device."""
 
     def __init__(
         self,
@@ -56,8 +59,9 @@ class OffloadRunner:
         dtype: jnp.dtype,
         impl: str,
         engine: EngineConfig,
+        tp: TensorParallel,
     ):
-        self.cfg, self.params, self.inv_freq, self.dtype, self.impl = cfg, params, inv_freq, dtype, impl
+        self.cfg, self.params, self.inv_freq, self.dtype, self.impl, self.tp = cfg, params, inv_freq, dtype, impl, tp
         self.block_size, self.num_slots, self.mode = engine.block_size, engine.num_ring_slots, engine.prefill
         self.group = group_size(engine.num_ring_slots)
         num_blocks = -(-engine.max_model_len // engine.block_size)
@@ -74,8 +78,8 @@ class OffloadRunner:
         # Blocks per call over a "gpu" layer: runs of GPU_RUN_KEYS keys (their splits unrolled in one program).
         self.gpu_run = min(max(1, GPU_RUN_KEYS // engine.block_size), num_blocks)
         self.store = HostKVStore(
-            cfg.num_layers, num_blocks, engine.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, jax.devices()[0],
-            places, gpu_block_multiple=self.gpu_run,
+            cfg.num_layers, num_blocks, engine.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, tp, places,
+            gpu_block_multiple=self.gpu_run,
         )
         self.xattn = engine.xattention()
         self.last_decode_pcie_bytes = 0  # bytes the last decode step moved from host to GPU
@@ -91,7 +95,7 @@ class OffloadRunner:
         return round_up(prompt_bucket(prompt_len), self.block_size)
 
     def _empty_tail(self) -> jax.Array:
-        return jnp.zeros((2, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim), self.dtype)
+        return self.tp.zeros((2, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim), self.dtype, 2)
 
     # ---- streaming host blocks ---------------------------------------------------------------
 
@@ -112,7 +116,7 @@ class OffloadRunner:
     def _attend_groups(self, ring: BlockRing, layer_groups: list[list[Key]], q, state):
         """Continues the attention state over each of the layer's groups, handing each group's slots back."""
         for g in layer_groups:
-            state = attend_blocks(self.impl, q, tuple(ring.take()), state)
+            state = attend_blocks(self.impl, q, tuple(ring.take()), state, tp=self.tp)
             ring.release(state.m, len(g))
         return state
 
@@ -147,7 +151,8 @@ class OffloadRunner:
         num_chunks = ids.shape[1] // bs
         done = LaggedProgress(progress)
         if self.xattn is not None:
-            self._keys = jnp.zeros((1, self.store.num_blocks * bs, self.cfg.num_kv_heads, self.cfg.head_dim), self.dtype)
+            self._keys = self.tp.zeros((1, self.store.num_blocks * bs, self.cfg.num_kv_heads, self.cfg.head_dim),
+                                       self.dtype, 2)
         for c in range(num_chunks):
             chunk_len = min(bs, prompt_len - c * bs)
             h = embed_tokens(self.params.embed, ids[:, c * bs : (c + 1) * bs])
@@ -155,10 +160,10 @@ class OffloadRunner:
                 groups, ring = self._stream([range(c)] * len(layers))
                 self.last_prefill_pcie_bytes += c * self._host_layers() * self.store.block_bytes
             for l, layer in enumerate(layers):
-                q, kv, state = chunk_begin(self.cfg, layer, h, self.inv_freq, jnp.int32(c * bs))
+                q, kv, state = chunk_begin(self.cfg, layer, h, self.inv_freq, jnp.int32(c * bs), tp=self.tp)
                 if self.xattn is None:
                     state = self._attend_groups(ring, groups[l], q, state)
-                    h = chunk_end(self.cfg, self.impl, layer, h, q, kv, jnp.int32(chunk_len), state)
+                    h = chunk_end(self.cfg, self.impl, layer, h, q, kv, jnp.int32(chunk_len), state, tp=self.tp)
                 else:
                     h = self._xattn_chunk_layer(l, layer, h, q, kv, state, c, chunk_len)
                 self._keep_block(l, c, kv, chunk_len)
@@ -183,25 +188,25 @@ class OffloadRunner:
             self._keys, done = gather_keys(self._keys, tuple(ring.take()), jnp.int32(g[0] * bs))
             ring.release(done, len(g))
         mask, needed, self._keys, counts = xattn_chunk_select(
-            self.impl, self.xattn, q, self._keys, kv, start, jnp.int32(chunk_len))
-        chosen = [int(b) for b in np.flatnonzero(np.asarray(needed))]
+            self.impl, self.xattn, q, self._keys, kv, start, jnp.int32(chunk_len), tp=self.tp)
+        chosen = [int(b) for b in np.flatnonzero(to_host(needed))]
         ring = BlockRing(self.store, self.num_slots, grouped([(l, b) for b in chosen], self.group))
         for g in grouped(chosen, self.group):
             state = xattn_attend_blocks(self.impl, self.xattn, q, tuple(ring.take()), jnp.asarray(g, jnp.int32),
-                                        mask, state)
+                                        mask, state, tp=self.tp)
             ring.release(state.m, len(g))
         if self.store.places[l] != "gpu":
             self.last_prefill_pcie_bytes += (c + len(chosen)) * self.store.block_bytes
         self.prefill_block_counts[l] = self.prefill_block_counts[l] + counts
         return xattn_chunk_end(self.cfg, self.impl, self.xattn, layer, h, q, kv, jnp.int32(chunk_len), state, mask,
-                               start)
+                               start, tp=self.tp)
 
     def _prefill_layerwise(self, x: jax.Array, prompt_len: int, progress) -> jax.Array:
         length = jnp.int32(prompt_len)
         done = LaggedProgress(progress)
         for l, layer in enumerate(self.params.layers):
             x, blocks, self.prefill_block_counts[l] = layerwise_layer(
-                self.cfg, self.impl, self.block_size, layer, x, self.inv_freq, length, xattn=self.xattn)
+                self.cfg, self.impl, self.block_size, layer, x, self.inv_freq, length, xattn=self.xattn, tp=self.tp)
             for b, block in enumerate(blocks):
                 self._keep_block(l, b, block, min(self.block_size, prompt_len - b * self.block_size))
             done.step(x, prompt_len / len(self.params.layers))
@@ -235,16 +240,16 @@ class OffloadRunner:
                     self.cfg, self.impl, layer, x, self.inv_freq, self._tails[l], pos, tail_len,
                     (self.quest.kmin[l], self.quest.kmax[l]), self.budget_pages, self.page_size, self.block_size,
                     jnp.int32(store.num_written(l) * (self.block_size // self.page_size)), store.layer_buffer(l),
-                    store.layer_sharding(l), store.device)
+                    *store.gather_shardings(l))
                 moved += self.gathered_bytes
             else:
                 q, self._tails[l], state = decode_begin(self.cfg, layer, x, self.inv_freq, self._tails[l], pos,
-                                                        tail_len)
+                                                        tail_len, tp=self.tp)
                 if store.places[l] == "gpu":
                     state = self._attend_in_gpu(l, q, state)
                 else:
                     state = self._attend_groups(ring, groups[l], q, state)
-                x = decode_end(self.cfg, self.impl, layer, x, q, self._tails[l], tail_len, state)
+                x = decode_end(self.cfg, self.impl, layer, x, q, self._tails[l], tail_len, state, tp=self.tp)
         self.last_decode_pcie_bytes = moved
         self._tail_len += 1
         if self._tail_len == self.block_size:

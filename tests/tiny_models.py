@@ -46,6 +46,10 @@ VARIANTS = {
     ),
     "llama_tied": lambda: LlamaConfig(**{**COMMON, "num_key_value_heads": 1}, rope_theta=10000.0, tie_word_embeddings=True),
     "qwen2": lambda: Qwen2Config(**COMMON, rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False),
+    "qwen2_kv4": lambda: Qwen2Config(
+        **{**COMMON, "num_attention_heads": 8, "num_key_value_heads": 4}, rope_theta=1000000.0, tie_word_embeddings=False,
+        use_sliding_window=False,
+    ),
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False),
     "qwen3_tied": lambda: Qwen3Config(
         **{**COMMON, "num_attention_heads": 8}, head_dim=16, rope_theta=1000000.0, tie_word_embeddings=True

@@ -11,6 +11,9 @@ Each layer lives in one of three places:
   - "blocks": one pinned-host buffer per block, moved to the GPU group by group (full attention);
   - "pages": one pinned-host buffer for all the layer's blocks, so the pages a sparse policy selects, from any
     block, can be gathered in one pass on the host and cross PCIe as one transfer (`gather_rows`).
+
+Under tensor parallelism every buffer is split on its KV-head axis over the mesh: each device's heads live in
+pinned memory attached to that device and cross only its own link.
 """
 from __future__ import annotations
 
@@ -20,7 +23,9 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import NamedSharding
+
+from jax_offload.tensor_parallel import TensorParallel
 
 PAGE_UNIT = 16  # tokens per stored page: the finest page a sparse policy can select; block sizes are multiples
 PLACES = ("gpu", "blocks", "pages")
@@ -73,7 +78,7 @@ class HostKVStore:
         num_kv_heads: int,
         head_dim: int,
         dtype: jnp.dtype,
-        device: jax.Device,
+        tp: TensorParallel,
         places: Sequence[str] | None = None,
         host_memory_kind: str = "pinned_host",
         gpu_block_multiple: int = 1,
@@ -101,16 +106,18 @@ class HostKVStore:
                 f"{num_layers - places.count('gpu')} layers but only {available / 2**30:.2f} GiB of host memory is "
                 "available; lower max_model_len."
             )
-        self.device = SingleDeviceSharding(device, memory_kind="device")
-        host = SingleDeviceSharding(device, memory_kind=host_memory_kind)
+        self.tp = tp
+        self.device = tp.sharding(0, memory_kind="device")  # a fetched block: [Hkv, ...] on the GPUs
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
-        self._sharding = [self.device if p == "gpu" else host for p in places]
-        zeros = jnp.zeros(self.block_shape, dtype)
+        # A one-buffer layer ("gpu", "pages") is [num_blocks, Hkv, ...]: split on axis 1; a block on axis 0.
+        self._sharding = [tp.sharding(0 if p == "blocks" else 1, "device" if p == "gpu" else host_memory_kind)
+                          for p in places]
+        zeros = tp.zeros(self.block_shape, dtype, 0)
         self._blocks: list[list[jax.Array] | jax.Array] = []
         for place, sharding in zip(places, self._sharding):
             if place != "blocks":
-                count = gpu_blocks if place == "gpu" else num_blocks
-                self._blocks.append(jax.device_put(jnp.zeros((count, *self.block_shape), dtype), sharding))
+                layer = tp.zeros((gpu_blocks if place == "gpu" else num_blocks, *self.block_shape), dtype, 1)
+                self._blocks.append(jax.device_put(layer, sharding, may_alias=False))
             else:
                 self._blocks.append([jax.device_put(zeros, sharding, may_alias=False) for _ in range(num_blocks)])
         self._written = [0] * num_layers
@@ -156,7 +163,7 @@ class HostKVStore:
         first = keys[0][1]
         if [k for k in keys] != [(layer, first + j) for j in range(len(keys))]:
             raise RuntimeError(f"Blocks {keys} of a one-buffer layer must be consecutive blocks of one layer.")
-        group = self._read_consecutive(self._blocks[layer], jnp.int32(first), len(keys), self.device)
+        group = self._read_consecutive(self._blocks[layer], jnp.int32(first), len(keys), self.tp.sharding(1, "device"))
         return [group[j] for j in range(len(keys))]
 
     @staticmethod
@@ -172,15 +179,15 @@ class HostKVStore:
             raise RuntimeError(f"Layer {layer} keeps one buffer per block, not one for the layer.")
         return self._blocks[layer]
 
-    def layer_sharding(self, layer: int) -> SingleDeviceSharding:
-        """Where a layer's buffers live (GPU memory for a "gpu" layer, pinned host memory otherwise)."""
-        return self._sharding[layer]
+    def gather_shardings(self, layer: int) -> tuple[NamedSharding, NamedSharding]:
+        """`gather_rows`'s (host, device) for a "pages" layer: its memory, and the GPUs the pages go to."""
+        return self.tp.sharding(None, self._sharding[layer].memory_kind), self.tp.sharding(None, "device")
 
     def gather_pages(self, layer: int, rows: jax.Array) -> jax.Array:
         """`gather_rows` of a "pages" layer, as a call of its own."""
         if self.places[layer] != "pages":
             raise RuntimeError(f"Layer {layer} is not kept as pages; only 'pages' layers gather pages.")
-        return gather_rows(self._blocks[layer], rows, self._sharding[layer], self.device)
+        return gather_rows(self._blocks[layer], rows, *self.gather_shardings(layer))
 
     def reset(self) -> None:
         """Forgets the request: every block counts as unwritten again."""
@@ -199,8 +206,9 @@ class HostKVStore:
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def gather_rows(layer: jax.Array, rows: jax.Array, host, device) -> jax.Array:
     """The 16-token pages `rows` (int32, anywhere; row (b * Hkv + h) * units + u is unit u of KV head h in block
-    b) of a one-buffer layer kept in `host`, on `device`: gathered on the host next to the pinned buffer, then
-    one transfer. -> [len(rows), 2, PAGE_UNIT, D]. Called inside a jit, both join that program."""
+    b) of a one-buffer layer kept in `host` (replicated there, for the rows), on `device`: gathered on the host
+    next to the pinned buffer, then one transfer. -> [len(rows), 2, PAGE_UNIT, D]. Called inside a jit, both join
+    that program."""
     unit = layer.shape[-3:]
 
     def take(layer, rows):

@@ -7,6 +7,8 @@ shares the exact same layer arithmetic.
 """
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 
@@ -25,6 +27,16 @@ def _sum_last_axis(x: jax.Array) -> jax.Array:
         half = x.shape[-1] // 2
         x = x[..., :half] + x[..., half:]
     return x
+
+
+def _split_shard_groups(x: jax.Array, n: int, widths: tuple[int, ...]) -> list[jax.Array]:
+    """x [..., n * sum(widths)] laid out as n shard groups [w_0 | w_1 | ...] (`sharded_layout`) -> one array per
+    width, [..., n * w_i], its shards in order. Each shard's part stays on its device."""
+    cuts = list(itertools.accumulate(widths))[:-1]
+    if n == 1:  # plain slices: the very program of a model without tensor parallelism
+        return jnp.split(x, cuts, axis=-1)
+    parts = jnp.split(x.reshape(*x.shape[:-1], n, sum(widths)), cuts, axis=-1)
+    return [p.reshape(*x.shape[:-1], n * w) for p, w in zip(parts, widths)]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -49,10 +61,10 @@ def attention_inputs(
     qkv = h @ layer.wqkv
     if layer.bqkv is not None:
         qkv = qkv + layer.bqkv
-    nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = qkv[..., : nq * d].reshape(b, t, nq, d)
-    k = qkv[..., nq * d : (nq + nkv) * d].reshape(b, t, nkv, d)
-    v = qkv[..., (nq + nkv) * d :].reshape(b, t, nkv, d)
+    n = layer.num_shards
+    nq, nkv, d = cfg.num_heads // n, cfg.num_kv_heads // n, cfg.head_dim  # per shard
+    q, k, v = _split_shard_groups(qkv, n, (nq * d, nkv * d, nkv * d))
+    q, k, v = q.reshape(b, t, -1, d), k.reshape(b, t, -1, d), v.reshape(b, t, -1, d)
     if layer.q_norm is not None:
         q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
@@ -65,8 +77,8 @@ def attention_output_and_mlp(cfg: ModelConfig, layer: LayerParams, x: jax.Array,
     b, t, _ = x.shape
     x = x + attn.astype(x.dtype).reshape(b, t, -1) @ layer.wo
     h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-    gate_up = h @ layer.w_gate_up
-    gate, up = jnp.split(gate_up, 2, axis=-1)
+    n = layer.num_shards
+    gate, up = _split_shard_groups(h @ layer.w_gate_up, n, (cfg.intermediate_size // n,) * 2)
     return x + (jax.nn.silu(gate) * up) @ layer.w_down
 
 

@@ -18,6 +18,9 @@ class LayerParams:
     mlp_norm: jax.Array  # [hidden]
     w_gate_up: jax.Array  # [hidden, 2 * intermediate], gate|up fused
     w_down: jax.Array  # [intermediate, hidden]
+    # wqkv and w_gate_up hold this many column groups, one per tensor-parallel device: [q_g|k_g|v_g] and
+    # [gate_g|up_g] (`sharded_layout`); 1 is the plain [q|k|v], [gate|up]. Static: it shapes the trace.
+    num_shards: int = struct.field(pytree_node=False, default=1)
 
 
 @struct.dataclass

@@ -1,0 +1,124 @@
+"""Tensor parallelism reorders work only: TP=2 and TP=4 on virtual CPU devices, and TP=2 as two processes, give
+the TP=1 float32 logits (within 1e-5: the row-parallel sums add in another order) and the same greedy tokens.
+
+Several devices need a fresh JAX (this process already started with one), so the runs happen in subprocesses
+(`tp_check.py`); the checks and their messages are here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tiny_models
+from jax_offload import LLM, SamplingParams
+
+HERE = Path(__file__).resolve().parent
+# Llama, Qwen3 and Qwen2 with 1, 2 and 4 KV heads: with fewer KV heads than devices each KV head is repeated.
+MODELS = {"llama_tied": 301, "qwen3": 302, "qwen2_kv4": 303}
+PROMPT_SEED = 304
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tp")
+    for variant, seed in MODELS.items():
+        tiny_models.build(variant, root / variant, seed=seed)
+    return {variant: root / variant for variant in MODELS}
+
+
+def _cpu_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
+    return env
+
+
+@pytest.fixture(scope="module")
+def device_runs(model_dirs) -> list[dict]:
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "tp_check.py"), "devices", str(PROMPT_SEED), *map(str, model_dirs.values())],
+        env=_cpu_env(XLA_FLAGS="--xla_force_host_platform_device_count=4"), capture_output=True, text=True,
+        timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_tp_logits_and_greedy_tokens_equal_tp1(device_runs):
+    rows = [r for r in device_runs if "mode" in r]
+    # 3 models x (TP=2: in GPU memory, chunked and layerwise offload; TP=4: in GPU memory, chunked offload), and
+    # XAttention prefill in GPU memory and chunked-offloaded at TP=2.
+    assert len(rows) == 3 * 5 + 2
+    for r in rows:
+        case = f"{r['model']} (model seed {MODELS[r['model']]}), TP={r['size']}, {r['mode']}, prompt seed {PROMPT_SEED}"
+        assert r["max_diff"] <= TOLERANCE, f"{case}: logits differ from TP=1 by {r['max_diff']}"
+        assert r["tokens"] == r["ref_tokens"], f"{case}: greedy tokens differ from TP=1"
+
+
+def test_tp_layer_steps_only_all_reduce(device_runs):
+    """XLA's collectives are the two all-reduces of the row-parallel wo and w_down per layer; attention is local."""
+    steps = next(r["steps"] for r in device_runs if r.get("case") == "collectives")
+    layer_ends = {"all-reduce": 2, "all-gather": 0, "all-to-all": 0, "collective-permute": 0, "reduce-scatter": 0}
+    for name in ("prefill_layer_in_device", "decode_layer_in_device", "chunk_end"):
+        assert steps[name] == layer_ends, name
+    for name in ("chunk_begin", "attend_blocks"):
+        assert sum(steps[name].values()) == 0, f"{name}: {steps[name]}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_give_tp1_logits(model_dirs, tmp_path):
+    model = model_dirs["qwen3"]
+    out = tmp_path / "process0.json"
+    port = _free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, str(HERE / "tp_check.py"), "process", str(port), str(i), str(PROMPT_SEED), str(model), str(out)],
+        env=_cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        logs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, logs):
+        assert p.returncode == 0, err[-3000:]
+    got = json.loads(out.read_text())
+    assert (got["devices"], got["local_devices"]) == (2, 1)
+    ids = np.random.default_rng(PROMPT_SEED).integers(3, 256, size=37).tolist()
+    llm = LLM(model, dtype="float32")
+    ref_logits = llm.logits(ids)
+    ref_tokens = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].token_ids
+    for mode in ("in_gpu", "chunked"):
+        diff = np.abs(np.asarray(got[mode]["logits"]) - ref_logits).max()
+        case = f"2 processes, {mode}, model seed {MODELS['qwen3']}, prompt seed {PROMPT_SEED}"
+        assert diff <= TOLERANCE, f"{case}: logits differ from TP=1 by {diff}"
+        assert got[mode]["tokens"] == ref_tokens, case
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(tensor_parallel_size=3), "tensor_parallel_size 3 does not split the model's 2 KV heads, 4 attention heads "
+                                   "and MLP of 128; valid sizes: 1, 2, 4"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be an integer >= 1, got 0"),
+    (dict(tensor_parallel_size=2), "tensor_parallel_size 2 exceeds the 1 devices JAX sees"),
+    (dict(tensor_parallel_size=2, offload=True, decode_policy="quest", decode_budget=64),
+     "decode_policy='quest' does not support tensor_parallel_size 2"),
+])
+def test_bad_tensor_parallel_size(model_dirs, options, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        LLM(model_dirs["qwen3"], dtype="float32", **options)
+
+
+def test_cli_passes_tensor_parallel_size(model_dirs, capsys):
+    from jax_offload.generate import main
+
+    assert main(["--model", str(model_dirs["qwen3"]), "--prompt", "w1 w2", "--tensor-parallel-size", "3"]) == 2
+    assert "tensor_parallel_size 3 does not split" in capsys.readouterr().err

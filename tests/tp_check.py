@@ -1,0 +1,121 @@
+"""Tensor-parallel runs that need a fresh process (JAX reads XLA_FLAGS' virtual CPU devices, and joins
+jax.distributed, only when it starts); `test_tp.py` launches them and checks what they print.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \
+        python tests/tp_check.py devices SEED MODEL_DIR...
+prints one JSON line per (model, size, mode): float32 logits of a fresh random prompt and greedy tokens under
+tensor parallelism, beside TP=1 in GPU memory computed in this same process; then the collectives of the compiled
+layer steps.
+
+    JAX_PLATFORMS=cpu python tests/tp_check.py process PORT PROCESS_ID SEED MODEL_DIR OUT.json
+is one of two processes joined by jax.distributed (one CPU device each) running TP=2; process 0 writes its
+logits and greedy tokens to OUT.json.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+jax.config.update("jax_default_matmul_precision", "highest")  # as conftest.py: float32 references
+
+PROMPT_LEN, MAX_TOKENS, BLOCK = 37, 12, 16  # the prompt fills 2 blocks; decode flushes a third
+MODES = {
+    "in_gpu": {},
+    "chunked": dict(offload=True, block_size=BLOCK, num_ring_slots=2, prefill="chunked"),
+    "layerwise": dict(offload=True, block_size=BLOCK, num_ring_slots=4, prefill="layerwise"),
+}
+# Layerwise prefill shares its decode and store with chunked: at TP=2 only, to keep the test fast.
+SIZES_AND_MODES = [(2, "in_gpu"), (2, "chunked"), (2, "layerwise"), (4, "in_gpu"), (4, "chunked")]
+XATTN = dict(prefill_policy="xattention", xattn_threshold=0.5, xattn_stride=4, xattn_block=16)
+XATTN_MODES = {"xattn_in_gpu": XATTN, "xattn_chunked": dict(MODES["chunked"], **XATTN)}
+COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+
+
+def _prompt(seed: int, length: int = PROMPT_LEN) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 256, size=length).tolist()
+
+
+def _run(model: str, ids: list[int], **options) -> tuple[np.ndarray, list[int]]:
+    from jax_offload import LLM, SamplingParams
+
+    llm = LLM(model, dtype="float32", **options)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return llm.logits(ids), llm.generate([ids], greedy)[0].token_ids
+
+
+def devices(seed: int, models: list[str]) -> None:
+    for model in models:
+        ids = _prompt(seed)
+        ref_logits, ref_tokens = _run(model, ids)
+        for size, mode in SIZES_AND_MODES:
+            logits, tokens = _run(model, ids, tensor_parallel_size=size, **MODES[mode])
+            _emit(model=Path(model).name, size=size, mode=mode, max_diff=float(np.abs(logits - ref_logits).max()),
+                  tokens=tokens, ref_tokens=ref_tokens)
+    # XAttention prefill (its block choice per head on each device), on the first model, at a length with several
+    # selection blocks.
+    ids = _prompt(seed, 80)
+    for mode, options in XATTN_MODES.items():
+        ref_logits, ref_tokens = _run(models[0], ids, **options)
+        logits, tokens = _run(models[0], ids, tensor_parallel_size=2, **options)
+        _emit(model=Path(models[0]).name, size=2, mode=mode, max_diff=float(np.abs(logits - ref_logits).max()),
+              tokens=tokens, ref_tokens=ref_tokens)
+    _emit(case="collectives", steps=_collectives(models[0]))
+
+
+def _collectives(model: str) -> dict[str, dict[str, int]]:
+    """Collectives in the compiled layer steps at TP=2, by kind."""
+    import jax.numpy as jnp
+
+    from jax_offload import LLM
+    from jax_offload import attention as steps
+    from jax_offload.kv.host_store import to_stored_layout
+
+    llm = LLM(model, dtype="float32", tensor_parallel_size=2)
+    cfg, layer, tp, inv_freq = llm.model_config, llm.params.layers[0], llm.tp, llm._inv_freq
+    x = jnp.ones((1, 32, cfg.hidden_size), jnp.float32)
+    cache = tp.zeros((1, 64, cfg.num_kv_heads, cfg.head_dim), jnp.float32, 2)
+    q, kv, state = steps.chunk_begin(cfg, layer, x, inv_freq, jnp.int32(0), tp=tp)
+    lowered = {
+        "prefill_layer_in_device": steps.prefill_layer_in_device.lower(
+            cfg, "xla", layer, x, inv_freq, cache, cache, jnp.int32(30), tp=tp),
+        "decode_layer_in_device": steps.decode_layer_in_device.lower(
+            cfg, "xla", layer, x[:, :1], inv_freq, cache, cache, jnp.int32(30), tp=tp),
+        "chunk_begin": steps.chunk_begin.lower(cfg, layer, x, inv_freq, jnp.int32(0), tp=tp),
+        "attend_blocks": steps.attend_blocks.lower("xla", q, (jax.jit(to_stored_layout)(kv),), state, tp=tp),
+        "chunk_end": steps.chunk_end.lower(cfg, "xla", layer, x, q, kv, jnp.int32(30), state, tp=tp),
+    }
+    out = {}
+    for name, low in lowered.items():
+        text = low.compile().as_text()
+        out[name] = {op: len(re.findall(rf" {op}(-start)?\(", text)) for op in COLLECTIVES}
+    return out
+
+
+def process(port: int, process_id: int, seed: int, model: str, out: str) -> None:
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id)
+    ids = _prompt(seed)
+    result = {"devices": jax.device_count(), "local_devices": jax.local_device_count()}
+    for mode in ("in_gpu", "chunked"):
+        logits, tokens = _run(model, ids, tensor_parallel_size=2, **MODES[mode])
+        result[mode] = {"logits": logits.tolist(), "tokens": tokens}
+    if process_id == 0:
+        Path(out).write_text(json.dumps(result))
+    jax.distributed.shutdown()
+
+
+def _emit(**row) -> None:
+    print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    kind, args = sys.argv[1], sys.argv[2:]
+    if kind == "devices":
+        devices(int(args[0]), args[1:])
+    else:
+        process(int(args[0]), int(args[1]), int(args[2]), args[3], args[4])
