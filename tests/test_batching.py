@@ -72,7 +72,7 @@ def _check(outs, reference, where: str) -> None:
 ALL_LIMITS = tuple(range(1, NUM_PROMPTS + 1))
 
 
-@pytest.mark.parametrize("variant,limits", [("llama3", ALL_LIMITS)])
+@pytest.mark.parametrize("variant,limits", [("llama3", ALL_LIMITS), ("qwen2", (1, 7, 24))])
 def test_batched_greedy_equals_one_at_a_time(tmp_root, variant, limits):
     llm = _llm(variant, tmp_root)
     prompts, params = _workload()
