@@ -35,7 +35,7 @@ from pathlib import Path
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import GiB, SHAPES, fmt, model_config, random_params, run_metadata, stats  # noqa: E402
+from common import GiB, SHAPES, copy_rate, fmt, model_config, random_params, run_metadata, stats  # noqa: E402
 
 PHASES = ("bandwidth", "offload", "in_gpu", "big", "load")
 DEFAULT_PHASES = "bandwidth,offload:1,offload:2,in_gpu:1,in_gpu:2,big:2,load:1,load:2"
@@ -53,23 +53,14 @@ def link_bandwidth(tp, nbytes: int, reps: int = 7) -> dict:
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
-    def rate(src, dst, per_device: int) -> dict:
-        jax.device_put(src, dst).block_until_ready()
-        rates = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            jax.device_put(src, dst).block_until_ready()
-            rates.append(per_device / (time.perf_counter() - t))
-        return stats(rates)
-
     elems = nbytes // 2
     alone = []
     for d in tp.mesh.devices.flat:
         host = jax.device_put(jnp.ones((elems,), jnp.bfloat16), SingleDeviceSharding(d, memory_kind="pinned_host"))
-        alone.append(rate(host, SingleDeviceSharding(d, memory_kind="device"), nbytes))
+        alone.append(copy_rate(host, SingleDeviceSharding(d, memory_kind="device"), nbytes, reps))
         del host
     host = jax.device_put(tp.zeros((tp.size * elems,), jnp.bfloat16, 0), tp.sharding(0, "pinned_host"))
-    together = rate(host, tp.sharding(0, "device"), nbytes)
+    together = copy_rate(host, tp.sharding(0, "device"), nbytes, reps)
     return {"bytes_per_device": nbytes, "alone_Bps": alone, "together_per_link_Bps": together,
             "together_total_Bps": {k: v * tp.size if k != "n" else v for k, v in together.items()}}
 

@@ -131,22 +131,27 @@ def gpu_memory() -> dict:
     return {"in_use_GiB": s.get("bytes_in_use", 0) / GiB, "peak_GiB": s.get("peak_bytes_in_use", 0) / GiB}
 
 
-def h2d_bandwidth(nbytes: int = GiB, reps: int = 7) -> dict:
-    """Pinned-host -> GPU copy bandwidth of one large transfer, bytes/s (stats over `reps` copies)."""
+def copy_rate(src, dst, nbytes: int, reps: int = 7) -> dict:
+    """Bytes/s of `jax.device_put(src, dst)` counting `nbytes` per copy (stats over `reps` copies after one)."""
     import time
 
+    import jax
+
+    jax.device_put(src, dst).block_until_ready()
+    rates = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.device_put(src, dst).block_until_ready()
+        rates.append(nbytes / (time.perf_counter() - t))
+    return stats(rates)
+
+
+def h2d_bandwidth(nbytes: int = GiB, reps: int = 7) -> dict:
+    """Pinned-host -> GPU copy bandwidth of one large transfer, bytes/s (stats over `reps` copies)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
     dev = jax.devices()[0]
     host = jax.device_put(jnp.ones((nbytes // 2,), jnp.bfloat16), SingleDeviceSharding(dev, memory_kind="pinned_host"))
-    host.block_until_ready()
-    target = SingleDeviceSharding(dev, memory_kind="device")
-    jax.device_put(host, target).block_until_ready()
-    rates = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.device_put(host, target).block_until_ready()
-        rates.append(nbytes / (time.perf_counter() - t))
-    return stats(rates)
+    return copy_rate(host, SingleDeviceSharding(dev, memory_kind="device"), nbytes, reps)
