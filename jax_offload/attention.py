@@ -9,7 +9,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Sharding
 
 import pallas_kernels
 from jax_offload.config import ModelConfig
@@ -29,6 +28,8 @@ HEADS = 2  # q, k, v, o [B, T, H, D]; KV blocks [2, T, Hkv, D]
 STATE_HEADS = AttentionState(2, 1, 1)  # acc [B, T, H, D], m and l [B, H, T]
 LSE_HEADS = 1  # lse [B, H, T]
 MASK_HEADS = 1  # XAttention's block mask [B, H, nqb, nkb]
+BOUNDS_HEADS = 0  # Quest's page bounds [Hkv, pages, D]
+BUFFER_HEADS = 1  # a one-buffer layer of the KV store [num_blocks, Hkv, ...]
 
 
 def default_attention_impl() -> str:
@@ -264,45 +265,63 @@ def _layer_blocks(buffer: jax.Array) -> tuple[jax.Array, jax.Array]:
     return _split_block(from_stored_layout(buffer.swapaxes(0, 1).reshape(hkv, nb * units, *buffer.shape[3:])))
 
 
-@functools.partial(step_jit, static_argnums=(0, 5))
+@functools.partial(step_jit, static_argnums=(0, 5), static_argnames=("tp",))
 def attend_stored(impl: str, q: jax.Array, buffer: jax.Array, first: jax.Array, state: AttentionState, count: int,
-                  kv_len: jax.Array) -> AttentionState:
+                  kv_len: jax.Array, tp: TensorParallel | None = None) -> AttentionState:
     """Continues a token's state over `count` blocks of a one-buffer layer in GPU memory from block `first`, of
     which the first `kv_len` keys are real: the key order and splits of those blocks streamed through the ring."""
     k, v = _layer_blocks(jax.lax.dynamic_slice_in_dim(buffer, first, count))
-    return attend(impl, q, k, v, state, causal=False, kv_len=kv_len)
+    return attend(impl, q, k, v, state, causal=False, kv_len=kv_len, tp=tp)
+
+
+def _chosen_rows(q, kmin, kmax, num_pages, budget_pages, page_size, block_size):
+    """The store rows of the pages Quest chooses for each KV head of kmin/kmax (see `quest.page_rows`)."""
+    pages = quest.select_pages(q[0, 0], kmin, kmax, num_pages, budget_pages)
+    return quest.page_rows(pages, kmin.shape[1], page_size, block_size)
+
+
+def _page_keys(pages: jax.Array, num_kv_heads: int) -> tuple[jax.Array, jax.Array]:
+    """Gathered pages [Hkv * n, 2, PAGE_UNIT, D], head by head -> k, v [1, n * PAGE_UNIT, Hkv, D]."""
+    return _split_block(from_stored_layout(pages.reshape(num_kv_heads, -1, *pages.shape[1:])))
 
 
 def _quest_choice(cfg, layer, x, inv_freq, tail, position, tail_len, bounds, budget_pages, page_size, block_size,
                   num_pages):
     q, tail, state = _decode_inputs(cfg, layer, x, inv_freq, tail, position, tail_len)
-    kmin, kmax = bounds
-    pages = quest.select_pages(q[0, 0], kmin, kmax, num_pages, budget_pages)
-    rows = quest.page_rows(pages, kmin.shape[1], page_size, block_size)
+    rows = _chosen_rows(q, *bounds, num_pages, budget_pages, page_size, block_size)
     return q, tail, state, rows, jnp.minimum(num_pages, budget_pages) * page_size
 
 
 def _quest_attend(cfg, impl, layer, x, q, pages, num_keys, tail, tail_len, state):
-    k, v = _split_block(from_stored_layout(pages.reshape(cfg.num_kv_heads, -1, *pages.shape[1:])))
-    state = attend(impl, q, k, v, state, causal=False, kv_len=num_keys)
+    state = attend(impl, q, *_page_keys(pages, cfg.num_kv_heads), state, causal=False, kv_len=num_keys)
     return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state)
 
 
-@functools.partial(step_jit, static_argnums=(0, 1, 9, 10, 11, 14, 15), donate_argnums=(5,))
+@functools.partial(step_jit, static_argnums=(0, 1, 9, 10, 11, 14, 15), static_argnames=("tp",), donate_argnums=(5,))
 def quest_layer(
     cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, inv_freq: jax.Array, tail: jax.Array,
     position: jax.Array, tail_len: jax.Array, bounds: tuple[jax.Array, jax.Array], budget_pages: int,
-    page_size: int, block_size: int, num_pages: jax.Array, buffer: jax.Array, host: Sharding, device: Sharding,
+    page_size: int, block_size: int, num_pages: jax.Array, buffer: jax.Array, host, device,
+    tp: TensorParallel | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """A whole Quest decode layer as one program: the choice of pages among the first `num_pages` (the store
     rows each KV head reads), the host gather of those rows from the pinned `buffer` and their transfer,
     attention over them (fewer real keys than the budget while the context is short), the tail, and the rest
-    of the layer: one dispatch, no round trip through Python between choosing and reading.
+    of the layer: one dispatch, no round trip through Python between choosing and reading. Under tensor
+    parallelism each device chooses, gathers from its own pinned shard and attends for its own KV heads.
+    `host`, `device`: where the buffer lives and where the pages go (`HostKVStore.gather_places`).
     -> (hidden, tail with the token's K, V)."""
-    q, tail, state, rows, num_keys = _quest_choice(cfg, layer, x, inv_freq, tail, position, tail_len, bounds,
-                                                   budget_pages, page_size, block_size, num_pages)
-    pages = gather_rows(buffer, rows, host, device)
-    return _quest_attend(cfg, impl, layer, x, q, pages, num_keys, tail, tail_len, state), tail
+    q, tail, state = _decode_inputs(cfg, layer, x, inv_freq, tail, position, tail_len, tp)
+    num_keys = jnp.minimum(num_pages, budget_pages) * page_size
+
+    def local(q, kmin, kmax, buffer, state, num_pages):
+        rows = _chosen_rows(q, kmin, kmax, num_pages, budget_pages, page_size, block_size)
+        pages = gather_rows(buffer, rows, host, device)
+        return attend(impl, q, *_page_keys(pages, kmin.shape[0]), state, causal=False, kv_len=num_keys)
+
+    state = _local(tp, local, (HEADS, BOUNDS_HEADS, BOUNDS_HEADS, BUFFER_HEADS, STATE_HEADS, None), STATE_HEADS)(
+        q, *bounds, buffer, state, num_pages)
+    return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state, tp), tail
 
 
 # The two halves of `quest_layer` as calls of their own, for the benchmark to time apart.

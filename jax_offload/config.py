@@ -235,10 +235,11 @@ class EngineConfig:
                 f"attention heads and MLP of {model.intermediate_size}; valid sizes: "
                 f"{', '.join(map(str, model.tensor_parallel_sizes()))}."
             )
-        if n > 1 and self.decode_policy == "quest":
+        if self.decode_policy == "quest" and n > model.num_kv_heads:
+            # Repeated KV heads would each choose pages for only part of their query group.
             raise ValueError(
-                f"decode_policy='quest' does not support tensor_parallel_size {n} yet (its host-side page gather is "
-                "per device); use decode_policy='full' or tensor_parallel_size=1."
+                f"decode_policy='quest' with tensor_parallel_size {n} needs at least {n} KV heads; the model has "
+                f"{model.num_kv_heads} (use tensor_parallel_size <= {model.num_kv_heads} or decode_policy='full')."
             )
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)

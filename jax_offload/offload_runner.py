@@ -74,7 +74,7 @@ class OffloadRunner:
             # Every KV head gathers budget_pages pages of K and V per sparse layer, whatever it chose.
             self.gathered_bytes = 2 * engine.decode_budget * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
             self.quest = QuestPages(list(range(dense, cfg.num_layers)), num_blocks * engine.block_size // engine.page_size,
-                                    cfg.num_kv_heads, cfg.head_dim, engine.page_size, dtype)
+                                    cfg.num_kv_heads, cfg.head_dim, engine.page_size, dtype, tp)
         # Blocks per call over a "gpu" layer: runs of GPU_RUN_KEYS keys (their splits unrolled in one program).
         self.gpu_run = min(max(1, GPU_RUN_KEYS // engine.block_size), num_blocks)
         self.store = HostKVStore(
@@ -110,7 +110,7 @@ class OffloadRunner:
         buffer, written = self.store.layer_buffer(layer), self.store.num_written(layer)
         for first in range(0, written, self.gpu_run):
             keys = jnp.int32(min(self.gpu_run, written - first) * self.block_size)
-            state = attend_stored(self.impl, q, buffer, jnp.int32(first), state, self.gpu_run, keys)
+            state = attend_stored(self.impl, q, buffer, jnp.int32(first), state, self.gpu_run, keys, tp=self.tp)
         return state
 
     def _attend_groups(self, ring: BlockRing, layer_groups: list[list[Key]], q, state):
@@ -240,7 +240,7 @@ class OffloadRunner:
                     self.cfg, self.impl, layer, x, self.inv_freq, self._tails[l], pos, tail_len,
                     (self.quest.kmin[l], self.quest.kmax[l]), self.budget_pages, self.page_size, self.block_size,
                     jnp.int32(store.num_written(l) * (self.block_size // self.page_size)), store.layer_buffer(l),
-                    *store.gather_shardings(l))
+                    *store.gather_places(l), tp=self.tp)
                 moved += self.gathered_bytes
             else:
                 q, self._tails[l], state = decode_begin(self.cfg, layer, x, self.inv_freq, self._tails[l], pos,

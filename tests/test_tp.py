@@ -53,8 +53,8 @@ def device_runs(model_dirs) -> list[dict]:
 def test_tp_logits_and_greedy_tokens_equal_tp1(device_runs):
     rows = [r for r in device_runs if "mode" in r]
     # 3 models x (TP=2: in GPU memory, chunked and layerwise offload; TP=4: in GPU memory, chunked offload), and
-    # XAttention prefill in GPU memory and chunked-offloaded at TP=2.
-    assert len(rows) == 3 * 5 + 2
+    # at TP=2 XAttention prefill in GPU memory and chunked-offloaded, and Quest decode.
+    assert len(rows) == 3 * 5 + 3
     for r in rows:
         case = f"{r['model']} (model seed {MODELS[r['model']]}), TP={r['size']}, {r['mode']}, prompt seed {PROMPT_SEED}"
         assert r["max_diff"] <= TOLERANCE, f"{case}: logits differ from TP=1 by {r['max_diff']}"
@@ -109,8 +109,8 @@ def test_two_processes_give_tp1_logits(model_dirs, tmp_path):
                                    "and MLP of 128; valid sizes: 1, 2, 4"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be an integer >= 1, got 0"),
     (dict(tensor_parallel_size=2), "tensor_parallel_size 2 exceeds the 1 devices JAX sees"),
-    (dict(tensor_parallel_size=2, offload=True, decode_policy="quest", decode_budget=64),
-     "decode_policy='quest' does not support tensor_parallel_size 2"),
+    (dict(tensor_parallel_size=4, offload=True, decode_policy="quest", decode_budget=64),
+     "decode_policy='quest' with tensor_parallel_size 4 needs at least 4 KV heads; the model has 2"),
 ])
 def test_bad_tensor_parallel_size(model_dirs, options, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

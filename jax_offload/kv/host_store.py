@@ -23,7 +23,6 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 
 from jax_offload.tensor_parallel import TensorParallel
 
@@ -130,7 +129,7 @@ class HostKVStore:
     @staticmethod
     @functools.partial(jax.jit, static_argnums=(3,), donate_argnums=(0,))
     def _write_into_layer(layer: jax.Array, kv: jax.Array, index: jax.Array, sharding) -> jax.Array:
-        block = jax.device_put(to_stored_layout(kv), sharding)[None]
+        block = jax.device_put(to_stored_layout(kv)[None], sharding)  # [1, Hkv, ...]: the layer's head axis
         return jax.lax.dynamic_update_slice(layer, block, (index,) + (0,) * (layer.ndim - 1))
 
     def write(self, layer: int, index: int, kv: jax.Array) -> None:
@@ -179,15 +178,20 @@ class HostKVStore:
             raise RuntimeError(f"Layer {layer} keeps one buffer per block, not one for the layer.")
         return self._blocks[layer]
 
-    def gather_shardings(self, layer: int) -> tuple[NamedSharding, NamedSharding]:
-        """`gather_rows`'s (host, device) for a "pages" layer: its memory, and the GPUs the pages go to."""
-        return self.tp.sharding(None, self._sharding[layer].memory_kind), self.tp.sharding(None, "device")
+    def gather_places(self, layer: int) -> tuple:
+        """`gather_rows`'s (host, device) for a "pages" layer: where it lives and where its pages go. With one
+        device, shardings; under tensor parallelism, memory spaces, for the gather each device runs on its own
+        shard (inside `shard_map`)."""
+        if self.tp.size == 1:
+            return self.tp.sharding(None, self._sharding[layer].memory_kind), self.tp.sharding(None, "device")
+        space = jax.memory.Space
+        return space.Device if self._sharding[layer].memory_kind == "device" else space.Host, space.Device
 
     def gather_pages(self, layer: int, rows: jax.Array) -> jax.Array:
         """`gather_rows` of a "pages" layer, as a call of its own."""
         if self.places[layer] != "pages":
             raise RuntimeError(f"Layer {layer} is not kept as pages; only 'pages' layers gather pages.")
-        return gather_rows(self._blocks[layer], rows, *self.gather_shardings(layer))
+        return gather_rows(self._blocks[layer], rows, *self.gather_places(layer))
 
     def reset(self) -> None:
         """Forgets the request: every block counts as unwritten again."""
@@ -206,7 +210,7 @@ class HostKVStore:
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def gather_rows(layer: jax.Array, rows: jax.Array, host, device) -> jax.Array:
     """The 16-token pages `rows` (int32, anywhere; row (b * Hkv + h) * units + u is unit u of KV head h in block
-    b) of a one-buffer layer kept in `host` (replicated there, for the rows), on `device`: gathered on the host
+    b) of a one-buffer layer kept in `host` (a sharding or memory space), on `device`: gathered on the host
     next to the pinned buffer, then one transfer. -> [len(rows), 2, PAGE_UNIT, D]. Called inside a jit, both join
     that program."""
     unit = layer.shape[-3:]
@@ -215,6 +219,6 @@ def gather_rows(layer: jax.Array, rows: jax.Array, host, device) -> jax.Array:
         flat = layer.reshape(-1, *unit)
         return flat.at[rows].get(mode="promise_in_bounds")
 
-    if host.memory_kind == "device":
+    if getattr(host, "memory_kind", host) in ("device", jax.memory.Space.Device):
         return take(layer, rows)
     return jax.device_put(_host_compute(take)(layer, jax.device_put(rows, host)), device)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from jax_offload.kv.host_store import PAGE_UNIT
 from jax_offload.precision import step_jit
+from jax_offload.tensor_parallel import TensorParallel
 
 
 def page_bounds(k: jax.Array, page_size: int) -> tuple[jax.Array, jax.Array]:
@@ -56,11 +57,12 @@ class QuestPages:
     """Page bounds of every sparse layer, on the GPU, for up to `num_pages` pages per layer."""
 
     def __init__(self, layers: list[int], num_pages: int, num_kv_heads: int, head_dim: int, page_size: int,
-                 dtype: jnp.dtype):
+                 dtype: jnp.dtype, tp: TensorParallel):
+        """Under tensor parallelism each device keeps the bounds of its own KV heads."""
         self.layers, self.page_size = set(layers), page_size
         shape = (num_kv_heads, num_pages, head_dim)
-        self.kmin = {l: jnp.zeros(shape, dtype) for l in layers}
-        self.kmax = {l: jnp.zeros(shape, dtype) for l in layers}
+        self.kmin = {l: tp.zeros(shape, dtype, 0) for l in layers}
+        self.kmax = {l: tp.zeros(shape, dtype, 0) for l in layers}
         self.nbytes = sum(x.nbytes for d in (self.kmin, self.kmax) for x in d.values())
 
     def record(self, layer: int, block_index: int, kv: jax.Array) -> None:
