@@ -312,11 +312,11 @@ def quest_layer(
     `host`, `device`: where the buffer lives and where the pages go (`HostKVStore.gather_places`).
     -> (hidden, tail with the token's K, V)."""
     q, tail, state = _decode_inputs(cfg, layer, x, inv_freq, tail, position, tail_len, tp)
-    num_keys = jnp.minimum(num_pages, budget_pages) * page_size
 
     def local(q, kmin, kmax, buffer, state, num_pages):
         rows = _chosen_rows(q, kmin, kmax, num_pages, budget_pages, page_size, block_size)
         pages = gather_rows(buffer, rows, host, device)
+        num_keys = jnp.minimum(num_pages, budget_pages) * page_size
         return attend(impl, q, *_page_keys(pages, kmin.shape[0]), state, causal=False, kv_len=num_keys)
 
     state = _local(tp, local, (HEADS, BOUNDS_HEADS, BOUNDS_HEADS, BUFFER_HEADS, STATE_HEADS, None), STATE_HEADS)(
