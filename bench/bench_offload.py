@@ -32,7 +32,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    SHAPES, GiB, fmt, gpu_memory, h2d_bandwidth, model_config, random_params, run_metadata, stats,
+    SHAPES, GiB, fmt, gpu_memory, h2d_bandwidth, model_config, random_params, run_metadata, run_phases, stats,
 )
 
 PHASES = ("chunked", "layerwise", "in_gpu", "overlap", "logits", "hf")
@@ -527,12 +527,7 @@ def main() -> None:
     if args.run_phase:
         run_phase(args)
         return
-    forwarded = [a for a in sys.argv[1:] if a not in ("--phases", args.phases)]
-    for name in [x for x in args.phases.split(",") if x]:
-        t = time.perf_counter()
-        cmd = [sys.executable, __file__, "--run-phase", name] + forwarded
-        rc = subprocess.run(cmd).returncode
-        print(f"phase {name}: exit {rc} in {time.perf_counter() - t:.0f} s", flush=True)
+    run_phases(__file__, [(name, [name]) for name in args.phases.split(",") if name], args.phases)
 
 
 if __name__ == "__main__":

@@ -22,15 +22,15 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import GiB, fmt, gpu_memory, model_config, random_params, run_metadata, stats  # noqa: E402
+from common import (  # noqa: E402
+    GiB, call_seconds, fmt, gpu_memory, model_config, random_params, run_metadata, run_phases, stats,
+)
 
 PHASES = ("quest", "xattn_kernel", "xattn_prefill")
 
@@ -108,13 +108,7 @@ def phase_quest(a) -> dict:
         return jax.block_until_ready(out)
 
     def timed(fn, reps=a.repeats):
-        fn()
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t) * 1e3)
-        return stats(ts)
+        return stats([t * 1e3 for t in call_seconds(fn, reps)])
 
     selection = timed(select_all)
     rows_per_layer = select_all()
@@ -142,15 +136,7 @@ def phase_quest(a) -> dict:
 
 
 def _timed(fn, reps: int) -> dict:
-    import jax
-
-    jax.block_until_ready(fn())
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t)
-    return stats(ts)
+    return stats(call_seconds(fn, reps))
 
 
 def _random_mask(rng, heads: int, nqb: int, density: float):
@@ -380,11 +366,7 @@ def main() -> None:
     elif a.run_phase:
         run_phase(a)
     else:
-        forwarded = [x for x in sys.argv[1:] if x not in ("--phases", a.phases)]
-        for name in [x for x in a.phases.split(",") if x]:
-            t = time.perf_counter()
-            rc = subprocess.run([sys.executable, __file__, "--run-phase", name] + forwarded).returncode
-            print(f"phase {name}: exit {rc} in {time.perf_counter() - t:.0f} s", flush=True)
+        run_phases(__file__, [(name, [name]) for name in a.phases.split(",") if name], a.phases)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,9 @@ from pathlib import Path
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import GiB, SHAPES, copy_rate, fmt, model_config, random_params, run_metadata, stats  # noqa: E402
+from common import (  # noqa: E402
+    GiB, SHAPES, copy_rate, fmt, model_config, random_params, run_metadata, run_phases, stats,
+)
 
 PHASES = ("bandwidth", "offload", "in_gpu", "big", "load")
 DEFAULT_PHASES = "bandwidth,offload:1,offload:2,in_gpu:1,in_gpu:2,big:2,load:1,load:2"
@@ -385,13 +386,9 @@ def main() -> None:
     env = dict(os.environ)
     if args.smoke:
         env |= {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    forwarded = [a for a in sys.argv[1:] if a not in ("--phases", args.phases)]
-    for item in [x for x in args.phases.split(",") if x]:
-        name, _, tp = item.partition(":")
-        t = time.perf_counter()
-        cmd = [sys.executable, __file__, "--run-phase", name, "--tp", tp or "1"] + forwarded
-        rc = subprocess.run(cmd, env=env).returncode
-        print(f"phase {item}: exit {rc} in {time.perf_counter() - t:.0f} s", flush=True)
+    phases = [(item, [item.partition(":")[0], "--tp", item.partition(":")[2] or "1"])
+              for item in args.phases.split(",") if item]
+    run_phases(__file__, phases, args.phases, env)
     if args.smoke:
         report(args.out, args.out)
 

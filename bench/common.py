@@ -96,6 +96,34 @@ def random_params(cfg, dtype, seed: int = 0, tp=None):
                        lm_head=None if cfg.tie_word_embeddings else rnd(ks[1], (h, cfg.vocab_size)))
 
 
+def call_seconds(fn, reps: int) -> list[float]:
+    """Seconds of `reps` calls of `fn`, each waited for (`jax.block_until_ready` of its result), after one untimed."""
+    import time
+
+    import jax
+
+    jax.block_until_ready(fn())
+    seconds = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        seconds.append(time.perf_counter() - t)
+    return seconds
+
+
+def run_phases(script: str, phases: list[tuple[str, list[str]]], phases_value: str, env: dict | None = None) -> None:
+    """Runs each (label, arguments) phase as `script --run-phase ARGUMENTS...` in a fresh process (its own peak
+    memory and compile caches), forwarding this command line's other arguments; prints how each ended."""
+    import subprocess
+    import time
+
+    forwarded = [a for a in sys.argv[1:] if a not in ("--phases", phases_value)]
+    for label, args in phases:
+        t = time.perf_counter()
+        rc = subprocess.run([sys.executable, script, "--run-phase", *args, *forwarded], env=env).returncode
+        print(f"phase {label}: exit {rc} in {time.perf_counter() - t:.0f} s", flush=True)
+
+
 def stats(samples: list[float]) -> dict:
     """Median with min, max and count: how every timed figure is reported."""
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}

@@ -13,7 +13,6 @@ import functools
 import json
 import os
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,7 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from common import call_seconds  # noqa: E402
 from jax_offload.kv.host_store import _host_compute  # noqa: E402
 
 gpu = jax.default_backend() == "gpu"
@@ -42,12 +43,7 @@ out: dict = {"device": dev.device_kind, "jax": jax.__version__, "layer_MiB": lay
 
 
 def med(name, f, reps=20):
-    jax.block_until_ready(f())
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f())
-        ts.append((time.perf_counter() - t) * 1e3)
+    ts = [t * 1e3 for t in call_seconds(f, reps)]
     out[name] = {"median_ms": float(np.median(ts)), "min_ms": float(np.min(ts)), "max_ms": float(np.max(ts))}
     print(name, out[name], flush=True)
 

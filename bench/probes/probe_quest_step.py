@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -19,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from common import model_config, random_params  # noqa: E402
+from common import call_seconds, model_config, random_params  # noqa: E402
 
 from jax_offload.attention import decode_begin, decode_end, quest_begin, quest_end  # noqa: E402
 from jax_offload.models.rope import inverse_frequencies  # noqa: E402
@@ -44,12 +43,7 @@ out: dict = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "sl
 
 
 def med(name, f, reps=30):
-    jax.block_until_ready(f())
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f())
-        ts.append((time.perf_counter() - t) * 1e3)
+    ts = [t * 1e3 for t in call_seconds(f, reps)]
     out[name] = {"median_ms": float(np.median(ts)), "min_ms": float(np.min(ts)), "max_ms": float(np.max(ts))}
     print(name, out[name], flush=True)
 
