@@ -234,12 +234,14 @@ class OffloadRunner:
         streamed = [range(store.num_written(l)) if place == "blocks" else [] for l, place in enumerate(store.places)]
         groups, ring = self._stream(streamed)
         moved = sum(len(b) for b in streamed) * store.block_bytes
+        if self.quest is not None:  # every layer holds the same blocks: one count for all sparse layers
+            num_pages = jnp.int32(store.num_written(min(self.quest.layers)) * (self.block_size // self.page_size))
         for l, layer in enumerate(layers):
             if store.places[l] == "pages":
                 x, self._tails[l] = quest_layer(
                     self.cfg, self.impl, layer, x, self.inv_freq, self._tails[l], pos, tail_len,
                     (self.quest.kmin[l], self.quest.kmax[l]), self.budget_pages, self.page_size, self.block_size,
-                    jnp.int32(store.num_written(l) * (self.block_size // self.page_size)), store.layer_buffer(l),
+                    num_pages, store.layer_buffer(l),
                     *store.gather_places(l), tp=self.tp)
                 moved += self.gathered_bytes
             else:
