@@ -205,7 +205,7 @@ def phase_overlap(b: Bench) -> dict:
     llm = b.llm(**mk)
     with_t = b.timed_runs(llm, n)["decode_ms"]
     store = llm._runner.store
-    store._written = [n // bs] * layers  # the finished request's blocks are still there: stream them again
+    store.mark_written(n // bs)  # the finished request's blocks are still there: stream them again
     keys = [(l, i) for l in range(layers) for i in range(n // bs)]
     _stream_seconds(store, a.ring_slots, keys)
     transfer = stats([_stream_seconds(store, a.ring_slots, keys) * 1e3 for _ in range(reps)])
@@ -222,11 +222,10 @@ def phase_overlap(b: Bench) -> dict:
         llm = b.llm(**mk, prefill=mode)
         with_t = stats([x * 1e3 for x in [b.generate(llm, n, 1).prefill_seconds for _ in range(reps + 1)][1:]])
         store = llm._runner.store
-        store._written = [chunks] * layers
         reads = [(l, i) for c in range(chunks) for l in range(layers) for i in range(c)] if mode == "chunked" else []
         transfer = []
         for _ in range(reps + 1):
-            store._written = [chunks] * layers
+            store.mark_written(chunks)
             t = _stream_seconds(store, a.ring_slots, reads) if reads else 0.0
             transfer.append((t + _write_seconds(store, layers, chunks)) * 1e3)
         store.reset()

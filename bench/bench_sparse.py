@@ -93,7 +93,7 @@ def phase_quest(a) -> dict:
     run(quest, n)
     store, pages_per_block = runner.store, bs // a.page_size
     written = n // bs
-    store._written = [written] * cfg.num_layers
+    store.mark_written(written)
     sparse_layers = sorted(runner.quest.layers)
     x = embed_tokens(params.embed, np.full((1, 1), 7, np.int32))
     tail = jnp.zeros((2, bs, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)

@@ -34,9 +34,10 @@ PROGRESS_MIN_TOKENS = 4096  # shorter prompts prefill too fast for a progress ba
 class LLM:
     """A Hugging Face Llama / Qwen2 / Qwen3 checkpoint ready to generate.
 
-    Several prompts with the KV cache in GPU memory run together (continuous batching over a paged KV pool,
-    `jax_offload.serving`), the pool allocated at the first such call and kept. One prompt, an offloaded KV cache
-    or XAttention prefill run requests one after another, each from a fresh KV cache.
+    Several prompts run together (continuous batching, `jax_offload.serving`): with the KV cache in GPU memory
+    over a paged pool allocated at the first such call and kept; offloaded, over the host store, which then holds
+    max_model_len tokens of all running requests together. One prompt, Quest decode or XAttention prefill run
+    requests one after another, each from a fresh KV cache.
 
     `tensor_parallel_size` N splits every layer over N devices by KV-head groups (the KV cache too, offloaded or
     not); several prompts then also run one after another.
@@ -198,17 +199,22 @@ class LLM:
         ]
 
     def _batches(self) -> bool:
-        """Whether several prompts run together: with the KV cache in GPU memory, full prefill, one device."""
+        """Whether several prompts run together: full attention (prefill and decode), one device."""
         e = self.engine_config
-        return not e.offload and e.prefill_policy == "full" and self.tp.size == 1
+        return e.prefill_policy == "full" and (not e.offload or e.decode_policy == "full") and self.tp.size == 1
 
     def _batch(self) -> BatchEngine:
         if self._batch_engine is None:
             e = self.engine_config
-            self._batch_engine = BatchEngine(
-                self.model_config, self.params, self._inv_freq, self.dtype, self.attention_impl, self.max_model_len,
-                self.tokenizer, self.eos_token_ids, max_num_seqs=e.max_num_seqs,
-                max_num_batched_tokens=e.max_num_batched_tokens, gpu_memory_utilization=e.gpu_memory_utilization)
+            shared = dict(max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+                          gpu_memory_utilization=e.gpu_memory_utilization)
+            if e.offload:
+                self._batch_engine = BatchEngine.offloaded(self._runner, self.max_model_len, self.tokenizer,
+                                                           self.eos_token_ids, **shared)
+            else:
+                self._batch_engine = BatchEngine.in_gpu(
+                    self.model_config, self.params, self._inv_freq, self.dtype, self.attention_impl,
+                    self.max_model_len, self.tokenizer, self.eos_token_ids, **shared)
         return self._batch_engine
 
     def chat(

@@ -1,7 +1,9 @@
 """Runs the model with the KV cache in pinned host memory, streamed back through the GPU ring.
 
-Per request the state is: full blocks in the host store (`store.num_written`) and one partial block per
-layer on the GPU (the tail) holding the tokens not yet flushed. `finish` clears both, always.
+Per request the state is: full blocks in the host store and one partial block per layer on the GPU (the tail)
+holding the tokens not yet flushed. `finish` clears both, always. A request's logical block i lives in the store's
+block i, or in `blocks[i]` when prefill is given a block table (the batch engine runs several requests over one
+store, `serving/offload_model_runner.py`, and takes each prefilled request over with `hand_over`).
 
 With decode_policy="quest" the first `dense_layers` layers keep their blocks in GPU memory and attend in full;
 every other layer keeps its blocks in one pinned buffer, and each decode step gathers, per KV head, the pages
@@ -88,6 +90,8 @@ class OffloadRunner:
         self._keys: jax.Array | None = None  # chunked XAttention: the current layer's keys, for the estimate
         self._tails: list[jax.Array | None] = []
         self._tail_len = 0
+        self._written = [0] * cfg.num_layers  # the request's blocks stored so far, per layer
+        self._blocks: Sequence[int] = range(num_blocks)  # the request's block table: logical -> store block
 
     def padded_length(self, prompt_len: int) -> int:
         if self.mode == "chunked":
@@ -100,20 +104,25 @@ class OffloadRunner:
     # ---- streaming host blocks ---------------------------------------------------------------
 
     def _stream(self, blocks_per_layer: list[Sequence[int]]) -> tuple[list[list[list[Key]]], BlockRing]:
-        """Per layer, its blocks in groups of `self.group`, and a ring that streams every group in that order."""
-        groups = [grouped([(l, b) for b in blocks], self.group) for l, blocks in enumerate(blocks_per_layer)]
+        """Per layer, its (logical) blocks in groups of `self.group`, and a ring that streams every group in that
+        order."""
+        groups = [grouped(self._keys_of(l, blocks), self.group) for l, blocks in enumerate(blocks_per_layer)]
         return groups, BlockRing(self.store, self.num_slots, (g for layer_groups in groups for g in layer_groups))
+
+    def _keys_of(self, layer: int, blocks: Sequence[int]) -> list[Key]:
+        """The store keys of the request's logical `blocks` of `layer`."""
+        return [(layer, self._blocks[b]) for b in blocks]
 
     def _attend_in_gpu(self, layer: int, q, state):
         """Continues the state over a "gpu" layer's blocks, a fixed-size run of them per call: no transfer to
         wait for, so nothing syncs, and one compiled shape covers every context length."""
-        buffer, written = self.store.layer_buffer(layer), self.store.num_written(layer)
+        buffer, written = self.store.layer_buffer(layer), self._written[layer]
         for first in range(0, written, self.gpu_run):
             keys = jnp.int32(min(self.gpu_run, written - first) * self.block_size)
             state = attend_stored(self.impl, q, buffer, jnp.int32(first), state, self.gpu_run, keys, tp=self.tp)
         return state
 
-    def _attend_groups(self, ring: BlockRing, layer_groups: list[list[Key]], q, state):
+    def attend_groups(self, ring: BlockRing, layer_groups: list[list[Key]], q, state):
         """Continues the attention state over each of the layer's groups, handing each group's slots back."""
         for g in layer_groups:
             state = attend_blocks(self.impl, q, tuple(ring.take()), state, tp=self.tp)
@@ -129,11 +138,19 @@ class OffloadRunner:
         total_len: int,
         progress: Callable[[float], None] | None = None,
         keep_all: bool = False,
+        blocks: Sequence[int] | None = None,
     ) -> tuple[jax.Array, int]:
         """ids [1, T] prompt padded by `padded_length` -> (final hidden states [1, T', hidden], position of
         their first row). Chunked prefill keeps only the last chunk's rows unless `keep_all`, so GPU memory
-        does not grow with the prompt. `progress(tokens)` is told how much is done as work completes."""
-        self.store.reset()
+        does not grow with the prompt. `progress(tokens)` is told how much is done as work completes. `blocks`
+        is the request's block table (default: the store's blocks 0, 1, ...; full attention only)."""
+        if blocks is not None:
+            if set(self.store.places) != {"blocks"}:
+                raise ValueError("A block table needs every layer's blocks in the host store (decode_policy 'full').")
+            if len(blocks) < prompt_len // self.block_size:
+                raise ValueError(f"A block table of {len(blocks)} blocks cannot hold a {prompt_len}-token prompt.")
+        self._blocks = range(self.store.num_blocks) if blocks is None else list(blocks)
+        self._written = [0] * self.cfg.num_layers
         self._tails = [None] * self.cfg.num_layers
         self.last_prefill_pcie_bytes = 0
         self.prefill_block_counts = [jnp.zeros(2, jnp.int32)] * self.cfg.num_layers
@@ -162,7 +179,7 @@ class OffloadRunner:
             for l, layer in enumerate(layers):
                 q, kv, state = chunk_begin(self.cfg, layer, h, self.inv_freq, jnp.int32(c * bs), tp=self.tp)
                 if self.xattn is None:
-                    state = self._attend_groups(ring, groups[l], q, state)
+                    state = self.attend_groups(ring, groups[l], q, state)
                     h = chunk_end(self.cfg, self.impl, layer, h, q, kv, jnp.int32(chunk_len), state, tp=self.tp)
                 else:
                     h = self._xattn_chunk_layer(l, layer, h, q, kv, state, c, chunk_len)
@@ -183,14 +200,14 @@ class OffloadRunner:
         """One layer of a prompt chunk under XAttention: the earlier blocks stream once into the key buffer for
         the estimate, then the blocks some head chose stream again for attention."""
         bs, start = self.block_size, jnp.int32(c * self.block_size)
-        ring = BlockRing(self.store, self.num_slots, grouped([(l, b) for b in range(c)], self.group))
+        ring = BlockRing(self.store, self.num_slots, grouped(self._keys_of(l, range(c)), self.group))
         for g in grouped(range(c), self.group):
             self._keys, done = gather_keys(self._keys, tuple(ring.take()), jnp.int32(g[0] * bs))
             ring.release(done, len(g))
         mask, needed, self._keys, counts = xattn_chunk_select(
             self.impl, self.xattn, q, self._keys, kv, start, jnp.int32(chunk_len), tp=self.tp)
         chosen = [int(b) for b in np.flatnonzero(to_host(needed))]
-        ring = BlockRing(self.store, self.num_slots, grouped([(l, b) for b in chosen], self.group))
+        ring = BlockRing(self.store, self.num_slots, grouped(self._keys_of(l, chosen), self.group))
         for g in grouped(chosen, self.group):
             state = xattn_attend_blocks(self.impl, self.xattn, q, tuple(ring.take()), jnp.asarray(g, jnp.int32),
                                         mask, state, tp=self.tp)
@@ -221,9 +238,13 @@ class OffloadRunner:
             self._tails[layer] = block
 
     def _write(self, layer: int, index: int, block: jax.Array) -> None:
+        """Stores the request's logical block `index` of `layer`; blocks are written in order."""
+        if index != self._written[layer]:
+            raise RuntimeError(f"Block {index} of layer {layer} written out of order (next is {self._written[layer]}).")
         if self.quest is not None:
             self.quest.record(layer, index, block)
-        self.store.write(layer, index, block)
+        self.store.write(layer, self._blocks[index], block)
+        self._written[layer] += 1
 
     # ---- decode --------------------------------------------------------------------------------
 
@@ -231,11 +252,11 @@ class OffloadRunner:
         """x [1, 1, hidden] embedded new token at `position` -> its final hidden state."""
         layers, store = self.params.layers, self.store
         pos, tail_len = jnp.int32(position), jnp.int32(self._tail_len)
-        streamed = [range(store.num_written(l)) if place == "blocks" else [] for l, place in enumerate(store.places)]
+        streamed = [range(self._written[l]) if place == "blocks" else [] for l, place in enumerate(store.places)]
         groups, ring = self._stream(streamed)
         moved = sum(len(b) for b in streamed) * store.block_bytes
         if self.quest is not None:  # every layer holds the same blocks: one count for all sparse layers
-            num_pages = jnp.int32(store.num_written(min(self.quest.layers)) * (self.block_size // self.page_size))
+            num_pages = jnp.int32(self._written[min(self.quest.layers)] * (self.block_size // self.page_size))
         for l, layer in enumerate(layers):
             if store.places[l] == "pages":
                 x, self._tails[l] = quest_layer(
@@ -250,14 +271,14 @@ class OffloadRunner:
                 if store.places[l] == "gpu":
                     state = self._attend_in_gpu(l, q, state)
                 else:
-                    state = self._attend_groups(ring, groups[l], q, state)
+                    state = self.attend_groups(ring, groups[l], q, state)
                 x = decode_end(self.cfg, self.impl, layer, x, q, self._tails[l], tail_len, state, tp=self.tp)
         self.last_decode_pcie_bytes = moved
         self._tail_len += 1
         if self._tail_len == self.block_size:
             # The tail is full: flush it as the next stored block and start an empty one.
             for l in range(len(layers)):
-                self._write(l, self.store.num_written(l), self._tails[l])
+                self._write(l, self._written[l], self._tails[l])
             self._tails = [self._empty_tail() for _ in layers]
             self._tail_len = 0
         return x
@@ -265,4 +286,16 @@ class OffloadRunner:
     def finish(self) -> None:
         """Ends the request: host blocks count as unwritten, tails are dropped."""
         self.store.reset()
+        self._forget_request()
+
+    def hand_over(self) -> list[jax.Array]:
+        """Ends the runner's hold on a prefilled request whose blocks stay live in the store (their new owner
+        forgets them): -> its GPU tails, one per layer (prompt length % block_size tokens each)."""
+        tails = self._tails
+        self._forget_request()
+        return tails
+
+    def _forget_request(self) -> None:
         self._tails, self._tail_len = [], 0
+        self._written = [0] * self.cfg.num_layers
+        self._blocks = range(self.store.num_blocks)

@@ -1,5 +1,6 @@
-"""The KV store of an offloaded request: per layer, KV blocks of `block_size` tokens, allocated once and written
-in place.
+"""The offloaded KV store: per layer, KV blocks of `block_size` tokens, allocated once and written in place. One
+request uses blocks 0, 1, ... of every layer; several requests at once (continuous batching) each own the blocks
+of their block table, the same ids in every layer.
 
 A block is kept head-major in pages of PAGE_UNIT tokens, [Hkv, block_size / PAGE_UNIT, 2 (K|V), PAGE_UNIT, D], so
 one KV head's page (its keys and values together) is one contiguous run of bytes. Whole blocks cross PCIe in
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_offload.tensor_parallel import TensorParallel
 
@@ -65,8 +67,8 @@ class HostKVStore:
 
     Every buffer is allocated when the store is made and `write` copies a GPU block into it in place (a donated
     update), so the pinned pool reaches its size once and every request reuses the same buffers. Which blocks
-    hold data of the current request is tracked explicitly and cleared by `reset`, so no request can read
-    another's KV.
+    hold live data is tracked explicitly, set by `write` and cleared by `reset` (every block) or `forget` (a
+    finished request's), and reading any other block is an error, so no request can read another's stale KV.
     """
 
     def __init__(
@@ -119,7 +121,7 @@ class HostKVStore:
                 self._blocks.append(jax.device_put(layer, sharding, may_alias=False))
             else:
                 self._blocks.append([jax.device_put(zeros, sharding, may_alias=False) for _ in range(num_blocks)])
-        self._written = [0] * num_layers
+        self._written = np.zeros((num_layers, num_blocks), bool)
 
     @staticmethod
     @functools.partial(jax.jit, static_argnums=(2,), donate_argnums=(0,))
@@ -133,29 +135,22 @@ class HostKVStore:
         return jax.lax.dynamic_update_slice(layer, block, (index,) + (0,) * (layer.ndim - 1))
 
     def write(self, layer: int, index: int, kv: jax.Array) -> None:
-        """Stores a GPU block kv [2, block_size, Hkv, D] into its buffer; the copy is asynchronous. Blocks are
-        written in order."""
-        if index != self._written[layer]:
-            raise RuntimeError(f"Block {index} of layer {layer} written out of order (next is {self._written[layer]}).")
-        if index >= self.num_blocks:
-            raise RuntimeError(f"Block {index} is beyond the store's {self.num_blocks} blocks.")
+        """Stores a GPU block kv [2, block_size, Hkv, D] as block `index` of `layer`; the copy is asynchronous."""
+        if not 0 <= index < self.num_blocks:
+            raise RuntimeError(f"Block {index} is outside the store's {self.num_blocks} blocks.")
         sharding = self._sharding[layer]
         if self.places[layer] != "blocks":
             self._blocks[layer] = self._write_into_layer(self._blocks[layer], kv, jnp.int32(index), sharding)
         else:
             self._blocks[layer][index] = self._write_block(self._blocks[layer][index], kv, sharding)
-        self._written[layer] += 1
-
-    def num_written(self, layer: int) -> int:
-        return self._written[layer]
+        self._written[layer, index] = True
 
     def fetch(self, keys: Sequence[tuple[int, int]]) -> list[jax.Array]:
-        """Starts moving the blocks `keys` [(layer, index), ...] of this request to the GPU (asynchronously);
-        blocks of a "gpu" or "pages" layer must be consecutive. Reading a block the request has not written is a
-        bug."""
+        """Starts moving the blocks `keys` [(layer, index), ...] to the GPU (asynchronously); blocks of a "gpu"
+        or "pages" layer must be consecutive. Reading a block that holds no live data is a bug."""
         for layer, index in keys:
-            if index >= self._written[layer]:
-                raise RuntimeError(f"Block {index} of layer {layer} has not been written by this request.")
+            if not self._written[layer, index]:
+                raise RuntimeError(f"Block {index} of layer {layer} holds no live KV (never written, or forgotten).")
         layer = keys[0][0]
         if self.places[layer] == "blocks":
             return jax.device_put([self._blocks[l][i] for l, i in keys], self.device)
@@ -172,8 +167,8 @@ class HostKVStore:
         return jax.device_put(block, device)
 
     def layer_buffer(self, layer: int) -> jax.Array:
-        """The one buffer [num_blocks, *block_shape] of a "gpu" or "pages" layer (blocks past `num_written`
-        hold another request's data or zeros: the reader masks them by length)."""
+        """The one buffer [num_blocks, *block_shape] of a "gpu" or "pages" layer (blocks past those the request
+        wrote hold another request's data or zeros: the reader masks them by length)."""
         if self.places[layer] == "blocks":
             raise RuntimeError(f"Layer {layer} keeps one buffer per block, not one for the layer.")
         return self._blocks[layer]
@@ -194,8 +189,21 @@ class HostKVStore:
         return gather_rows(self._blocks[layer], rows, *self.gather_places(layer))
 
     def reset(self) -> None:
-        """Forgets the request: every block counts as unwritten again."""
-        self._written = [0] * self.num_layers
+        """Forgets every request: every block counts as unwritten again."""
+        self._written[:] = False
+
+    def forget(self, blocks: Sequence[int]) -> None:
+        """Forgets one request's blocks (in every layer) when it finishes or gives them up."""
+        self._written[:, list(blocks)] = False
+
+    def live_blocks(self) -> list[int]:
+        """The blocks that hold live KV in some layer."""
+        return np.flatnonzero(self._written.any(axis=0)).tolist()
+
+    def mark_written(self, num_blocks: int) -> None:
+        """Counts blocks 0..num_blocks-1 of every layer as live again (benchmarks re-read a finished request's
+        blocks, which are still in place)."""
+        self._written[:, :num_blocks] = True
 
     def host_bytes_held(self) -> int:
         return sum(b.nbytes for place, layer in zip(self.places, self._blocks) if place != "gpu"

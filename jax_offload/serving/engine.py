@@ -13,23 +13,46 @@ from jax_offload.attention import check_attention_impl
 from jax_offload.config import ModelConfig
 from jax_offload.kv.host_store import available_host_bytes
 from jax_offload.models.params import ModelParams
+from jax_offload.offload_runner import OffloadRunner
 from jax_offload.outputs import RequestOutput, first_stop
 from jax_offload.sampling import SamplingParams
 from jax_offload.serving.block_manager import BlockManager
 from jax_offload.serving.model_runner import ModelRunner, default_num_blocks, kv_block_bytes
+from jax_offload.serving.offload_model_runner import OffloadModelRunner
 from jax_offload.serving.scheduler import Scheduler, Step
 from jax_offload.serving.sequence import Sequence
 
 
 class BatchEngine:
     """Generates for many requests at once: new prompts are prefilled together, then every running request
-    decodes one token per step in one compiled call, and a finished request's place is taken by the next one.
+    decodes one token per step, and a finished request's place is taken by the next one. `in_gpu` keeps the KV
+    in a paged GPU pool (a decode step is one compiled call); `offloaded` keeps it in the pinned host store of an
+    offloaded engine (a decode step streams every running request's blocks through the ring).
 
     Greedy and seeded results are those of `LLM.generate` one request at a time: the same layer arithmetic,
     attention kernels whose results do not depend on padding or batch, and per-request sampling keys."""
 
     def __init__(
         self,
+        runner: ModelRunner | OffloadModelRunner,
+        blocks: BlockManager,
+        max_model_len: int,
+        tokenizer=None,
+        eos_token_ids: Collection[int] = (),
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ):
+        self.runner, self.blocks, self.tokenizer = runner, blocks, tokenizer
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
+        self.scheduler = Scheduler(blocks, runner, max_num_seqs, max_num_batched_tokens, runner.prefill_tokens)
+        # (kind, batch size, KV tokens read, seconds) of every step of the last `generate` call.
+        self.step_log: list[tuple[str, int, int, float]] = []
+
+    @classmethod
+    def in_gpu(
+        cls,
         model_config: ModelConfig,
         params: ModelParams,
         inv_freq: jax.Array,
@@ -45,7 +68,7 @@ class BatchEngine:
         num_blocks: int | None = None,
         gpu_memory_utilization: float = 0.9,
         swap_space_bytes: int | None = None,
-    ):
+    ) -> "BatchEngine":
         """`num_blocks` KV blocks of `block_size` tokens (default: what `gpu_memory_utilization` of the device
         memory JAX may use leaves after the weights); `swap_space_bytes` of host memory hold preempted requests'
         KV (default: half the free host memory, at most the pool's size); beyond it preempted requests are
@@ -64,18 +87,43 @@ class BatchEngine:
             swap_space_bytes = min(available_host_bytes() // 2, num_blocks * kv_block_bytes(model_config, dtype,
                                                                                             block_size))
         _check_int("swap_space_bytes", swap_space_bytes, 0)
-        self.model_config, self.tokenizer = model_config, tokenizer
-        self.max_model_len = max_model_len
-        self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
-        self.blocks = BlockManager(num_blocks, block_size)
-        self.runner = ModelRunner(
+        runner = ModelRunner(
             model_config, params, inv_freq, jnp.dtype(dtype), check_attention_impl(attention_impl),
             num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             swap_space_bytes=swap_space_bytes)
-        self.scheduler = Scheduler(self.blocks, self.runner, max_num_seqs, max_num_batched_tokens,
-                                   self.runner.prefill_tokens)
-        # (kind, batch size, KV tokens read, seconds) of every step of the last `generate` call.
-        self.step_log: list[tuple[str, int, int, float]] = []
+        return cls(runner, BlockManager(num_blocks, block_size), max_model_len, tokenizer, eos_token_ids,
+                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+
+    @classmethod
+    def offloaded(
+        cls,
+        runner: OffloadRunner,
+        max_model_len: int,
+        tokenizer=None,
+        eos_token_ids: Collection[int] = (),
+        *,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 16384,
+        gpu_memory_utilization: float = 0.9,
+        max_tail_slots: int | None = None,
+    ) -> "BatchEngine":
+        """Requests share the host store of the offloaded engine's `runner` (its blocks: max_model_len tokens in
+        all) and each running one holds a GPU tail slot (a block of every layer); as many slots as
+        `gpu_memory_utilization` of the device memory leaves, at most max_num_seqs (and `max_tail_slots`, for
+        tests), bound how many run at once."""
+        cfg, dtype = runner.cfg, runner.dtype
+        slots = default_num_blocks(cfg, dtype, runner.block_size, max_num_seqs, runner.block_size,
+                                   max_num_batched_tokens, gpu_memory_utilization)
+        if max_tail_slots is not None:
+            _check_int("max_tail_slots", max_tail_slots, 1)
+            slots = min(slots, max_tail_slots)
+        if slots < 1:
+            raise ValueError(
+                f"gpu_memory_utilization {gpu_memory_utilization} leaves no GPU memory for a request's tail blocks; "
+                "raise it or lower block_size.")
+        return cls(OffloadModelRunner(runner, slots), BlockManager(runner.store.num_blocks, runner.block_size),
+                   max_model_len, tokenizer, eos_token_ids, max_num_seqs=slots,
+                   max_num_batched_tokens=max_num_batched_tokens)
 
     def generate(
         self,

@@ -134,8 +134,9 @@ def _prefill_layer(cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array
 
 
 @functools.partial(step_jit, static_argnums=(0, 5))
-def _sample_last(cfg: ModelConfig, params: ModelParams, hidden: jax.Array, lens: jax.Array,
-                 sampling: SamplingBatch, sampled: bool) -> jax.Array:
+def sample_last(cfg: ModelConfig, params: ModelParams, hidden: jax.Array, lens: jax.Array,
+                sampling: SamplingBatch, sampled: bool) -> jax.Array:
+    """The next token of each row of hidden [B, T, hidden], from its row `lens[b] - 1`."""
     last = hidden[jnp.arange(hidden.shape[0]), jnp.maximum(lens - 1, 0)]
     return sample(decoder.logits(cfg, params, last), sampling, sampled)
 
@@ -224,7 +225,7 @@ class ModelRunner:
             k_out.append(k_pages)
             v_out.append(v_pages)
         self.k_pool, self.v_pool = tuple(k_out), tuple(v_out)
-        tokens = _sample_last(self.cfg, self.params, x, lens, *sampling_batch(seqs, size))
+        tokens = sample_last(self.cfg, self.params, x, lens, *sampling_batch(seqs, size))
         return np.asarray(tokens)[: len(seqs)].tolist()
 
     def decode(self, seqs: list[Sequence]) -> list[int]:
@@ -271,3 +272,6 @@ class ModelRunner:
         self.v_pool = _scatter_blocks(self.v_pool, blocks, v)
         seq.host_kv = None
         self.host_bytes_used -= padded * self.block_bytes
+
+    def drop(self, seq: Sequence) -> None:
+        """Nothing to let go of: a sequence's pool blocks are all it holds, and the block manager frees them."""

@@ -13,13 +13,16 @@ from jax_offload.serving.sequence import Sequence, SequenceStatus
 
 
 class KVSwapper(Protocol):
-    """Moves a sequence's KV blocks between the GPU pool and host memory (the model runner does it)."""
+    """Moves a sequence's KV blocks between the GPU pool and host memory, and lets go of a sequence's KV when it
+    leaves the pool for good or for a recompute (the model runner does it)."""
 
     def can_swap_out(self, seq: Sequence) -> bool: ...
 
     def swap_out(self, seq: Sequence) -> None: ...
 
     def swap_in(self, seq: Sequence) -> None: ...
+
+    def drop(self, seq: Sequence) -> None: ...
 
 
 @dataclasses.dataclass
@@ -130,6 +133,7 @@ class Scheduler:
             seq.status = SequenceStatus.SWAPPED
             bisect.insort(self.swapped, seq, key=_age)
         else:
+            self.swapper.drop(seq)
             seq.num_cached = 0
             self.stats.recomputes += 1
             seq.status = SequenceStatus.WAITING
@@ -139,6 +143,7 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
         self.running.remove(seq)
+        self.swapper.drop(seq)
         self.blocks.free(seq)
 
 

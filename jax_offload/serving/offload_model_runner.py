@@ -1,0 +1,135 @@
+"""The batch engine's model runner with the KV cache offloaded: several requests share the pinned host store.
+
+A running sequence's full KV blocks live in the host store at the ids of its block table (the same id in every
+layer; the block manager hands them out), and its newest, partial block in one row (its tail slot) of a GPU tail
+pool per layer. Prefill runs each new prompt through the one-request `OffloadRunner` (chunked or layerwise, into
+the sequence's blocks) and takes its tails over. A decode step runs the layer's matmuls for the whole batch in one
+call; each request's host blocks then stream through the ring group by group and are attended row by row with
+the one-request step, so a request's attention does not depend on its neighbours; the tails are attended for
+the whole batch in one call. KV never has to leave the GPU for a preemption (it is already on the host): a
+preempted sequence gives its blocks back and is recomputed.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_offload.attention import embed_tokens, pooled_decode_begin, pooled_decode_end
+from jax_offload.device_runner import pad_ids
+from jax_offload.kv.ring import BlockRing, grouped
+from jax_offload.offload_runner import OffloadRunner
+from jax_offload.serving.model_runner import batch_buckets, sample_last, sampling_batch
+from jax_offload.serving.sequence import Sequence
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_tails(pools: tuple[jax.Array, ...], slot: jax.Array, tails: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """Writes one request's tails [2, block_size, Hkv, D], one per layer, into row `slot` of every layer's pool."""
+    return tuple(pool.at[slot].set(tail) for pool, tail in zip(pools, tails))
+
+
+@jax.jit
+def _tails_at(pools: tuple[jax.Array, ...], slot: jax.Array) -> tuple[jax.Array, ...]:
+    return tuple(pool[slot] for pool in pools)
+
+
+class OffloadModelRunner:
+    """Runs prefill and decode steps of several requests whose KV lives in `runner`'s host store; the scheduler's
+    `KVSwapper` as well (it never swaps: preempted sequences are recomputed)."""
+
+    def __init__(self, runner: OffloadRunner, num_slots: int):
+        """`num_slots` tail slots: the most sequences that run at once."""
+        self.runner, self.store = runner, runner.store
+        self.cfg, self.params, self.block_size = runner.cfg, runner.params, runner.block_size
+        self.buckets = batch_buckets(num_slots)
+        shape = (num_slots, 2, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        self.tails = [jnp.zeros(shape, runner.dtype) for _ in range(self.cfg.num_layers)]
+        self._free_slots = list(range(num_slots))[::-1]
+        self._slot: dict[int, int] = {}  # sequence index -> its tail slot
+        self.host_bytes_used = 0  # swap space in use: none, ever
+        self.last_decode_pcie_bytes = 0  # bytes the last decode step moved from host to GPU
+
+    def batch_size(self, num_seqs: int) -> int:
+        return next(b for b in self.buckets if b >= num_seqs)
+
+    def prefill_tokens(self, num_seqs: int, longest: int) -> int:
+        """Tokens a prefill of `num_seqs` prompts up to `longest` long computes, padding included."""
+        return num_seqs * self.runner.padded_length(longest)
+
+    def prefill(self, seqs: list[Sequence]) -> list[int]:
+        """Runs every token of each sequence (none cached yet), one sequence after another, and samples the
+        next one."""
+        return [self._prefill_one(seq) for seq in seqs]
+
+    def _prefill_one(self, seq: Sequence) -> int:
+        ids = seq.token_ids
+        padded = pad_ids(ids, self.runner.padded_length(len(ids)))
+        try:
+            hidden, first = self.runner.prefill(padded, len(ids), seq.max_len, blocks=seq.block_table)
+            tails = self.runner.hand_over()
+        except BaseException:
+            self.runner.finish()
+            raise
+        slot = self._free_slots.pop()
+        self._slot[seq.index] = slot
+        self.tails = list(_put_tails(tuple(self.tails), jnp.int32(slot), tuple(tails)))
+        lens = np.asarray([len(ids) - first], np.int32)
+        return int(np.asarray(sample_last(self.cfg, self.params, hidden, lens, *sampling_batch([seq], 1)))[0])
+
+    def decode(self, seqs: list[Sequence]) -> list[int]:
+        """Runs each sequence's last token and samples the next one; a tail that fills up is stored in the
+        sequence's next block."""
+        runner, bs = self.runner, self.block_size
+        size = self.batch_size(len(seqs))
+        tokens, positions, tail_lens = (np.zeros(size, np.int32) for _ in range(3))
+        slots = np.full(size, -1, np.int32)
+        for row, seq in enumerate(seqs):
+            tokens[row], positions[row], slots[row] = seq.last_token, seq.num_cached, self._slot[seq.index]
+            tail_lens[row] = seq.num_cached % bs
+        stored = [seq.num_cached // bs for seq in seqs]
+        groups, ring = self._stream(seqs, stored)
+        self.last_decode_pcie_bytes = self.cfg.num_layers * sum(stored) * self.store.block_bytes
+        x = embed_tokens(self.params.embed, tokens[:, None])
+        for l, layer in enumerate(self.params.layers):
+            q, q_rows, self.tails[l], states = pooled_decode_begin(
+                self.cfg, layer, x, runner.inv_freq, self.tails[l], slots, positions, tail_lens)
+            # Padding rows (past the sequences) keep their empty states.
+            states = tuple(runner.attend_groups(ring, row_groups, q_row, state)
+                           for row_groups, q_row, state in zip(groups[l], q_rows, states)) + states[len(seqs):]
+            x = pooled_decode_end(self.cfg, runner.impl, layer, x, q, self.tails[l], slots, tail_lens, states)
+        out = sample_last(self.cfg, self.params, x, np.ones(size, np.int32), *sampling_batch(seqs, size))
+        for seq in seqs:
+            if (seq.num_cached + 1) % bs == 0:  # its tail is full: store it as the sequence's next block
+                block = seq.block_table[seq.num_cached // bs]
+                for l, tail in enumerate(_tails_at(tuple(self.tails), jnp.int32(self._slot[seq.index]))):
+                    self.store.write(l, block, tail)
+        return np.asarray(out)[: len(seqs)].tolist()
+
+    def _stream(self, seqs: list[Sequence], stored: list[int]):
+        """Per layer and row, the row's stored blocks in ring groups (as one request groups them), and a ring
+        that streams them layer by layer, row by row."""
+        groups = [[grouped([(l, seq.block_table[b]) for b in range(n)], self.runner.group)
+                   for seq, n in zip(seqs, stored)] for l in range(self.cfg.num_layers)]
+        schedule = (g for layer_groups in groups for row_groups in layer_groups for g in row_groups)
+        return groups, BlockRing(self.store, self.runner.num_slots, schedule)
+
+    # ---- KVSwapper ----------------------------------------------------------------------------------------
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return False
+
+    def swap_out(self, seq: Sequence) -> None:
+        raise RuntimeError("An offloaded KV cache is already in host memory; preempted sequences are recomputed.")
+
+    def swap_in(self, seq: Sequence) -> None:
+        raise RuntimeError("An offloaded KV cache is already in host memory; preempted sequences are recomputed.")
+
+    def drop(self, seq: Sequence) -> None:
+        """Forgets the sequence's stored blocks and frees its tail slot."""
+        self.store.forget(seq.block_table)
+        slot = self._slot.pop(seq.index, None)
+        if slot is not None:
+            self._free_slots.append(slot)
