@@ -11,9 +11,14 @@ Phases, each in a fresh process writing phase_<phase>_<shape>.json under --out:
           shape, --hf-runs timed runs
   batch1  batch 1, KV in GPU memory, --batch1-context tokens (8K): per-token decode time against the HBM floor
           (8B shape unless --shape smoke)
+  offload offload=True, --offload-requests prompts of --offload-context tokens (8B shape unless --shape smoke),
+          --offload-tokens new tokens each: the same requests one after another and together (continuous
+          batching over the host store), output tokens/s of both; each batched decode step against its PCIe
+          floor (KV bytes of every running request / measured host-to-GPU bandwidth)
 
     python bench/bench_throughput.py --shapes qwen3-0.6b --phases ours,hf --out DIR         # one device call
     python bench/bench_throughput.py --shapes llama-3.1-8b --phases ours,hf,batch1 --runs 3 --out DIR
+    python bench/bench_throughput.py --shapes llama-3.1-8b --phases offload --out DIR
     python bench/bench_throughput.py --shape smoke --out /tmp/tp                             # CPU check, < 1 min
     python bench/bench_throughput.py --report DIR --out bench/results                        # throughput.md
 """
@@ -31,9 +36,9 @@ from pathlib import Path
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import SHAPES, GiB, fmt, model_config, random_params, run_metadata, stats  # noqa: E402
+from common import SHAPES, GiB, fmt, h2d_bandwidth, model_config, random_params, run_metadata, stats  # noqa: E402
 
-PHASES = ("ours", "hf", "batch1")
+PHASES = ("ours", "hf", "batch1", "offload")
 BATCH1_SHAPE = "llama-3.1-8b"
 
 
@@ -140,6 +145,50 @@ def phase_batch1(args) -> dict:
             "floor_ratio": stats([s / floor for s in per_token]), "copy_bandwidth": bw}
 
 
+def phase_offload(args) -> dict:
+    import jax
+
+    from jax_offload import LLM, SamplingParams
+
+    shape = "smoke" if args.shape == "smoke" else BATCH1_SHAPE
+    ctx, n = (256, 4) if args.shape == "smoke" else (args.offload_context, args.offload_requests)
+    cfg = model_config(shape)
+    params = random_params(cfg, jax.numpy.bfloat16)
+    jax.block_until_ready(params)
+    rng = random.Random(2)
+    prompts = [rng.choices(range(1000), k=ctx) for _ in range(n)]
+    sp = SamplingParams(temperature=0.0, max_tokens=args.offload_tokens, ignore_eos=True)
+    bs = 64 if args.shape == "smoke" else 1024
+    llm = LLM.from_params(cfg, params, dtype="bfloat16", max_model_len=n * (ctx + args.offload_tokens + bs),
+                          offload=True, block_size=bs, max_num_seqs=n)
+    llm.generate(prompts, sp)  # warm-up: every step shape compiled, batched and alone
+    llm.generate(prompts[:1], sp)
+    together, alone = [], []
+    for _ in range(args.runs):
+        t = time.perf_counter()
+        llm.generate(prompts, sp)
+        together.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        for prompt in prompts:
+            llm.generate([prompt], sp)
+        alone.append(time.perf_counter() - t)
+    engine = llm._batch_engine
+    bw = h2d_bandwidth(GiB if args.shape != "smoke" else 2**24)
+    # Equal prompts and max_tokens: every request is prefilled before the first decode step, then all decode in
+    # lockstep, each at kv / n tokens with its stored (full) blocks streamed.
+    full = [(kv, s) for kind, b, kv, s in engine.step_log if kind == "decode" and b == n]
+    floors = [n * ((kv // n - 1) // bs * bs) * cfg.kv_bytes_per_token / bw["median"] for kv, _ in full]
+    tokens = n * args.offload_tokens
+    return {"shape": shape, "requests": n, "context": ctx, "new_tokens": args.offload_tokens, "block_size": bs,
+            "together_seconds": stats(together), "alone_seconds": stats(alone),
+            "together_tokens_per_second": stats([tokens / s for s in together]),
+            "alone_tokens_per_second": stats([tokens / s for s in alone]),
+            "speedup": stats([a / t for a, t in zip(alone, together)]),
+            "full_batch_step_seconds": stats([s for _, s in full]),
+            "full_batch_step_pcie_floor_ratio": stats([s / f for (_, s), f in zip(full, floors)]),
+            "h2d_bandwidth": bw}
+
+
 HF_SCRIPT = r"""
 import json, sys, time, torch, transformers
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -203,7 +252,7 @@ def phase_hf(args) -> dict:
 def run_phase(args) -> None:
     from common import gpu_memory
 
-    result = {"ours": phase_ours, "hf": phase_hf, "batch1": phase_batch1}[args.run_phase](args)
+    result = {"ours": phase_ours, "hf": phase_hf, "batch1": phase_batch1, "offload": phase_offload}[args.run_phase](args)
     if args.run_phase != "hf":
         result["gpu_memory"] = gpu_memory()
     result["meta"] = run_metadata()
@@ -240,6 +289,15 @@ def report(src: Path, out: Path) -> None:
             lines += ["", f"Batch 1, KV in GPU memory, {b['shape']} at {b['context']} tokens: "
                       f"{fmt(b['decode_token_seconds'], 1e3)} ms/token, HBM floor {b['floor_seconds'] * 1e3:.2f} ms "
                       f"(ratio {fmt(b['floor_ratio'])}; copy bandwidth {b['copy_bandwidth']['median'] / 1e9:.0f} GB/s)."]
+    for key, o in phases.items():
+        if key.startswith("offload_"):
+            lines += ["", f"Offloaded KV, {o['shape']}, {o['requests']} requests of {o['context']} tokens, "
+                      f"{o['new_tokens']} new tokens each (block {o['block_size']}): together "
+                      f"{fmt(o['together_tokens_per_second'], digits=1)} output tok/s, one after another "
+                      f"{fmt(o['alone_tokens_per_second'], digits=1)} (speedup {fmt(o['speedup'])}); a decode step of "
+                      f"all {o['requests']}: {fmt(o['full_batch_step_seconds'], 1e3)} ms, "
+                      f"{fmt(o['full_batch_step_pcie_floor_ratio'])}x its PCIe floor (stored KV of every request / "
+                      f"{o['h2d_bandwidth']['median'] / 1e9:.1f} GB/s host-to-GPU)."]
     hf_apis = {p.get("api") for k, p in phases.items() if k.startswith("hf_") and "api" in p}
     lines += ["", "HBM floor of a decode step: (weights read + KV bytes of every running request) / the device's "
               "measured elementwise copy bandwidth. transformers API: " + ", ".join(sorted(hf_apis)) + ".",
@@ -262,6 +320,9 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--batch1-context", type=int, default=8192)
+    p.add_argument("--offload-context", type=int, default=8192)
+    p.add_argument("--offload-requests", type=int, default=8)
+    p.add_argument("--offload-tokens", type=int, default=32)
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results/runs/throughput"))
     p.add_argument("--report", type=Path, help="write throughput.md from the phase files in this folder")
     p.add_argument("--run-phase", choices=PHASES, help=argparse.SUPPRESS)
@@ -282,9 +343,9 @@ def main() -> None:
     else:
         extra = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
                  ("runs", "hf_runs", "num_seqs", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
-                  "batch1_context")] + ([f"--hf-requests={args.hf_requests}"] if args.hf_requests else [])
+                  "batch1_context", "offload_context", "offload_requests", "offload_tokens")] + ([f"--hf-requests={args.hf_requests}"] if args.hf_requests else [])
     for phase in phases:
-        for shape in shapes if phase != "batch1" else shapes[-1:]:
+        for shape in shapes if phase not in ("batch1", "offload") else shapes[-1:]:
             t = time.perf_counter()
             subprocess.run([sys.executable, __file__, "--run-phase", phase, "--shape", shape, "--out", args.out,
                             *extra], check=True)

@@ -46,7 +46,9 @@ class OffloadModelRunner:
         self.cfg, self.params, self.block_size = runner.cfg, runner.params, runner.block_size
         self.buckets = batch_buckets(num_slots)
         shape = (num_slots, 2, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
-        self.tails = [jnp.zeros(shape, runner.dtype) for _ in range(self.cfg.num_layers)]
+        # Placed on the mesh as the steps' outputs are, so that each step compiles once, not once more per placement.
+        self.tails = [jax.device_put(runner.tp.zeros(shape, runner.dtype, 3), runner.tp.sharding(3))
+                      for _ in range(self.cfg.num_layers)]
         self._free_slots = list(range(num_slots))[::-1]
         self._slot: dict[int, int] = {}  # sequence index -> its tail slot
         self.host_bytes_used = 0  # swap space in use: none, ever
