@@ -264,32 +264,32 @@ def decode_end(
 # rows share only the layer's matmuls and the tail attention, whose kernels compute every row on its own.
 
 
-@functools.partial(step_jit, static_argnums=(0,), donate_argnums=(4,))
+@functools.partial(step_jit, static_argnums=(0,), static_argnames=("tp",), donate_argnums=(4,))
 def pooled_decode_begin(
     cfg: ModelConfig, layer: LayerParams, x: jax.Array, inv_freq: jax.Array, tails: jax.Array, slots: jax.Array,
-    positions: jax.Array, tail_lens: jax.Array,
+    positions: jax.Array, tail_lens: jax.Array, tp: TensorParallel | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...], jax.Array, tuple[AttentionState, ...]]:
     """New tokens x [B, 1, hidden] at `positions` [B], of requests whose tails are rows `slots` [B] of the pool
     tails [S, 2, block_size, Hkv, D] (slot -1: a padding row) -> q [B, 1, Hq, D], each row's own q [1, 1, Hq, D],
     the pool with each token's K, V written at its row's tail length, and each row's empty attention state."""
-    q, k, v = decoder.attention_inputs(cfg, layer, x, positions[:, None], inv_freq)
+    q, k, v = _qkv(cfg, tp, layer, x, positions[:, None], inv_freq)
     rows = jnp.where(slots >= 0, slots, tails.shape[0])
     kv = jnp.stack([k[:, 0], v[:, 0]], axis=1).astype(tails.dtype)  # [B, 2, Hkv, D]
     tails = tails.at[rows, :, tail_lens].set(kv, mode="drop")
     q_rows = tuple(q[r : r + 1] for r in range(q.shape[0]))
-    return q, q_rows, tails, tuple(_empty_state(None, q_row) for q_row in q_rows)
+    return q, q_rows, tails, tuple(_empty_state(tp, q_row) for q_row in q_rows)
 
 
-@functools.partial(step_jit, static_argnums=(0, 1))
+@functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",))
 def pooled_decode_end(
     cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, q: jax.Array, tails: jax.Array,
-    slots: jax.Array, tail_lens: jax.Array, states: tuple[AttentionState, ...],
+    slots: jax.Array, tail_lens: jax.Array, states: tuple[AttentionState, ...], tp: TensorParallel | None = None,
 ) -> jax.Array:
     """Each row continues the state its host blocks left over its tail (its newest keys, last in key order), then
     the rest of the layer runs for the whole batch."""
     state = jax.tree.map(lambda *rows: jnp.concatenate(rows), *states)
     tail = tails[jnp.maximum(slots, 0)]  # [B, 2, block_size, Hkv, D]
-    o = attend_and_finish(impl, q, tail[:, 0], tail[:, 1], state, causal=False, kv_len=tail_lens + 1)
+    o = attend_and_finish(impl, q, tail[:, 0], tail[:, 1], state, causal=False, kv_len=tail_lens + 1, tp=tp)
     return decoder.attention_output_and_mlp(cfg, layer, x, o)  # the one rounding to the model dtype
 
 

@@ -40,7 +40,7 @@ class LLM:
     requests one after another, each from a fresh KV cache.
 
     `tensor_parallel_size` N splits every layer over N devices by KV-head groups (the KV cache too, offloaded or
-    not); several prompts then also run one after another.
+    not); several prompts then run together only with the KV cache offloaded.
     """
 
     def __init__(
@@ -199,9 +199,10 @@ class LLM:
         ]
 
     def _batches(self) -> bool:
-        """Whether several prompts run together: full attention (prefill and decode), one device."""
+        """Whether several prompts run together: full attention (prefill and decode), offloaded or on one device
+        (the paged GPU pool is not split over devices)."""
         e = self.engine_config
-        return e.prefill_policy == "full" and (not e.offload or e.decode_policy == "full") and self.tp.size == 1
+        return e.prefill_policy == "full" and (e.decode_policy == "full" if e.offload else self.tp.size == 1)
 
     def _batch(self) -> BatchEngine:
         if self._batch_engine is None:

@@ -61,6 +61,16 @@ def test_tp_logits_and_greedy_tokens_equal_tp1(device_runs):
         assert r["tokens"] == r["ref_tokens"], f"{case}: greedy tokens differ from TP=1"
 
 
+def test_tp_offloaded_batch_equals_tp1_one_at_a_time(device_runs):
+    """Several prompts offloaded at TP=2 run together (continuous batching over the split host store)."""
+    rows = [r for r in device_runs if r.get("case") == "batched"]
+    assert len(rows) == len(MODELS)
+    for r in rows:
+        case = f"{r['model']} (model seed {MODELS[r['model']]}), TP=2, 4 prompts together, prompt seed {PROMPT_SEED}+i"
+        assert r["tokens"] == r["ref_tokens"], f"{case}: greedy tokens differ from TP=1 one at a time"
+        assert r["largest_batch"] == 4, case
+
+
 def test_tp_layer_steps_only_all_reduce(device_runs):
     """XLA's collectives are the two all-reduces of the row-parallel wo and w_down per layer; attention is local."""
     steps = next(r["steps"] for r in device_runs if r.get("case") == "collectives")

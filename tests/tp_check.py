@@ -4,7 +4,8 @@ jax.distributed, only when it starts); `test_tp.py` launches them and checks wha
     XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \
         python tests/tp_check.py devices SEED MODEL_DIR...
 prints one JSON line per (model, size, mode): float32 logits of a fresh random prompt and greedy tokens under
-tensor parallelism, beside TP=1 in GPU memory computed in this same process; then the collectives of the compiled
+tensor parallelism, beside TP=1 in GPU memory computed in this same process; then, per model, the greedy tokens of
+several prompts run together offloaded at TP=2 beside TP=1 one at a time; then the collectives of the compiled
 layer steps.
 
     JAX_PLATFORMS=cpu python tests/tp_check.py process PORT PROCESS_ID SEED MODEL_DIR OUT.json
@@ -70,7 +71,23 @@ def devices(seed: int, models: list[str]) -> None:
         logits, tokens = _run(model, ids, tensor_parallel_size=2, **options)
         _emit(model=Path(model).name, size=2, mode=mode, max_diff=float(np.abs(logits - ref_logits).max()),
               tokens=tokens, ref_tokens=ref_tokens)
+    for model in models:
+        _emit(case="batched", model=Path(model).name, **_batched(model, seed))
     _emit(case="collectives", steps=_collectives(models[0]))
+
+
+def _batched(model: str, seed: int) -> dict:
+    """Greedy tokens of prompts of 5..70 tokens run together, offloaded (chunked) at TP=2, and one at a time at
+    TP=1 in GPU memory; the largest decode batch."""
+    from jax_offload import LLM, SamplingParams
+
+    prompts = [_prompt(seed + i, n) for i, n in enumerate((5, 37, 70, 16))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    alone = LLM(model, dtype="float32")
+    together = LLM(model, dtype="float32", tensor_parallel_size=2, **MODES["chunked"])
+    tokens = [o.token_ids for o in together.generate(prompts, greedy)]
+    return {"tokens": tokens, "ref_tokens": [alone.generate([p], greedy)[0].token_ids for p in prompts],
+            "largest_batch": max(n for kind, n, _, _ in together._batch_engine.step_log if kind == "decode")}
 
 
 def _collectives(model: str) -> dict[str, dict[str, int]]:

@@ -23,6 +23,7 @@ from jax_offload.kv.ring import BlockRing, grouped
 from jax_offload.offload_runner import OffloadRunner
 from jax_offload.serving.model_runner import batch_buckets, sample_last, sampling_batch
 from jax_offload.serving.sequence import Sequence
+from jax_offload.tensor_parallel import to_host
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -79,7 +80,7 @@ class OffloadModelRunner:
         self._slot[seq.index] = slot
         self.tails = list(_put_tails(tuple(self.tails), jnp.int32(slot), tuple(tails)))
         lens = np.asarray([len(ids) - first], np.int32)
-        return int(np.asarray(sample_last(self.cfg, self.params, hidden, lens, *sampling_batch([seq], 1)))[0])
+        return int(to_host(sample_last(self.cfg, self.params, hidden, lens, *sampling_batch([seq], 1)))[0])
 
     def decode(self, seqs: list[Sequence]) -> list[int]:
         """Runs each sequence's last token and samples the next one; a tail that fills up is stored in the
@@ -97,18 +98,19 @@ class OffloadModelRunner:
         x = embed_tokens(self.params.embed, tokens[:, None])
         for l, layer in enumerate(self.params.layers):
             q, q_rows, self.tails[l], states = pooled_decode_begin(
-                self.cfg, layer, x, runner.inv_freq, self.tails[l], slots, positions, tail_lens)
+                self.cfg, layer, x, runner.inv_freq, self.tails[l], slots, positions, tail_lens, tp=runner.tp)
             # Padding rows (past the sequences) keep their empty states.
             states = tuple(runner.attend_groups(ring, row_groups, q_row, state)
                            for row_groups, q_row, state in zip(groups[l], q_rows, states)) + states[len(seqs):]
-            x = pooled_decode_end(self.cfg, runner.impl, layer, x, q, self.tails[l], slots, tail_lens, states)
+            x = pooled_decode_end(self.cfg, runner.impl, layer, x, q, self.tails[l], slots, tail_lens, states,
+                                  tp=runner.tp)
         out = sample_last(self.cfg, self.params, x, np.ones(size, np.int32), *sampling_batch(seqs, size))
         for seq in seqs:
             if (seq.num_cached + 1) % bs == 0:  # its tail is full: store it as the sequence's next block
                 block = seq.block_table[seq.num_cached // bs]
                 for l, tail in enumerate(_tails_at(tuple(self.tails), jnp.int32(self._slot[seq.index]))):
                     self.store.write(l, block, tail)
-        return np.asarray(out)[: len(seqs)].tolist()
+        return to_host(out)[: len(seqs)].tolist()
 
     def _stream(self, seqs: list[Sequence], stored: list[int]):
         """Per layer and row, the row's stored blocks in ring groups (as one request groups them), and a ring
