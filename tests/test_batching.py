@@ -298,7 +298,13 @@ def test_bad_requests(tmp_root):
 # ---- (e) offloaded KV: several requests over one host store ---------------------------------------------------
 
 OFFLOAD = dict(dtype="float32", offload=True, block_size=BLOCK_SIZE, num_ring_slots=4)
-SCARCE_LEN = 512  # a host store of 32 blocks: the requests preempt one another
+OFFLOAD_PROMPTS = 12  # the workload's first 12 requests: offloaded steps dispatch per block, so fewer keep it fast
+SCARCE_LEN = 384  # a host store of 24 blocks (the longest request needs 23): the requests preempt one another
+
+
+def _offload_workload() -> tuple[list[list[int]], list[SamplingParams]]:
+    prompts, params = _workload()
+    return prompts[:OFFLOAD_PROMPTS], params[:OFFLOAD_PROMPTS]
 
 
 @functools.cache
@@ -308,10 +314,9 @@ def _offloaded(tmp_root, prefill: str, max_model_len: int = 8192) -> LLM:
 
 
 @functools.cache
-def _offloaded_one_at_a_time(tmp_root, prefill: str, sampling_seed: int | None = None) -> list[tuple[list[int], str]]:
+def _offloaded_one_at_a_time(tmp_root, prefill: str) -> list[tuple[list[int], str]]:
     llm = _offloaded(tmp_root, prefill)
-    prompts, params = _workload() if sampling_seed is None else _sampled_workload(sampling_seed)
-    return [(o.token_ids, o.text) for o in (llm.generate([p], sp)[0] for p, sp in zip(prompts, params))]
+    return [(o.token_ids, o.text) for o in (llm.generate([p], sp)[0] for p, sp in zip(*_offload_workload()))]
 
 
 def _offloaded_engine(llm: LLM, max_num_seqs: int) -> BatchEngine:
@@ -319,20 +324,20 @@ def _offloaded_engine(llm: LLM, max_num_seqs: int) -> BatchEngine:
                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
 
 
-@pytest.mark.parametrize("prefill", ["chunked", "layerwise"])
-def test_offloaded_batch_equals_one_at_a_time(tmp_root, prefill):
+@pytest.mark.parametrize("prefill,limits", [("chunked", (3,)), ("layerwise", ())])
+def test_offloaded_batch_equals_one_at_a_time(tmp_root, prefill, limits):
     """`LLM(offload=True).generate` with several prompts runs them together over the host store, each request's
-    blocks streamed through the ring: the outputs are those of one request at a time, for any max_num_seqs, and
-    the store holds no live block afterwards."""
+    blocks streamed through the ring: the outputs are those of one request at a time, also at lower
+    max_num_seqs, and the store holds no live block afterwards."""
     llm = _offloaded(tmp_root, prefill)
-    prompts, params = _workload()
+    prompts, params = _offload_workload()
     reference = _offloaded_one_at_a_time(tmp_root, prefill)
     where = f"model seed {MODEL_SEEDS['llama3']}, prompt seed {PROMPT_SEED}, prefill {prefill}"
     outs = llm.generate(prompts, params)
     _check(outs, reference, where)
     engine = llm._batch_engine
-    assert engine is not None and max(n for kind, n, _, _ in engine.step_log if kind == "decode") > 8, where
-    for max_num_seqs in (3, 11):
+    assert engine is not None and max(n for kind, n, _, _ in engine.step_log if kind == "decode") > 6, where
+    for max_num_seqs in limits:
         engine = _offloaded_engine(llm, max_num_seqs)
         _check(engine.generate(prompts, params), reference, f"{where}, max_num_seqs {max_num_seqs}")
         assert max(n for kind, n, _, _ in engine.step_log if kind == "decode") == max_num_seqs, where
@@ -342,18 +347,14 @@ def test_offloaded_batch_equals_one_at_a_time(tmp_root, prefill):
 
 
 def test_offloaded_batch_preempts_by_recompute(tmp_root):
-    """With a 32-block host store the newest requests give their blocks back and are recomputed later; outputs
-    stay those of one request at a time (greedy, and seeded sampling)."""
+    """With a 24-block host store the newest requests give their blocks back and are recomputed later; outputs
+    stay those of one request at a time."""
     llm = _offloaded(tmp_root, "chunked", SCARCE_LEN)
-    prompts, params = _workload()
-    for run, reference in ((params, _offloaded_one_at_a_time(tmp_root, "chunked")),
-                           (_sampled_workload(SAMPLING_SEED)[1],
-                            _offloaded_one_at_a_time(tmp_root, "chunked", SAMPLING_SEED))):
-        engine = _offloaded_engine(llm, 8)
-        outs = engine.generate(prompts, run)
-        stats = engine.stats
-        where = f"model seed {MODEL_SEEDS['llama3']}, prompt seed {PROMPT_SEED}, {stats}"
-        rows = range(NUM_PROMPTS) if run is params else [i for i in range(NUM_PROMPTS) if i % 3 != 2]
-        assert [outs[i].token_ids for i in rows] == [reference[i][0] for i in rows], where
-        assert stats.preemptions == stats.recomputes > 0 and stats.swap_outs == 0, where
-        assert engine.blocks.num_free == SCARCE_LEN // BLOCK_SIZE and not llm._runner.store.live_blocks(), where
+    prompts, params = _offload_workload()
+    engine = _offloaded_engine(llm, 8)
+    outs = engine.generate(prompts, params)
+    stats = engine.stats
+    where = f"model seed {MODEL_SEEDS['llama3']}, prompt seed {PROMPT_SEED}, {stats}"
+    _check(outs, _offloaded_one_at_a_time(tmp_root, "chunked"), where)
+    assert stats.preemptions == stats.recomputes > 0 and stats.swap_outs == 0, where
+    assert engine.blocks.num_free == SCARCE_LEN // BLOCK_SIZE and not llm._runner.store.live_blocks(), where

@@ -47,7 +47,8 @@ def test_bf16_offload_equals_in_gpu(reference, block_size, num_ring_slots, prefi
     max_diff = max(float(np.abs(offload.logits(p) - ref).max()) for p, ref in zip(prompts, logits))
     record_property("max_abs_logit_diff", max_diff)
     print(f"\n{variant} (seed {seed}) block {block_size} slots {num_ring_slots} {prefill}: max |dlogit| {max_diff}")
-    outs = offload.generate(prompts, GREEDY_120)
+    # One at a time, as the reference: the batch engine is not bit-identical to it in bfloat16 (yet).
+    outs = [offload.generate([p], GREEDY_120)[0] for p in prompts]
     same = [o.token_ids == ref for o, ref in zip(outs, tokens)]
     assert all(same), f"{variant} model seed {seed}, prompt seed {PROMPT_SEED}: greedy differs on prompts {same}"
     assert max_diff <= BEFORE[variant] / 4, f"{variant} model seed {seed}: max |dlogit| {max_diff}"
