@@ -411,6 +411,7 @@ def measure_mass(args: argparse.Namespace, model_dir: Path, base: dict[str, Any]
     from convert.safetensors_loader import load_params
     from jax_offload.config import ModelConfig
     from jax_offload.models.rope import inverse_frequencies
+    from jax_offload.tensor_parallel import TensorParallel
 
     quest = {}
     for name in args.configs:
@@ -428,7 +429,7 @@ def measure_mass(args: argparse.Namespace, model_dir: Path, base: dict[str, Any]
     if not isinstance(block_size, int) or block_size % page_size:
         raise ValueError(f"--mass needs an integer block_size that page_size {page_size} divides, got {block_size!r}.")
     cfg = ModelConfig.from_hf(model_dir)
-    params = load_params(model_dir, cfg, jnp.dtype(dtype))
+    params = load_params(model_dir, cfg, jnp.dtype(dtype), TensorParallel.create(1))
     inv_freq = jnp.asarray(inverse_frequencies(cfg.rope, cfg.head_dim))
     targets = {n: prompt_target(model_dir, base, n, args.max_tokens) for n in args.lengths}
     prompts = build_prompts(model_dir, targets, args.samples, args.seed)
