@@ -1,16 +1,19 @@
 """bench/eval_sparse.py's Quest mass pass: Quest's and the oracle's shares against a float64 reference, the
-oracle holding at least Quest's mass summed over each GQA group, and the report's mass table with and without
-the oracle's columns (files written before it lack them)."""
+oracle holding at least Quest's mass summed over each GQA group, the report's mass table with and without the
+oracle's columns (files written before it lack them), and the whole pass on a tiny model."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import tiny_models
 from test_quest import quest_reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -88,3 +91,30 @@ def test_mass_table_shows_the_oracle_where_the_file_has_it():
     assert "| layer | 512 Quest mean | 512 Quest p5 |" in without
     assert "| **sparse layers** | 0.6000 | 0.2500 (min) |" in without
     assert not any("oracle" in line for line in without)
+
+
+def test_mass_pass_runs_end_to_end_and_its_report_reads_it(tmp_path, monkeypatch):
+    """The whole --mass pass on a tiny 3-layer checkpoint (layer 2 sparse), then --report: catches a broken call
+    into the engine's loaders and layers, which the share tests above do not reach. The prompts are random ids:
+    RULER's haystack needs a real tokenizer, the tiny models' knows 256 words."""
+    rng = np.random.default_rng(704)
+    prompts = [SimpleNamespace(task=t, index=0, prompt_ids=rng.integers(3, 256, 300).tolist(), length=300)
+               for t in ("niah_single_1", "niah_multikey_1")]
+    monkeypatch.setattr(eval_sparse, "build_prompts", lambda model_dir, targets, samples, seed: {300: prompts})
+    monkeypatch.setitem(tiny_models.COMMON, "num_hidden_layers", 3)
+    model, mass, out = tmp_path / "model", tmp_path / "mass", tmp_path / "report"
+    tiny_models.build("qwen2", model, seed=703)
+    assert eval_sparse.main(["--model", str(model), "--lengths", "300", "--samples", "1", "--configs",
+                             "quest32,quest64", "--base", "block_size=64", "--mass", "--out", str(mass)]) == 0
+    result = json.loads((mass / "quest_mass_300.json").read_text())
+    assert set(result["budgets"]) == {"32", "64"}
+    for budget in result["budgets"].values():
+        quest, oracle = np.asarray(budget["shares"]), np.asarray(budget["oracle_shares"])  # [prompts, layers, Hq]
+        assert quest.shape == oracle.shape == (2, 3, 4)
+        assert np.all(quest[:, :2] == 1) and np.all(oracle[:, :2] == 1)  # dense layers
+        assert np.all(quest[:, 2] < 0.99)  # layer 2 reads 2 or 4 of 16 stored pages plus a 44-key tail
+        assert np.all((quest > 0) & (quest <= 1 + 1e-5)) and np.all((oracle > 0) & (oracle <= 1 + 1e-5))
+        # 2 query heads per KV head; shares are rounded to 5 decimals in the file.
+        assert np.all(oracle.reshape(2, 3, 2, 2).sum(-1) >= quest.reshape(2, 3, 2, 2).sum(-1) - 2e-5)
+    assert eval_sparse.main(["--report", str(mass), "--out", str(out)]) == 0
+    assert "| layer | 32 Quest mean | 32 Quest p5 | 32 oracle mean | 32 oracle p5 |" in (out / "sparse_niah.md").read_text()
