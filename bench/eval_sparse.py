@@ -21,7 +21,10 @@ generated. A run writes `sparse_niah_{length}_{config}.json` per length and conf
 layer in device memory (float32 attention) and measures, per layer and query head, the share of the
 full-attention probability mass of the last prompt token's query that Quest's pages (chosen per KV head among
 the stored blocks' keys, as the engine chooses them) plus the tail (the keys past the last full block, always
-attended) hold; the first `dense_layers` layers attend in full (share 1). It writes `quest_mass_{length}.json`.
+attended) hold; the first `dense_layers` layers attend in full (share 1). Next to it, the share an oracle's pages
+hold: per KV head as many pages of the same candidates (page 0 included), chosen by their true softmax mass summed
+over the GQA group's query heads, the most group mass any such choice holds; Quest's gap to the oracle is what its
+bound loses, the oracle's gap to 1 what the budget cannot reach. It writes `quest_mass_{length}.json`.
 (The engine's first Quest step reads with the first generated token's query, one position later; the last
 prompt token's query stands in for it, so no generation is needed.)
 
@@ -310,11 +313,16 @@ def _causal_attention_f32(q, k, v, chunk: int):
 def _quest_shares(q, k, length, block_size: int, page_size: int, budgets_pages: tuple[int, ...]):
     """For the query q [Hq, D] at position length - 1 over keys k [T, Hkv, D] (the first `length` real): per
     budget and query head, the full-softmax mass on the pages Quest chooses among the stored blocks' keys plus
-    the tail past them -> float32 [len(budgets), Hq]."""
+    the tail past them, and the same for the oracle's pages -> float32 [2 (Quest, oracle), len(budgets), Hq].
+
+    The oracle ranks the same candidates by their true mass summed over the GQA group (one choice per KV head,
+    as Quest's): no choice of as many pages holds more of the group's mass (a single query head may hold less
+    than on Quest's pages), so the gap to Quest is what Quest's bound loses and the oracle's own shortfall is
+    attention spread beyond the budget."""
     import jax
     import jax.numpy as jnp
 
-    from jax_offload.sparse.quest import page_bounds, select_pages
+    from jax_offload.sparse.quest import page_bounds, select_pages, top_pages
 
     t, hkv, d = k.shape
     hq = q.shape[0]
@@ -327,14 +335,17 @@ def _quest_shares(q, k, length, block_size: int, page_size: int, budgets_pages: 
     slots = max(t // page_size, *budgets_pages)  # top_k needs at least `budget` candidates
     pad = ((0, 0), (0, slots - kmin.shape[1]), (0, 0))
     kmin, kmax = jnp.pad(kmin, pad), jnp.pad(kmax, pad)
+    group_mass = jnp.pad(p.sum(1).reshape(hkv, t // page_size, page_size).sum(-1), pad[:2])  # [Hkv, slots]
     tail = (keys >= stored) & (keys < length)
-    shares = []
-    for budget in budgets_pages:
-        chosen = select_pages(q, kmin, kmax, stored // page_size, budget)  # [Hkv, budget]; `slots` = none
+
+    def share(chosen):  # chosen [Hkv, budget] pages, `slots` = none -> [Hq] mass on them plus the tail
         picked = jnp.zeros((hkv, slots + 1), bool).at[jnp.arange(hkv)[:, None], chosen].set(True)
         attended = (picked[:, keys // page_size] & (keys < stored)) | tail  # [Hkv, T]
-        shares.append(jnp.sum(jnp.where(attended[:, None], p, 0.0), axis=-1).reshape(hq))
-    return jnp.stack(shares)
+        return jnp.sum(jnp.where(attended[:, None], p, 0.0), axis=-1).reshape(hq)
+
+    num_pages = stored // page_size
+    return jnp.stack([jnp.stack([share(select_pages(q, kmin, kmax, num_pages, b)) for b in budgets_pages]),
+                      jnp.stack([share(top_pages(group_mass, num_pages, b)) for b in budgets_pages])])
 
 
 @functools.cache
@@ -361,8 +372,8 @@ def _mass_layer_fn() -> Callable:
 
 def prompt_shares(cfg: Any, params: Any, inv_freq: Any, ids: list[int], block_size: int, page_size: int,
                   budgets: tuple[int, ...], dense_layers: int) -> Any:
-    """One prompt through every layer -> np.float32 [layers, len(budgets), Hq] Quest mass shares (1 for the
-    first `dense_layers` layers)."""
+    """One prompt through every layer -> np.float32 [layers, 2 (Quest, oracle), len(budgets), Hq] mass shares
+    (1 for the first `dense_layers` layers)."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -379,9 +390,20 @@ def prompt_shares(cfg: Any, params: Any, inv_freq: Any, ids: list[int], block_si
     return np.stack(out)
 
 
+def _share_stats(shares: Any, prefix: str = "") -> dict[str, Any]:
+    """Shares [P, L, Hq] -> per layer the mean and 5th percentile over (prompts x query heads), and the shares."""
+    import numpy as np
+
+    flat = shares.transpose(1, 0, 2).reshape(shares.shape[1], -1)  # [L, P * Hq]
+    return {f"{prefix}mean": flat.mean(1).round(6).tolist(),
+            f"{prefix}p5": np.percentile(flat, 5, axis=1).round(6).tolist(),
+            f"{prefix}shares": shares.round(5).tolist()}
+
+
 def measure_mass(args: argparse.Namespace, model_dir: Path, base: dict[str, Any], dtype: str) -> None:
     """Writes quest_mass_{length}.json for every length: per layer the mean and 5th percentile over
-    (prompts x query heads) of the mass share of every Quest budget among the configs."""
+    (prompts x query heads) of the mass share of every Quest budget among the configs, Quest's (`mean`, `p5`,
+    `shares`) and the oracle's (the same keys prefixed `oracle_`)."""
     import jax.numpy as jnp
     import numpy as np
     from tqdm import tqdm
@@ -389,6 +411,7 @@ def measure_mass(args: argparse.Namespace, model_dir: Path, base: dict[str, Any]
     from convert.safetensors_loader import load_params
     from jax_offload.config import ModelConfig
     from jax_offload.models.rope import inverse_frequencies
+    from jax_offload.tensor_parallel import TensorParallel
 
     quest = {}
     for name in args.configs:
@@ -406,7 +429,7 @@ def measure_mass(args: argparse.Namespace, model_dir: Path, base: dict[str, Any]
     if not isinstance(block_size, int) or block_size % page_size:
         raise ValueError(f"--mass needs an integer block_size that page_size {page_size} divides, got {block_size!r}.")
     cfg = ModelConfig.from_hf(model_dir)
-    params = load_params(model_dir, cfg, jnp.dtype(dtype))
+    params = load_params(model_dir, cfg, jnp.dtype(dtype), TensorParallel.create(1))
     inv_freq = jnp.asarray(inverse_frequencies(cfg.rope, cfg.head_dim))
     targets = {n: prompt_target(model_dir, base, n, args.max_tokens) for n in args.lengths}
     prompts = build_prompts(model_dir, targets, args.samples, args.seed)
@@ -416,24 +439,23 @@ def measure_mass(args: argparse.Namespace, model_dir: Path, base: dict[str, Any]
         start = time.perf_counter()
         shares = np.stack([prompt_shares(cfg, params, inv_freq, p.prompt_ids, block_size, page_size, budgets,
                                          dense_layers)
-                           for p in tqdm(ps, desc=f"mass @ {n}", unit="prompt", leave=False)])  # [P, L, B, Hq]
-        per_budget = {}
-        for i, b in enumerate(budgets):
-            flat = shares[:, :, i].transpose(1, 0, 2).reshape(cfg.num_layers, -1)  # [L, P * Hq]
-            per_budget[str(b)] = {"mean": flat.mean(1).round(6).tolist(),
-                                  "p5": np.percentile(flat, 5, axis=1).round(6).tolist(),
-                                  "shares": shares[:, :, i].round(5).tolist()}
+                           for p in tqdm(ps, desc=f"mass @ {n}", unit="prompt", leave=False)])  # [P, L, 2, B, Hq]
+        per_budget = {str(b): _share_stats(shares[:, :, 0, i]) | _share_stats(shares[:, :, 1, i], "oracle_")
+                      for i, b in enumerate(budgets)}
         result = {
             "kind": "quest_mass", "length": n, "prompt_target": targets[n], "model": str(model_dir), "dtype": dtype,
             "samples": args.samples, "seed": args.seed, "prompts_sha256": prompts_digest(ps),
             "block_size": block_size, "page_size": page_size, "dense_layers": dense_layers,
             "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
             "query": "last prompt token (position T-1), full softmax over keys 0..T-1, attention in float32",
+            "oracle": "per KV head as many pages as Quest (page 0 included, the same candidates), those with the "
+                      "highest softmax mass summed over the GQA group's query heads",
             "prompts": [{"task": p.task, "index": p.index, "prompt_tokens": p.length} for p in ps],
             "budgets": per_budget, "wall_seconds": round(time.perf_counter() - start, 2), "meta": meta,
         }
         (args.out / MASS_FILE.format(length=n)).write_text(json.dumps(result) + "\n")
-        means = ", ".join(f"budget {b}: {np.mean(per_budget[str(b)]['mean'][dense_layers:]):.3f}" for b in budgets)
+        means = ", ".join(f"budget {b}: {np.mean(per_budget[str(b)]['mean'][dense_layers:]):.3f} "
+                          f"(oracle {np.mean(per_budget[str(b)]['oracle_mean'][dense_layers:]):.3f})" for b in budgets)
         print(f"mass @ {n} ({len(ps)} prompts <= {targets[n]} tokens): mean share over sparse layers {means}, "
               f"{result['wall_seconds']:.0f} s", flush=True)
 
@@ -512,22 +534,32 @@ def _niah_section(n: int, results: list[dict[str, Any]]) -> list[str]:
 
 
 def _mass_section(n: int, m: dict[str, Any]) -> list[str]:
+    """The mass table: per layer and budget, Quest's share and, where the file has it, the oracle's."""
     budgets = list(m["budgets"])
+    oracle = all("oracle_mean" in m["budgets"][b] for b in budgets)  # files from before the oracle lack it
+    kinds = [("Quest", ""), ("oracle", "oracle_")] if oracle else [("Quest", "")]
+    columns = [(b, name, prefix) for b in budgets for name, prefix in kinds]
     lines = [f"## Quest attention mass, {n} tokens", "",
              f"Share of the full-attention probability mass on Quest's pages plus the tail (block {m['block_size']}, "
              f"page {m['page_size']}, the first {m['dense_layers']} layers dense), query of the last prompt token; "
              f"mean and 5th percentile over {len(m['prompts'])} prompts x {m['num_heads']} query heads, "
-             f"{m['dtype']} weights, float32 attention.", "",
-             "| layer | " + " | ".join(f"{b} mean | {b} p5" for b in budgets) + " |",
-             "|---|" + "---:|---:|" * len(budgets)]
+             f"{m['dtype']} weights, float32 attention."]
+    if oracle:
+        lines[-1] += (" Oracle: per KV head as many pages as Quest (page 0 included, the same candidate pages, the "
+                      "tail attended), chosen by their true mass summed over the GQA group's query heads; no choice "
+                      "of that many pages holds more of the group's mass, so Quest's gap to it is what its bound "
+                      "loses, and the oracle's own shortfall is attention spread beyond the budget.")
+    lines += ["", "| layer | " + " | ".join(f"{b} {name} mean | {b} {name} p5" for b, name, _ in columns) + " |",
+              "|---|" + "---:|---:|" * len(columns)]
     layers = len(m["budgets"][budgets[0]]["mean"])
     for l in range(layers):
-        lines.append(f"| {l} | " + " | ".join(f"{m['budgets'][b]['mean'][l]:.4f} | {m['budgets'][b]['p5'][l]:.4f}"
-                                               for b in budgets) + " |")
+        lines.append(f"| {l} | " + " | ".join(
+            f"{m['budgets'][b][prefix + 'mean'][l]:.4f} | {m['budgets'][b][prefix + 'p5'][l]:.4f}"
+            for b, _, prefix in columns) + " |")
     sparse = slice(m["dense_layers"], layers)
     lines.append("| **sparse layers** | " + " | ".join(
-        f"{sum(m['budgets'][b]['mean'][sparse]) / max(layers - m['dense_layers'], 1):.4f} | "
-        f"{min(m['budgets'][b]['p5'][sparse], default=1.0):.4f} (min)" for b in budgets) + " |")
+        f"{sum(m['budgets'][b][prefix + 'mean'][sparse]) / max(layers - m['dense_layers'], 1):.4f} | "
+        f"{min(m['budgets'][b][prefix + 'p5'][sparse], default=1.0):.4f} (min)" for b, _, prefix in columns) + " |")
     return lines + [""]
 
 

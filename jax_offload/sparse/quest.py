@@ -29,13 +29,21 @@ def select_pages(q: jax.Array, kmin: jax.Array, kmax: jax.Array, num_pages: jax.
     bounds among the first `num_pages`. q [Hq, D]; kmin, kmax [Hkv, P, D]. -> int32 [Hkv, k]; when fewer than k
     pages exist, the missing entries are P (past every real page) and sort last. Ties go to the lower page.
     """
-    hkv, num_slots, _ = kmin.shape
+    hkv = kmin.shape[0]
     q = q.astype(jnp.float32).reshape(hkv, -1, 1, q.shape[-1])  # [Hkv, G, 1, D]
     bound = jnp.sum(jnp.maximum(q * kmin[:, None].astype(jnp.float32), q * kmax[:, None].astype(jnp.float32)), -1)
     bound = jnp.max(bound, axis=1)  # [Hkv, P]: the GQA group's largest bound
+    return top_pages(bound, num_pages, k)
+
+
+def top_pages(score: jax.Array, num_pages: jax.Array, k: int) -> jax.Array:
+    """Quest's rule for any page score [Hkv, P]: page 0 and the `k - 1` highest-scoring pages among pages
+    1..num_pages - 1, ascending -> int32 [Hkv, k], missing entries P, ties to the lower page. Its own function
+    so that another score (an oracle's true attention mass, bench/eval_sparse.py) ranks the very same candidates."""
+    num_slots = score.shape[1]
     page = jnp.arange(num_slots, dtype=jnp.int32)
-    bound = jnp.where(page == 0, jnp.inf, jnp.where(page < num_pages, bound, -jnp.inf))
-    _, chosen = jax.lax.top_k(bound, k)  # equal values: the lower index first
+    score = jnp.where(page == 0, jnp.inf, jnp.where(page < num_pages, score, -jnp.inf))
+    _, chosen = jax.lax.top_k(score, k)  # equal values: the lower index first
     chosen = jnp.where(chosen < num_pages, chosen, num_slots).astype(jnp.int32)
     return jnp.sort(chosen, axis=-1)
 
