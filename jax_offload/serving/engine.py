@@ -105,18 +105,14 @@ class BatchEngine:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 16384,
         gpu_memory_utilization: float = 0.9,
-        max_tail_slots: int | None = None,
     ) -> "BatchEngine":
         """Requests share the host store of the offloaded engine's `runner` (its blocks: max_model_len tokens in
         all) and each running one holds a GPU tail slot (a block of every layer); as many slots as
-        `gpu_memory_utilization` of the device memory leaves, at most max_num_seqs (and `max_tail_slots`, for
-        tests), bound how many run at once."""
+        `gpu_memory_utilization` of the device memory leaves, at most max_num_seqs, bound how many run at
+        once."""
         cfg, dtype = runner.cfg, runner.dtype
         slots = default_num_blocks(cfg, dtype, runner.block_size, max_num_seqs, runner.block_size,
                                    max_num_batched_tokens, gpu_memory_utilization)
-        if max_tail_slots is not None:
-            _check_int("max_tail_slots", max_tail_slots, 1)
-            slots = min(slots, max_tail_slots)
         if slots < 1:
             raise ValueError(
                 f"gpu_memory_utilization {gpu_memory_utilization} leaves no GPU memory for a request's tail blocks; "

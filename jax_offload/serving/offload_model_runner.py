@@ -53,7 +53,6 @@ class OffloadModelRunner:
         self._free_slots = list(range(num_slots))[::-1]
         self._slot: dict[int, int] = {}  # sequence index -> its tail slot
         self.host_bytes_used = 0  # swap space in use: none, ever
-        self.last_decode_pcie_bytes = 0  # bytes the last decode step moved from host to GPU
 
     def batch_size(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)
@@ -72,10 +71,8 @@ class OffloadModelRunner:
         padded = pad_ids(ids, self.runner.padded_length(len(ids)))
         try:
             hidden, first = self.runner.prefill(padded, len(ids), seq.max_len, blocks=seq.block_table)
+        finally:  # the runner lets go of the request either way; its blocks are the sequence's, dropped with it
             tails = self.runner.hand_over()
-        except BaseException:
-            self.runner.finish()
-            raise
         slot = self._free_slots.pop()
         self._slot[seq.index] = slot
         self.tails = list(_put_tails(tuple(self.tails), jnp.int32(slot), tuple(tails)))
@@ -94,7 +91,6 @@ class OffloadModelRunner:
             tail_lens[row] = seq.num_cached % bs
         stored = [seq.num_cached // bs for seq in seqs]
         groups, ring = self._stream(seqs, stored)
-        self.last_decode_pcie_bytes = self.cfg.num_layers * sum(stored) * self.store.block_bytes
         x = embed_tokens(self.params.embed, tokens[:, None])
         for l, layer in enumerate(self.params.layers):
             q, q_rows, self.tails[l], states = pooled_decode_begin(
