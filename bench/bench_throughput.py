@@ -5,7 +5,7 @@ weights at a real shape.
 Phases, each in a fresh process writing phase_<phase>_<shape>.json under --out:
   ours    LLM.generate of all requests (continuous batching): a full warm-up run of the same workload (every
           padded shape compiled), then --runs timed runs: output tokens/s; each decode step's time against its
-          HBM floor (weights read + KV bytes read) / measured device copy bandwidth
+          HBM floor (weights read + KV bytes read) / measured device read bandwidth
   hf      transformers' own continuous batching (init_continuous_batching + add_request with each request's
           max_new_tokens; generate_batch with one max_new_tokens if that API is missing), warmed at the same
           shape, --hf-runs timed runs
@@ -52,19 +52,20 @@ def workload(args) -> tuple[list[list[int]], list[int]]:
     return prompts, max_tokens
 
 
-def copy_bandwidth(nbytes: int) -> dict:
-    """Device memory bandwidth of a jitted elementwise pass over `nbytes` (read + write), bytes/s."""
+def read_bandwidth(nbytes: int) -> dict:
+    """Device memory read bandwidth, bytes/s: a jitted float32 sum over `nbytes` of bf16 (a decode step mostly
+    reads), each sample the mean of 5 back-to-back calls waited for once, 9 samples after a warm-up."""
     import jax
     import jax.numpy as jnp
 
     x = jnp.ones((nbytes // 2,), jnp.bfloat16)
-    double = jax.jit(lambda a: a * 2)
-    double(x).block_until_ready()
+    total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    total(x).block_until_ready()
     rates = []
-    for _ in range(7):
+    for _ in range(9):
         t = time.perf_counter()
-        double(x).block_until_ready()
-        rates.append(2 * nbytes / (time.perf_counter() - t))
+        jax.block_until_ready([total(x) for _ in range(5)])
+        rates.append(5 * nbytes / (time.perf_counter() - t))
     return stats(rates)
 
 
@@ -84,7 +85,7 @@ def phase_ours(args) -> dict:
     cfg = model_config(args.shape)
     params = random_params(cfg, jax.numpy.bfloat16)
     jax.block_until_ready(params)
-    bw = copy_bandwidth(GiB if args.shape != "smoke" else 2**24)
+    bw = read_bandwidth(2 * GiB if args.shape != "smoke" else 2**24)
     prompts, max_tokens = workload(args)
     sps = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m, seed=i) for i, m in enumerate(max_tokens)]
     llm = LLM.from_params(cfg, params, dtype="bfloat16", max_model_len=max(map(len, prompts)) + max(max_tokens) + 1,
@@ -109,7 +110,7 @@ def phase_ours(args) -> dict:
         "shape": args.shape, "requests": len(prompts), "output_tokens": tokens,
         "input_tokens": sum(map(len, prompts)), "warmup_seconds": warm_s, "seconds": stats(seconds),
         "output_tokens_per_second": stats([tokens / s for s in seconds]),
-        "copy_bandwidth": bw, "weights_read_GiB": w_bytes / GiB, "kv_bytes_per_token": kv_tok,
+        "read_bandwidth": bw, "weights_read_GiB": w_bytes / GiB, "kv_bytes_per_token": kv_tok,
         "num_kv_blocks": engine.blocks.num_blocks, "kv_block_size": engine.blocks.block_size,
         "preemptions": engine.stats.preemptions, "swap_outs": engine.stats.swap_outs,
         "recomputes": engine.stats.recomputes,
@@ -132,7 +133,7 @@ def phase_batch1(args) -> dict:
     cfg = model_config(shape)
     params = random_params(cfg, jax.numpy.bfloat16)
     jax.block_until_ready(params)
-    bw = copy_bandwidth(GiB if args.shape != "smoke" else 2**24)
+    bw = read_bandwidth(2 * GiB if args.shape != "smoke" else 2**24)
     llm = LLM.from_params(cfg, params, dtype="bfloat16", max_model_len=ctx + 64)
     prompt = random.Random(1).choices(range(1000), k=ctx)
     sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -142,7 +143,7 @@ def phase_batch1(args) -> dict:
         per_token.append(sorted(llm.generate(prompt, sp)[0].decode_token_seconds)[15])  # median of 31 steps
     floor = (weight_bytes_read(params) + ctx * cfg.kv_bytes_per_token) / bw["median"]
     return {"shape": shape, "context": ctx, "decode_token_seconds": stats(per_token), "floor_seconds": floor,
-            "floor_ratio": stats([s / floor for s in per_token]), "copy_bandwidth": bw}
+            "floor_ratio": stats([s / floor for s in per_token]), "read_bandwidth": bw}
 
 
 def phase_offload(args) -> dict:
@@ -238,8 +239,7 @@ print(json.dumps({"api": api, "seconds": seconds, "output_tokens": tokens, "requ
 
 def phase_hf(args) -> dict:
     prompts, max_tokens = workload(args)
-    n = args.hf_requests or len(prompts)
-    payload = json.dumps([dict(SHAPES[args.shape]), prompts[:n], max_tokens[:n], args.hf_runs])
+    payload = json.dumps([dict(SHAPES[args.shape]), prompts, max_tokens, args.hf_runs])
     run = subprocess.run([sys.executable, "-c", HF_SCRIPT], input=payload, capture_output=True, text=True)
     if run.returncode:
         return {"shape": args.shape, "error": run.stderr.strip().splitlines()[-1] if run.stderr.strip() else "?",
@@ -256,9 +256,17 @@ def run_phase(args) -> None:
     if args.run_phase != "hf":
         result["gpu_memory"] = gpu_memory()
     result["meta"] = run_metadata()
-    path = Path(args.out) / f"phase_{args.run_phase}_{args.shape}.json"
+    # A smaller workload (--num-seqs) gets its own file, compared only with the peer's run of the same one.
+    count = f"_n{args.num_seqs}" if args.run_phase in ("ours", "hf") and args.num_seqs != 256 else ""
+    path = Path(args.out) / f"phase_{args.run_phase}_{args.shape}{count}.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
+
+
+def _bandwidth(phase: dict) -> str:
+    if "read_bandwidth" in phase:
+        return f"read bandwidth {phase['read_bandwidth']['median'] / 1e9:.0f} GB/s"
+    return f"copy bandwidth {phase['copy_bandwidth']['median'] / 1e9:.0f} GB/s"
 
 
 def report(src: Path, out: Path) -> None:
@@ -266,21 +274,22 @@ def report(src: Path, out: Path) -> None:
     meta = next(iter(phases.values()))["meta"] if phases else {}
     lines = ["# Continuous-batching throughput (nano-vllm's benchmark)", "",
              f"{meta.get('device')}, jax {meta.get('jax')}, torch {meta.get('torch')}, transformers "
-             f"{meta.get('transformers')}, {meta.get('date')}. Random bf16 weights; 256 requests, input and output "
-             "lengths uniform in 100..1024 (seed 0), temperature 0.6, ignore_eos. Timings: median (min-max) of the "
-             "runs after a warm-up of the same workload.", "",
-             "| shape | ours output tok/s | transformers output tok/s | ratio | ours decode step / HBM floor "
-             "(all steps; batch >= max/2) | preemptions | runs |", "|---|---|---|---|---|---|---|"]
+             f"{meta.get('transformers')}, {meta.get('date')}. Random bf16 weights; nano-vllm's workload (256 "
+             "requests, or as many as the column says, drawn the same way): input and output lengths uniform in 100..1024 "
+             "(seed 0), temperature 0.6, ignore_eos. Timings: median (min-max) of the runs after a warm-up of the "
+             "same workload; the ratio compares the two engines on the same requests.", "",
+             "| shape | requests | ours output tok/s | transformers output tok/s | ratio | ours decode step / HBM "
+             "floor (all steps; batch >= max/2) | preemptions | runs |", "|---|---|---|---|---|---|---|---|"]
+    peers = {(p["shape"], p.get("requests")): p for k, p in phases.items() if k.startswith("hf_")}
     for key, ours in phases.items():
         if not key.startswith("ours_"):
             continue
-        shape = key[len("ours_"):]
-        hf = phases.get(f"hf_{shape}", {})
+        hf = peers.get((ours["shape"], ours["requests"]), {})
         ratio = (ours["output_tokens_per_second"]["median"] / hf["output_tokens_per_second"]["median"]
                  if "output_tokens_per_second" in hf else None)
         large = ours.get("decode_step_floor_ratio_large_batch")
         lines.append(
-            f"| {shape} | {fmt(ours['output_tokens_per_second'], digits=0)} | "
+            f"| {ours['shape']} | {ours['requests']} | {fmt(ours['output_tokens_per_second'], digits=0)} | "
             f"{fmt(hf.get('output_tokens_per_second'), digits=0) if 'error' not in hf else 'failed: ' + hf['error']} | "
             f"{f'{ratio:.1f}x' if ratio else '-'} | {fmt(ours['decode_step_floor_ratio'])}; {fmt(large)} | "
             f"{ours['preemptions']} | {ours['output_tokens_per_second']['n']} |")
@@ -288,7 +297,7 @@ def report(src: Path, out: Path) -> None:
         if key.startswith("batch1_"):
             lines += ["", f"Batch 1, KV in GPU memory, {b['shape']} at {b['context']} tokens: "
                       f"{fmt(b['decode_token_seconds'], 1e3)} ms/token, HBM floor {b['floor_seconds'] * 1e3:.2f} ms "
-                      f"(ratio {fmt(b['floor_ratio'])}; copy bandwidth {b['copy_bandwidth']['median'] / 1e9:.0f} GB/s)."]
+                      f"(ratio {fmt(b['floor_ratio'])}; {_bandwidth(b)})."]
     for key, o in phases.items():
         if key.startswith("offload_"):
             lines += ["", f"Offloaded KV, {o['shape']}, {o['requests']} requests of {o['context']} tokens, "
@@ -300,7 +309,8 @@ def report(src: Path, out: Path) -> None:
                       f"{o['h2d_bandwidth']['median'] / 1e9:.1f} GB/s host-to-GPU)."]
     hf_apis = {p.get("api") for k, p in phases.items() if k.startswith("hf_") and "api" in p}
     lines += ["", "HBM floor of a decode step: (weights read + KV bytes of every running request) / the device's "
-              "measured elementwise copy bandwidth. transformers API: " + ", ".join(sorted(hf_apis)) + ".",
+              "measured read bandwidth (`read_bandwidth` in the phase file, a jitted sum over 2 GiB; older files measured an "
+              "elementwise copy, `copy_bandwidth`). transformers API: " + ", ".join(sorted(hf_apis)) + ".",
               "Phase files: " + ", ".join(f"phase_{k}.json" for k in phases) + "."]
     out.mkdir(parents=True, exist_ok=True)
     (out / "throughput.md").write_text("\n".join(lines) + "\n")
@@ -314,7 +324,6 @@ def main() -> None:
     p.add_argument("--phases", default=",".join(PHASES))
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--hf-runs", type=int, default=1)
-    p.add_argument("--hf-requests", type=int, help="transformers: the first N requests only (default all)")
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
@@ -343,7 +352,7 @@ def main() -> None:
     else:
         extra = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
                  ("runs", "hf_runs", "num_seqs", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
-                  "batch1_context", "offload_context", "offload_requests", "offload_tokens")] + ([f"--hf-requests={args.hf_requests}"] if args.hf_requests else [])
+                  "batch1_context", "offload_context", "offload_requests", "offload_tokens")]
     for phase in phases:
         for shape in shapes if phase not in ("batch1", "offload") else shapes[-1:]:
             t = time.perf_counter()

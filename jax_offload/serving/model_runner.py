@@ -78,9 +78,10 @@ class SamplingBatch(NamedTuple):
     steps: jax.Array  # int32 [B]: tokens the request has generated so far
 
 
-def sampling_batch(seqs: list[Sequence], size: int) -> tuple[SamplingBatch, bool]:
-    """Knobs of `seqs`, padded with greedy rows to `size`, and whether any row samples (static, so that a greedy
-    batch compiles no sampler at all)."""
+def sampling_batch(seqs: list[Sequence], size: int) -> tuple[SamplingBatch, str]:
+    """Knobs of `seqs`, padded with greedy rows to `size`, and which draws the step compiles (static): "greedy"
+    when no row samples, "tempered" when some do but none filters by top-p / top-k, else "filtered". A greedy
+    batch compiles no sampler, and only a filtering row pays for the vocabulary sort."""
     temperature = np.zeros(size, np.float32)
     top_p = np.ones(size, np.float32)
     top_k = np.full(size, -1, np.int32)
@@ -90,25 +91,33 @@ def sampling_batch(seqs: list[Sequence], size: int) -> tuple[SamplingBatch, bool
         p = seq.params
         temperature[row], top_p[row], top_k[row] = p.temperature, p.top_p, p.top_k
         keys[row], steps[row] = seq.key, len(seq.output_ids)
-    return SamplingBatch(temperature, top_p, top_k, keys, steps), bool((temperature > 0).any())
+    hot = temperature > 0
+    draws = ("greedy" if not hot.any() else "filtered" if (hot & ((top_p < 1) | (top_k > 0))).any()
+             else "tempered")
+    return SamplingBatch(temperature, top_p, top_k, keys, steps), draws
 
 
-def sample(logits: jax.Array, s: SamplingBatch, sampled: bool) -> jax.Array:
+def sample(logits: jax.Array, s: SamplingBatch, draws: str) -> jax.Array:
     """Token ids [B] from float32 logits [B, vocab]. Greedy rows take the argmax; rows with top-p or top-k run
     `sample_token` itself; other rows draw from the tempered logits directly with the same key (sample_token
     would drop at most the float rounding mass of its cumulative sum), which spares them a vocabulary sort.
-    Without `sampled` rows the draws are not compiled; a row's token never depends on the other rows."""
+    `draws` (see `sampling_batch`) leaves out what no row needs: the sort over [B, vocab] logits costs more than
+    the rest of a large decode step's sampling. Each row takes its own kind of draw whatever `draws` is, so a
+    row's token never depends on the other rows."""
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if not sampled:
+    if draws == "greedy":
         return tokens
     keys = jax.vmap(jax.random.fold_in)(s.keys, s.steps)
     hot = s.temperature > 0
-    filtered = hot & ((s.top_p < 1) | (s.top_k > 0))
     scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
     plain = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    tokens = jnp.where(hot, plain, tokens)
+    if draws == "tempered":
+        return tokens
+    filtered = hot & ((s.top_p < 1) | (s.top_k > 0))
     # The plain function under the jit: a nested jit may not carry the step's compiler options.
     drawn = jax.vmap(sample_token.__wrapped__)(logits, s.temperature, s.top_p, s.top_k, keys)
-    return jnp.where(filtered, drawn, jnp.where(hot, plain, tokens))
+    return jnp.where(filtered, drawn, tokens)
 
 
 def _write_kv(pool: jax.Array, slots: jax.Array, kv: jax.Array) -> jax.Array:
@@ -135,16 +144,16 @@ def _prefill_layer(cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array
 
 @functools.partial(step_jit, static_argnums=(0, 5))
 def sample_last(cfg: ModelConfig, params: ModelParams, hidden: jax.Array, lens: jax.Array,
-                sampling: SamplingBatch, sampled: bool) -> jax.Array:
+                sampling: SamplingBatch, draws: str) -> jax.Array:
     """The next token of each row of hidden [B, T, hidden], from its row `lens[b] - 1`."""
     last = hidden[jnp.arange(hidden.shape[0]), jnp.maximum(lens - 1, 0)]
-    return sample(decoder.logits(cfg, params, last), sampling, sampled)
+    return sample(decoder.logits(cfg, params, last), sampling, draws)
 
 
 @functools.partial(step_jit, static_argnums=(0, 1, 10), donate_argnums=(3, 4))
 def _decode_step(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tuple[jax.Array, ...],
                  v_pool: tuple[jax.Array, ...], inv_freq: jax.Array, tokens: jax.Array, seq_lens: jax.Array,
-                 tables: jax.Array, sampling: SamplingBatch, sampled: bool
+                 tables: jax.Array, sampling: SamplingBatch, draws: str
                  ) -> tuple[jax.Array, tuple, tuple]:
     """The whole model for one token per sequence: tokens [B] at positions seq_lens - 1 (rows with seq_len 0 are
     padding), block tables [B, max_blocks]. Returns the next tokens [B] and the updated pools."""
@@ -162,7 +171,7 @@ def _decode_step(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tuple
         v_out.append(_write_kv(v_pages, slots, v[:, 0]))
         o, _ = attend(q[:, 0], k_out[-1], v_out[-1], tables, seq_lens)
         x = decoder.attention_output_and_mlp(cfg, layer, x, o[:, None])
-    return sample(decoder.logits(cfg, params, x[:, 0]), sampling, sampled), tuple(k_out), tuple(v_out)
+    return sample(decoder.logits(cfg, params, x[:, 0]), sampling, draws), tuple(k_out), tuple(v_out)
 
 
 @jax.jit
