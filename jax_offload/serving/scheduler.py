@@ -78,6 +78,14 @@ class Scheduler:
         return bool(self.waiting or self.swapped or self.running)
 
     def schedule(self) -> Step:
+        if self.swapped or self.waiting:
+            step = self._admit()
+            if step is not None:
+                return step
+        return Step("decode", self._make_room_for_decode())
+
+    def _admit(self) -> Step | None:
+        """Swaps preempted sequences back in, then admits new prompts; the prefill step of those, if any."""
         # Blocks the running sequences need for their next token stay free, so admitting work never forces an
         # immediate preemption.
         reserve = sum(self.blocks.new_blocks_to_append(s) for s in self.running)
@@ -101,22 +109,23 @@ class Scheduler:
             self.waiting.popleft()
             self.blocks.allocate(seq, seq.num_tokens)
             batch.append(seq)
-        if batch:
-            for seq in batch:
-                self._run(seq)
-            return Step("prefill", batch)
-        return Step("decode", self._make_room_for_decode())
+        for seq in batch:
+            self._run(seq)
+        return Step("prefill", batch) if batch else None
 
     def _make_room_for_decode(self) -> list[Sequence]:
+        # Runs once per decode step over every running sequence: one block-count query per sequence.
         scheduled = []
         while len(scheduled) < len(self.running):
             seq = self.running[len(scheduled)]
-            while not self.blocks.can_append(seq):
+            need = self.blocks.new_blocks_to_append(seq)
+            while need > self.blocks.num_free:
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
                     return scheduled
-            self.blocks.append(seq)
+            if need:
+                self.blocks.append(seq)
             scheduled.append(seq)
         return scheduled
 
