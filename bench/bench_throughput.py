@@ -10,7 +10,7 @@ Phases, each in a fresh process writing phase_<phase>_<shape>.json under --out:
           max_new_tokens; generate_batch with one max_new_tokens if that API is missing), warmed at the same
           shape, --hf-runs timed runs
   batch1  batch 1, KV in GPU memory, --batch1-context tokens (8K): per-token decode time against the HBM floor
-          (8B shape unless --shape smoke)
+          (8B shape unless --shape smoke), through LLM.generate (layer by layer) and through the batch engine
   offload offload=True, --offload-requests prompts of --offload-context tokens (8B shape unless --shape smoke),
           --offload-tokens new tokens each: the same requests one after another and together (continuous
           batching over the host store), output tokens/s of both; each batched decode step against its PCIe
@@ -127,6 +127,8 @@ def phase_batch1(args) -> dict:
     import jax
 
     from jax_offload import LLM, SamplingParams
+    from jax_offload.models.rope import inverse_frequencies
+    from jax_offload.serving.engine import BatchEngine
 
     shape = "smoke" if args.shape == "smoke" else BATCH1_SHAPE
     ctx = 512 if args.shape == "smoke" else args.batch1_context
@@ -141,15 +143,26 @@ def phase_batch1(args) -> dict:
     per_token = []
     for _ in range(args.runs):
         per_token.append(sorted(llm.generate(prompt, sp)[0].decode_token_seconds)[15])  # median of 31 steps
+    # The same request through the batch engine (paged pool, the whole model in one compiled step), which
+    # LLM.generate uses for several prompts: which of the two per-token paths is closer to the floor.
+    paged = BatchEngine.in_gpu(cfg, params, jax.numpy.asarray(inverse_frequencies(cfg.rope, cfg.head_dim)),
+                               jax.numpy.bfloat16, "pallas" if jax.default_backend() == "gpu" else "xla",
+                               ctx + 64, max_num_seqs=1)
+    paged.generate([prompt], sp)
+    paged_per_token = [sorted(paged.generate([prompt], sp)[0].decode_token_seconds)[15] for _ in range(args.runs)]
     floor = (weight_bytes_read(params) + ctx * cfg.kv_bytes_per_token) / bw["median"]
     return {"shape": shape, "context": ctx, "decode_token_seconds": stats(per_token), "floor_seconds": floor,
-            "floor_ratio": stats([s / floor for s in per_token]), "read_bandwidth": bw}
+            "floor_ratio": stats([s / floor for s in per_token]), "read_bandwidth": bw,
+            "batch_engine_decode_token_seconds": stats(paged_per_token),
+            "batch_engine_floor_ratio": stats([s / floor for s in paged_per_token])}
 
 
 def phase_offload(args) -> dict:
     import jax
 
     from jax_offload import LLM, SamplingParams
+    from jax_offload.models.rope import inverse_frequencies
+    from jax_offload.serving.engine import BatchEngine
 
     shape = "smoke" if args.shape == "smoke" else BATCH1_SHAPE
     ctx, n = (256, 4) if args.shape == "smoke" else (args.offload_context, args.offload_requests)
@@ -297,7 +310,10 @@ def report(src: Path, out: Path) -> None:
         if key.startswith("batch1_"):
             lines += ["", f"Batch 1, KV in GPU memory, {b['shape']} at {b['context']} tokens: "
                       f"{fmt(b['decode_token_seconds'], 1e3)} ms/token, HBM floor {b['floor_seconds'] * 1e3:.2f} ms "
-                      f"(ratio {fmt(b['floor_ratio'])}; {_bandwidth(b)})."]
+                      f"(ratio {fmt(b['floor_ratio'])}; {_bandwidth(b)})" + (
+                          f"; the same request through the batch engine (paged pool, one compiled step for the "
+                          f"whole model): {fmt(b['batch_engine_decode_token_seconds'], 1e3)} ms/token (ratio "
+                          f"{fmt(b['batch_engine_floor_ratio'])})" if "batch_engine_floor_ratio" in b else "") + "."]
     for key, o in phases.items():
         if key.startswith("offload_"):
             lines += ["", f"Offloaded KV, {o['shape']}, {o['requests']} requests of {o['context']} tokens, "
