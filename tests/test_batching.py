@@ -85,6 +85,8 @@ def test_batched_greedy_equals_one_at_a_time(tmp_root, variant, limits):
         assert engine.stats.preemptions == 0, where
         largest = max(n for kind, n, _, _ in engine.step_log if kind == "decode")
         assert largest <= max_num_seqs and (largest > 1 or max_num_seqs == 1), where
+        # Once every prompt is admitted, decode steps overlap the reading of the previous step's tokens.
+        assert engine.overlapped_steps > 0 or max_num_seqs < NUM_PROMPTS, where
 
 
 def test_llm_generate_batches_several_prompts(tmp_root):
@@ -105,6 +107,7 @@ def test_llm_generate_batches_several_prompts(tmp_root):
     engine = llm._batch_engine
     assert engine is not None and engine.stats.preemptions == 0, where
     assert max(n for kind, n, _, _ in engine.step_log if kind == "decode") > 1, where
+    assert engine.overlapped_steps > 0, where  # stop strings are met while the next step is in flight
 
 
 def test_cli_prompt_file_jsonl_writes_json_lines(tmp_root, tmp_path, capsys):

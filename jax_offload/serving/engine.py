@@ -20,7 +20,7 @@ from jax_offload.serving.block_manager import BlockManager
 from jax_offload.serving.model_runner import ModelRunner, default_num_blocks, kv_block_bytes
 from jax_offload.serving.offload_model_runner import OffloadModelRunner
 from jax_offload.serving.scheduler import Scheduler, Step
-from jax_offload.serving.sequence import Sequence
+from jax_offload.serving.sequence import Sequence, SequenceStatus
 
 
 class BatchEngine:
@@ -28,6 +28,11 @@ class BatchEngine:
     decodes one token per step, and a finished request's place is taken by the next one. `in_gpu` keeps the KV
     in a paged GPU pool (a decode step is one compiled call); `offloaded` keeps it in the pinned host store of an
     offloaded engine (a decode step streams every running request's blocks through the ring).
+
+    In GPU memory, while only running requests decode (nothing waits, is swapped or must be preempted), each
+    decode step is dispatched before the previous step's tokens are read: its input tokens stay on the device,
+    and the host reads, appends and checks the previous tokens while the device computes. A request that stops
+    on a token read that late has one more token drawn, which is dropped.
 
     Greedy and seeded results are those of `LLM.generate` one request at a time: the same layer arithmetic,
     attention kernels whose results do not depend on padding or batch, and per-request sampling keys."""
@@ -49,6 +54,8 @@ class BatchEngine:
         self.scheduler = Scheduler(blocks, runner, max_num_seqs, max_num_batched_tokens, runner.prefill_tokens)
         # (kind, batch size, KV tokens read, seconds) of every step of the last `generate` call.
         self.step_log: list[tuple[str, int, int, float]] = []
+        # Decode steps of the last `generate` call dispatched before the previous step's tokens were read.
+        self.overlapped_steps = 0
 
     @classmethod
     def in_gpu(
@@ -138,30 +145,80 @@ class BatchEngine:
         for seq in seqs:
             self.scheduler.add(seq)
         self.step_log = []
-        bar = tqdm(total=len(seqs), desc="requests", unit="req", disable=not progress, dynamic_ncols=True)
-        generated, began = 0, time.perf_counter()
-        while self.scheduler.has_work():
+        self._bar = tqdm(total=len(seqs), desc="requests", unit="req", disable=not progress, dynamic_ncols=True)
+        self._generated, self._began, self._last_read = 0, time.perf_counter(), 0.0
+        self.overlapped_steps = 0
+        # A decode step in flight whose tokens the host has not read: (step, tokens on the device, start time).
+        pending: tuple[Step, jax.Array, float] | None = None
+        while self.scheduler.has_work() or pending is not None:
+            if pending is not None and not self._can_run_ahead():
+                self._read(*pending, on_text)
+                pending = None
+                continue
             step = self.scheduler.schedule()
             start = time.perf_counter()
+            if step.kind == "decode" and isinstance(self.runner, ModelRunner):
+                # Dispatch this step first, then read the previous one's tokens while the device computes.
+                tokens = self.runner.decode_async(step.seqs, (pending[0].seqs, pending[1]) if pending else None)
+                for seq in step.seqs:
+                    seq.num_cached = seq.num_tokens
+                    seq.num_pending += 1
+                    if seq.num_tokens >= seq.max_len:
+                        self.scheduler.finish(seq)  # its last token is drawn: schedule it no more
+                if pending is not None:
+                    self.overlapped_steps += 1
+                    self._read(*pending, on_text)
+                pending = (step, tokens, start)
+                continue
             run = self.runner.prefill if step.kind == "prefill" else self.runner.decode
             tokens = run(step.seqs)
-            seconds = time.perf_counter() - start
-            self._log(step, seconds)
-            for seq, token in zip(step.seqs, tokens):
+            for seq in step.seqs:
                 seq.num_cached = seq.num_tokens
-                if not seq.output_ids:
-                    seq.prefill_seconds = seconds
-                else:
-                    seq.step_seconds.append(seconds)
-                self._append(seq, token, on_text)
-            generated += len(step.seqs)
-            bar.update(sum(s.finish_reason is not None for s in step.seqs))
-            bar.set_postfix_str(f"{generated / (time.perf_counter() - began):.0f} output tok/s", refresh=False)
-        bar.close()
+            self._took(step, tokens, start, on_text)
+        self._bar.close()
         if self.blocks.num_used or self.runner.host_bytes_used:
             raise RuntimeError(f"{self.blocks.num_used} KV blocks and {self.runner.host_bytes_used} host bytes "
                                "are still held after every request finished.")
         return [self._output(seq) for seq in seqs]
+
+    def _can_run_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the tokens of the one in flight are read: it is then a
+        decode of the running sequences that admits, swaps and preempts nothing (those need read tokens)."""
+        s = self.scheduler
+        if s.waiting or s.swapped or not s.running:
+            return False
+        return sum(self.blocks.new_blocks_to_append(seq) for seq in s.running) <= self.blocks.num_free
+
+    def _read(self, step: Step, tokens: jax.Array, start: float, on_text) -> None:
+        """Reads an overlapped decode step's tokens (waiting for it) and takes them."""
+        values = np.asarray(tokens)[: len(step.seqs)].tolist()
+        for seq in step.seqs:
+            if seq.finish_reason is None:
+                seq.num_pending -= 1
+        # A step overlapped with its successor's dispatch is timed from the later of its start and the previous
+        # read: the time it added.
+        self._took(step, values, max(start, self._last_read), on_text)
+
+    def _took(self, step: Step, tokens: list[int], start: float, on_text) -> None:
+        """Takes a step's sampled tokens: timing, the sequences' outputs, the progress bar."""
+        seconds = time.perf_counter() - start
+        self._last_read = time.perf_counter()
+        self._log(step, seconds)
+        taken = finished = 0
+        for seq, token in zip(step.seqs, tokens):
+            if seq.finish_reason is not None:
+                continue  # finished by a token read after this step was dispatched: its draw here is void
+            if not seq.output_ids:
+                seq.prefill_seconds = seconds
+            else:
+                seq.step_seconds.append(seconds)
+            self._append(seq, token, on_text)
+            taken += 1
+            finished += seq.finish_reason is not None
+        self._generated += taken
+        self._bar.update(finished)
+        self._bar.set_postfix_str(f"{self._generated / (time.perf_counter() - self._began):.0f} output tok/s",
+                                  refresh=False)
 
     @property
     def stats(self):
@@ -196,12 +253,15 @@ class BatchEngine:
             if on_text is not None and len(text) > len(seq.text):
                 on_text(seq.index, text[len(seq.text):])
             seq.text = text
-        if seq.finish_reason is None and seq.num_tokens >= seq.max_len:
+        # Read tokens only: one still in flight does not count towards the length.
+        if seq.finish_reason is None and len(seq.prompt_ids) + len(seq.output_ids) >= seq.max_len:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
             if not (params.stop_strings or on_text is not None):
                 seq.text = self._decode_text(seq.output_ids)
-            self.scheduler.finish(seq)
+            seq.num_pending = 0  # a draw still in flight for it is void
+            if seq.status != SequenceStatus.FINISHED:
+                self.scheduler.finish(seq)
 
     def _decode_text(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""

@@ -90,7 +90,7 @@ def sampling_batch(seqs: list[Sequence], size: int) -> tuple[SamplingBatch, str]
     for row, seq in enumerate(seqs):
         p = seq.params
         temperature[row], top_p[row], top_k[row] = p.temperature, p.top_p, p.top_k
-        keys[row], steps[row] = seq.key, len(seq.output_ids)
+        keys[row], steps[row] = seq.key, seq.num_generated
     hot = temperature > 0
     draws = ("greedy" if not hot.any() else "filtered" if (hot & ((top_p < 1) | (top_k > 0))).any()
              else "tempered")
@@ -175,6 +175,13 @@ def _decode_step(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tuple
 
 
 @jax.jit
+def _feed_tokens(drawn: jax.Array, rows: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Input tokens of a decode step: row r takes drawn[rows[r]] (a token still on the device) where rows[r] >= 0,
+    else tokens[r]."""
+    return jnp.where(rows >= 0, drawn[jnp.maximum(rows, 0)], tokens)
+
+
+@jax.jit
 def _gather_blocks(pools: tuple[jax.Array, ...], blocks: jax.Array) -> jax.Array:
     """-> [num_layers, len(blocks), block_size, Hkv, D]."""
     return jnp.stack([pool[blocks] for pool in pools])
@@ -239,17 +246,31 @@ class ModelRunner:
 
     def decode(self, seqs: list[Sequence]) -> list[int]:
         """Runs each sequence's last token and samples the next one."""
+        return np.asarray(self.decode_async(seqs))[: len(seqs)].tolist()
+
+    def decode_async(self, seqs: list[Sequence], previous: tuple[list[Sequence], jax.Array] | None = None
+                     ) -> jax.Array:
+        """`decode` without waiting: the next tokens [batch bucket] stay on the device. A sequence whose last token
+        is still pending takes it from `previous` (the sequences and the result of the step that drew it)."""
         size = self.batch_size(len(seqs))
         tokens = np.zeros(size, np.int32)
+        rows = np.full(size, -1, np.int32)
         seq_lens = np.zeros(size, np.int32)
         tables = np.zeros((size, self.max_blocks_per_seq), np.int32)
+        previous_row = {id(seq): row for row, seq in enumerate(previous[0])} if previous else {}
         for row, seq in enumerate(seqs):
-            tokens[row], seq_lens[row] = seq.last_token, seq.num_cached + 1
+            if seq.num_pending:
+                rows[row] = previous_row[id(seq)]
+            else:
+                tokens[row] = seq.last_token
+            seq_lens[row] = seq.num_cached + 1
             tables[row, : len(seq.block_table)] = seq.block_table
+        if previous:
+            tokens = _feed_tokens(previous[1], rows, tokens)
         out, self.k_pool, self.v_pool = _decode_step(
             self.cfg, self.impl, self.params, self.k_pool, self.v_pool, self.inv_freq, tokens, seq_lens, tables,
             *sampling_batch(seqs, size))
-        return np.asarray(out)[: len(seqs)].tolist()
+        return out
 
     # ---- KVSwapper --------------------------------------------------------------------------------------------
 

@@ -22,6 +22,9 @@ class Sequence:
 
     `num_cached` counts the tokens whose K and V are in the pool (or, while swapped, on the host). A running
     sequence has all but its last token cached: the last one is the input of its next decode step.
+    `num_pending` counts tokens already drawn by decode steps in flight whose values the host has not read
+    yet (the engine overlaps a step with the bookkeeping of the one before); they count as tokens, and
+    `output_ids` holds only the read ones.
     """
 
     index: int  # position in the caller's list: outputs come back in this order, and lower is older
@@ -33,6 +36,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = dataclasses.field(default_factory=list)
     num_cached: int = 0
+    num_pending: int = 0
     host_kv: object = None  # the swapped-out KV blocks (host arrays) while SWAPPED
     text: str = ""
     finish_reason: str | None = None
@@ -41,12 +45,21 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens drawn so far, pending ones included: the index of the next draw."""
+        return len(self.output_ids) + self.num_pending
 
     @property
     def token_ids(self) -> list[int]:
+        if self.num_pending:
+            raise RuntimeError(f"Sequence {self.index} has {self.num_pending} tokens not read from the device yet.")
         return self.prompt_ids + self.output_ids
 
     @property
     def last_token(self) -> int:
+        if self.num_pending:
+            raise RuntimeError(f"Sequence {self.index}'s last token is not read from the device yet.")
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
