@@ -115,6 +115,8 @@ def phase_ours(args) -> dict:
         "preemptions": engine.stats.preemptions, "swap_outs": engine.stats.swap_outs,
         "recomputes": engine.stats.recomputes,
         "decode_steps": len(decode), "prefill_steps": sum(k == "prefill" for k, *_ in engine.step_log),
+        "last_run_seconds": seconds[-1],
+        "prefill_seconds_total": sum(s for kind, *_, s in engine.step_log if kind == "prefill"),
         "decode_seconds_total": sum(s for *_, s in decode),
         "decode_step_seconds": stats([s for *_, s in decode]),
         "decode_step_floor_ratio": stats(ratios),
@@ -306,6 +308,12 @@ def report(src: Path, out: Path) -> None:
             f"{fmt(hf.get('output_tokens_per_second'), digits=0) if 'error' not in hf else 'failed: ' + hf['error']} | "
             f"{f'{ratio:.1f}x' if ratio else '-'} | {fmt(ours['decode_step_floor_ratio'])}; {fmt(large)} | "
             f"{ours['preemptions']} | {ours['output_tokens_per_second']['n']} |")
+    for key, ours in phases.items():
+        if key.startswith("ours_") and "prefill_seconds_total" in ours:
+            lines += ["", f"Where the last run of {ours['shape']}, {ours['requests']} requests went: "
+                      f"{ours['last_run_seconds']:.2f} s, of which prefill {ours['prefill_seconds_total']:.2f} s "
+                      f"({ours['prefill_steps']} steps) and decode {ours['decode_seconds_total']:.2f} s "
+                      f"({ours['decode_steps']} steps)."]
     for key, b in phases.items():
         if key.startswith("batch1_"):
             lines += ["", f"Batch 1, KV in GPU memory, {b['shape']} at {b['context']} tokens: "

@@ -64,16 +64,20 @@ def _empty_state(tp: TensorParallel | None, q: jax.Array) -> AttentionState:
     return state if tp is None else tp.constrain(state, STATE_HEADS)
 
 
-def prefill_attention(impl: str, q, k, v, *, causal: bool, q_offset=0, kv_len=None, out_dtype=None,
+def prefill_attention(impl: str, q, k, v, *, causal: bool, q_offset=0, kv_len=None, kv_start=None, out_dtype=None,
                       tp: TensorParallel | None = None):
     """Attention with LSE of a query chunk [B, T, Hq, D] over keys [B, S, Hkv, D]; o in `out_dtype`
-    (default q's dtype; float32 for a partial state that will be merged)."""
+    (default q's dtype; float32 for a partial state that will be merged). `kv_start` [B, T]: each query's first
+    visible key (packed sequences)."""
     fn = pallas_kernels.attention_with_lse if impl == "pallas" else pallas_kernels.attention_with_lse_xla
+    starts = () if kv_start is None else (kv_start,)
 
-    def local(q, k, v, q_offset, kv_len):
-        return fn(q, k, v, causal=causal, q_offset=q_offset, kv_len=kv_len, out_dtype=out_dtype)
+    def local(q, k, v, q_offset, kv_len, *starts):
+        return fn(q, k, v, causal=causal, q_offset=q_offset, kv_len=kv_len, kv_start=starts[0] if starts else None,
+                  out_dtype=out_dtype)
 
-    return _local(tp, local, (HEADS, HEADS, HEADS, None, None), (HEADS, LSE_HEADS))(q, k, v, q_offset, kv_len)
+    in_axes = (HEADS, HEADS, HEADS, None, None) + (None,) * len(starts)
+    return _local(tp, local, in_axes, (HEADS, LSE_HEADS))(q, k, v, q_offset, kv_len, *starts)
 
 
 def xattn_select(impl: str, xattn: XAttention, q, k, *, q_offset, kv_len, tp: TensorParallel | None = None):

@@ -51,6 +51,18 @@ def per_batch(value, batch: int, name: str) -> jax.Array:
     return jnp.broadcast_to(arr.astype(jnp.int32), (batch,))
 
 
+def per_row(value, batch: int, rows: int, name: str = "kv_start") -> jax.Array | None:
+    """None, or an int array of shape (batch, rows) as int32 (traced values welcome)."""
+    if value is None:
+        return None
+    arr = jnp.asarray(value)
+    if arr.shape != (batch, rows):
+        raise ValueError(f"{name} has shape {arr.shape}; allowed: ({batch}, {rows}), one value per query row")
+    if not jnp.issubdtype(arr.dtype, jnp.integer):
+        raise ValueError(f"{name} has dtype {arr.dtype}; allowed: an integer type")
+    return arr.astype(jnp.int32)
+
+
 def dot_precision(dtype) -> lax.Precision:
     """float32 dots must be exact float32 (Triton would use tf32 by default); others default."""
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT

@@ -7,7 +7,9 @@ where interpret mode is too slow (whole models on the CPU).
 Semantics shared by both:
   q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D]; query head h reads KV head h // (Hq // Hkv).
   Query i sits at absolute position q_offset + i; key j at position j.
-  Key j is visible to query i iff j < kv_len and (not causal or j <= q_offset + i).
+  Key j is visible to query i iff kv_start[i] <= j < kv_len and (not causal or j <= q_offset + i);
+  kv_start (optional, per query row) packs several sequences into one row of the batch: each query
+  then sees only the keys of its own sequence.
   o [B, Tq, Hq, D] in q.dtype, or in `out_dtype` when given (float32 keeps a partial state
   unrounded until the caller merges it); lse [B, Hq, Tq] float32, natural log.
   A row that sees no key gets lse = -inf and o = 0.
@@ -40,6 +42,7 @@ from pallas_kernels._common import (
     fit_block,
     interpret_aware_jit,
     per_batch,
+    per_row,
     resolve_interpret,
 )
 from pallas_kernels.state import AttentionState, check_state, empty_state, finish_state
@@ -55,9 +58,13 @@ def default_attention_config(dtype) -> dict[str, int]:
     return dict(block_q=128, block_k=64, num_warps=4, num_stages=2)
 
 
-def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *state_and_out_refs, causal: bool,
+def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *refs, causal: bool,
                       scale_log2: float, block_q: int, block_k: int, tq: int, num_q_blocks: int,
-                      precision, resume: bool, finish: bool):
+                      precision, starts: bool, resume: bool, finish: bool):
+    if starts:
+        start_ref, *state_and_out_refs = refs
+    else:
+        state_and_out_refs = refs
     if resume:
         acc0_ref, m0_ref, l0_ref, *out_refs = state_and_out_refs
     else:
@@ -86,6 +93,15 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *state_and_out_r
         n_full = fdiv(kv_len, block_k)
     n_blocks = cdiv(hi, block_k)
     n_full = jnp.minimum(n_full, n_blocks)
+    # Key blocks [first, n_blocks) may be visible; [lo_full, hi_full) are visible to every row of this block.
+    lo_full, hi_full = jnp.int32(0), n_full
+    if starts:
+        start_rows = plgpu.load(start_ref.at[row_slice], mask=row_ok, other=0)
+        lowest = jnp.min(jnp.where(row_ok, start_rows, hi))
+        highest = jnp.max(jnp.where(row_ok, start_rows, 0))
+        first = jnp.minimum(fdiv(jnp.clip(lowest, 0, hi), block_k), n_blocks)
+        lo_full = jnp.clip(cdiv(jnp.maximum(highest, 0), block_k), first, n_blocks)
+        hi_full = jnp.clip(n_full, lo_full, n_blocks)
 
     def body(j, carry, masked: bool):
         start = pl.multiple_of(j * block_k, block_k)
@@ -101,6 +117,8 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *state_and_out_r
             vis = col_ok[None, :]
             if causal:
                 vis = vis & (cols[None, :] <= (q_offset + rows)[:, None])
+            if starts:
+                vis = vis & (cols[None, :] >= start_rows[:, None])
             s = jnp.where(vis, s, NEG_INF)
         return online_softmax_update(
             carry, s, lambda: load_rows(v_ref, kslice, col_ok), scale_log2=scale_log2,
@@ -112,8 +130,10 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *state_and_out_r
                  plgpu.load(l0_ref.at[row_slice], mask=row_ok, other=0.0))
     else:
         carry = empty_softmax_state(block_q, head_dim)
-    carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
-    carry = lax.fori_loop(n_full, n_blocks, functools.partial(body, masked=True), carry)
+    if starts:
+        carry = lax.fori_loop(first, lo_full, functools.partial(body, masked=True), carry)
+    carry = lax.fori_loop(lo_full, hi_full, functools.partial(body, masked=False), carry)
+    carry = lax.fori_loop(hi_full, n_blocks, functools.partial(body, masked=True), carry)
     if finish:
         o_ref, lse_ref = out_refs
         o, lse = finish_online_softmax(*carry)
@@ -125,7 +145,7 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *state_and_out_r
                         mask=row_ok[:, None] if x.ndim == 2 else row_ok)
 
 
-def _attention_pallas(q, k, v, q_offset, kv_len, state, *, causal, sm_scale, out_dtype, finish,
+def _attention_pallas(q, k, v, q_offset, kv_len, kv_start, state, *, causal, sm_scale, out_dtype, finish,
                       interpret, block_q, block_k, num_warps, num_stages):
     batch, tq, hq, d = q.shape
     _, tk, hkv, _ = k.shape
@@ -134,7 +154,7 @@ def _attention_pallas(q, k, v, q_offset, kv_len, state, *, causal, sm_scale, out
     kernel = functools.partial(
         _attention_kernel, causal=causal, scale_log2=sm_scale * LOG2E, block_q=block_q,
         block_k=block_k, tq=tq, num_q_blocks=num_q_blocks, precision=dot_precision(q.dtype),
-        resume=state is not None, finish=finish)
+        starts=kv_start is not None, resume=state is not None, finish=finish)
     scalar = pl.BlockSpec((None,), lambda i, bh: (bh // hq,))
     q_spec = pl.BlockSpec((None, tq, None, d), lambda i, bh: (bh // hq, 0, bh % hq, 0))
     kv_spec = pl.BlockSpec((None, tk, None, d), lambda i, bh: (bh // hq, 0, (bh % hq) // group, 0))
@@ -146,17 +166,19 @@ def _attention_pallas(q, k, v, q_offset, kv_len, state, *, causal, sm_scale, out
     else:
         out_specs = [q_spec, lse_spec, lse_spec]
         out_shape = [jax.ShapeDtypeStruct(q.shape, jnp.float32), rows_f32, rows_f32]
+    start_specs, start_args = ([pl.BlockSpec((None, tq), lambda i, bh: (bh // hq, 0))], (kv_start,)
+                               ) if kv_start is not None else ([], ())
     state_specs, state_args = ([q_spec, lse_spec, lse_spec], tuple(state)) if state is not None else ([], ())
     out = pl.pallas_call(
         kernel,
         grid=(num_q_blocks, batch * hq),
-        in_specs=[scalar, scalar, q_spec, kv_spec, kv_spec] + state_specs,
+        in_specs=[scalar, scalar, q_spec, kv_spec, kv_spec] + start_specs + state_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="attention_with_lse" if finish else "attention_state",
-    )(q_offset, kv_len, q, k, v, *state_args)
+    )(q_offset, kv_len, q, k, v, *start_args, *state_args)
     return tuple(out) if finish else AttentionState(*out)
 
 
@@ -173,7 +195,7 @@ def _check_pallas_head_dim(d: int) -> None:
 
 
 def _launch(q, k, v, state, *, causal, q_offset, kv_len, sm_scale, out_dtype, finish, interpret,
-            block_q, block_k, num_warps, num_stages):
+            block_q, block_k, num_warps, num_stages, kv_start=None):
     batch, tq, hq, tk, hkv, d = check_attention_shapes(q, k, v, 4)
     _check_pallas_head_dim(d)
     if state is not None:
@@ -182,7 +204,7 @@ def _launch(q, k, v, state, *, causal, q_offset, kv_len, sm_scale, out_dtype, fi
     q_offset = per_batch(q_offset, batch, "q_offset")
     kv_len = jnp.clip(per_batch(tk if kv_len is None else kv_len, batch, "kv_len"), 0, tk)
     return _attention_pallas(
-        q, k, v, q_offset, kv_len, state, causal=bool(causal),
+        q, k, v, q_offset, kv_len, per_row(kv_start, batch, tq), state, causal=bool(causal),
         sm_scale=check_sm_scale(sm_scale, d), out_dtype=check_out_dtype(out_dtype, q.dtype),
         finish=finish, interpret=resolve_interpret(interpret),
         block_q=fit_block(block_q or cfg["block_q"], tq), block_k=fit_block(block_k or cfg["block_k"], tk),
@@ -190,7 +212,7 @@ def _launch(q, k, v, state, *, causal, q_offset, kv_len, sm_scale, out_dtype, fi
 
 
 def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
-                       q_offset=0, kv_len=None, sm_scale: float | None = None,
+                       q_offset=0, kv_len=None, kv_start: jax.Array | None = None, sm_scale: float | None = None,
                        out_dtype=None, state: AttentionState | None = None,
                        interpret: bool | None = None, block_q: int | None = None,
                        block_k: int | None = None, num_warps: int | None = None,
@@ -203,6 +225,9 @@ def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool
       q_offset: absolute position of query 0; int or int32 array (scalar or [B]); may be traced.
       kv_len: keys j >= kv_len are invisible; int or int32 array (scalar or [B]); may be traced;
         None means Tk. Values are clamped to [0, Tk].
+      kv_start: int32 [B, Tq] or None; query i sees no key j < kv_start[b, i]. Sequences packed one
+        after another into a row give each query its sequence's first position, so no query sees
+        another sequence. Key blocks below a query block's smallest start are never loaded.
       sm_scale: score scale, default 1/sqrt(D). Static.
       out_dtype: dtype of o, default q.dtype. Static. float32 returns the kernel's float32
         accumulator unrounded, for states that will be merged.
@@ -219,7 +244,7 @@ def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool
     """
     return _launch(q, k, v, state, causal=causal, q_offset=q_offset, kv_len=kv_len, sm_scale=sm_scale,
                    out_dtype=out_dtype, finish=True, interpret=interpret, block_q=block_q, block_k=block_k,
-                   num_warps=num_warps, num_stages=num_stages)
+                   num_warps=num_warps, num_stages=num_stages, kv_start=kv_start)
 
 
 def attention_state(q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState | None = None, *,
@@ -247,7 +272,7 @@ _GRANULE = 16
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale_log2"))
-def _attention_state_xla(q, k, v, state, q_offset, kv_len, *, causal, scale_log2):
+def _attention_state_xla(q, k, v, state, q_offset, kv_len, kv_start, *, causal, scale_log2):
     batch, tq, hq, d = q.shape
     _, tk, hkv, _ = k.shape
     group = hq // hkv
@@ -268,16 +293,20 @@ def _attention_state_xla(q, k, v, state, q_offset, kv_len, *, causal, scale_log2
     acc0 = query_tiles(state.acc)
     m0, l0 = (query_tiles(jnp.swapaxes(x, 1, 2)) for x in (state.m, state.l))
     kt, vt = key_tiles(k), key_tiles(v)
+    # [nq, B, rows]; padded rows start past every key, so they never lower a tile's first key tile.
+    starts = None if kv_start is None else jnp.moveaxis(jnp.pad(
+        kv_start, ((0, 0), (0, nq * rows - tq)), constant_values=tk).reshape(batch, nq, rows), 1, 0)
     bcast = (slice(None), None, None, None)  # per-batch scalar -> [B, 1, 1, 1]
 
     def query_tile(args):
-        qi, acc, m, l, i = args
+        qi, acc, m, l, i, start = args
         row_pos = q_offset[bcast] + i * rows + jnp.arange(rows, dtype=jnp.int32)  # [B, 1, 1, rows]
-        # Keys [0, hi) may be visible to some row of this tile; later key tiles are skipped.
+        # Keys [lo, hi) may be visible to some row of this tile; other key tiles are skipped.
         hi = kv_len
         if causal:
             hi = jnp.minimum(hi, q_offset + jnp.minimum((i + 1) * rows, tq))
         n_tiles = jnp.clip(-(-jnp.max(hi) // _TWIN_KEYS), 0, nk)
+        first = 0 if start is None else jnp.clip(jnp.min(start) // _TWIN_KEYS, 0, n_tiles)
 
         def key_tile(j, carry):
             acc, m, l = carry
@@ -288,6 +317,8 @@ def _attention_state_xla(q, k, v, state, q_offset, kv_len, *, causal, scale_log2
             vis = cols < kv_len[bcast][..., None]
             if causal:
                 vis = vis & (cols <= row_pos[..., None])
+            if start is not None:
+                vis = vis & (cols >= start[:, None, None, :, None])
             s = jnp.where(vis, s, NEG_INF).reshape(*s.shape[:-1], per_tile, _GRANULE)
             # The running max after each granule (max is exact, so no rounding depends on tiling).
             m_steps = jnp.maximum(m[..., None], lax.cummax(jnp.max(s, axis=-1), axis=m.ndim))
@@ -302,9 +333,9 @@ def _attention_state_xla(q, k, v, state, q_offset, kv_len, *, causal, scale_log2
                 acc = acc * alpha[..., g, None] + pv[..., g, :]
             return acc, m_steps[..., -1], l
 
-        return lax.fori_loop(0, n_tiles, key_tile, (acc, m, l))
+        return lax.fori_loop(first, n_tiles, key_tile, (acc, m, l))
 
-    acc, m, l = lax.map(query_tile, (qt, acc0, m0, l0, jnp.arange(nq, dtype=jnp.int32)))
+    acc, m, l = lax.map(query_tile, (qt, acc0, m0, l0, jnp.arange(nq, dtype=jnp.int32), starts))
 
     def untile(x):  # inverse of query_tiles
         x = jnp.moveaxis(x, (0, 2, 3), (1, 3, 4))
@@ -314,7 +345,7 @@ def _attention_state_xla(q, k, v, state, q_offset, kv_len, *, causal, scale_log2
 
 
 def attention_state_xla(q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState | None = None, *,
-                        causal: bool = False, q_offset=0, kv_len=None,
+                        causal: bool = False, q_offset=0, kv_len=None, kv_start: jax.Array | None = None,
                         sm_scale: float | None = None) -> AttentionState:
     """Continues `state` (None: no key seen yet) over the keys k, v: the jnp twin's resumable form.
 
@@ -329,12 +360,13 @@ def attention_state_xla(q: jax.Array, k: jax.Array, v: jax.Array, state: Attenti
     check_state(state, batch, tq, hq, d)
     q_offset = per_batch(q_offset, batch, "q_offset")
     kv_len = jnp.clip(per_batch(tk if kv_len is None else kv_len, batch, "kv_len"), 0, tk)
-    return _attention_state_xla(q, k, v, state, q_offset, kv_len, causal=bool(causal),
-                                scale_log2=check_sm_scale(sm_scale, d) * LOG2E)
+    return _attention_state_xla(q, k, v, state, q_offset, kv_len, per_row(kv_start, batch, tq),
+                                causal=bool(causal), scale_log2=check_sm_scale(sm_scale, d) * LOG2E)
 
 
 def attention_with_lse_xla(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
-                           q_offset=0, kv_len=None, sm_scale: float | None = None,
+                           q_offset=0, kv_len=None, kv_start: jax.Array | None = None,
+                           sm_scale: float | None = None,
                            out_dtype=None, state: AttentionState | None = None,
                            interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """jnp twin of `attention_with_lse` (same arguments and results; `interpret` is ignored).
@@ -347,5 +379,5 @@ def attention_with_lse_xla(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: 
     del interpret
     out_dtype = check_out_dtype(out_dtype, q.dtype)
     o, lse = finish_state(attention_state_xla(q, k, v, state, causal=causal, q_offset=q_offset,
-                                              kv_len=kv_len, sm_scale=sm_scale))
+                                              kv_len=kv_len, kv_start=kv_start, sm_scale=sm_scale))
     return o.astype(out_dtype), lse

@@ -9,8 +9,9 @@ def per_batch(value, batch: int) -> np.ndarray:
     return np.broadcast_to(np.asarray(value, dtype=np.int64), (batch,))
 
 
-def attention_ref(q, k, v, *, causal=False, q_offset=0, kv_len=None, sm_scale=None):
-    """o [B, Tq, Hq, D] and lse [B, Hq, Tq] in float64; rows with no visible key: o=0, lse=-inf."""
+def attention_ref(q, k, v, *, causal=False, q_offset=0, kv_len=None, kv_start=None, sm_scale=None):
+    """o [B, Tq, Hq, D] and lse [B, Hq, Tq] in float64; rows with no visible key: o=0, lse=-inf.
+    kv_start [B, Tq]: query i sees no key j < kv_start[b, i]."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     batch, tq, hq, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
@@ -26,6 +27,8 @@ def attention_ref(q, k, v, *, causal=False, q_offset=0, kv_len=None, sm_scale=No
         vis = cols < kv_len[b]
         if causal:
             vis = vis & (cols <= rows)
+        if kv_start is not None:
+            vis = vis & (cols >= np.asarray(kv_start)[b][:, None])
         for h in range(hq):
             kh = h // group
             s = q[b, :, h] @ k[b, :, kh].T * scale
@@ -197,6 +200,8 @@ def block_sparse_attention_ref(q, k, v, block_mask, *, block_size, causal=False,
         vis = cols < kv_len[b]
         if causal:
             vis = vis & (cols <= rows)
+        if kv_start is not None:
+            vis = vis & (cols >= np.asarray(kv_start)[b][:, None])
         for h in range(hq):
             mask = block_mask[b, h]
             listed = np.zeros((tq, tk), dtype=bool)

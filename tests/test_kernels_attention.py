@@ -63,6 +63,65 @@ def test_xla_twin_over_several_tiles_matches_float64(causal):
     assert_attention_close(o, lse, ref_o, ref_lse, tol=1e-5, lse_tol=1e-5)
 
 
+def _packed_starts(rng, batch, tq, longest):
+    """kv_start of sequences of random lengths (1..longest) packed one after another in each row."""
+    starts = np.zeros((batch, tq), np.int32)
+    for b in range(batch):
+        begin = 0
+        while begin < tq:
+            end = min(tq, begin + int(rng.integers(1, longest + 1)))
+            starts[b, begin:end] = begin
+            begin = end
+    return starts
+
+
+# (B, Tq, Tk, Hq, Hkv, D, causal, q_offset, kv_len, longest sequence, block_q, block_k): small Pallas blocks, so
+# query blocks straddle sequences and keys below a block's first start are skipped.
+PACKED_CASES = {
+    "gqa4_causal_kvlen": (2, 150, 150, 4, 1, 64, True, 0, [150, 131], 40, 32, 16),
+    "gqa2_noncausal_offset": (1, 97, 120, 4, 2, 64, False, 23, None, 70, 16, 32),
+}
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+@pytest.mark.parametrize("case", list(PACKED_CASES))
+def test_packed_sequences_match_float64(impl, case):
+    """kv_start: packed sequences (some rows also pushed past their own position, so they see no key), each
+    query seeing only its own sequence's keys."""
+    b, tq, tk, hq, hkv, d, causal, q_offset, kv_len, longest, block_q, block_k = PACKED_CASES[case]
+    seed = 4000 + list(PACKED_CASES).index(case) * 10 + (impl == "xla")
+    rng = np.random.default_rng(seed)
+    (q, k, v), (qn, kn, vn) = _inputs(seed, (b, tq, hq, d), (b, tk, hkv, d), "float32")
+    starts = _packed_starts(rng, b, tq, longest)
+    starts[0, rng.choice(tq, 5, replace=False)] = tk  # rows that see nothing
+    ref_o, ref_lse = attention_ref(qn, kn, vn, causal=causal, q_offset=q_offset, kv_len=kv_len, kv_start=starts)
+    blocks = dict(block_q=block_q, block_k=block_k) if impl == "pallas" else {}
+    o, lse = PREFILL[impl](q, k, v, causal=causal, q_offset=q_offset, kv_start=jnp.asarray(starts),
+                           kv_len=None if kv_len is None else jnp.asarray(kv_len, jnp.int32), **blocks)
+    assert_attention_close(o, lse, ref_o, ref_lse, tol=1e-5, lse_tol=1e-5)
+
+
+def test_xla_twin_packed_sequence_gives_the_bits_of_its_own_call():
+    """A sequence packed at a 16-aligned offset after others gives the bits of a call over it alone (what lets
+    a packed prefill equal one-request prefill in float32)."""
+    bounds = [0, 208, 256, 556]  # three sequences; the last starts at a multiple of 16
+    (q, k, v), _ = _inputs(4101, (1, bounds[-1], 4, 64), (1, bounds[-1], 2, 64), "float32")
+    starts = np.repeat(bounds[:-1], np.diff(bounds))[None].astype(np.int32)
+    o, lse = pk.attention_with_lse_xla(q, k, v, causal=True, kv_start=jnp.asarray(starts))
+    span = slice(bounds[2], bounds[3])
+    alone_o, alone_lse = pk.attention_with_lse_xla(q[:, span], k[:, span], v[:, span], causal=True)
+    np.testing.assert_array_equal(np.asarray(o[:, span]), np.asarray(alone_o))
+    np.testing.assert_array_equal(np.asarray(lse[..., span]), np.asarray(alone_lse))
+
+
+def test_rejects_bad_kv_start():
+    q = jnp.ones((1, 8, 2, 64))
+    with pytest.raises(ValueError, match=r"kv_start has shape \(8,\); allowed: \(1, 8\)"):
+        pk.attention_with_lse(q, q, q, kv_start=jnp.zeros(8, jnp.int32))
+    with pytest.raises(ValueError, match="kv_start has dtype float32"):
+        pk.attention_with_lse_xla(q, q, q, kv_start=jnp.zeros((1, 8)))
+
+
 # (B, S, Hq, Hkv, D, kv_len, dtype, pallas kwargs)
 DECODE_CASES = {
     "gqa8_kvlen_splits_d64": (3, 300, 8, 1, 64, [300, 0, 77], "float32",

@@ -28,3 +28,16 @@ def test_pallas_engine_matches_jnp_engine(model_dir):
     assert np.abs(offload.logits(ids) - reference).max() <= 1e-5, where
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)  # crosses a block boundary at 48
     assert offload.generate([ids], greedy)[0].token_ids == in_gpu["xla"].generate([ids], greedy)[0].token_ids, where
+
+
+def test_pallas_batch_engine_matches_jnp_one_at_a_time(model_dir):
+    """Several prompts batched with the Pallas kernels (packed prefill, paged decode) give the jnp engine's greedy
+    tokens one request at a time."""
+    rng = np.random.default_rng(PROMPT_SEED + 1)
+    prompts = [rng.integers(3, tiny_models.VOCAB, size=n).tolist() for n in (37, 5, 21)]
+    where = f"model seed {MODEL_SEED}, prompt seed {PROMPT_SEED + 1}"
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    batched = LLM(model_dir, dtype="float32", attention_impl="pallas", max_num_seqs=4).generate(prompts, greedy)
+    reference = LLM(model_dir, dtype="float32", attention_impl="xla")
+    for prompt, out in zip(prompts, batched):
+        assert out.token_ids == reference.generate([prompt], greedy)[0].token_ids, where

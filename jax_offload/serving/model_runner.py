@@ -1,4 +1,4 @@
-"""The model over a paged KV pool: batched prefill of padded prompts, one compiled decode step for the whole
+"""The model over a paged KV pool: batched prefill of packed prompts, one compiled decode step for the whole
 model and batch (sampling included), and the host swap of preempted sequences' blocks.
 
 The pool is a tuple over layers of [num_blocks, block_size, Hkv, D] arrays for K and one for V, all donated to
@@ -6,9 +6,10 @@ every step, so each layer's pages reach the attention kernel as a whole buffer: 
 stacked array would copy it, and one array over all layers would pass 2^31 elements (int32 offsets in the
 kernel) at real sizes. A block id means the same block in every layer.
 
-Prefill pads the prompts of a step to a common length and runs the tested causal kernels with a key length per
-row: there is no variable-length (packed) attention kernel here, and one program per (batch, length) bucket
-keeps compiles few. The scheduler's token budget counts the padding, so it bounds what is really computed.
+Prefill packs the prompts of a step one after another into one row (each starting at a multiple of PACK_ALIGN)
+and runs the causal kernel with each query's first visible key at its prompt's start, so no prompt sees another
+and no compute goes to padding them to a common length. The row is padded to a length bucket, so a few programs
+serve every step; the scheduler's token budget counts that padded row, what is really computed.
 """
 from __future__ import annotations
 
@@ -38,10 +39,20 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return [1 << i for i in range((max_num_seqs - 1).bit_length() + 1)]
 
 
-def prefill_bucket(longest: int) -> int:
-    """Padded prompt length of a prefill step: the one-request buckets from 64 up (shorter buckets save
-    little compute and would multiply the (batch, length) shapes to compile)."""
-    return max(prompt_bucket(longest), 64)
+# Packed prompts start at multiples of this: the jnp attention twin takes keys 16 at a time, so a prompt's keys
+# then fall into the same groups as when it runs alone and its float32 results carry the same bits.
+PACK_ALIGN = 16
+
+
+def packed_length(num_tokens: int) -> int:
+    """Room a prompt of num_tokens takes in a packed prefill row."""
+    return -(-num_tokens // PACK_ALIGN) * PACK_ALIGN
+
+
+def prefill_bucket(total: int) -> int:
+    """Padded length of a packed prefill row holding `total` tokens: the one-request buckets from 64 up (shorter
+    buckets save little compute and would multiply the shapes to compile)."""
+    return max(prompt_bucket(total), 64)
 
 
 def kv_block_bytes(cfg: ModelConfig, dtype: jnp.dtype, block_size: int) -> int:
@@ -131,22 +142,23 @@ def _write_kv(pool: jax.Array, slots: jax.Array, kv: jax.Array) -> jax.Array:
 
 @functools.partial(step_jit, static_argnums=(0, 1), donate_argnums=(4, 5))
 def _prefill_layer(cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, k_pool: jax.Array,
-                   v_pool: jax.Array, inv_freq: jax.Array, slots: jax.Array, lens: jax.Array):
-    """One layer over padded prompts x [B, T, hidden] (row b real up to lens[b]); writes their K, V into the
-    layer's pool. The same arithmetic as the one-request engine's `prefill_layer_in_device`."""
-    positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
+                   v_pool: jax.Array, inv_freq: jax.Array, positions: jax.Array, starts: jax.Array, slots: jax.Array):
+    """One layer over packed prompts x [1, T, hidden] (token t at `positions` in its prompt, which starts at
+    `starts`); writes their K, V into the layer's pool at `slots` (-1: padding). The same arithmetic as the
+    one-request engine's `prefill_layer_in_device`."""
     q, k, v = decoder.attention_inputs(cfg, layer, x, positions, inv_freq)
-    o, _ = prefill_attention(impl, q, k, v, causal=True, kv_len=lens)
+    o, _ = prefill_attention(impl, q, k, v, causal=True, kv_start=starts)
     k_pool = _write_kv(k_pool, slots, k)
     v_pool = _write_kv(v_pool, slots, v)
     return decoder.attention_output_and_mlp(cfg, layer, x, o), k_pool, v_pool
 
 
 @functools.partial(step_jit, static_argnums=(0, 5))
-def sample_last(cfg: ModelConfig, params: ModelParams, hidden: jax.Array, lens: jax.Array,
+def sample_last(cfg: ModelConfig, params: ModelParams, hidden: jax.Array, index: jax.Array,
                 sampling: SamplingBatch, draws: str) -> jax.Array:
-    """The next token of each row of hidden [B, T, hidden], from its row `lens[b] - 1`."""
-    last = hidden[jnp.arange(hidden.shape[0]), jnp.maximum(lens - 1, 0)]
+    """The next token of each request b, from its last token's hidden state: hidden [..., hidden_size] with the
+    leading axes flattened, at index[b]."""
+    last = hidden.reshape(-1, hidden.shape[-1])[index]
     return sample(decoder.logits(cfg, params, last), sampling, draws)
 
 
@@ -216,32 +228,37 @@ class ModelRunner:
     def batch_size(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)
 
-    def prefill_tokens(self, num_seqs: int, longest: int) -> int:
-        """Tokens a prefill of `num_seqs` prompts up to `longest` long computes, padding included."""
-        return self.batch_size(num_seqs) * prefill_bucket(longest)
+    def prefill_tokens(self, lengths: list[int]) -> int:
+        """Tokens a prefill of prompts of these lengths computes, padding included."""
+        return prefill_bucket(sum(packed_length(n) for n in lengths))
 
     def prefill(self, seqs: list[Sequence]) -> list[int]:
-        """Runs every token of each sequence (none cached yet) and samples the next one."""
-        size, length = self.batch_size(len(seqs)), prefill_bucket(max(s.num_tokens for s in seqs))
-        ids = np.zeros((size, length), np.int32)
-        slots = np.full((size, length), -1, np.int32)
-        lens = np.zeros(size, np.int32)
-        for row, seq in enumerate(seqs):
+        """Runs every token of each sequence (none cached yet), packed into one row, and samples the next one."""
+        size = self.batch_size(len(seqs))
+        begins = np.cumsum([0] + [packed_length(s.num_tokens) for s in seqs])
+        length = prefill_bucket(int(begins[-1]))
+        ids = np.zeros((1, length), np.int32)
+        positions = np.zeros((1, length), np.int32)
+        starts = np.arange(length, dtype=np.int32)[None]  # a padding token sees only itself
+        slots = np.full((1, length), -1, np.int32)
+        last = np.zeros(size, np.int32)
+        for row, (seq, begin) in enumerate(zip(seqs, begins)):
             n = seq.num_tokens
             pos = np.arange(n)
-            ids[row, :n] = seq.token_ids
-            slots[row, :n] = np.asarray(seq.block_table, np.int32)[pos // self.block_size] * self.block_size \
+            span = slice(begin, begin + n)
+            ids[0, span], positions[0, span], starts[0, span] = seq.token_ids, pos, begin
+            slots[0, span] = np.asarray(seq.block_table, np.int32)[pos // self.block_size] * self.block_size \
                 + pos % self.block_size
-            lens[row] = n
+            last[row] = begin + n - 1
         x = embed_tokens(self.params.embed, ids)
         k_out, v_out = [], []
         for layer, k_pages, v_pages in zip(self.params.layers, self.k_pool, self.v_pool):
             x, k_pages, v_pages = _prefill_layer(
-                self.cfg, self.impl, layer, x, k_pages, v_pages, self.inv_freq, slots, lens)
+                self.cfg, self.impl, layer, x, k_pages, v_pages, self.inv_freq, positions, starts, slots)
             k_out.append(k_pages)
             v_out.append(v_pages)
         self.k_pool, self.v_pool = tuple(k_out), tuple(v_out)
-        tokens = sample_last(self.cfg, self.params, x, lens, *sampling_batch(seqs, size))
+        tokens = sample_last(self.cfg, self.params, x, last, *sampling_batch(seqs, size))
         return np.asarray(tokens)[: len(seqs)].tolist()
 
     def decode(self, seqs: list[Sequence]) -> list[int]:

@@ -57,9 +57,10 @@ class OffloadModelRunner:
     def batch_size(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)
 
-    def prefill_tokens(self, num_seqs: int, longest: int) -> int:
-        """Tokens a prefill of `num_seqs` prompts up to `longest` long computes, padding included."""
-        return num_seqs * self.runner.padded_length(longest)
+    def prefill_tokens(self, lengths: list[int]) -> int:
+        """Tokens a prefill of prompts of these lengths computes, padding included (each as long as the longest,
+        a bound on the one-request prefills' activations)."""
+        return len(lengths) * self.runner.padded_length(max(lengths))
 
     def prefill(self, seqs: list[Sequence]) -> list[int]:
         """Runs every token of each sequence (none cached yet), one sequence after another, and samples the
@@ -76,8 +77,8 @@ class OffloadModelRunner:
         slot = self._free_slots.pop()
         self._slot[seq.index] = slot
         self.tails = list(_put_tails(tuple(self.tails), jnp.int32(slot), tuple(tails)))
-        lens = np.asarray([len(ids) - first], np.int32)
-        return int(to_host(sample_last(self.cfg, self.params, hidden, lens, *sampling_batch([seq], 1)))[0])
+        last = np.asarray([len(ids) - first - 1], np.int32)
+        return int(to_host(sample_last(self.cfg, self.params, hidden, last, *sampling_batch([seq], 1)))[0])
 
     def decode(self, seqs: list[Sequence]) -> list[int]:
         """Runs each sequence's last token and samples the next one; a tail that fills up is stored in the
@@ -100,7 +101,7 @@ class OffloadModelRunner:
                            for row_groups, q_row, state in zip(groups[l], q_rows, states)) + states[len(seqs):]
             x = pooled_decode_end(self.cfg, runner.impl, layer, x, q, self.tails[l], slots, tail_lens, states,
                                   tp=runner.tp)
-        out = sample_last(self.cfg, self.params, x, np.ones(size, np.int32), *sampling_batch(seqs, size))
+        out = sample_last(self.cfg, self.params, x, np.arange(size, dtype=np.int32), *sampling_batch(seqs, size))
         for seq in seqs:
             if (seq.num_cached + 1) % bs == 0:  # its tail is full: store it as the sequence's next block
                 block = seq.block_table[seq.num_cached // bs]

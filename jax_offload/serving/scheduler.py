@@ -51,9 +51,9 @@ class Scheduler:
         swapper: KVSwapper,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        prefill_tokens: Callable[[int, int], int],
+        prefill_tokens: Callable[[list[int]], int],
     ):
-        """`prefill_tokens(num_seqs, longest)` is the padded size of such a prefill batch: the budget
+        """`prefill_tokens(lengths)` is the padded size of a prefill of prompts of these lengths: the budget
         `max_num_batched_tokens` counts what is computed, padding included."""
         self.blocks, self.swapper = blocks, swapper
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
@@ -97,18 +97,18 @@ class Scheduler:
             self.stats.swap_ins += 1
             self._run(seq)
         batch: list[Sequence] = []
-        longest = 0
+        lengths: list[int] = []
         while not self.swapped and self.waiting and len(self.running) + len(batch) < self.max_num_seqs:
             seq = self.waiting[0]
-            longest = max(longest, seq.num_tokens)
             # One sequence alone may exceed the budget; otherwise no prompt could ever be longer than it.
-            if batch and self.prefill_tokens(len(batch) + 1, longest) > self.max_num_batched_tokens:
+            if batch and self.prefill_tokens(lengths + [seq.num_tokens]) > self.max_num_batched_tokens:
                 break
             if not self.blocks.can_allocate(seq.num_tokens, reserve):
                 break
             self.waiting.popleft()
             self.blocks.allocate(seq, seq.num_tokens)
             batch.append(seq)
+            lengths.append(seq.num_tokens)
         for seq in batch:
             self._run(seq)
         return Step("prefill", batch) if batch else None
