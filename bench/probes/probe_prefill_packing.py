@@ -4,7 +4,7 @@ prefill) against each prompt padded to the longest of its step (the engine's ear
 The workload of bench/bench_throughput.py (256 prompts of 100..1024 tokens, seed 0) goes through the batch
 engine's scheduler with the H200 run's pool (2304 blocks of 256 tokens), 256 running requests and a budget of
 16384 tokens per prefill step, each way of counting a step's tokens; no model runs. Prints the JSON it writes
-to probe_prefill_packing.json under $OUT when set.
+to probe_prefill_packing.json under $OUT when set (kept in bench/results/runs/cpu_prefill_packing/).
 """
 from __future__ import annotations
 
