@@ -196,6 +196,11 @@ class EngineConfig:
         if not config.offload:
             return config._validate(model)
         filled = {name: default for name, default in OFFLOAD_DEFAULTS.items() if getattr(config, name) is None}
+        if "prefill" in filled and config.prefill_policy == "xattention":
+            # Chunked XAttention streams every earlier block for its estimate and then the blocks some head
+            # chose (nearly all): slower than full chunked prefill, while layerwise moves no earlier block at all
+            # (bench/results/sparse.md).
+            filled["prefill"] = "layerwise"
         config = dataclasses.replace(config, **filled)
         if config.decode_policy not in DECODE_POLICIES:
             raise ValueError(f"decode_policy {config.decode_policy!r} is unknown; valid: {', '.join(DECODE_POLICIES)}.")

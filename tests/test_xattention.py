@@ -50,7 +50,7 @@ def test_offloaded_chunks_choose_as_in_gpu(model_dir, prompt, full_logits):
     """A chunk estimated against the earlier blocks streamed from the host selects what the whole-prompt estimate
     selects for those queries: same logits, same densities; and the selection is really sparse."""
     in_gpu = LLM(model_dir, dtype="float32", xattn_threshold=0.6, **XATTN)
-    chunked = LLM(model_dir, dtype="float32", xattn_threshold=0.6, **XATTN, **OFFLOAD)
+    chunked = LLM(model_dir, dtype="float32", xattn_threshold=0.6, **XATTN, **OFFLOAD, prefill="chunked")
     diff = np.abs(chunked.logits(prompt) - in_gpu.logits(prompt)).max()
     assert diff <= 1e-5, f"model seed {MODEL_SEED}, prompt seed {PROMPT_SEED}: max |dlogit| {diff}"
     greedy = SamplingParams(temperature=0.0, max_tokens=2)
@@ -65,7 +65,7 @@ def test_offloaded_chunks_choose_as_in_gpu(model_dir, prompt, full_logits):
 def test_sparse_chunks_move_fewer_blocks(model_dir, prompt):
     """Pass 1 streams every earlier block for the estimate; pass 2 only the blocks some head chose (here a host
     block is one selection block, so few are chosen): more bytes than full prefill, fewer than twice."""
-    small_blocks = dict(OFFLOAD, block_size=16)
+    small_blocks = dict(OFFLOAD, block_size=16, prefill="chunked")
     full = LLM(model_dir, dtype="float32", **small_blocks)
     sparse = LLM(model_dir, dtype="float32", xattn_threshold=0.3, **XATTN, **small_blocks)
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
@@ -74,6 +74,13 @@ def test_sparse_chunks_move_fewer_blocks(model_dir, prompt):
     full_bytes, sparse_bytes = full._runner.last_prefill_pcie_bytes, sparse._runner.last_prefill_pcie_bytes
     assert full_bytes > 0
     assert full_bytes < sparse_bytes < 2 * full_bytes, (full_bytes, sparse_bytes)
+
+
+def test_offloaded_xattention_prefills_layerwise_unless_told(model_dir):
+    """Chunked XAttention moves more bytes than full chunked prefill, so layerwise is its default mode."""
+    assert LLM(model_dir, dtype="float32", **XATTN, **OFFLOAD).engine_config.prefill == "layerwise"
+    assert LLM(model_dir, dtype="float32", **XATTN, **OFFLOAD, prefill="chunked").engine_config.prefill == "chunked"
+    assert LLM(model_dir, dtype="float32", **OFFLOAD).engine_config.prefill == "chunked"
 
 
 def test_with_quest_decode(model_dir, prompt):
