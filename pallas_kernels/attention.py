@@ -248,7 +248,8 @@ def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool
 
 
 def attention_state(q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState | None = None, *,
-                    causal: bool = False, q_offset=0, kv_len=None, sm_scale: float | None = None,
+                    causal: bool = False, q_offset=0, kv_len=None, kv_start: jax.Array | None = None,
+                    sm_scale: float | None = None,
                     interpret: bool | None = None, block_q: int | None = None, block_k: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None) -> AttentionState:
     """The kernel of `attention_with_lse` stopped before its final normalisation: continues `state` (None:
@@ -258,7 +259,7 @@ def attention_state(q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionSt
     """
     return _launch(q, k, v, state, causal=causal, q_offset=q_offset, kv_len=kv_len, sm_scale=sm_scale,
                    out_dtype=None, finish=False, interpret=interpret, block_q=block_q, block_k=block_k,
-                   num_warps=num_warps, num_stages=num_stages)
+                   num_warps=num_warps, num_stages=num_stages, kv_start=kv_start)
 
 
 # The jnp twin. It continues an online softmax (`AttentionState`) in steps of _GRANULE keys at absolute

@@ -200,8 +200,6 @@ def block_sparse_attention_ref(q, k, v, block_mask, *, block_size, causal=False,
         vis = cols < kv_len[b]
         if causal:
             vis = vis & (cols <= rows)
-        if kv_start is not None:
-            vis = vis & (cols >= np.asarray(kv_start)[b][:, None])
         for h in range(hq):
             mask = block_mask[b, h]
             listed = np.zeros((tq, tk), dtype=bool)

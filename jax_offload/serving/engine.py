@@ -148,8 +148,9 @@ class BatchEngine:
         self._bar = tqdm(total=len(seqs), desc="requests", unit="req", disable=not progress, dynamic_ncols=True)
         self._generated, self._began, self._last_read = 0, time.perf_counter(), 0.0
         self.overlapped_steps = 0
-        # A decode step in flight whose tokens the host has not read: (step, tokens on the device, start time).
-        pending: tuple[Step, jax.Array, float] | None = None
+        # A decode step in flight whose tokens the host has not read: (step, tokens on the device, start time, KV
+        # tokens it reads).
+        pending: tuple[Step, jax.Array, float, int] | None = None
         while self.scheduler.has_work() or pending is not None:
             if pending is not None and not self._can_run_ahead():
                 self._read(*pending, on_text)
@@ -160,6 +161,7 @@ class BatchEngine:
             if step.kind == "decode" and isinstance(self.runner, ModelRunner):
                 # Dispatch this step first, then read the previous one's tokens while the device computes.
                 tokens = self.runner.decode_async(step.seqs, (pending[0].seqs, pending[1]) if pending else None)
+                kv_tokens = sum(seq.num_tokens for seq in step.seqs)
                 for seq in step.seqs:
                     seq.num_cached = seq.num_tokens
                     seq.num_pending += 1
@@ -168,13 +170,14 @@ class BatchEngine:
                 if pending is not None:
                     self.overlapped_steps += 1
                     self._read(*pending, on_text)
-                pending = (step, tokens, start)
+                pending = (step, tokens, start, kv_tokens)
                 continue
             run = self.runner.prefill if step.kind == "prefill" else self.runner.decode
             tokens = run(step.seqs)
+            kv_tokens = sum(seq.num_tokens for seq in step.seqs)
             for seq in step.seqs:
                 seq.num_cached = seq.num_tokens
-            self._took(step, tokens, start, on_text)
+            self._took(step, tokens, start, kv_tokens, on_text)
         self._bar.close()
         if self.blocks.num_used or self.runner.host_bytes_used:
             raise RuntimeError(f"{self.blocks.num_used} KV blocks and {self.runner.host_bytes_used} host bytes "
@@ -189,21 +192,21 @@ class BatchEngine:
             return False
         return sum(self.blocks.new_blocks_to_append(seq) for seq in s.running) <= self.blocks.num_free
 
-    def _read(self, step: Step, tokens: jax.Array, start: float, on_text) -> None:
-        """Reads an overlapped decode step's tokens (waiting for it) and takes them."""
+    def _read(self, step: Step, tokens: jax.Array, start: float, kv_tokens: int, on_text) -> None:
+        """Reads the tokens of a decode step dispatched without waiting (waiting for them now) and takes them."""
         values = np.asarray(tokens)[: len(step.seqs)].tolist()
         for seq in step.seqs:
             if seq.finish_reason is None:
                 seq.num_pending -= 1
         # A step overlapped with its successor's dispatch is timed from the later of its start and the previous
         # read: the time it added.
-        self._took(step, values, max(start, self._last_read), on_text)
+        self._took(step, values, max(start, self._last_read), kv_tokens, on_text)
 
-    def _took(self, step: Step, tokens: list[int], start: float, on_text) -> None:
+    def _took(self, step: Step, tokens: list[int], start: float, kv_tokens: int, on_text) -> None:
         """Takes a step's sampled tokens: timing, the sequences' outputs, the progress bar."""
         seconds = time.perf_counter() - start
         self._last_read = time.perf_counter()
-        self._log(step, seconds)
+        self.step_log.append((step.kind, len(step.seqs), kv_tokens, seconds))
         taken = finished = 0
         for seq, token in zip(step.seqs, tokens):
             if seq.finish_reason is not None:
@@ -269,10 +272,6 @@ class BatchEngine:
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(seq.prompt_ids, seq.text, seq.output_ids, seq.finish_reason, seq.prefill_seconds,
                              sum(seq.step_seconds), seq.step_seconds)
-
-    def _log(self, step: Step, seconds: float) -> None:
-        kv_tokens = sum(s.num_tokens for s in step.seqs)
-        self.step_log.append((step.kind, len(step.seqs), kv_tokens, seconds))
 
 
 def _check_int(name: str, value: object, least: int) -> None:

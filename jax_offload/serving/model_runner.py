@@ -239,14 +239,16 @@ class ModelRunner:
         length = prefill_bucket(int(begins[-1]))
         ids = np.zeros((1, length), np.int32)
         positions = np.zeros((1, length), np.int32)
-        starts = np.arange(length, dtype=np.int32)[None]  # a padding token sees only itself
+        # A prompt's alignment gap takes its start and the trailing padding starts where it begins: their queries
+        # are dropped, and no start past the next prompt's means fewer masked key blocks in the kernel.
+        starts = np.full((1, length), begins[-1], np.int32)
         slots = np.full((1, length), -1, np.int32)
         last = np.zeros(size, np.int32)
         for row, (seq, begin) in enumerate(zip(seqs, begins)):
             n = seq.num_tokens
             pos = np.arange(n)
             span = slice(begin, begin + n)
-            ids[0, span], positions[0, span], starts[0, span] = seq.token_ids, pos, begin
+            ids[0, span], positions[0, span], starts[0, begin:begins[row + 1]] = seq.token_ids, pos, begin
             slots[0, span] = np.asarray(seq.block_table, np.int32)[pos // self.block_size] * self.block_size \
                 + pos % self.block_size
             last[row] = begin + n - 1
@@ -261,14 +263,11 @@ class ModelRunner:
         tokens = sample_last(self.cfg, self.params, x, last, *sampling_batch(seqs, size))
         return np.asarray(tokens)[: len(seqs)].tolist()
 
-    def decode(self, seqs: list[Sequence]) -> list[int]:
-        """Runs each sequence's last token and samples the next one."""
-        return np.asarray(self.decode_async(seqs))[: len(seqs)].tolist()
-
     def decode_async(self, seqs: list[Sequence], previous: tuple[list[Sequence], jax.Array] | None = None
                      ) -> jax.Array:
-        """`decode` without waiting: the next tokens [batch bucket] stay on the device. A sequence whose last token
-        is still pending takes it from `previous` (the sequences and the result of the step that drew it)."""
+        """Runs each sequence's last token and samples the next one, without waiting: the next tokens [batch
+        bucket] stay on the device. A sequence whose last token is still pending takes it from `previous` (the
+        sequences and the result of the step that drew it)."""
         size = self.batch_size(len(seqs))
         tokens = np.zeros(size, np.int32)
         rows = np.full(size, -1, np.int32)
