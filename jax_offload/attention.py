@@ -53,7 +53,7 @@ def _local(tp: TensorParallel | None, fn, in_axes: tuple, out_axes):
     return fn if tp is None else tp.per_head(fn, in_axes, out_axes)
 
 
-def _qkv(cfg: ModelConfig, tp: TensorParallel | None, layer: LayerParams, x, positions, inv_freq):
+def split_qkv(cfg: ModelConfig, tp: TensorParallel | None, layer: LayerParams, x, positions, inv_freq):
     """q, k, v of the layer, pinned to be split by heads (each device computes its own from its wqkv columns)."""
     q, k, v = decoder.attention_inputs(cfg, layer, x, positions, inv_freq)
     return (q, k, v) if tp is None else tp.constrain((q, k, v), HEADS)
@@ -62,6 +62,18 @@ def _qkv(cfg: ModelConfig, tp: TensorParallel | None, layer: LayerParams, x, pos
 def _empty_state(tp: TensorParallel | None, q: jax.Array) -> AttentionState:
     state = pallas_kernels.empty_state(*q.shape)
     return state if tp is None else tp.constrain(state, STATE_HEADS)
+
+
+def paged_decode_attention(impl: str, q, k_pages, v_pages, tables, seq_lens, tp: TensorParallel | None = None):
+    """Decode attention of q [B, Hq, D] over a paged pool [num_blocks, block_size, Hkv, D] (block tables [B, n],
+    lengths [B]) -> o [B, Hq, D] in q's dtype, each device over its heads."""
+    fn = (pallas_kernels.paged_decode_attention_with_lse if impl == "pallas"
+          else pallas_kernels.paged_decode_attention_with_lse_xla)
+
+    def local(q, k_pages, v_pages, tables, seq_lens):
+        return fn(q, k_pages, v_pages, tables, seq_lens)[0]
+
+    return _local(tp, local, (1, HEADS, HEADS, None, None), 1)(q, k_pages, v_pages, tables, seq_lens)
 
 
 def prefill_attention(impl: str, q, k, v, *, causal: bool, q_offset=0, kv_len=None, kv_start=None, out_dtype=None,
@@ -125,7 +137,7 @@ def prefill_layer_in_device(
     """One layer over a whole (padded) prompt x [1, T, hidden]; writes its K, V into the caches [1, S, Hkv, D].
     Also returns the [selected, visible] XAttention block counts."""
     positions = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
-    q, k, v = _qkv(cfg, tp, layer, x, positions, inv_freq)
+    q, k, v = split_qkv(cfg, tp, layer, x, positions, inv_freq)
     o, counts = prompt_attention(impl, xattn, q, k, v, prompt_len, tp)
     k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, 0, 0))
     v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, 0, 0))
@@ -145,7 +157,7 @@ def decode_layer_in_device(
     tp: TensorParallel | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One layer for one new token x [1, 1, hidden] at `position`; appends its K, V to the caches."""
-    q, k, v = _qkv(cfg, tp, layer, x, position.reshape(1, 1), inv_freq)
+    q, k, v = split_qkv(cfg, tp, layer, x, position.reshape(1, 1), inv_freq)
     k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, position, 0, 0))
     v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, position, 0, 0))
     # The offloaded decode's attention over one block holding every key: both round o once, from the same bits.
@@ -209,7 +221,7 @@ def chunk_begin(
     """q of a prompt chunk x [1, T, hidden] at absolute `start`, its KV block [2, T, Hkv, D], and the empty
     attention state its queries start from."""
     positions = start + jnp.arange(x.shape[1], dtype=jnp.int32)[None]
-    q, k, v = _qkv(cfg, tp, layer, x, positions, inv_freq)
+    q, k, v = split_qkv(cfg, tp, layer, x, positions, inv_freq)
     return q, jnp.stack([k[0], v[0]]), _empty_state(tp, q)
 
 
@@ -233,7 +245,7 @@ def chunk_end(
 
 
 def _decode_inputs(cfg, layer, x, inv_freq, tail, position, tail_len, tp=None):
-    q, k, v = _qkv(cfg, tp, layer, x, position.reshape(1, 1), inv_freq)
+    q, k, v = split_qkv(cfg, tp, layer, x, position.reshape(1, 1), inv_freq)
     tail = jax.lax.dynamic_update_slice(tail, jnp.stack([k[0], v[0]]).astype(tail.dtype), (0, tail_len, 0, 0))
     return q, tail, _empty_state(tp, q)
 
@@ -276,7 +288,7 @@ def pooled_decode_begin(
     """New tokens x [B, 1, hidden] at `positions` [B], of requests whose tails are rows `slots` [B] of the pool
     tails [S, 2, block_size, Hkv, D] (slot -1: a padding row) -> q [B, 1, Hq, D], each row's own q [1, 1, Hq, D],
     the pool with each token's K, V written at its row's tail length, and each row's empty attention state."""
-    q, k, v = _qkv(cfg, tp, layer, x, positions[:, None], inv_freq)
+    q, k, v = split_qkv(cfg, tp, layer, x, positions[:, None], inv_freq)
     rows = jnp.where(slots >= 0, slots, tails.shape[0])
     kv = jnp.stack([k[:, 0], v[:, 0]], axis=1).astype(tails.dtype)  # [B, 2, Hkv, D]
     tails = tails.at[rows, :, tail_lens].set(kv, mode="drop")
@@ -375,7 +387,7 @@ def layerwise_layer(
     """One layer over the whole prompt x [1, T, hidden] (T a multiple of block_size); its KV as blocks, and the
     [selected, visible] XAttention block counts."""
     positions = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
-    q, k, v = _qkv(cfg, tp, layer, x, positions, inv_freq)
+    q, k, v = split_qkv(cfg, tp, layer, x, positions, inv_freq)
     o, counts = prompt_attention(impl, xattn, q, k, v, prompt_len, tp)
     kv = jnp.stack([k[0], v[0]])
     blocks = tuple(kv[:, i : i + block_size] for i in range(0, x.shape[1], block_size))

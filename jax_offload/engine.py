@@ -40,7 +40,7 @@ class LLM:
     requests one after another, each from a fresh KV cache.
 
     `tensor_parallel_size` N splits every layer over N devices by KV-head groups (the KV cache too, offloaded or
-    not); several prompts then run together only with the KV cache offloaded.
+    not, and the paged pool of continuous batching).
     """
 
     def __init__(
@@ -199,10 +199,10 @@ class LLM:
         ]
 
     def _batches(self) -> bool:
-        """Whether several prompts run together: full attention (prefill and decode), offloaded or on one device
-        (the paged GPU pool is not split over devices)."""
+        """Whether several prompts run together: full attention in prefill and decode (Quest and XAttention run
+        one request at a time)."""
         e = self.engine_config
-        return e.prefill_policy == "full" and (e.decode_policy == "full" if e.offload else self.tp.size == 1)
+        return e.prefill_policy == "full" and (not e.offload or e.decode_policy == "full")
 
     def _batch(self) -> BatchEngine:
         if self._batch_engine is None:
@@ -215,7 +215,7 @@ class LLM:
             else:
                 self._batch_engine = BatchEngine.in_gpu(
                     self.model_config, self.params, self._inv_freq, self.dtype, self.attention_impl,
-                    self.max_model_len, self.tokenizer, self.eos_token_ids, **shared)
+                    self.max_model_len, self.tokenizer, self.eos_token_ids, tp=self.tp, **shared)
         return self._batch_engine
 
     def chat(

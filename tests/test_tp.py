@@ -51,7 +51,7 @@ def device_runs(model_dirs) -> list[dict]:
 
 
 def test_tp_logits_and_greedy_tokens_equal_tp1(device_runs):
-    rows = [r for r in device_runs if "mode" in r]
+    rows = [r for r in device_runs if "mode" in r and "case" not in r]
     # 3 models x (TP=2: in GPU memory, chunked and layerwise offload; TP=4: in GPU memory, chunked offload), and
     # at TP=2 XAttention prefill in GPU memory and chunked-offloaded, and Quest decode.
     assert len(rows) == 3 * 5 + 3
@@ -61,12 +61,14 @@ def test_tp_logits_and_greedy_tokens_equal_tp1(device_runs):
         assert r["tokens"] == r["ref_tokens"], f"{case}: greedy tokens differ from TP=1"
 
 
-def test_tp_offloaded_batch_equals_tp1_one_at_a_time(device_runs):
-    """Several prompts offloaded at TP=2 run together (continuous batching over the split host store)."""
+def test_tp_batch_equals_tp1_one_at_a_time(device_runs):
+    """Several prompts at TP=2 run together (continuous batching), over the split paged pool in GPU memory and
+    over the split host store offloaded."""
     rows = [r for r in device_runs if r.get("case") == "batched"]
-    assert len(rows) == len(MODELS)
+    assert len(rows) == 2 * len(MODELS)
     for r in rows:
-        case = f"{r['model']} (model seed {MODELS[r['model']]}), TP=2, 4 prompts together, prompt seed {PROMPT_SEED}+i"
+        case = (f"{r['model']} (model seed {MODELS[r['model']]}), TP=2, {r['mode']}, 4 prompts together, prompt seed "
+                f"{PROMPT_SEED}+i")
         assert r["tokens"] == r["ref_tokens"], f"{case}: greedy tokens differ from TP=1 one at a time"
         assert r["largest_batch"] == 4, case
 

@@ -72,19 +72,20 @@ def devices(seed: int, models: list[str]) -> None:
         _emit(model=Path(model).name, size=2, mode=mode, max_diff=float(np.abs(logits - ref_logits).max()),
               tokens=tokens, ref_tokens=ref_tokens)
     for model in models:
-        _emit(case="batched", model=Path(model).name, **_batched(model, seed))
+        for mode in ("in_gpu", "chunked"):
+            _emit(case="batched", model=Path(model).name, mode=mode, **_batched(model, seed, mode))
     _emit(case="collectives", steps=_collectives(models[0]))
 
 
-def _batched(model: str, seed: int) -> dict:
-    """Greedy tokens of prompts of 5..70 tokens run together, offloaded (chunked) at TP=2, and one at a time at
-    TP=1 in GPU memory; the largest decode batch."""
+def _batched(model: str, seed: int, mode: str) -> dict:
+    """Greedy tokens of prompts of 5..70 tokens run together at TP=2 (`mode`: in GPU memory or offloaded), and one
+    at a time at TP=1 in GPU memory; the largest decode batch."""
     from jax_offload import LLM, SamplingParams
 
     prompts = [_prompt(seed + i, n) for i, n in enumerate((5, 37, 70, 16))]
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     alone = LLM(model, dtype="float32")
-    together = LLM(model, dtype="float32", tensor_parallel_size=2, **MODES["chunked"])
+    together = LLM(model, dtype="float32", tensor_parallel_size=2, **MODES[mode])
     tokens = [o.token_ids for o in together.generate(prompts, greedy)]
     return {"tokens": tokens, "ref_tokens": [alone.generate([p], greedy)[0].token_ids for p in prompts],
             "largest_batch": max(n for kind, n, _, _ in together._batch_engine.step_log if kind == "decode")}

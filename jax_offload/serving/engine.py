@@ -21,6 +21,7 @@ from jax_offload.serving.model_runner import ModelRunner, default_num_blocks, kv
 from jax_offload.serving.offload_model_runner import OffloadModelRunner
 from jax_offload.serving.scheduler import Scheduler, Step
 from jax_offload.serving.sequence import Sequence, SequenceStatus
+from jax_offload.tensor_parallel import TensorParallel
 
 
 class BatchEngine:
@@ -75,16 +76,19 @@ class BatchEngine:
         num_blocks: int | None = None,
         gpu_memory_utilization: float = 0.9,
         swap_space_bytes: int | None = None,
+        tp: TensorParallel | None = None,
     ) -> "BatchEngine":
         """`num_blocks` KV blocks of `block_size` tokens (default: what `gpu_memory_utilization` of the device
         memory JAX may use leaves after the weights); `swap_space_bytes` of host memory hold preempted requests'
         KV (default: half the free host memory, at most the pool's size); beyond it preempted requests are
-        recomputed. The options `LLM` shares with this engine are checked by `EngineConfig`."""
+        recomputed. `tp`: the mesh the (already placed) params are split over; the pool is split the same way (one
+        device if None). The options `LLM` shares with this engine are checked by `EngineConfig`."""
+        tp = tp or TensorParallel.create(1)
         if not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 16, got {block_size!r}.")
         if num_blocks is None:
             num_blocks = default_num_blocks(model_config, dtype, block_size, max_num_seqs, max_model_len,
-                                            max_num_batched_tokens, gpu_memory_utilization)
+                                            max_num_batched_tokens, gpu_memory_utilization, tp.size)
             if num_blocks < 1:
                 raise ValueError(
                     f"gpu_memory_utilization {gpu_memory_utilization} leaves no memory for KV blocks after the "
@@ -95,7 +99,7 @@ class BatchEngine:
                                                                                             block_size))
         _check_int("swap_space_bytes", swap_space_bytes, 0)
         runner = ModelRunner(
-            model_config, params, inv_freq, jnp.dtype(dtype), check_attention_impl(attention_impl),
+            model_config, params, inv_freq, jnp.dtype(dtype), check_attention_impl(attention_impl), tp,
             num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             swap_space_bytes=swap_space_bytes)
         return cls(runner, BlockManager(num_blocks, block_size), max_model_len, tokenizer, eos_token_ids,

@@ -19,10 +19,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import SingleDeviceSharding
 
-import pallas_kernels
-from jax_offload.attention import embed_tokens, prefill_attention
+from jax_offload.attention import embed_tokens, paged_decode_attention, prefill_attention, split_qkv
 from jax_offload.buckets import prompt_bucket
 from jax_offload.config import ModelConfig
 from jax_offload.kv.host_store import available_host_bytes
@@ -31,6 +29,7 @@ from jax_offload.models.params import LayerParams, ModelParams
 from jax_offload.precision import step_jit
 from jax_offload.sampling import sample_token
 from jax_offload.serving.sequence import Sequence
+from jax_offload.tensor_parallel import TensorParallel
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -61,10 +60,11 @@ def kv_block_bytes(cfg: ModelConfig, dtype: jnp.dtype, block_size: int) -> int:
 
 
 def default_num_blocks(cfg: ModelConfig, dtype: jnp.dtype, block_size: int, max_num_seqs: int, max_model_len: int,
-                       max_num_batched_tokens: int, gpu_memory_utilization: float) -> int:
+                       max_num_batched_tokens: int, gpu_memory_utilization: float, num_devices: int = 1) -> int:
     """As many blocks as `gpu_memory_utilization` of what JAX's allocator may use leaves after the weights and
-    a step's activations, and no more than max_num_seqs full-length sequences need. Without device memory
-    statistics (CPU) a quarter of the free host memory is the budget."""
+    a step's activations, and no more than max_num_seqs full-length sequences need; each of `num_devices` holds
+    its share of a block's KV heads. Without device memory statistics (CPU) a quarter of the free host memory is
+    the budget."""
     wanted = max_num_seqs * -(-max_model_len // block_size)
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
@@ -75,7 +75,8 @@ def default_num_blocks(cfg: ModelConfig, dtype: jnp.dtype, block_size: int, max_
         budget = stats["bytes_limit"] * gpu_memory_utilization - stats["bytes_in_use"] - activations - logits
     else:
         budget = available_host_bytes() / 4
-    return int(max(min(wanted, budget // kv_block_bytes(cfg, dtype, block_size)), 0))
+    per_device = kv_block_bytes(cfg, dtype, block_size) // num_devices
+    return int(max(min(wanted, budget // per_device), 0))
 
 
 class SamplingBatch(NamedTuple):
@@ -140,14 +141,15 @@ def _write_kv(pool: jax.Array, slots: jax.Array, kv: jax.Array) -> jax.Array:
     return rows.reshape(pool.shape)
 
 
-@functools.partial(step_jit, static_argnums=(0, 1), donate_argnums=(4, 5))
+@functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",), donate_argnums=(4, 5))
 def _prefill_layer(cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, k_pool: jax.Array,
-                   v_pool: jax.Array, inv_freq: jax.Array, positions: jax.Array, starts: jax.Array, slots: jax.Array):
+                   v_pool: jax.Array, inv_freq: jax.Array, positions: jax.Array, starts: jax.Array, slots: jax.Array,
+                   tp: TensorParallel | None = None):
     """One layer over packed prompts x [1, T, hidden] (token t at `positions` in its prompt, which starts at
     `starts`); writes their K, V into the layer's pool at `slots` (-1: padding). The same arithmetic as the
     one-request engine's `prefill_layer_in_device`."""
-    q, k, v = decoder.attention_inputs(cfg, layer, x, positions, inv_freq)
-    o, _ = prefill_attention(impl, q, k, v, causal=True, kv_start=starts)
+    q, k, v = split_qkv(cfg, tp, layer, x, positions, inv_freq)
+    o, _ = prefill_attention(impl, q, k, v, causal=True, kv_start=starts, tp=tp)
     k_pool = _write_kv(k_pool, slots, k)
     v_pool = _write_kv(v_pool, slots, v)
     return decoder.attention_output_and_mlp(cfg, layer, x, o), k_pool, v_pool
@@ -162,26 +164,24 @@ def sample_last(cfg: ModelConfig, params: ModelParams, hidden: jax.Array, index:
     return sample(decoder.logits(cfg, params, last), sampling, draws)
 
 
-@functools.partial(step_jit, static_argnums=(0, 1, 10), donate_argnums=(3, 4))
+@functools.partial(step_jit, static_argnums=(0, 1, 10), static_argnames=("tp",), donate_argnums=(3, 4))
 def _decode_step(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tuple[jax.Array, ...],
                  v_pool: tuple[jax.Array, ...], inv_freq: jax.Array, tokens: jax.Array, seq_lens: jax.Array,
-                 tables: jax.Array, sampling: SamplingBatch, draws: str
+                 tables: jax.Array, sampling: SamplingBatch, draws: str, tp: TensorParallel | None = None
                  ) -> tuple[jax.Array, tuple, tuple]:
     """The whole model for one token per sequence: tokens [B] at positions seq_lens - 1 (rows with seq_len 0 are
     padding), block tables [B, max_blocks]. Returns the next tokens [B] and the updated pools."""
     block_size = k_pool[0].shape[1]
-    attend = (pallas_kernels.paged_decode_attention_with_lse if impl == "pallas"
-              else pallas_kernels.paged_decode_attention_with_lse_xla)
     positions = jnp.maximum(seq_lens - 1, 0)
     block = tables[jnp.arange(tables.shape[0]), positions // block_size]
     slots = jnp.where(seq_lens > 0, block * block_size + positions % block_size, -1)
     x = decoder.embed(params, tokens[:, None])
     k_out, v_out = [], []
     for layer, k_pages, v_pages in zip(params.layers, k_pool, v_pool):
-        q, k, v = decoder.attention_inputs(cfg, layer, x, positions[:, None], inv_freq)
+        q, k, v = split_qkv(cfg, tp, layer, x, positions[:, None], inv_freq)
         k_out.append(_write_kv(k_pages, slots, k[:, 0]))
         v_out.append(_write_kv(v_pages, slots, v[:, 0]))
-        o, _ = attend(q[:, 0], k_out[-1], v_out[-1], tables, seq_lens)
+        o = paged_decode_attention(impl, q[:, 0], k_out[-1], v_out[-1], tables, seq_lens, tp)
         x = decoder.attention_output_and_mlp(cfg, layer, x, o[:, None])
     return sample(decoder.logits(cfg, params, x[:, 0]), sampling, draws), tuple(k_out), tuple(v_out)
 
@@ -206,23 +206,25 @@ def _scatter_blocks(pools: tuple[jax.Array, ...], blocks: jax.Array, kv: jax.Arr
 
 
 class ModelRunner:
-    """Owns the KV pool and runs steps over it; also the scheduler's `KVSwapper`."""
+    """Owns the KV pool and runs steps over it; also the scheduler's `KVSwapper`. Under tensor parallelism the
+    pool is split on its KV-head axis, each device holding its heads' share of every block."""
 
-    def __init__(self, cfg: ModelConfig, params: ModelParams, inv_freq: jax.Array, dtype: jnp.dtype, impl: str, *,
-                 num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int, swap_space_bytes: int):
-        self.cfg, self.params, self.inv_freq, self.impl = cfg, params, inv_freq, impl
+    def __init__(self, cfg: ModelConfig, params: ModelParams, inv_freq: jax.Array, dtype: jnp.dtype, impl: str,
+                 tp: TensorParallel, *, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
+                 swap_space_bytes: int):
+        self.cfg, self.params, self.inv_freq, self.impl, self.tp = cfg, params, inv_freq, impl, tp
         self.block_size, self.num_blocks = block_size, num_blocks
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.buckets = batch_buckets(max_num_seqs)
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k_pool = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
-        self.v_pool = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+        # Made on the mesh, as the steps return them, so that each step compiles once.
+        self.k_pool = tuple(tp.zeros(shape, dtype, 2) for _ in range(cfg.num_layers))
+        self.v_pool = tuple(tp.zeros(shape, dtype, 2) for _ in range(cfg.num_layers))
         self.block_bytes = kv_block_bytes(cfg, dtype, block_size)
-        device = jax.devices()[0]
-        kinds = {m.kind for m in device.addressable_memories()}
-        self._host = SingleDeviceSharding(device, memory_kind="pinned_host" if "pinned_host" in kinds
-                                          else "unpinned_host")
-        self._device = SingleDeviceSharding(device, memory_kind="device")
+        kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+        # Swapped blocks [layers, n, block_size, Hkv, D]: each device's heads to and from its own host memory.
+        self._host = tp.sharding(3, "pinned_host" if "pinned_host" in kinds else "unpinned_host")
+        self._device = tp.sharding(3, "device")
         self.swap_space_bytes, self.host_bytes_used = swap_space_bytes, 0
 
     def batch_size(self, num_seqs: int) -> int:
@@ -255,8 +257,8 @@ class ModelRunner:
         x = embed_tokens(self.params.embed, ids)
         k_out, v_out = [], []
         for layer, k_pages, v_pages in zip(self.params.layers, self.k_pool, self.v_pool):
-            x, k_pages, v_pages = _prefill_layer(
-                self.cfg, self.impl, layer, x, k_pages, v_pages, self.inv_freq, positions, starts, slots)
+            x, k_pages, v_pages = _prefill_layer(self.cfg, self.impl, layer, x, k_pages, v_pages, self.inv_freq,
+                                                 positions, starts, slots, tp=self.tp)
             k_out.append(k_pages)
             v_out.append(v_pages)
         self.k_pool, self.v_pool = tuple(k_out), tuple(v_out)
@@ -285,7 +287,7 @@ class ModelRunner:
             tokens = _feed_tokens(previous[1], rows, tokens)
         out, self.k_pool, self.v_pool = _decode_step(
             self.cfg, self.impl, self.params, self.k_pool, self.v_pool, self.inv_freq, tokens, seq_lens, tables,
-            *sampling_batch(seqs, size))
+            *sampling_batch(seqs, size), tp=self.tp)
         return out
 
     # ---- KVSwapper --------------------------------------------------------------------------------------------
