@@ -73,6 +73,16 @@ def test_tp_batch_equals_tp1_one_at_a_time(device_runs):
         assert r["largest_batch"] == 4, case
 
 
+def test_tp_preemption_swaps_and_recomputes(device_runs):
+    """At TP=2 in GPU memory a 20-block pool forces preemption: each device's share of a request's blocks goes to
+    host memory and back, or with no swap space the request is recomputed; the tokens are TP=1's."""
+    (r,) = [r for r in device_runs if r.get("case") == "preempted"]
+    for name, counter in (("swap", "swap_outs"), ("recompute", "recomputes")):
+        case = f"{r['model']} (model seed {MODELS[r['model']]}), TP=2, {name}, prompt seed {PROMPT_SEED}+i"
+        assert r[name][counter] > 0, f"{case}: no request was preempted that way"
+        assert r[name]["tokens"] == r["ref_tokens"], f"{case}: greedy tokens differ from TP=1 one at a time"
+
+
 def test_tp_layer_steps_only_all_reduce(device_runs):
     """XLA's collectives are the two all-reduces of the row-parallel wo and w_down per layer; attention is local."""
     steps = next(r["steps"] for r in device_runs if r.get("case") == "collectives")

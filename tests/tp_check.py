@@ -74,6 +74,7 @@ def devices(seed: int, models: list[str]) -> None:
     for model in models:
         for mode in ("in_gpu", "chunked"):
             _emit(case="batched", model=Path(model).name, mode=mode, **_batched(model, seed, mode))
+    _emit(case="preempted", model=Path(models[1]).name, **_preempted(models[1], seed))
     _emit(case="collectives", steps=_collectives(models[0]))
 
 
@@ -89,6 +90,26 @@ def _batched(model: str, seed: int, mode: str) -> dict:
     tokens = [o.token_ids for o in together.generate(prompts, greedy)]
     return {"tokens": tokens, "ref_tokens": [alone.generate([p], greedy)[0].token_ids for p in prompts],
             "largest_batch": max(n for kind, n, _, _ in together._batch_engine.step_log if kind == "decode")}
+
+
+def _preempted(model: str, seed: int) -> dict:
+    """Greedy tokens of 8 prompts batched at TP=2 in GPU memory over a 20-block pool, so requests are preempted:
+    swapped to host memory, and with no swap space recomputed; and one at a time at TP=1."""
+    from jax_offload import LLM, SamplingParams
+    from jax_offload.serving.engine import BatchEngine
+
+    prompts = [_prompt(seed + i, n) for i, n in enumerate((90, 3, 41, 117, 60, 8, 75, 22))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    alone = LLM(model, dtype="float32")
+    llm = LLM(model, dtype="float32", tensor_parallel_size=2)
+    row = {"ref_tokens": [alone.generate([p], greedy)[0].token_ids for p in prompts]}
+    for name, swap_space in (("swap", None), ("recompute", 0)):
+        engine = BatchEngine.in_gpu(llm.model_config, llm.params, llm._inv_freq, llm.dtype, llm.attention_impl,
+                                    llm.max_model_len, block_size=16, num_blocks=20, max_num_batched_tokens=512,
+                                    swap_space_bytes=swap_space, tp=llm.tp)
+        row[name] = {"tokens": [o.token_ids for o in engine.generate(prompts, greedy)],
+                     "swap_outs": engine.stats.swap_outs, "recomputes": engine.stats.recomputes}
+    return row
 
 
 def _collectives(model: str) -> dict[str, dict[str, int]]:
