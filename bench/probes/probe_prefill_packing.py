@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench_throughput import workload  # noqa: E402
 from jax_offload.buckets import prompt_bucket  # noqa: E402
 from jax_offload.sampling import SamplingParams  # noqa: E402
 from jax_offload.serving.block_manager import BlockManager  # noqa: E402
@@ -66,9 +68,7 @@ def prefill_steps(prompts: list[list[int]], max_tokens: list[int], count) -> dic
 
 
 def main() -> None:
-    random.seed(0)  # nano-vllm's draws, as bench_throughput.workload
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
-    max_tokens = [random.randint(100, 1024) for _ in range(256)]
+    prompts, max_tokens = workload(SimpleNamespace(shape="qwen3-0.6b", num_seqs=256))
     result = {"input_tokens": sum(map(len, prompts)), "packed": prefill_steps(prompts, max_tokens, packed),
               "padded": prefill_steps(prompts, max_tokens, padded)}
     text = json.dumps(result, indent=1)

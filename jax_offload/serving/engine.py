@@ -162,10 +162,10 @@ class BatchEngine:
                 continue
             step = self.scheduler.schedule()
             start = time.perf_counter()
+            kv_tokens = sum(seq.num_tokens for seq in step.seqs)  # what the step reads, before it adds a token
             if step.kind == "decode" and isinstance(self.runner, ModelRunner):
                 # Dispatch this step first, then read the previous one's tokens while the device computes.
                 tokens = self.runner.decode_async(step.seqs, (pending[0].seqs, pending[1]) if pending else None)
-                kv_tokens = sum(seq.num_tokens for seq in step.seqs)
                 for seq in step.seqs:
                     seq.num_cached = seq.num_tokens
                     seq.num_pending += 1
@@ -178,7 +178,6 @@ class BatchEngine:
                 continue
             run = self.runner.prefill if step.kind == "prefill" else self.runner.decode
             tokens = run(step.seqs)
-            kv_tokens = sum(seq.num_tokens for seq in step.seqs)
             for seq in step.seqs:
                 seq.num_cached = seq.num_tokens
             self._took(step, tokens, start, kv_tokens, on_text)
