@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench_throughput import workload  # noqa: E402
+from common import run_metadata  # noqa: E402
 from jax_offload.buckets import prompt_bucket  # noqa: E402
 from jax_offload.sampling import SamplingParams  # noqa: E402
 from jax_offload.serving.block_manager import BlockManager  # noqa: E402
@@ -70,7 +71,7 @@ def prefill_steps(prompts: list[list[int]], max_tokens: list[int], count) -> dic
 def main() -> None:
     prompts, max_tokens = workload(SimpleNamespace(shape="qwen3-0.6b", num_seqs=256))
     result = {"input_tokens": sum(map(len, prompts)), "packed": prefill_steps(prompts, max_tokens, packed),
-              "padded": prefill_steps(prompts, max_tokens, padded)}
+              "padded": prefill_steps(prompts, max_tokens, padded), "meta": run_metadata()}
     text = json.dumps(result, indent=1)
     print(text)
     if os.environ.get("OUT"):
