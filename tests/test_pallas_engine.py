@@ -41,3 +41,18 @@ def test_pallas_batch_engine_matches_jnp_one_at_a_time(model_dir):
     reference = LLM(model_dir, dtype="float32", attention_impl="xla")
     for prompt, out in zip(prompts, batched):
         assert out.token_ids == reference.generate([prompt], greedy)[0].token_ids, where
+
+
+def test_one_short_prompt_runs_on_the_batch_engine(model_dir):
+    """With the Pallas kernels, one prompt that a prefill step takes decodes on the batch engine (one compiled step
+    for the whole model) with the per-request path's greedy tokens; a longer prompt keeps the per-request path."""
+    rng = np.random.default_rng(PROMPT_SEED + 2)
+    short, long = (rng.integers(3, tiny_models.VOCAB, size=n).tolist() for n in (29, 70))
+    where = f"model seed {MODEL_SEED}, prompt seed {PROMPT_SEED + 2}"
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    reference = LLM(model_dir, dtype="float32", attention_impl="xla")
+    llm = LLM(model_dir, dtype="float32", attention_impl="pallas", max_num_seqs=2, max_num_batched_tokens=64)
+    assert llm.generate(long, greedy)[0].token_ids == reference.generate(long, greedy)[0].token_ids, where
+    assert llm._batch_engine is None, "a prompt longer than max_num_batched_tokens went to the batch engine"
+    assert llm.generate(short, greedy)[0].token_ids == reference.generate(short, greedy)[0].token_ids, where
+    assert llm._batch_engine is not None and llm._batch_engine.step_log, "one short prompt skipped the batch engine"
