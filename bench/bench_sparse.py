@@ -192,7 +192,6 @@ def phase_xattn_kernel(a) -> dict:
 
 
 def phase_xattn_prefill(a) -> dict:
-    import jax
     import jax.numpy as jnp
     import numpy as np
 
@@ -274,7 +273,7 @@ def report(src: Path, out: Path) -> None:
     pre = phases.get("xattn_prefill")
     if pre:
         m = pre["meta"]
-        lines += ["", f"## Prefill, full and XAttention at fixed densities (top blocks by estimate), Llama-3.1-8B shape",
+        lines += ["", "## Prefill, full and XAttention at fixed densities (top blocks by estimate), Llama-3.1-8B shape",
                   "", f"{m['device']} | jax {m['jax']} | {m['date']}; offloaded: block {pre['block_size']}, "
                   f"{pre['ring_slots']} ring slots; seconds, median (min-max) of {pre['rows'][0]['prefill_s']['n']} "
                   "after a warm-up", "",

@@ -160,8 +160,6 @@ def phase_offload(args) -> dict:
     import jax
 
     from jax_offload import LLM, SamplingParams
-    from jax_offload.models.rope import inverse_frequencies
-    from jax_offload.serving.engine import BatchEngine
 
     shape = "smoke" if args.shape == "smoke" else BATCH1_SHAPE
     ctx, n = (256, 4) if args.shape == "smoke" else (args.offload_context, args.offload_requests)
