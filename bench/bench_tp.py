@@ -282,7 +282,7 @@ def report(src: Path, out: Path) -> None:
     (out / "tp.json").write_text(json.dumps(phases, indent=1))
     meta = next(iter(phases.values()))["meta"]
     gb = lambda s: fmt(s, 1e-9, 1)  # noqa: E731
-    lines = [f"# Tensor-parallel benchmark, random bf16 weights", "",
+    lines = ["# Tensor-parallel benchmark, random bf16 weights", "",
              f"{meta['device']} x {meta['devices']} | jax {meta['jax']} | {meta['date']}", "",
              f"Every time is the median (min-max) of >= {meta['repeats']} runs after a warm-up; decode figures pool every "
              "step of those runs. Floor = each device's share of the full host blocks / its link's rate while every "

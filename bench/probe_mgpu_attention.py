@@ -9,7 +9,6 @@ import traceback
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
 from bench_kernels import attn_flops, rand, time_jax  # noqa: E402
