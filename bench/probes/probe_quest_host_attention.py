@@ -3,9 +3,11 @@
 probe_pinned_pallas (H200) showed a Pallas kernel can read rows of a pinned_host array without XLA copying the
 array: 16 MiB of random 8 KiB rows in 0.54 ms, against ~1.3 ms per layer for today's host gather + transfer
 (probe_host_gather). Quest chooses pages per KV head, so its attention is the paged decode kernel with one
-"sequence" per KV head: q [Hkv, group, D], the layer's K and V viewed as pages of one head
-[Hkv * pages_per_head, page, 1, D] (a reshape of a head-major store, no copy) and, as block tables, each head's
-chosen pages. One layer of the 8B shape at 128K, budget 4096 tokens per KV head, page 16.
+"sequence" per KV head: q [Hkv, group, D], K and V as pools of one-head pages [Hkv * pages_per_head, page, 1, D]
+and, as block tables, each head's chosen pages. One layer of the 8B shape at 128K, budget 4096 tokens per KV head,
+page 16. The host store keeps a page's K and V side by side ([blocks, Hkv, pages, 2, 16, D]): a flat page index
+(block, head, page) is a reshape, but separate K and V pools are not, so building Quest on this needs the kernel to
+read one [P, 2, page, D] pool (a BlockSpec change); the probe times the separate-pool form, the same bytes.
 Variants, each timed (median of 20 after a warm-up, each call waited for) or reported with the error it raised:
   device       the pool in GPU memory (reference speed and bits)
   host         the same call with the pool in pinned host memory, at the kernel's default splits
