@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.sharding import SingleDeviceSharding
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import call_seconds  # noqa: E402
+from common import call_seconds, run_metadata  # noqa: E402
 
 gpu = jax.default_backend() == "gpu"
 TOTAL_ROWS, ROW, ROWS = (65536, 4096, 2048) if gpu else (256, 64, 16)  # a row: 16 tokens of K or V, D 128, bf16
@@ -37,7 +37,7 @@ layer_np = rng.standard_normal((TOTAL_ROWS, ROW), np.float32).astype(jnp.bfloat1
 rows_np = np.sort(rng.choice(TOTAL_ROWS, ROWS, replace=False)).astype(np.int32)
 rows = jnp.asarray(rows_np)
 expected = layer_np[rows_np]
-out: dict = {"device": dev.device_kind, "jax": jax.__version__, "layer_MiB": layer_np.nbytes / 2**20,
+out: dict = run_metadata() | {"layer_MiB": layer_np.nbytes / 2**20,
              "gather_MiB": expected.nbytes / 2**20, "host_memory_kind": host.memory_kind}
 
 

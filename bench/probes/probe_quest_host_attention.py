@@ -29,7 +29,7 @@ from jax.sharding import SingleDeviceSharding
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from common import call_seconds  # noqa: E402
+from common import call_seconds, run_metadata  # noqa: E402
 
 import pallas_kernels  # noqa: E402
 
@@ -50,7 +50,7 @@ chosen = np.stack([np.sort(rng.choice(PAGES_PER_HEAD, CHOSEN, replace=False)) + 
                    for h in range(HKV)]).astype(np.int32)
 tables = jax.device_put(chosen, device)
 seq_lens = jax.device_put(np.full(HKV, BUDGET, np.int32), device)
-out: dict = {"device": dev.device_kind, "jax": jax.__version__, "kv_heads": HKV, "group": GROUP, "head_dim": D,
+out: dict = run_metadata() | {"kv_heads": HKV, "group": GROUP, "head_dim": D,
              "page": PAGE, "context": CONTEXT, "budget": BUDGET, "pool_MiB": 2 * k_np.nbytes / 2**20,
              "read_MiB": 2 * HKV * BUDGET * D * 2 / 2**20, "host_memory_kind": host.memory_kind}
 reference: list[np.ndarray] = []
