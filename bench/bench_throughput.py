@@ -7,8 +7,8 @@ Phases, each in a fresh process writing phase_<phase>_<shape>.json under --out:
           padded shape compiled), then --runs timed runs: output tokens/s; each decode step's time against its
           HBM floor (weights read + KV bytes read) / measured device read bandwidth
   hf      transformers' own continuous batching (init_continuous_batching + add_request with each request's
-          max_new_tokens; generate_batch with one max_new_tokens if that API is missing), warmed at the same
-          shape, --hf-runs timed runs
+          max_new_tokens; generate_batch with one max_new_tokens if that API is missing), warmed up on the same
+          workload, --hf-runs timed runs
   batch1  batch 1, KV in GPU memory, --batch1-context tokens (8K): per-token decode time against the HBM floor
           (8B shape unless --shape smoke), through LLM.generate (the batch engine) and the per-request path
   offload offload=True, --offload-requests prompts of --offload-context tokens (8B shape unless --shape smoke),
@@ -229,14 +229,14 @@ def batch_run(ps, ms):
     return sum(len(o.generated_tokens) for o in outs.values())
 
 api = "init_continuous_batching + add_request"
-try:
-    manager_run(prompts[:8], max_tokens[:8])
+try:  # the warm-up: the whole workload, as ours
+    manager_run(prompts, max_tokens)
     run = manager_run
 except Exception as err:  # older transformers: one max_new_tokens for the whole batch
     api, mean = f"generate_batch, every request max_new_tokens = the mean ({err!r:.80})", sum(max_tokens) // len(max_tokens)
     max_tokens = [mean] * len(max_tokens)
     run = batch_run
-    run(prompts[:8], max_tokens[:8])
+    run(prompts, max_tokens)
 seconds, tokens = [], 0
 for _ in range(runs):
     torch.cuda.synchronize(); t = time.perf_counter()
@@ -346,7 +346,7 @@ def main() -> None:
     p.add_argument("--shape", help="one shape (smoke: a tiny Llama and workload for a CPU check)")
     p.add_argument("--phases", default=",".join(PHASES))
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--hf-runs", type=int, default=1)
+    p.add_argument("--hf-runs", type=int, default=5)
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
