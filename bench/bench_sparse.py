@@ -2,8 +2,9 @@
 
 Phases (each in a fresh process, writing phase_<name>.json under --out):
   quest       Quest decode over the offloaded KV: ms/token and bytes moved per token at each context, full
-              offloaded decode at 128K in the same process, and where a 128K step's time goes (page choice,
-              gather + transfer, compute with the pages already on the GPU)
+              offloaded decode at 128K in the same process, and where a 128K step's time goes (the layers' q and
+              page choice, reading the chosen pages from pinned memory with attention over them, the same read
+              from GPU memory, the whole step with the store in GPU memory)
   xattn_kernel   XAttention's block-sparse kernel against our dense causal kernel at fixed densities of the
                  causal blocks (random choice per head and query block, sink and diagonal kept), and the
                  estimate of one layer (threshold 0.9) at the same length
@@ -45,7 +46,7 @@ def phase_quest(a) -> dict:
     import numpy as np
 
     from jax_offload import LLM, SamplingParams
-    from jax_offload.attention import embed_tokens, quest_begin
+    from jax_offload.attention import embed_tokens, quest_begin, quest_read
 
     cfg = model_config(a.shape, a.num_layers)
     # Contexts past the checkpoint's window (256K on Llama-3.1) are positions like any other for timing.
@@ -101,18 +102,24 @@ def phase_quest(a) -> dict:
     def select_all():
         out = []
         for l in sparse_layers:
-            r = quest_begin(cfg, params.layers[l], x, inv_freq, jnp.copy(tail), jnp.int32(n), jnp.int32(n % bs),
-                            (runner.quest.kmin[l], runner.quest.kmax[l]), runner.budget_pages, a.page_size, bs,
-                            jnp.int32(written * pages_per_block))
-            out.append(r[3])
+            out.append(quest_begin(cfg, params.layers[l], x, inv_freq, jnp.copy(tail), jnp.int32(n), jnp.int32(n % bs),
+                                   (runner.quest.kmin[l], runner.quest.kmax[l]), runner.budget_pages, a.page_size, bs,
+                                   jnp.int32(written * pages_per_block)))
         return jax.block_until_ready(out)
 
     def timed(fn, reps=a.repeats):
         return stats([t * 1e3 for t in call_seconds(fn, reps)])
 
+    def read_all(store):
+        # Reading each layer's chosen pages with attention over them (q, state, rows, key count from the choice).
+        return jax.block_until_ready([quest_read(impl, q, store.layer_buffer(l), rows, num_keys, state,
+                                                 *store.gather_places(l))
+                                      for l, (q, _, state, rows, num_keys) in zip(sparse_layers, begins)])
+
+    impl = quest.attention_impl
     selection = timed(select_all)
-    rows_per_layer = select_all()
-    transfer = timed(lambda: jax.block_until_ready([store.gather_pages(l, r) for l, r in zip(sparse_layers, rows_per_layer)]))
+    begins = select_all()
+    read_host = timed(lambda: read_all(store))
     store.reset()
     del quest
     compute_llm = make(max_model_len=n + tokens + bs, **sparse)
@@ -120,16 +127,17 @@ def phase_quest(a) -> dict:
     from jax_offload.kv.host_store import HostKVStore
 
     compute_llm._runner.store = HostKVStore(s.num_layers, s.num_blocks, s.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                            jnp.bfloat16, s.tp, s.places, host_memory_kind="device",
-                                            gpu_block_multiple=compute_llm._runner.gpu_run)
+                                            jnp.bfloat16, s.tp, s.places, host_memory_kind="device")
     warm_up(compute_llm)
     _, compute = run(compute_llm, n)
+    compute_llm._runner.store.mark_written(written)
+    read_device = timed(lambda: read_all(compute_llm._runner.store))
     del compute_llm
     full = make(max_model_len=n + tokens + bs)
     warm_up(full)
     _, full_decode = run(full, n)
-    breakdown = {"ctx": n, "selection_ms": selection, "gather_and_transfer_ms": transfer, "compute_only_ms": compute,
-                 "full_offloaded_decode_ms": full_decode}
+    breakdown = {"ctx": n, "selection_ms": selection, "read_from_host_and_attend_ms": read_host,
+                 "attend_in_gpu_ms": read_device, "compute_only_ms": compute, "full_offloaded_decode_ms": full_decode}
     print(json.dumps(breakdown), flush=True)
     return {"rows": rows, "breakdown": breakdown, "memory": meta, "budget": a.budget, "page_size": a.page_size,
             "dense_layers": a.dense_layers}
@@ -245,18 +253,29 @@ def report(src: Path, out: Path) -> None:
                   f"dense layers in GPU memory), medians (min-max) of every decode step", "",
                   "| ctx | prefill s | decode ms/token | bytes moved per token (measured) | budget x sparse layers x KV bytes |",
                   "|---|---|---|---|---|"]
-        for r in q["rows"]:
+        # Contexts that did not fit the same device call: phase_quest_more*.json, rows marked with a dagger.
+        more = [json.loads(f.read_text()) for f in sorted(src.glob("phase_quest_more*.json"))]
+        for r in q["rows"] + [dict(r, ctx=f"{r['ctx']} †") for extra in more for r in extra["rows"]]:
             lines.append(f"| {r['ctx']} | {r['prefill_s']:.2f} | {fmt(r['decode_ms'])} | {r['pcie_bytes_per_token'] / 2**20:.1f} MiB | "
                          f"{r['expected_bytes'] / 2**20:.1f} MiB |")
         b = q["breakdown"]
         speedup = b["full_offloaded_decode_ms"]["median"] / next(r for r in q["rows"] if r["ctx"] >= b["ctx"] - 64)["decode_ms"]["median"]
         lines += ["", f"At {b['ctx']} tokens, same process: full offloaded decode {fmt(b['full_offloaded_decode_ms'])} ms/token, "
-                  f"Quest {speedup:.1f}x faster. Where a Quest step goes: page choice for all sparse layers "
-                  f"{fmt(b['selection_ms'])} ms; gather on the host + transfer, all sparse layers {fmt(b['gather_and_transfer_ms'])} ms; "
-                  f"the whole step with the pages already in GPU memory (choice, attention, the rest of the layers) "
+                  f"Quest {speedup:.1f}x faster. Where a Quest step goes (each part timed on its own, all sparse layers): "
+                  f"the layer's q and the page choice {fmt(b['selection_ms'])} ms; "
+                  + (f"reading the chosen pages from pinned host memory with attention over them (the kernel's loads "
+                     f"cross PCIe) {fmt(b['read_from_host_and_attend_ms'])} ms, the same with the store in GPU memory "
+                     f"{fmt(b['attend_in_gpu_ms'])} ms (the difference is the transfer); "
+                     if "attend_in_gpu_ms" in b else
+                     f"gather on the host + transfer {fmt(b['gather_and_transfer_ms'])} ms; ")
+                  + f"the whole step with the store in GPU memory (choice, attention, the rest of the layers) "
                   f"{fmt(b['compute_only_ms'])} ms.",
                   f"GPU memory: page bounds {q['memory']['page_bounds_GiB']:.2f} GiB, dense layers' KV "
                   f"{q['memory']['dense_layers_gpu_GiB']:.2f} GiB; host store {q['memory']['host_store_GiB']:.1f} GiB."]
+        lines += [
+                  f"† Another device call (same device model and software), {e['meta']['date']}: page bounds "
+                  f"{e['memory']['page_bounds_GiB']:.2f} GiB, dense layers' KV {e['memory']['dense_layers_gpu_GiB']:.2f} "
+                  f"GiB, host store {e['memory']['host_store_GiB']:.1f} GiB." for e in more]
     kernel = phases.get("xattn_kernel")
     if kernel:
         m = kernel["meta"]

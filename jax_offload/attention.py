@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from jax_offload.config import ModelConfig
-from jax_offload.kv.host_store import from_stored_layout, gather_rows
+from jax_offload.kv.host_store import PAGE_UNIT, from_stored_layout, gather_rows, in_device_memory
 from jax_offload.models import decoder
 from jax_offload.models.params import LayerParams
 from jax_offload.precision import step_jit
@@ -315,24 +315,68 @@ def _layer_blocks(buffer: jax.Array) -> tuple[jax.Array, jax.Array]:
     return _split_block(from_stored_layout(buffer.swapaxes(0, 1).reshape(hkv, nb * units, *buffer.shape[3:])))
 
 
-@functools.partial(step_jit, static_argnums=(0, 5), static_argnames=("tp",))
-def attend_stored(impl: str, q: jax.Array, buffer: jax.Array, first: jax.Array, state: AttentionState, count: int,
-                  kv_len: jax.Array, tp: TensorParallel | None = None) -> AttentionState:
-    """Continues a token's state over `count` blocks of a one-buffer layer in GPU memory from block `first`, of
-    which the first `kv_len` keys are real: the key order and splits of those blocks streamed through the ring."""
-    k, v = _layer_blocks(jax.lax.dynamic_slice_in_dim(buffer, first, count))
-    return attend(impl, q, k, v, state, causal=False, kv_len=kv_len, tp=tp)
+def _all_rows(buffer: jax.Array) -> jax.Array:
+    """Every store row of a one-buffer layer [num_blocks, Hkv, units, ...], per KV head in key order -> [Hkv, n]."""
+    num_blocks, hkv, units = buffer.shape[:3]
+    unit = jnp.arange(num_blocks * units, dtype=jnp.int32)
+    head = jnp.arange(hkv, dtype=jnp.int32)[:, None]
+    return ((unit // units)[None] * hkv + head) * units + unit % units
+
+
+@functools.partial(step_jit, static_argnums=(0, 1, 10, 11), static_argnames=("tp",), donate_argnums=(5,))
+def dense_stored_layer(
+    cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, inv_freq: jax.Array, tail: jax.Array,
+    position: jax.Array, tail_len: jax.Array, num_keys: jax.Array, buffer: jax.Array, host, device,
+    tp: TensorParallel | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """A whole decode layer over a one-buffer layer kept in GPU memory (the dense layers of Quest) as one program:
+    attention over its first `num_keys` stored keys, then the tail and the rest of the layer. With the Pallas
+    kernels one paged-kernel call reads every KV head's rows in key order from the stored layout (no copy of the
+    layer); the jnp path rearranges the layer. `host`, `device`: `HostKVStore.gather_places`.
+    -> (hidden, tail with the token's K, V)."""
+    q, tail, state = _decode_inputs(cfg, layer, x, inv_freq, tail, position, tail_len, tp)
+
+    def local(q, buffer, state, num_keys):
+        if impl == "xla":
+            return attend(impl, q, *_layer_blocks(buffer), state, causal=False, kv_len=num_keys)
+        return attend_rows(impl, q, buffer, _all_rows(buffer), num_keys, state, host, device)
+
+    state = _local(tp, local, (HEADS, BUFFER_HEADS, STATE_HEADS, None), STATE_HEADS)(q, buffer, state, num_keys)
+    return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state, tp), tail
 
 
 def _chosen_rows(q, kmin, kmax, num_pages, budget_pages, page_size, block_size):
-    """The store rows of the pages Quest chooses for each KV head of kmin/kmax (see `quest.page_rows`)."""
+    """The store rows [Hkv, budget_pages * page_size / PAGE_UNIT] of the pages Quest chooses for each KV head of
+    kmin/kmax (see `quest.page_rows`)."""
     pages = quest.select_pages(q[0, 0], kmin, kmax, num_pages, budget_pages)
-    return quest.page_rows(pages, kmin.shape[1], page_size, block_size)
+    return quest.page_rows(pages, kmin.shape[1], page_size, block_size).reshape(kmin.shape[0], -1)
 
 
 def _page_keys(pages: jax.Array, num_kv_heads: int) -> tuple[jax.Array, jax.Array]:
     """Gathered pages [Hkv * n, 2, PAGE_UNIT, D], head by head -> k, v [1, n * PAGE_UNIT, Hkv, D]."""
     return _split_block(from_stored_layout(pages.reshape(num_kv_heads, -1, *pages.shape[1:])))
+
+
+def attend_rows(impl: str, q: jax.Array, buffer: jax.Array, rows: jax.Array, num_keys: jax.Array,
+                state: AttentionState, host, device) -> AttentionState:
+    """Continues `state` of q [1, 1, Hq, D] over store rows [Hkv, n] of a one-buffer layer `buffer` (each KV
+    head's own rows, its first `num_keys` keys). With the Pallas kernels on a GPU, or a buffer in GPU memory, the
+    paged kernel reads the rows straight from the buffer: from a pinned host buffer only they cross PCIe and
+    nothing is gathered first. The jnp path (and Pallas interpret mode, which cannot read host memory) gathers
+    the rows on the host and moves them first."""
+    hkv, d = buffer.shape[1], buffer.shape[-1]
+    if impl == "xla":
+        pages = gather_rows(buffer, rows.reshape(-1), host, device)
+        return attend(impl, q, *_page_keys(pages, hkv), state, causal=False, kv_len=num_keys)
+    if jax.default_backend() == "gpu" or in_device_memory(host):
+        pool, tables = buffer.reshape(-1, 2, PAGE_UNIT, 1, d), rows  # each KV head's rows: a "sequence"
+    else:
+        pool = gather_rows(buffer, rows.reshape(-1), host, device)[:, :, :, None]
+        tables = jnp.arange(rows.size, dtype=jnp.int32).reshape(rows.shape)
+    hq = q.shape[2]
+    o, lse = pallas_kernels.paged_decode_attention_kv_with_lse(
+        q.reshape(hkv, hq // hkv, d), pool, tables, jnp.full((hkv,), num_keys, jnp.int32), out_dtype=jnp.float32)
+    return pallas_kernels.merge_into_state(state, o.reshape(1, 1, hq, d), lse.reshape(1, hq, 1))
 
 
 def _quest_choice(cfg, layer, x, inv_freq, tail, position, tail_len, bounds, budget_pages, page_size, block_size,
@@ -342,41 +386,38 @@ def _quest_choice(cfg, layer, x, inv_freq, tail, position, tail_len, bounds, bud
     return q, tail, state, rows, jnp.minimum(num_pages, budget_pages) * page_size
 
 
-def _quest_attend(cfg, impl, layer, x, q, pages, num_keys, tail, tail_len, state):
-    state = attend(impl, q, *_page_keys(pages, cfg.num_kv_heads), state, causal=False, kv_len=num_keys)
-    return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state)
-
-
-@functools.partial(step_jit, static_argnums=(0, 1, 9, 10, 11, 14, 15), static_argnames=("tp",), donate_argnums=(5,))
+@functools.partial(step_jit, static_argnums=(0, 1, 9, 10, 11, 12, 15, 16), static_argnames=("tp",),
+                   donate_argnums=(5,))
 def quest_layer(
     cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, inv_freq: jax.Array, tail: jax.Array,
     position: jax.Array, tail_len: jax.Array, bounds: tuple[jax.Array, jax.Array], budget_pages: int,
-    page_size: int, block_size: int, num_pages: jax.Array, buffer: jax.Array, host, device,
+    page_size: int, block_size: int, num_candidates: int, num_pages: jax.Array, buffer: jax.Array, host, device,
     tp: TensorParallel | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """A whole Quest decode layer as one program: the choice of pages among the first `num_pages` (the store
-    rows each KV head reads), the host gather of those rows from the pinned `buffer` and their transfer,
-    attention over them (fewer real keys than the budget while the context is short), the tail, and the rest
-    of the layer: one dispatch, no round trip through Python between choosing and reading. Under tensor
-    parallelism each device chooses, gathers from its own pinned shard and attends for its own KV heads.
-    `host`, `device`: where the buffer lives and where the pages go (`HostKVStore.gather_places`).
-    -> (hidden, tail with the token's K, V)."""
+    rows each KV head reads; only the first `num_candidates` >= num_pages slots of the bounds are scored), the
+    read of those rows from the pinned `buffer` with attention over them (fewer real keys than the budget while
+    the context is short), the tail, and the rest of the layer: one dispatch, no round trip through Python
+    between choosing and reading. Under tensor parallelism each device chooses, reads from its own pinned shard
+    and attends for its own KV heads. `host`, `device`: where the buffer lives and where pages go
+    (`HostKVStore.gather_places`). -> (hidden, tail with the token's K, V)."""
     q, tail, state = _decode_inputs(cfg, layer, x, inv_freq, tail, position, tail_len, tp)
 
     def local(q, kmin, kmax, buffer, state, num_pages):
+        kmin, kmax = kmin[:, :num_candidates], kmax[:, :num_candidates]
         rows = _chosen_rows(q, kmin, kmax, num_pages, budget_pages, page_size, block_size)
-        pages = gather_rows(buffer, rows, host, device)
         num_keys = jnp.minimum(num_pages, budget_pages) * page_size
-        return attend(impl, q, *_page_keys(pages, kmin.shape[0]), state, causal=False, kv_len=num_keys)
+        return attend_rows(impl, q, buffer, rows, num_keys, state, host, device)
 
     state = _local(tp, local, (HEADS, BOUNDS_HEADS, BOUNDS_HEADS, BUFFER_HEADS, STATE_HEADS, None), STATE_HEADS)(
         q, *bounds, buffer, state, num_pages)
     return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state, tp), tail
 
 
-# The two halves of `quest_layer` as calls of their own, for the benchmark to time apart.
+# Steps of `quest_layer` as calls of their own, for the benchmark to time apart: the choice (with the layer's q),
+# and the read of the chosen pages with attention over them.
 quest_begin = functools.partial(step_jit, static_argnums=(0, 8, 9, 10))(_quest_choice)
-quest_end = functools.partial(step_jit, static_argnums=(0, 1))(_quest_attend)
+quest_read = functools.partial(step_jit, static_argnums=(0, 6, 7))(attend_rows)
 
 
 @functools.partial(step_jit, static_argnums=(0, 1, 2), static_argnames=("xattn", "tp"))

@@ -43,7 +43,7 @@ class DeviceRunner:
         shape = (1, cache_len, cfg.num_kv_heads, cfg.head_dim)
         self._k = [self.tp.zeros(shape, self.dtype, 2) for _ in range(cfg.num_layers)]
         self._v = [self.tp.zeros(shape, self.dtype, 2) for _ in range(cfg.num_layers)]
-        length = jnp.asarray(prompt_len, jnp.int32)
+        length = np.int32(prompt_len)
         done = LaggedProgress(progress)
         self.prefill_block_counts = []
         for i, layer in enumerate(self.params.layers):
@@ -57,7 +57,7 @@ class DeviceRunner:
 
     def decode(self, x: jax.Array, position: int) -> jax.Array:
         """x [1, 1, hidden] embedded new token at `position` -> its final hidden state."""
-        pos = jnp.asarray(position, jnp.int32)
+        pos = np.int32(position)
         for i, layer in enumerate(self.params.layers):
             x, self._k[i], self._v[i] = decode_layer_in_device(
                 self.cfg, self.impl, layer, x, self.inv_freq, self._k[i], self._v[i], pos, tp=self.tp

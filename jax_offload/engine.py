@@ -279,7 +279,7 @@ class LLM:
         knobs = (
             jnp.float32(params.temperature),
             jnp.float32(params.top_p),
-            jnp.int32(params.top_k),
+            np.int32(params.top_k),
         )
         stops = params.stop_strings
         watch_text = bool(stops) or on_text is not None
@@ -288,7 +288,7 @@ class LLM:
         try:
             start = time.perf_counter()
             hidden, first_position = self._prefill(ids, total_len, progress)
-            logit_row = _last_logits(cfg, self.params, hidden, jnp.int32(len(ids) - 1 - first_position))
+            logit_row = _last_logits(cfg, self.params, hidden, np.int32(len(ids) - 1 - first_position))
             token = int(to_host(sample_token(logit_row, *knobs, jax.random.fold_in(key, 0))))
             prefill_s = time.perf_counter() - start
             density = self._prefill_density()
@@ -313,7 +313,7 @@ class LLM:
                     break
                 x = embed_tokens(self.params.embed, np.full((1, 1), token, np.int32))
                 hidden = self._runner.decode(x, position)
-                logit_row = _last_logits(cfg, self.params, hidden, jnp.int32(0))
+                logit_row = _last_logits(cfg, self.params, hidden, np.int32(0))
                 token = int(to_host(sample_token(logit_row, *knobs, jax.random.fold_in(key, len(generated)))))
                 now = time.perf_counter()
                 step_seconds.append(now - step_start)

@@ -23,11 +23,11 @@ import numpy as np
 
 from jax_offload.attention import (
     attend_blocks,
-    attend_stored,
     chunk_begin,
     chunk_end,
     decode_begin,
     decode_end,
+    dense_stored_layer,
     embed_tokens,
     gather_keys,
     layerwise_layer,
@@ -44,8 +44,6 @@ from jax_offload.models.params import ModelParams
 from jax_offload.progress import LaggedProgress
 from jax_offload.sparse.quest import QuestPages
 from jax_offload.tensor_parallel import TensorParallel, to_host
-
-GPU_RUN_KEYS = 16384
 
 
 class OffloadRunner:
@@ -77,12 +75,8 @@ class OffloadRunner:
             self.gathered_bytes = 2 * engine.decode_budget * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
             self.quest = QuestPages(list(range(dense, cfg.num_layers)), num_blocks * engine.block_size // engine.page_size,
                                     cfg.num_kv_heads, cfg.head_dim, engine.page_size, dtype, tp)
-        # Blocks per call over a "gpu" layer: runs of GPU_RUN_KEYS keys (their splits unrolled in one program).
-        self.gpu_run = min(max(1, GPU_RUN_KEYS // engine.block_size), num_blocks)
         self.store = HostKVStore(
-            cfg.num_layers, num_blocks, engine.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, tp, places,
-            gpu_block_multiple=self.gpu_run,
-        )
+            cfg.num_layers, num_blocks, engine.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, tp, places)
         self.xattn = engine.xattention()
         self.last_decode_pcie_bytes = 0  # bytes the last decode step moved from host to GPU
         self.last_prefill_pcie_bytes = 0  # bytes the last prefill moved from host to GPU
@@ -112,15 +106,6 @@ class OffloadRunner:
     def _keys_of(self, layer: int, blocks: Sequence[int]) -> list[Key]:
         """The store keys of the request's logical `blocks` of `layer`."""
         return [(layer, self._blocks[b]) for b in blocks]
-
-    def _attend_in_gpu(self, layer: int, q, state):
-        """Continues the state over a "gpu" layer's blocks, a fixed-size run of them per call: no transfer to
-        wait for, so nothing syncs, and one compiled shape covers every context length."""
-        buffer, written = self.store.layer_buffer(layer), self._written[layer]
-        for first in range(0, written, self.gpu_run):
-            keys = jnp.int32(min(self.gpu_run, written - first) * self.block_size)
-            state = attend_stored(self.impl, q, buffer, jnp.int32(first), state, self.gpu_run, keys, tp=self.tp)
-        return state
 
     def attend_groups(self, ring: BlockRing, layer_groups: list[list[Key]], q, state):
         """Continues the attention state over each of the layer's groups, handing each group's slots back."""
@@ -177,10 +162,10 @@ class OffloadRunner:
                 groups, ring = self._stream([range(c)] * len(layers))
                 self.last_prefill_pcie_bytes += c * self._host_layers() * self.store.block_bytes
             for l, layer in enumerate(layers):
-                q, kv, state = chunk_begin(self.cfg, layer, h, self.inv_freq, jnp.int32(c * bs), tp=self.tp)
+                q, kv, state = chunk_begin(self.cfg, layer, h, self.inv_freq, np.int32(c * bs), tp=self.tp)
                 if self.xattn is None:
                     state = self.attend_groups(ring, groups[l], q, state)
-                    h = chunk_end(self.cfg, self.impl, layer, h, q, kv, jnp.int32(chunk_len), state, tp=self.tp)
+                    h = chunk_end(self.cfg, self.impl, layer, h, q, kv, np.int32(chunk_len), state, tp=self.tp)
                 else:
                     h = self._xattn_chunk_layer(l, layer, h, q, kv, state, c, chunk_len)
                 self._keep_block(l, c, kv, chunk_len)
@@ -199,13 +184,13 @@ class OffloadRunner:
     def _xattn_chunk_layer(self, l: int, layer, h, q, kv, state, c: int, chunk_len: int) -> jax.Array:
         """One layer of a prompt chunk under XAttention: the earlier blocks stream once into the key buffer for
         the estimate, then the blocks some head chose stream again for attention."""
-        bs, start = self.block_size, jnp.int32(c * self.block_size)
+        bs, start = self.block_size, np.int32(c * self.block_size)
         ring = BlockRing(self.store, self.num_slots, grouped(self._keys_of(l, range(c)), self.group))
         for g in grouped(range(c), self.group):
-            self._keys, done = gather_keys(self._keys, tuple(ring.take()), jnp.int32(g[0] * bs))
+            self._keys, done = gather_keys(self._keys, tuple(ring.take()), np.int32(g[0] * bs))
             ring.release(done, len(g))
         mask, needed, self._keys, counts = xattn_chunk_select(
-            self.impl, self.xattn, q, self._keys, kv, start, jnp.int32(chunk_len), tp=self.tp)
+            self.impl, self.xattn, q, self._keys, kv, start, np.int32(chunk_len), tp=self.tp)
         chosen = [int(b) for b in np.flatnonzero(to_host(needed))]
         ring = BlockRing(self.store, self.num_slots, grouped(self._keys_of(l, chosen), self.group))
         for g in grouped(chosen, self.group):
@@ -215,11 +200,11 @@ class OffloadRunner:
         if self.store.places[l] != "gpu":
             self.last_prefill_pcie_bytes += (c + len(chosen)) * self.store.block_bytes
         self.prefill_block_counts[l] = self.prefill_block_counts[l] + counts
-        return xattn_chunk_end(self.cfg, self.impl, self.xattn, layer, h, q, kv, jnp.int32(chunk_len), state, mask,
+        return xattn_chunk_end(self.cfg, self.impl, self.xattn, layer, h, q, kv, np.int32(chunk_len), state, mask,
                                start, tp=self.tp)
 
     def _prefill_layerwise(self, x: jax.Array, prompt_len: int, progress) -> jax.Array:
-        length = jnp.int32(prompt_len)
+        length = np.int32(prompt_len)
         done = LaggedProgress(progress)
         for l, layer in enumerate(self.params.layers):
             x, blocks, self.prefill_block_counts[l] = layerwise_layer(
@@ -251,27 +236,32 @@ class OffloadRunner:
     def decode(self, x: jax.Array, position: int) -> jax.Array:
         """x [1, 1, hidden] embedded new token at `position` -> its final hidden state."""
         layers, store = self.params.layers, self.store
-        pos, tail_len = jnp.int32(position), jnp.int32(self._tail_len)
         streamed = [range(self._written[l]) if place == "blocks" else [] for l, place in enumerate(store.places)]
         groups, ring = self._stream(streamed)
         moved = sum(len(b) for b in streamed) * store.block_bytes
-        if self.quest is not None:  # every layer holds the same blocks: one count for all sparse layers
-            num_pages = jnp.int32(self._written[min(self.quest.layers)] * (self.block_size // self.page_size))
+        # Every layer holds the same blocks. The step's scalars go to the GPU once, not once per layer's call.
+        written = self._written[0]
+        pos, tail_len, num_keys = jax.device_put([np.int32(position), np.int32(self._tail_len),
+                                                  np.int32(written * self.block_size)])
+        if self.quest is not None:
+            pages = written * (self.block_size // self.page_size)
+            num_pages, candidates = jax.device_put(np.int32(pages)), self.quest.candidates(pages, self.budget_pages)
         for l, layer in enumerate(layers):
-            if store.places[l] == "pages":
+            if store.places[l] == "gpu":
+                x, self._tails[l] = dense_stored_layer(
+                    self.cfg, self.impl, layer, x, self.inv_freq, self._tails[l], pos, tail_len, num_keys,
+                    store.layer_buffer(l), *store.gather_places(l), tp=self.tp)
+            elif store.places[l] == "pages":
                 x, self._tails[l] = quest_layer(
                     self.cfg, self.impl, layer, x, self.inv_freq, self._tails[l], pos, tail_len,
                     (self.quest.kmin[l], self.quest.kmax[l]), self.budget_pages, self.page_size, self.block_size,
-                    num_pages, store.layer_buffer(l),
+                    candidates, num_pages, store.layer_buffer(l),
                     *store.gather_places(l), tp=self.tp)
                 moved += self.gathered_bytes
             else:
                 q, self._tails[l], state = decode_begin(self.cfg, layer, x, self.inv_freq, self._tails[l], pos,
                                                         tail_len, tp=self.tp)
-                if store.places[l] == "gpu":
-                    state = self._attend_in_gpu(l, q, state)
-                else:
-                    state = self.attend_groups(ring, groups[l], q, state)
+                state = self.attend_groups(ring, groups[l], q, state)
                 x = decode_end(self.cfg, self.impl, layer, x, q, self._tails[l], tail_len, state, tp=self.tp)
         self.last_decode_pcie_bytes = moved
         self._tail_len += 1

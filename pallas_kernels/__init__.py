@@ -23,7 +23,12 @@ from pallas_kernels.decode import (
     default_decode_config,
 )
 from pallas_kernels.merge import merge_states, merge_states_n
-from pallas_kernels.paged_decode import paged_decode_attention_with_lse, paged_decode_attention_with_lse_xla
+from pallas_kernels.paged_decode import (
+    paged_decode_attention_kv_with_lse,
+    paged_decode_attention_kv_with_lse_xla,
+    paged_decode_attention_with_lse,
+    paged_decode_attention_with_lse_xla,
+)
 from pallas_kernels.state import AttentionState, empty_state, finish_state, merge_into_state
 from pallas_kernels.xattn import (
     antidiagonal_scores,
@@ -58,6 +63,8 @@ __all__ = [
     "merge_softmax_stats",
     "merge_states",
     "merge_states_n",
+    "paged_decode_attention_kv_with_lse",
+    "paged_decode_attention_kv_with_lse_xla",
     "paged_decode_attention_with_lse",
     "paged_decode_attention_with_lse_xla",
     "select_blocks",

@@ -9,6 +9,10 @@ so the pages are never gathered in memory. The per-split states are merged in fl
 `paged_decode_attention_with_lse_xla` is the jnp twin (gathers the pages, then runs
 `decode_attention_with_lse_xla`).
 
+`paged_decode_attention_kv_with_lse` reads one pool that keeps a page's keys and values side by side,
+[num_pages, 2, page_size, Hkv, D] (the offloaded store's page layout): Quest's decode reads the pages it chose
+straight from the pinned host store with it, the kernel's loads crossing PCIe (zero copy).
+
 Semantics: q [B, Hq, D]; k_pages/v_pages [num_pages, page_size, Hkv, D]; block_tables int32
 [B, max_pages]; sequence b sees keys j < seq_lens[b], key j living at row j % page_size of
 physical page block_tables[b, j // page_size]. Entries of block_tables at or past
@@ -57,8 +61,8 @@ from pallas_kernels.merge import merge_stack
 
 
 def _paged_decode_kernel(seqlen_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-                         scale_log2: float, page_size: int, block_k: int, split_len: int,
-                         group: int, precision):
+                         scale_log2: float, page_size: int, page_stride: int, v_offset: int,
+                         block_k: int, split_len: int, group: int, precision):
     split = pl.program_id(0)
     seq_len = seqlen_ref[()]
     start = split * split_len  # a multiple of page_size: a key block never straddles pages
@@ -76,8 +80,9 @@ def _paged_decode_kernel(seqlen_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref
         # Only pages below ceil(seq_len / page_size) are reached, so padding entries of the
         # block table are never read.
         phys = bt_ref[fdiv(pos, page_size)]
-        row = pl.multiple_of(phys * page_size + lax.rem(pos, jnp.int32(page_size)), block_k)
+        row = pl.multiple_of(phys * page_stride + lax.rem(pos, jnp.int32(page_size)), block_k)
         kslice = pl.ds(row, block_k)
+        vslice = pl.ds(pl.multiple_of(row + v_offset, block_k), block_k)
         col_ok = None
         if masked:
             # Rows of the tail page past seq_len may hold stale keys (even NaN): never loaded.
@@ -88,7 +93,7 @@ def _paged_decode_kernel(seqlen_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref
         if masked:
             s = jnp.where(col_ok[None, :], s, NEG_INF)
         return online_softmax_update(
-            carry, s, lambda: load_rows(v_ref, kslice, col_ok), scale_log2=scale_log2,
+            carry, s, lambda: load_rows(v_ref, vslice, col_ok), scale_log2=scale_log2,
             masked=masked, precision=precision)
 
     carry = empty_softmax_state(block_h, q.shape[-1])
@@ -99,10 +104,14 @@ def _paged_decode_kernel(seqlen_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref
     plgpu.store(lse_ref, lse, mask=row_ok)
 
 
-def _paged_decode_pallas(q, k_pages, v_pages, block_tables, seq_lens, *, sm_scale, out_dtype,
-                         interpret, block_k, num_splits, num_warps, num_stages):
+def _paged_decode_pallas(q, k_rows, v_rows, block_tables, seq_lens, *, page_size, v_offset, sm_scale,
+                         out_dtype, interpret, block_k, num_splits, num_warps, num_stages):
+    """k_rows, v_rows [rows, Hkv, D]: page p's keys are rows p * page_stride + [0, page_size) of k_rows, its
+    values the same rows + v_offset of v_rows (page_stride = page_size for separate pools; a combined pool is
+    passed as both, with page_stride = 2 * page_size and v_offset = page_size)."""
     batch, hq, d = q.shape
-    num_pages, page_size, hkv, _ = k_pages.shape
+    _, hkv, _ = k_rows.shape
+    page_stride = page_size + v_offset
     max_pages = block_tables.shape[1]
     group = hq // hkv
     block_h = max(MIN_BLOCK, next_pow2(group))
@@ -110,15 +119,11 @@ def _paged_decode_pallas(q, k_pages, v_pages, block_tables, seq_lens, *, sm_scal
     num_splits = -(-max_pages // split_pages)
     kernel = functools.partial(
         _paged_decode_kernel, scale_log2=sm_scale * LOG2E, page_size=page_size,
-        block_k=block_k, split_len=split_pages * page_size, group=group,
+        page_stride=page_stride, v_offset=v_offset, block_k=block_k, split_len=split_pages * page_size, group=group,
         precision=dot_precision(q.dtype))
     qg = q.reshape(batch, hkv, group, d)
-    # The pool as rows [num_pages * page_size, Hkv, D] (a free reshape): page p starts at row
-    # p * page_size, so a key block is one contiguous row slice, as in the contiguous kernel.
-    pool_rows = num_pages * page_size
-    k_rows = k_pages.reshape(pool_rows, hkv, d)
-    v_rows = v_pages.reshape(pool_rows, hkv, d)
-    kv_spec = pl.BlockSpec((pool_rows, None, d), lambda s, bh: (0, bh % hkv, 0))
+    # A key block is one contiguous row slice of a page, as in the contiguous kernel.
+    kv_spec = pl.BlockSpec((k_rows.shape[0], None, d), lambda s, bh: (0, bh % hkv, 0))
     o_part, lse_part = pl.pallas_call(
         kernel,
         grid=(num_splits, batch * hkv),
@@ -148,8 +153,8 @@ def _paged_decode_pallas(q, k_pages, v_pages, block_tables, seq_lens, *, sm_scal
 
 
 _paged_decode_pallas = interpret_aware_jit(
-    _paged_decode_pallas, ("sm_scale", "out_dtype", "interpret", "block_k", "num_splits",
-                           "num_warps", "num_stages"))
+    _paged_decode_pallas, ("page_size", "v_offset", "sm_scale", "out_dtype", "interpret", "block_k",
+                           "num_splits", "num_warps", "num_stages"))
 
 
 def _check_paged_args(q, k_pages, v_pages, block_tables, seq_lens):
@@ -217,8 +222,35 @@ def paged_decode_attention_with_lse(q: jax.Array, k_pages: jax.Array, v_pages: j
       o [B, Hq, D] in out_dtype (default q.dtype) and lse [B, Hq] float32 (natural log).
     """
     block_tables, seq_lens = _check_paged_args(q, k_pages, v_pages, block_tables, seq_lens)
+    num_pages, page_size, hkv, d = k_pages.shape
+    rows = num_pages * page_size  # page p starts at row p * page_size (a free reshape)
+    return _launch(q, k_pages.reshape(rows, hkv, d), v_pages.reshape(rows, hkv, d), block_tables, seq_lens,
+                   page_size=page_size, v_offset=0, sm_scale=sm_scale, out_dtype=out_dtype, interpret=interpret,
+                   block_k=block_k, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+
+
+def paged_decode_attention_kv_with_lse(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
+                                       seq_lens: jax.Array, **options) -> tuple[jax.Array, jax.Array]:
+    """`paged_decode_attention_with_lse` over one pool kv_pages [num_pages, 2, page_size, Hkv, D]
+    whose page p holds its keys at [p, 0] and its values at [p, 1]; same arguments and results.
+
+    The pool may live in pinned host memory (memory kind "pinned_host") when the call runs on a
+    GPU inside `jax.jit`: the kernel then reads only the pages its block tables name, over PCIe,
+    and nothing copies the pool."""
+    if kv_pages.ndim != 5 or kv_pages.shape[1] != 2:
+        raise ValueError(f"kv_pages has shape {kv_pages.shape}; allowed: [num_pages, 2, page_size, Hkv, D]")
+    num_pages, _, page_size, hkv, d = kv_pages.shape
+    half = jax.ShapeDtypeStruct((num_pages, page_size, hkv, d), kv_pages.dtype)
+    block_tables, seq_lens = _check_paged_args(q, half, half, block_tables, seq_lens)
+    rows = kv_pages.reshape(num_pages * 2 * page_size, hkv, d)
+    return _launch(q, rows, rows, block_tables, seq_lens, page_size=page_size, v_offset=page_size, **options)
+
+
+def _launch(q, k_rows, v_rows, block_tables, seq_lens, *, page_size, v_offset, sm_scale=None, out_dtype=None,
+            interpret=None, block_k=None, num_splits=None, num_warps=None, num_stages=None):
+    """Defaults the launch parameters (see `paged_decode_attention_with_lse`) and runs the kernel."""
     batch, _, d = q.shape
-    page_size, hkv = k_pages.shape[1], k_pages.shape[2]
+    hkv = k_rows.shape[1]
     max_pages = block_tables.shape[1]
     _check_pallas_head_dim(d)
     cfg = default_decode_config(q.dtype)
@@ -231,7 +263,8 @@ def paged_decode_attention_with_lse(q: jax.Array, k_pages: jax.Array, v_pages: j
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits}; allowed: >= 1")
     return _paged_decode_pallas(
-        q, k_pages, v_pages, block_tables, seq_lens, sm_scale=check_sm_scale(sm_scale, d),
+        q, k_rows, v_rows, block_tables, seq_lens, page_size=page_size, v_offset=v_offset,
+        sm_scale=check_sm_scale(sm_scale, d),
         out_dtype=check_out_dtype(out_dtype, q.dtype), interpret=interpret, block_k=block_k,
         num_splits=int(min(num_splits, max_pages)), num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"])
@@ -271,3 +304,12 @@ def paged_decode_attention_with_lse_xla(q: jax.Array, k_pages: jax.Array, v_page
     k, v = _gather_pages(k_pages, v_pages, block_tables, seq_lens)
     return decode_attention_with_lse_xla(q, k, v, kv_len=seq_lens, sm_scale=sm_scale,
                                          out_dtype=out_dtype)
+
+
+def paged_decode_attention_kv_with_lse_xla(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
+                                           seq_lens: jax.Array, **options) -> tuple[jax.Array, jax.Array]:
+    """jnp twin of `paged_decode_attention_kv_with_lse` (the pool in device memory)."""
+    if kv_pages.ndim != 5 or kv_pages.shape[1] != 2:
+        raise ValueError(f"kv_pages has shape {kv_pages.shape}; allowed: [num_pages, 2, page_size, Hkv, D]")
+    return paged_decode_attention_with_lse_xla(q, kv_pages[:, 0], kv_pages[:, 1], block_tables, seq_lens,
+                                               **options)

@@ -11,6 +11,8 @@ import pytest
 from pallas_kernels import paged_decode as paged_mod
 from pallas_kernels.decode import decode_attention_with_lse
 from pallas_kernels.paged_decode import (
+    paged_decode_attention_kv_with_lse,
+    paged_decode_attention_kv_with_lse_xla,
     paged_decode_attention_with_lse,
     paged_decode_attention_with_lse_xla,
 )
@@ -90,6 +92,23 @@ def test_paged_decode_matches_float64(impl, case):
     ref_o, ref_lse = _reference(numpy_inputs, seq_lens)
     tol = 1e-5 if dtype == "float32" else 1e-2
     assert_attention_close(o, lse, ref_o, ref_lse, tol=tol, lse_tol=max(1e-5, tol))
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_combined_kv_pool_matches_float64(impl):
+    """One pool with each page's keys and values side by side [num_pages, 2, page, Hkv, D] (the host
+    store's layout) gives the float64 result, several pages per split and a tail mid-page."""
+    b, hq, hkv, d, page_size, max_pages, seq_lens, dtype, kwargs = CASES["gqa4_f32_two_splits"]
+    (q, k_pages, v_pages, table, lens), numpy_inputs = _paged_inputs(
+        5050 + (impl == "xla"), b, hq, hkv, d, page_size, max_pages, seq_lens, dtype)
+    kv_pages = jnp.stack([k_pages, v_pages], axis=1)
+    fn = {"pallas": paged_decode_attention_kv_with_lse, "xla": paged_decode_attention_kv_with_lse_xla}[impl]
+    o, lse = fn(q, kv_pages, table, lens, **(kwargs if impl == "pallas" else {}))
+    ref_o, ref_lse = _reference(numpy_inputs, seq_lens)
+    assert_attention_close(o, lse, ref_o, ref_lse, tol=1e-5, lse_tol=1e-5)
+    if impl == "pallas":
+        with pytest.raises(ValueError, match=r"allowed: \[num_pages, 2, page_size, Hkv, D\]"):
+            fn(q, k_pages, table, lens)
 
 
 @pytest.mark.parametrize("impl", ["pallas", "xla"])

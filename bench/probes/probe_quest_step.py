@@ -2,7 +2,8 @@
 
 Times, per call (median of 30 after warm-up, each call waited for): the page choice as written
 (elementwise bound, top_k over every page slot), its parts, a bound from two matmuls
-(q+ . kmax + q- . kmin), and the layer steps quest_begin / quest_end / decode_begin / decode_end.
+(q+ . kmax + q- . kmin), and the layer steps quest_begin / decode_begin / decode_end (its H100 result also timed
+quest_end, attention over pages already gathered, since replaced by quest_read: see probe_quest_layer.py).
 Prints JSON; writes probe_quest_step.json under $OUT when set.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from common import call_seconds, model_config, random_params  # noqa: E402
 
-from jax_offload.attention import decode_begin, decode_end, quest_begin, quest_end  # noqa: E402
+from jax_offload.attention import decode_begin, decode_end, quest_begin  # noqa: E402
 from jax_offload.models.rope import inverse_frequencies  # noqa: E402
 from jax_offload.sparse import quest  # noqa: E402
 
@@ -83,11 +84,7 @@ pos, tail_len = jnp.int32(CTX + 5), jnp.int32(5)
 med("quest_begin", lambda: quest_begin(cfg, layer, x, inv_freq, jnp.copy(tail), pos, tail_len, (kmin, kmax), k_pages,
                                        PAGE, BS, num_pages))
 med("tail_copy_only", lambda: jnp.copy(tail))
-qq, t2, state, rows, nk = quest_begin(cfg, layer, x, inv_freq, jnp.copy(tail), pos, tail_len, (kmin, kmax), k_pages,
-                                      PAGE, BS, num_pages)
-pages = jnp.asarray(rng.standard_normal((HKV * k_pages, 2, 16, D)), jnp.bfloat16)
 impl = "pallas" if gpu else "xla"
-med("quest_end", lambda: quest_end(cfg, impl, layer, x, qq, pages, nk, t2, tail_len, state))
 med("decode_begin", lambda: decode_begin(cfg, layer, x, inv_freq, jnp.copy(tail), pos, tail_len))
 qd, td, sd = decode_begin(cfg, layer, x, inv_freq, jnp.copy(tail), pos, tail_len)
 med("decode_end", lambda: decode_end(cfg, impl, layer, x, qd, td, tail_len, sd))

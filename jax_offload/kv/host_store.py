@@ -8,10 +8,11 @@ this layout and are rearranged on the GPU (`from_stored_layout`), where it costs
 
 Each layer lives in one of three places:
   - "gpu": one GPU buffer for all the layer's blocks (the dense layers of a sparse decode policy; nothing
-    crosses PCIe, and a decode step attends runs of blocks straight from the buffer);
+    crosses PCIe, and a decode step's kernel reads the stored layout straight from the buffer);
   - "blocks": one pinned-host buffer per block, moved to the GPU group by group (full attention);
-  - "pages": one pinned-host buffer for all the layer's blocks, so the pages a sparse policy selects, from any
-    block, can be gathered in one pass on the host and cross PCIe as one transfer (`gather_rows`).
+  - "pages": one pinned-host buffer for all the layer's blocks, from which the Pallas paged kernel reads the
+    pages a sparse policy selects, from any block, over PCIe (zero copy); the jnp path gathers them in one pass
+    on the host and moves them as one transfer (`gather_rows`).
 
 Under tensor parallelism every buffer is split on its KV-head axis over the mesh: each device's heads live in
 pinned memory attached to that device and cross only its own link.
@@ -82,11 +83,8 @@ class HostKVStore:
         tp: TensorParallel,
         places: Sequence[str] | None = None,
         host_memory_kind: str = "pinned_host",
-        gpu_block_multiple: int = 1,
     ):
-        """`places[l]` is "gpu", "blocks" (default) or "pages" (see the module docstring). A "gpu" layer's
-        buffer holds `num_blocks` rounded up to `gpu_block_multiple`, so a reader can take fixed-size runs of
-        blocks from it (the blocks past `num_blocks` are never written).
+        """`places[l]` is "gpu", "blocks" (default) or "pages" (see the module docstring).
         `host_memory_kind="device"` keeps even the host layers on the GPU (benchmarks use it to time compute
         without transfers)."""
         places = list(places or ["blocks"] * num_layers)
@@ -96,8 +94,7 @@ class HostKVStore:
         self.block_bytes = 2 * block_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
         self.places = places
         layer_bytes = num_blocks * self.block_bytes
-        gpu_blocks = -(-num_blocks // gpu_block_multiple) * gpu_block_multiple
-        self.gpu_bytes = places.count("gpu") * gpu_blocks * self.block_bytes
+        self.gpu_bytes = places.count("gpu") * layer_bytes
         self.host_bytes = (num_layers - places.count("gpu")) * layer_bytes
         self.total_bytes = self.host_bytes + self.gpu_bytes
         available = available_host_bytes()
@@ -117,7 +114,7 @@ class HostKVStore:
         self._blocks: list[list[jax.Array] | jax.Array] = []
         for place, sharding in zip(places, self._sharding):
             if place != "blocks":
-                layer = tp.zeros((gpu_blocks if place == "gpu" else num_blocks, *self.block_shape), dtype, 1)
+                layer = tp.zeros((num_blocks, *self.block_shape), dtype, 1)
                 self._blocks.append(jax.device_put(layer, sharding, may_alias=False))
             else:
                 self._blocks.append([jax.device_put(zeros, sharding, may_alias=False) for _ in range(num_blocks)])
@@ -140,7 +137,7 @@ class HostKVStore:
             raise RuntimeError(f"Block {index} is outside the store's {self.num_blocks} blocks.")
         sharding = self._sharding[layer]
         if self.places[layer] != "blocks":
-            self._blocks[layer] = self._write_into_layer(self._blocks[layer], kv, jnp.int32(index), sharding)
+            self._blocks[layer] = self._write_into_layer(self._blocks[layer], kv, np.int32(index), sharding)
         else:
             self._blocks[layer][index] = self._write_block(self._blocks[layer][index], kv, sharding)
         self._written[layer, index] = True
@@ -157,7 +154,7 @@ class HostKVStore:
         first = keys[0][1]
         if [k for k in keys] != [(layer, first + j) for j in range(len(keys))]:
             raise RuntimeError(f"Blocks {keys} of a one-buffer layer must be consecutive blocks of one layer.")
-        group = self._read_consecutive(self._blocks[layer], jnp.int32(first), len(keys), self.tp.sharding(1, "device"))
+        group = self._read_consecutive(self._blocks[layer], np.int32(first), len(keys), self.tp.sharding(1, "device"))
         return [group[j] for j in range(len(keys))]
 
     @staticmethod
@@ -215,6 +212,11 @@ class HostKVStore:
                 for layer in self._blocks]
 
 
+def in_device_memory(place) -> bool:
+    """Whether `place` (a sharding or memory space, as `gather_places` gives) is GPU memory."""
+    return getattr(place, "memory_kind", place) in ("device", jax.memory.Space.Device)
+
+
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def gather_rows(layer: jax.Array, rows: jax.Array, host, device) -> jax.Array:
     """The 16-token pages `rows` (int32, anywhere; row (b * Hkv + h) * units + u is unit u of KV head h in block
@@ -227,6 +229,6 @@ def gather_rows(layer: jax.Array, rows: jax.Array, host, device) -> jax.Array:
         flat = layer.reshape(-1, *unit)
         return flat.at[rows].get(mode="promise_in_bounds")
 
-    if getattr(host, "memory_kind", host) in ("device", jax.memory.Space.Device):
+    if in_device_memory(host):
         return take(layer, rows)
     return jax.device_put(_host_compute(take)(layer, jax.device_put(rows, host)), device)

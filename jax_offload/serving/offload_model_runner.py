@@ -76,7 +76,7 @@ class OffloadModelRunner:
             tails = self.runner.hand_over()
         slot = self._free_slots.pop()
         self._slot[seq.index] = slot
-        self.tails = list(_put_tails(tuple(self.tails), jnp.int32(slot), tuple(tails)))
+        self.tails = list(_put_tails(tuple(self.tails), np.int32(slot), tuple(tails)))
         last = np.asarray([len(ids) - first - 1], np.int32)
         return int(to_host(sample_last(self.cfg, self.params, hidden, last, *sampling_batch([seq], 1)))[0])
 
@@ -105,7 +105,7 @@ class OffloadModelRunner:
         for seq in seqs:
             if (seq.num_cached + 1) % bs == 0:  # its tail is full: store it as the sequence's next block
                 block = seq.block_table[seq.num_cached // bs]
-                for l, tail in enumerate(_tails_at(tuple(self.tails), jnp.int32(self._slot[seq.index]))):
+                for l, tail in enumerate(_tails_at(tuple(self.tails), np.int32(self._slot[seq.index]))):
                     self.store.write(l, block, tail)
         return to_host(out)[: len(seqs)].tolist()
 

@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_offload.kv.host_store import PAGE_UNIT
 from jax_offload.precision import step_jit
@@ -29,11 +30,18 @@ def select_pages(q: jax.Array, kmin: jax.Array, kmax: jax.Array, num_pages: jax.
     bounds among the first `num_pages`. q [Hq, D]; kmin, kmax [Hkv, P, D]. -> int32 [Hkv, k]; when fewer than k
     pages exist, the missing entries are P (past every real page) and sort last. Ties go to the lower page.
     """
-    hkv = kmin.shape[0]
-    q = q.astype(jnp.float32).reshape(hkv, -1, 1, q.shape[-1])  # [Hkv, G, 1, D]
-    bound = jnp.sum(jnp.maximum(q * kmin[:, None].astype(jnp.float32), q * kmax[:, None].astype(jnp.float32)), -1)
-    bound = jnp.max(bound, axis=1)  # [Hkv, P]: the GQA group's largest bound
-    return top_pages(bound, num_pages, k)
+    return top_pages(page_scores(q, kmin, kmax), num_pages, k)
+
+
+def page_scores(q: jax.Array, kmin: jax.Array, kmax: jax.Array) -> jax.Array:
+    """Quest's bound of every page, the GQA group's largest -> float32 [Hkv, P]. max(q_d min_d, q_d max_d) is
+    q_d max_d where q_d > 0 and q_d min_d otherwise, so the bound is two matrix products, relu(q) . max +
+    min(q, 0) . min, with every product exact in float32 (bf16 inputs) and only the sums' order differing."""
+    qg = q.reshape(kmin.shape[0], -1, q.shape[-1])  # [Hkv, G, D]
+    dot = functools.partial(jnp.einsum, "hgd,hpd->hgp", preferred_element_type=jnp.float32,
+                            precision=jax.lax.Precision.HIGHEST)
+    bound = dot(jnp.maximum(qg, 0).astype(kmax.dtype), kmax) + dot(jnp.minimum(qg, 0).astype(kmin.dtype), kmin)
+    return jnp.max(bound, axis=1)
 
 
 def top_pages(score: jax.Array, num_pages: jax.Array, k: int) -> jax.Array:
@@ -67,16 +75,22 @@ class QuestPages:
     def __init__(self, layers: list[int], num_pages: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype: jnp.dtype, tp: TensorParallel):
         """Under tensor parallelism each device keeps the bounds of its own KV heads."""
-        self.layers, self.page_size = set(layers), page_size
+        self.layers, self.page_size, self.num_slots = set(layers), page_size, num_pages
         shape = (num_kv_heads, num_pages, head_dim)
         self.kmin = {l: tp.zeros(shape, dtype, 0) for l in layers}
         self.kmax = {l: tp.zeros(shape, dtype, 0) for l in layers}
         self.nbytes = sum(x.nbytes for d in (self.kmin, self.kmax) for x in d.values())
 
+    def candidates(self, num_pages: int, budget_pages: int) -> int:
+        """How many slots a step scores: the next power of two covering the written pages and the budget (so the
+        choice costs what the context needs, compiled for few sizes), at most every slot."""
+        need = max(num_pages, budget_pages, 1)
+        return min(self.num_slots, 1 << (need - 1).bit_length())
+
     def record(self, layer: int, block_index: int, kv: jax.Array) -> None:
         """Bounds of a block kv [2, block_size, Hkv, D] being written as block `block_index` of `layer`."""
         if layer in self.layers:
-            first = jnp.int32(block_index * kv.shape[1] // self.page_size)
+            first = np.int32(block_index * kv.shape[1] // self.page_size)
             self.kmin[layer], self.kmax[layer] = _record(self.kmin[layer], self.kmax[layer], kv, first,
                                                          self.page_size)
 
