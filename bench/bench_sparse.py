@@ -99,13 +99,14 @@ def phase_quest(a) -> dict:
     x = embed_tokens(params.embed, np.full((1, 1), 7, np.int32))
     tail = jnp.zeros((2, bs, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
 
+    # The step's scalars made once, as the engine does (quest_begin leaves the tail it is given intact).
+    position, tail_len, num_pages = jax.device_put([np.int32(n), np.int32(n % bs), np.int32(written * pages_per_block)])
+
     def select_all():
-        out = []
-        for l in sparse_layers:
-            out.append(quest_begin(cfg, params.layers[l], x, inv_freq, jnp.copy(tail), jnp.int32(n), jnp.int32(n % bs),
-                                   (runner.quest.kmin[l], runner.quest.kmax[l]), runner.budget_pages, a.page_size, bs,
-                                   jnp.int32(written * pages_per_block)))
-        return jax.block_until_ready(out)
+        return jax.block_until_ready([
+            quest_begin(cfg, params.layers[l], x, inv_freq, tail, position, tail_len,
+                        (runner.quest.kmin[l], runner.quest.kmax[l]), runner.budget_pages, a.page_size, bs, num_pages)
+            for l in sparse_layers])
 
     def timed(fn, reps=a.repeats):
         return stats([t * 1e3 for t in call_seconds(fn, reps)])
@@ -258,24 +259,14 @@ def report(src: Path, out: Path) -> None:
         for r in q["rows"] + [dict(r, ctx=f"{r['ctx']} †") for extra in more for r in extra["rows"]]:
             lines.append(f"| {r['ctx']} | {r['prefill_s']:.2f} | {fmt(r['decode_ms'])} | {r['pcie_bytes_per_token'] / 2**20:.1f} MiB | "
                          f"{r['expected_bytes'] / 2**20:.1f} MiB |")
-        b = q["breakdown"]
-        speedup = b["full_offloaded_decode_ms"]["median"] / next(r for r in q["rows"] if r["ctx"] >= b["ctx"] - 64)["decode_ms"]["median"]
-        lines += ["", f"At {b['ctx']} tokens, same process: full offloaded decode {fmt(b['full_offloaded_decode_ms'])} ms/token, "
-                  f"Quest {speedup:.1f}x faster. Where a Quest step goes (each part timed on its own, all sparse layers): "
-                  f"the layer's q and the page choice {fmt(b['selection_ms'])} ms; "
-                  + (f"reading the chosen pages from pinned host memory with attention over them (the kernel's loads "
-                     f"cross PCIe) {fmt(b['read_from_host_and_attend_ms'])} ms, the same with the store in GPU memory "
-                     f"{fmt(b['attend_in_gpu_ms'])} ms (the difference is the transfer); "
-                     if "attend_in_gpu_ms" in b else
-                     f"gather on the host + transfer {fmt(b['gather_and_transfer_ms'])} ms; ")
-                  + f"the whole step with the store in GPU memory (choice, attention, the rest of the layers) "
-                  f"{fmt(b['compute_only_ms'])} ms.",
-                  f"GPU memory: page bounds {q['memory']['page_bounds_GiB']:.2f} GiB, dense layers' KV "
+        lines += ["", _quest_breakdown(q, q["rows"])]
+        lines += [f"GPU memory: page bounds {q['memory']['page_bounds_GiB']:.2f} GiB, dense layers' KV "
                   f"{q['memory']['dense_layers_gpu_GiB']:.2f} GiB; host store {q['memory']['host_store_GiB']:.1f} GiB."]
-        lines += [
-                  f"† Another device call (same device model and software), {e['meta']['date']}: page bounds "
-                  f"{e['memory']['page_bounds_GiB']:.2f} GiB, dense layers' KV {e['memory']['dense_layers_gpu_GiB']:.2f} "
-                  f"GiB, host store {e['memory']['host_store_GiB']:.1f} GiB." for e in more]
+        for e in more:
+            lines += ["", f"† Another device call (same device model and software), {e['meta']['date']}. "
+                      + _quest_breakdown(e, e["rows"] + q["rows"]),
+                      f"GPU memory: page bounds {e['memory']['page_bounds_GiB']:.2f} GiB, dense layers' KV "
+                      f"{e['memory']['dense_layers_gpu_GiB']:.2f} GiB; host store {e['memory']['host_store_GiB']:.1f} GiB."]
     kernel = phases.get("xattn_kernel")
     if kernel:
         m = kernel["meta"]
@@ -315,6 +306,23 @@ def report(src: Path, out: Path) -> None:
     (out / "sparse.md").write_text("\n".join(lines) + "\n")
     _plot(phases, out / "sparse.png")
     print("\n".join(lines))
+
+
+def _quest_breakdown(q: dict, rows: list[dict]) -> str:
+    """The sentence on where a Quest step's time goes, from one phase file (its ratio only against a Quest row of
+    the same call)."""
+    b = q["breakdown"]
+    same = [r for r in q["rows"] if r["ctx"] >= b["ctx"] - 64]
+    speedup = (f"Quest {b['full_offloaded_decode_ms']['median'] / same[0]['decode_ms']['median']:.1f}x faster"
+               if same else f"Quest at this length in the main call {next(r for r in rows if r['ctx'] >= b['ctx'] - 64)['decode_ms']['median']:.2f} ms")
+    parts = (f"reading the chosen pages from pinned host memory with attention over them (the kernel's loads cross "
+             f"PCIe) {fmt(b['read_from_host_and_attend_ms'])} ms, the same with the store in GPU memory "
+             f"{fmt(b['attend_in_gpu_ms'])} ms (the difference is the transfer); " if "attend_in_gpu_ms" in b else
+             f"gather on the host + transfer {fmt(b['gather_and_transfer_ms'])} ms; ")
+    return (f"At {b['ctx']} tokens, same process: full offloaded decode {fmt(b['full_offloaded_decode_ms'])} ms/token, "
+            f"{speedup}. Where a Quest step goes (each part timed on its own, all sparse layers): the layers' q and "
+            f"the page choice {fmt(b['selection_ms'])} ms; " + parts + "the whole step with the store in GPU memory "
+            f"(choice, attention, the rest of the layers) {fmt(b['compute_only_ms'])} ms.")
 
 
 def _plot(phases: dict, path: Path) -> None:
