@@ -12,10 +12,11 @@ Phases (each in a fresh process, writing phase_<name>.json under --out):
                  uniformly, so a threshold would keep almost everything: the benchmark keeps the top blocks by
                  estimate instead), for each --xattn-modes (in_gpu, layerwise, chunked)
 Every time is the median (min-max) of >= 5 measurements after a warm-up at the same shape.
-`--report DIR` writes sparse.md, sparse.json and sparse.png from the phase files (and NIAH files if present).
+`--report DIR [DIR ...]` writes sparse.md, sparse.json and sparse.png from the phase files, each phase from the first
+folder that has it (runs of one phase on another device or day stay in their own folder).
 
     python bench/bench_sparse.py --phases quest --out DIR
-    python bench/bench_sparse.py --report DIR --out bench/results
+    python bench/bench_sparse.py --report DIR [DIR ...] --out bench/results
 """
 from __future__ import annotations
 
@@ -241,8 +242,9 @@ def phase_xattn_prefill(a) -> dict:
     return {"rows": rows, "block_size": a.block_size, "ring_slots": a.ring_slots}
 
 
-def report(src: Path, out: Path) -> None:
-    phases = {p: json.loads((src / f"phase_{p}.json").read_text()) for p in PHASES if (src / f"phase_{p}.json").exists()}
+def report(sources: list[Path], out: Path) -> None:
+    found = {p: next((src for src in sources if (src / f"phase_{p}.json").exists()), None) for p in PHASES}
+    phases = {p: json.loads((src / f"phase_{p}.json").read_text()) for p, src in found.items() if src}
     out.mkdir(parents=True, exist_ok=True)
     (out / "sparse.json").write_text(json.dumps(phases, indent=1))
     lines = ["# Sparse policies: Llama-3.1-8B shape, random bf16 weights", ""]
@@ -255,7 +257,7 @@ def report(src: Path, out: Path) -> None:
                   "| ctx | prefill s | decode ms/token | bytes moved per token (measured) | budget x sparse layers x KV bytes |",
                   "|---|---|---|---|---|"]
         # Contexts that did not fit the same device call: phase_quest_more*.json, rows marked with a dagger.
-        more = [json.loads(f.read_text()) for f in sorted(src.glob("phase_quest_more*.json"))]
+        more = [json.loads(f.read_text()) for f in sorted(found["quest"].glob("phase_quest_more*.json"))]
         for r in q["rows"] + [dict(r, ctx=f"{r['ctx']} †") for extra in more for r in extra["rows"]]:
             lines.append(f"| {r['ctx']} | {r['prefill_s']:.2f} | {fmt(r['decode_ms'])} | {r['pcie_bytes_per_token'] / 2**20:.1f} MiB | "
                          f"{r['expected_bytes'] / 2**20:.1f} MiB |")
@@ -304,7 +306,7 @@ def report(src: Path, out: Path) -> None:
                            "same mode' compares within one call, 'vs full chunked' across calls.")
             lines += ["", note + " Runs: " + "; ".join(f"{mode}: {when}" for mode, when in pre["runs"].items()) + "."]
     (out / "sparse.md").write_text("\n".join(lines) + "\n")
-    _plot(phases, out / "sparse.png")
+    _plot(phases, out / "sparse.png", more if q else [])
     print("\n".join(lines))
 
 
@@ -312,9 +314,12 @@ def _quest_breakdown(q: dict, rows: list[dict]) -> str:
     """The sentence on where a Quest step's time goes, from one phase file (its ratio only against a Quest row of
     the same call)."""
     b = q["breakdown"]
-    same = [r for r in q["rows"] if r["ctx"] >= b["ctx"] - 64]
-    speedup = (f"Quest {b['full_offloaded_decode_ms']['median'] / same[0]['decode_ms']['median']:.1f}x faster"
-               if same else f"Quest at this length in the main call {next(r for r in rows if r['ctx'] >= b['ctx'] - 64)['decode_ms']['median']:.2f} ms")
+    full = b["full_offloaded_decode_ms"]["median"]
+    same = [r for r in q["rows"] if abs(r["ctx"] - b["ctx"]) <= 64]
+    other = [r for r in rows if abs(r["ctx"] - b["ctx"]) <= 64]
+    speedup = (f"Quest {full / same[0]['decode_ms']['median']:.1f}x faster" if same else
+               f"{full / other[0]['decode_ms']['median']:.1f}x Quest's time at this length in the main call"
+               if other else "no Quest row at this length")
     parts = (f"reading the chosen pages from pinned host memory with attention over them (the kernel's loads cross "
              f"PCIe) {fmt(b['read_from_host_and_attend_ms'])} ms, the same with the store in GPU memory "
              f"{fmt(b['attend_in_gpu_ms'])} ms (the difference is the transfer); " if "attend_in_gpu_ms" in b else
@@ -322,10 +327,11 @@ def _quest_breakdown(q: dict, rows: list[dict]) -> str:
     return (f"At {b['ctx']} tokens, same process: full offloaded decode {fmt(b['full_offloaded_decode_ms'])} ms/token, "
             f"{speedup}. Where a Quest step goes (each part timed on its own, all sparse layers): the layers' q and "
             f"the page choice {fmt(b['selection_ms'])} ms; " + parts + "the whole step with the store in GPU memory "
-            f"(choice, attention, the rest of the layers) {fmt(b['compute_only_ms'])} ms.")
+            f"(choice, attention, the rest of the layers) {fmt(b['compute_only_ms'])} ms."
+            + (f" Note: {b['note_added_afterwards']}" if "note_added_afterwards" in b else ""))
 
 
-def _plot(phases: dict, path: Path) -> None:
+def _plot(phases: dict, path: Path, quest_more: list[dict]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -337,8 +343,8 @@ def _plot(phases: dict, path: Path) -> None:
     axes = dict(zip(panels, axes[0]))
     if q:
         ax = axes["quest"]
-        ctx = [r["ctx"] for r in q["rows"]]
-        ax.plot(ctx, [r["decode_ms"]["median"] for r in q["rows"]], "o-", label=f"Quest, budget {q['budget']}")
+        rows = sorted(q["rows"] + [r for e in quest_more for r in e["rows"]], key=lambda r: r["ctx"])
+        ax.plot([r["ctx"] for r in rows], [r["decode_ms"]["median"] for r in rows], "o-", label=f"Quest, budget {q['budget']}")
         b = q["breakdown"]
         ax.plot([b["ctx"]], [b["full_offloaded_decode_ms"]["median"]], "s", label="full offloaded decode")
         ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms / token",
@@ -370,7 +376,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
     p.add_argument("--phases", default="")
     p.add_argument("--run-phase", choices=PHASES, help=argparse.SUPPRESS)
-    p.add_argument("--report", type=Path)
+    p.add_argument("--report", type=Path, nargs="+")
     p.add_argument("--shape", default="llama-3.1-8b")
     p.add_argument("--num-layers", type=int)
     p.add_argument("--contexts", type=ints, default=[32768, 65536, 131072, 262144])
