@@ -241,11 +241,11 @@ class OffloadRunner:
         moved = sum(len(b) for b in streamed) * store.block_bytes
         # Every layer holds the same blocks. The step's scalars go to the GPU once, not once per layer's call.
         written = self._written[0]
-        pos, tail_len, num_keys = jax.device_put([np.int32(position), np.int32(self._tail_len),
-                                                  np.int32(written * self.block_size)])
+        pos, tail_len = jax.device_put([np.int32(position), np.int32(self._tail_len)])
         if self.quest is not None:
             pages = written * (self.block_size // self.page_size)
-            num_pages, candidates = jax.device_put(np.int32(pages)), self.quest.candidates(pages, self.budget_pages)
+            num_keys, num_pages = jax.device_put([np.int32(written * self.block_size), np.int32(pages)])
+            candidates = self.quest.candidates(pages, self.budget_pages)
         for l, layer in enumerate(layers):
             if store.places[l] == "gpu":
                 x, self._tails[l] = dense_stored_layer(

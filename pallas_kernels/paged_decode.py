@@ -237,13 +237,17 @@ def paged_decode_attention_kv_with_lse(q: jax.Array, kv_pages: jax.Array, block_
     The pool may live in pinned host memory (memory kind "pinned_host") when the call runs on a
     GPU inside `jax.jit`: the kernel then reads only the pages its block tables name, over PCIe,
     and nothing copies the pool."""
-    if kv_pages.ndim != 5 or kv_pages.shape[1] != 2:
-        raise ValueError(f"kv_pages has shape {kv_pages.shape}; allowed: [num_pages, 2, page_size, Hkv, D]")
+    _check_kv_pool(kv_pages)
     num_pages, _, page_size, hkv, d = kv_pages.shape
     half = jax.ShapeDtypeStruct((num_pages, page_size, hkv, d), kv_pages.dtype)
     block_tables, seq_lens = _check_paged_args(q, half, half, block_tables, seq_lens)
     rows = kv_pages.reshape(num_pages * 2 * page_size, hkv, d)
     return _launch(q, rows, rows, block_tables, seq_lens, page_size=page_size, v_offset=page_size, **options)
+
+
+def _check_kv_pool(kv_pages) -> None:
+    if kv_pages.ndim != 5 or kv_pages.shape[1] != 2:
+        raise ValueError(f"kv_pages has shape {kv_pages.shape}; allowed: [num_pages, 2, page_size, Hkv, D]")
 
 
 def _launch(q, k_rows, v_rows, block_tables, seq_lens, *, page_size, v_offset, sm_scale=None, out_dtype=None,
@@ -309,7 +313,6 @@ def paged_decode_attention_with_lse_xla(q: jax.Array, k_pages: jax.Array, v_page
 def paged_decode_attention_kv_with_lse_xla(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
                                            seq_lens: jax.Array, **options) -> tuple[jax.Array, jax.Array]:
     """jnp twin of `paged_decode_attention_kv_with_lse` (the pool in device memory)."""
-    if kv_pages.ndim != 5 or kv_pages.shape[1] != 2:
-        raise ValueError(f"kv_pages has shape {kv_pages.shape}; allowed: [num_pages, 2, page_size, Hkv, D]")
+    _check_kv_pool(kv_pages)
     return paged_decode_attention_with_lse_xla(q, kv_pages[:, 0], kv_pages[:, 1], block_tables, seq_lens,
                                                **options)
