@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -132,9 +133,10 @@ def phase_quest(a) -> dict:
                                             jnp.bfloat16, s.tp, s.places, host_memory_kind="device")
     warm_up(compute_llm)
     _, compute = run(compute_llm, n)
-    compute_llm._runner.store.mark_written(written)
-    read_device = timed(lambda: read_all(compute_llm._runner.store))
-    del compute_llm
+    device_store = compute_llm._runner.store
+    device_store.mark_written(written)
+    read_device = timed(functools.partial(read_all, device_store))
+    del compute_llm, device_store
     full = make(max_model_len=n + tokens + bs)
     warm_up(full)
     _, full_decode = run(full, n)

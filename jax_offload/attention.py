@@ -357,6 +357,12 @@ def _page_keys(pages: jax.Array, num_kv_heads: int) -> tuple[jax.Array, jax.Arra
     return _split_block(from_stored_layout(pages.reshape(num_kv_heads, -1, *pages.shape[1:])))
 
 
+def reads_rows_in_place(impl: str) -> bool:
+    """Whether `attend_rows` reads a pinned buffer's rows in place (the Pallas kernel on a GPU), rather than
+    gathering them first."""
+    return impl == "pallas" and jax.default_backend() == "gpu"
+
+
 def attend_rows(impl: str, q: jax.Array, buffer: jax.Array, rows: jax.Array, num_keys: jax.Array,
                 state: AttentionState, host, device) -> AttentionState:
     """Continues `state` of q [1, 1, Hq, D] over store rows [Hkv, n] of a one-buffer layer `buffer` (each KV
@@ -368,7 +374,7 @@ def attend_rows(impl: str, q: jax.Array, buffer: jax.Array, rows: jax.Array, num
     if impl == "xla":
         pages = gather_rows(buffer, rows.reshape(-1), host, device)
         return attend(impl, q, *_page_keys(pages, hkv), state, causal=False, kv_len=num_keys)
-    if jax.default_backend() == "gpu" or in_device_memory(host):
+    if reads_rows_in_place(impl) or in_device_memory(host):
         pool, tables = buffer.reshape(-1, 2, PAGE_UNIT, 1, d), rows  # each KV head's rows: a "sequence"
     else:
         pool = gather_rows(buffer, rows.reshape(-1), host, device)[:, :, :, None]

@@ -32,6 +32,7 @@ from jax_offload.attention import (
     gather_keys,
     layerwise_layer,
     quest_layer,
+    reads_rows_in_place,
     xattn_attend_blocks,
     xattn_chunk_end,
     xattn_chunk_select,
@@ -70,11 +71,12 @@ class OffloadRunner:
         if engine.decode_policy == "quest":
             dense = engine.dense_layers
             places = ["gpu"] * dense + ["pages"] * (cfg.num_layers - dense)
-            self.budget_pages, self.page_size = engine.decode_budget // engine.page_size, engine.page_size
-            # Every KV head gathers budget_pages pages of K and V per sparse layer, whatever it chose.
-            self.gathered_bytes = 2 * engine.decode_budget * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
-            self.quest = QuestPages(list(range(dense, cfg.num_layers)), num_blocks * engine.block_size // engine.page_size,
-                                    cfg.num_kv_heads, cfg.head_dim, engine.page_size, dtype, tp)
+            num_pages = num_blocks * engine.block_size // engine.page_size
+            # A budget past max_model_len reads every page.
+            self.budget_pages, self.page_size = min(engine.decode_budget // engine.page_size, num_pages), engine.page_size
+            self.page_bytes = 2 * engine.page_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+            self.quest = QuestPages(list(range(dense, cfg.num_layers)), num_pages, cfg.num_kv_heads, cfg.head_dim,
+                                    engine.page_size, dtype, tp)
         self.store = HostKVStore(
             cfg.num_layers, num_blocks, engine.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, tp, places)
         self.xattn = engine.xattention()
@@ -257,7 +259,9 @@ class OffloadRunner:
                     (self.quest.kmin[l], self.quest.kmax[l]), self.budget_pages, self.page_size, self.block_size,
                     candidates, num_pages, store.layer_buffer(l),
                     *store.gather_places(l), tp=self.tp)
-                moved += self.gathered_bytes
+                # The kernel reads each KV head's chosen pages in place; a gather moves the whole budget's rows.
+                moved += (min(pages, self.budget_pages) if reads_rows_in_place(self.impl) else self.budget_pages) \
+                    * self.page_bytes
             else:
                 q, self._tails[l], state = decode_begin(self.cfg, layer, x, self.inv_freq, self._tails[l], pos,
                                                         tail_len, tp=self.tp)

@@ -99,6 +99,15 @@ def test_full_budget_equals_full_decode(model_dir):
     assert quest.generate([ids], GREEDY)[0].token_ids == full.generate([ids], GREEDY)[0].token_ids
 
 
+def test_budget_past_max_model_len_reads_every_page(model_dir):
+    """A budget larger than the whole store (max_model_len 256, budget 1024) reads every page: full decode."""
+    ids = np.random.default_rng(505).integers(3, tiny_models.VOCAB, size=150).tolist()
+    full = LLM(model_dir, dtype="float32", offload=True, block_size=64, num_ring_slots=2, max_model_len=256)
+    quest = _quest(model_dir, 1024, max_model_len=256)
+    diff = np.abs(_decode_logits(quest, ids, 40) - _decode_logits(full, ids, 40)).max()
+    assert diff <= 1e-5, f"model seed {MODEL_SEED}, prompt seed 505: {diff}"
+
+
 def test_pallas_quest_equals_jnp_quest(model_dir):
     """With a budget below the context (pages skipped), Quest through the Pallas paged kernel, which reads each KV
     head's chosen rows as one K|V pool (on a GPU straight from pinned memory), gives the jnp path's logits."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jax_offload.attention import embed_tokens, pooled_decode_begin, pooled_decode_end
