@@ -6,8 +6,11 @@ block i, or in `blocks[i]` when prefill is given a block table (the batch engine
 store, `serving/offload_model_runner.py`, and takes each prefilled request over with `hand_over`).
 
 With decode_policy="quest" the first `dense_layers` layers keep their blocks in GPU memory and attend in full;
-every other layer keeps its blocks in one pinned buffer, and each decode step gathers, per KV head, the pages
-Quest chose from it (`sparse/quest.py`). Prefill reads every block in either case.
+every other layer keeps its blocks in one pinned buffer, and each decode step reads, per KV head, the pages
+Quest chose from it (`sparse/quest.py`): with the Pallas kernels on a GPU the attention kernel reads them in
+place over PCIe, otherwise they are gathered on the host and moved. Each layer is one program per step, and the
+step's scalars reach the GPU once (each eager scalar costs the host more than a layer's GPU work at this size).
+Prefill reads every block in either case.
 
 With prefill_policy="xattention", layerwise prefill attends each layer's whole prompt block-sparsely on the GPU;
 chunked prefill streams a chunk's earlier blocks once for XAttention's estimate and again, only those some head
