@@ -586,13 +586,18 @@ def _plot(niah: dict[int, list[dict[str, Any]]], path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for (n, results), color in zip(niah.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4):
         full = next((r["mean_score"] for r in results if r["config"] == "full"), None)
-        quest = sorted((r["options"]["decode_budget"], r["mean_score"]) for r in results
-                       if r["options"].get("decode_policy") == "quest" and "xattn_threshold" not in r["options"])
-        xattn = sorted((r["options"]["xattn_threshold"], r["mean_score"]) for r in results
-                       if "xattn_threshold" in r["options"] and r["options"].get("decode_policy") != "quest")
-        for ax, points in ((left, quest), (right, xattn)):
+        for policy, style, label in (("quest", "o-", ""), ("quest_oracle", "s:", ", oracle")):
+            points = sorted((r["options"]["decode_budget"], r["mean_score"]) for r in results
+                            if r["options"].get("decode_policy") == policy and "xattn_threshold" not in r["options"])
             if points:
-                ax.plot(*zip(*points), "o-", color=color, label=f"{n} tokens")
+                left.plot(*zip(*points), style, color=color, label=f"{n} tokens{label}")
+        for rule, style, label in (("xattn", "o-", ""), ("xoracle", "s:", ", oracle")):
+            points = sorted((r["options"]["xattn_threshold"], r["mean_score"]) for r in results
+                            if r["options"].get("prefill_rule", "xattn") == rule and "xattn_threshold" in r["options"]
+                            and "decode_policy" not in r["options"])
+            if points:
+                right.plot(*zip(*points), style, color=color, label=f"{n} tokens{label}")
+        for ax in (left, right):
             if full is not None:
                 ax.axhline(full, color=color, linestyle="--", linewidth=1, label=f"{n} tokens, full")
     left.set_xscale("log", base=2)
@@ -615,16 +620,18 @@ def report(src: Path, out: Path) -> None:
     files = [r for rs in niah.values() for r in rs] + list(mass.values())
     lines = ["# Sparse attention on RULER NIAH", "", f"Model `{Path(model).name}`; source files in `{src}`. "
              "Configs: full = the base engine (options below), no sparsity; questN = Quest decode with an N-token budget per KV head; "
-             "xattnT = XAttention prefill at threshold T.", ""]
+             "xattnT = XAttention prefill at threshold T; qoracleN and xoracleT (`bench/eval_oracle.py`'s reference engine) "
+             "choose as many pages, or blocks up to the same threshold, by the true attention mass.", ""]
     for n, results in niah.items():
-        first = results[0]
-        base = {k: v for k, v in first["options"].items() if k not in config_options(first["config"])}
+        base = dict(results[0]["options"])  # what every config at this length shares
+        for r in results[1:]:
+            base = {k: v for k, v in base.items() if r["options"].get(k) == v}
         lines += [f"Base engine options at {n} tokens: `{base}`", ""] + _niah_section(n, results)
     for n, m in mass.items():
         lines += _mass_section(n, m)
     if niah:
         lines += ["`sparse_niah.png`: mean score against the Quest budget (questN configs) and against the XAttention "
-                  "threshold (xattnT configs), one line per length; dashed: full.", ""]
+                  "threshold (xattnT configs), one line per length; dotted: the oracles; dashed: full.", ""]
     lines += _provenance(files) + [f"This report: `python {shlex.join(sys.argv)}`.", ""]
     out.mkdir(parents=True, exist_ok=True)
     (out / "sparse_niah.md").write_text("\n".join(lines))

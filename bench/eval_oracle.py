@@ -1,0 +1,402 @@
+"""What the sparse policies' selections cost on RULER NIAH, against oracles that choose by the true attention.
+
+A reference engine in device memory runs the real model: the whole prompt and its KV cache on the GPU, every
+attention in float32 over the model's q, k, v (weights in `--dtype`), greedy decoding. Each rule below only
+decides which keys a query attends; everything else is the same arithmetic, so two configs differ by their
+selections alone:
+
+  prefill  full        every causally visible key
+           xattnT      XAttention's blocks at threshold T: the library's antidiagonal estimate and
+                       `pallas_kernels.select_blocks` (stride 8, 128-token blocks), as the engine chooses them
+           xoracleT    the same `select_blocks` rule on the true softmax mass of each (query block, key block):
+                       the fewest blocks that hold T of each query block's attention, which no estimate can beat
+  decode   full        every key
+           questN      Quest's pages, budget N tokens per KV head: `jax_offload.sparse.quest` over the pages of
+                       the stored blocks (256 tokens), the tail past them attended in full, the first 2 layers
+                       dense, 16-token pages: the engine's rule
+           qoracleN    the same number of pages of the same candidates, chosen by their true softmax mass summed
+                       over the GQA group (`quest.top_pages`): the most mass any choice of N tokens keeps
+
+A config is `full`, one rule, or a prefill and a decode rule joined by `+` (`xattn0.9+quest1024`). Per length and
+prefill rule the prompt is prefilled once and every decode rule of that prefill decodes from it in one batch.
+Files are those of `bench/eval_sparse.py` (`sparse_niah_{length}_{config}.json`, the same prompts for the same
+`--samples`, `--seed` and model), so `python bench/eval_sparse.py --report DIR --out DIR` tabulates them.
+
+    python bench/eval_oracle.py --model DIR --lengths 4096,8192 --samples 10 \\
+        --configs full,quest512,qoracle512,quest1024,qoracle1024,xattn0.9,xoracle0.9 --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import eval_sparse  # noqa: E402  (also puts the repository root on sys.path)
+
+from jax_offload.eval.niah import positive_int_list  # noqa: E402
+from jax_offload.eval.ruler import NiahSample, score_string_match_all  # noqa: E402
+
+STORE_BLOCK, PAGE_SIZE, DENSE_LAYERS = 256, 16, 2  # the engine's Quest setting in bench/eval_sparse.py
+XATTN_BLOCK, XATTN_STRIDE = 128, 8
+CHUNK = 512  # query rows per attention step: scores are [heads, 512, T] float32
+PREFILL_KINDS, DECODE_KINDS = ("xattn", "xoracle"), ("quest", "qoracle")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    name: str
+    prefill: tuple[str, float] | None  # (kind, threshold) or None for full
+    decode: tuple[str, int] | None  # (kind, budget in tokens) or None for full
+
+
+def parse_config(name: str) -> Config:
+    """A config name -> its prefill and decode rules; a bad name is one ValueError listing what is allowed."""
+    prefill = decode = None
+    for part in ([] if name == "full" else name.split("+")):
+        match = re.fullmatch(r"([a-z]+)([0-9.]+)", part)
+        kind = match[1] if match else None
+        if kind in PREFILL_KINDS and prefill is None:
+            threshold = float(match[2])
+            if not 0.0 < threshold <= 1.0:
+                raise ValueError(f"Config {name!r}: threshold {threshold} is not in (0, 1].")
+            prefill = (kind, threshold)
+        elif kind in DECODE_KINDS and decode is None:
+            budget = int(match[2])
+            if budget < 2 * PAGE_SIZE or budget % PAGE_SIZE:
+                raise ValueError(f"Config {name!r}: budget {budget} must be a multiple of {PAGE_SIZE}, at least "
+                                 f"{2 * PAGE_SIZE}.")
+            decode = (kind, budget)
+        else:
+            raise ValueError(f"Config {name!r}: part {part!r} is not one of xattnT, xoracleT (prefill) or questN, "
+                             "qoracleN (decode), at most one of each, joined by '+'; or 'full'.")
+    return Config(name, prefill, decode)
+
+
+def _options(config: Config, dtype: str) -> dict[str, Any]:
+    """The file's `options`: eval_sparse's report orders and plots by these keys."""
+    options: dict[str, Any] = {"engine": "reference (eval_oracle.py): KV in device memory, float32 attention",
+                               "dtype": dtype}
+    if config.prefill:
+        options |= {"prefill_rule": config.prefill[0], "xattn_threshold": config.prefill[1],
+                    "xattn_stride": XATTN_STRIDE, "xattn_block": XATTN_BLOCK}
+    if config.decode:
+        options |= {"decode_policy": "quest" if config.decode[0] == "quest" else "quest_oracle",
+                    "decode_budget": config.decode[1], "page_size": PAGE_SIZE, "dense_layers": DENSE_LAYERS,
+                    "block_size": STORE_BLOCK}
+    return options
+
+
+# ---- attention under a mask -----------------------------------------------------------------------------------
+
+
+def _softmax_over(s, allowed):
+    """Softmax of float32 scores s [..., T] over the allowed keys; a row with nothing allowed is all 0 (padding
+    rows: never NaN, which would reach real rows through a later layer's p @ v)."""
+    import jax.numpy as jnp
+
+    m = jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1, keepdims=True)
+    e = jnp.where(allowed, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    return e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
+
+
+def _prefill_attention(q, k, v, length, block_mask):
+    """Causal attention of q [T, Hq, D] over k, v [T, Hkv, D] (keys < length), float32, CHUNK rows at a time,
+    each query head only in the XATTN_BLOCK x XATTN_BLOCK tiles `block_mask` [Hq, nqb, nkb] allows (None: all)."""
+    import jax
+    import jax.numpy as jnp
+
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    hp = jax.lax.Precision.HIGHEST
+    qs = q.astype(jnp.float32).reshape(t // CHUNK, CHUNK, hkv, hq // hkv, d) / math.sqrt(d)
+    k, v, keys = k.astype(jnp.float32), v.astype(jnp.float32), jnp.arange(t)
+
+    def rows(args):
+        qc, first = args
+        s = jnp.einsum("cngd,tnd->ngct", qc, k, precision=hp)
+        rows_at = first + jnp.arange(CHUNK)
+        allowed = (keys <= rows_at[:, None]) & (keys < length)  # [CHUNK, T]
+        if block_mask is not None:
+            tiles = jax.lax.dynamic_slice_in_dim(block_mask, first // XATTN_BLOCK, CHUNK // XATTN_BLOCK, axis=1)
+            tiles = jnp.repeat(jnp.repeat(tiles, XATTN_BLOCK, axis=1), XATTN_BLOCK, axis=2)[..., :t]  # [Hq, C, T]
+            allowed = allowed & tiles.reshape(hkv, hq // hkv, CHUNK, t)
+        return jnp.einsum("ngct,tnd->cngd", _softmax_over(s, allowed), v, precision=hp)
+
+    return jax.lax.map(rows, (qs, jnp.arange(0, t, CHUNK))).reshape(t, hq, d)
+
+
+def _true_block_mass(q, k, length):
+    """Per query head the true causal softmax mass of every (query block, key block) tile, summed over the query
+    block's real rows (< length) -> float32 [Hq, nqb, nkb], each real row contributing 1 in all."""
+    import jax
+    import jax.numpy as jnp
+
+    t, hq, d = q.shape
+    hkv, nb = k.shape[1], t // XATTN_BLOCK
+    hp = jax.lax.Precision.HIGHEST
+    qs = q.astype(jnp.float32).reshape(t // CHUNK, CHUNK, hkv, hq // hkv, d) / math.sqrt(d)
+    k, keys = k.astype(jnp.float32), jnp.arange(t)
+
+    def rows(args):
+        qc, first = args
+        s = jnp.einsum("cngd,tnd->ngct", qc, k, precision=hp)
+        rows_at = first + jnp.arange(CHUNK)
+        allowed = (keys <= rows_at[:, None]) & (keys < length) & (rows_at[:, None] < length)
+        p = _softmax_over(s, allowed)
+        return p.reshape(hq, CHUNK // XATTN_BLOCK, XATTN_BLOCK, nb, XATTN_BLOCK).sum((2, 4))
+
+    per_chunk = jax.lax.map(rows, (qs, jnp.arange(0, t, CHUNK)))  # [chunks, Hq, C / block, nkb]
+    return per_chunk.transpose(1, 0, 2, 3).reshape(hq, nb, nb)
+
+
+@functools.cache
+def _prefill_layer_fn():
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_kernels
+    from jax_offload.models import decoder
+    from jax_offload.sparse import xattention
+
+    @functools.partial(jax.jit, static_argnums=(0, 5, 6))
+    def prefill_layer(cfg, layer, x, length, inv_freq, rule, impl):
+        """One layer over the padded prompt x [1, T, hidden] -> (output, k, v [T, Hkv, D], block counts [2])."""
+        positions = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
+        q, k, v = decoder.attention_inputs(cfg, layer, x, positions, inv_freq)
+        nb = x.shape[1] // XATTN_BLOCK
+        visible = xattention.visible_blocks(nb, nb, 0, length, XATTN_BLOCK)
+        if rule is None:
+            mask = None
+            counts = jnp.stack([jnp.sum(visible), jnp.sum(visible)]).astype(jnp.int32) * cfg.num_heads
+        else:
+            kind, threshold = rule
+            if kind == "xattn":
+                policy = xattention.XAttention(threshold=threshold, stride=XATTN_STRIDE, block=XATTN_BLOCK)
+                full_mask = xattention.select(policy, impl, q, k, q_offset=0, kv_len=length)
+            else:
+                sums = _true_block_mass(q[0], k[0], length)
+                full_mask = pallas_kernels.select_blocks(sums[None], threshold=threshold,
+                                                         block_size=XATTN_BLOCK) & visible
+            counts = xattention.block_counts(full_mask, 0, length, XATTN_BLOCK)
+            mask = full_mask[0]
+        o = _prefill_attention(q[0], k[0], v[0], length, mask)
+        return decoder.attention_output_and_mlp(cfg, layer, x, o[None].astype(x.dtype)), k[0], v[0], counts
+
+    return prefill_layer
+
+
+# ---- decode ---------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _decode_step_fn():
+    import jax
+    import jax.numpy as jnp
+
+    from jax_offload.models import decoder
+    from jax_offload.sparse import quest
+
+    @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
+    def decode_step(cfg, rules, params, k_cache, v_cache, layers, tokens, position, inv_freq):
+        """One greedy step for every row (row r decodes under rules[r]): tokens [R] at `position`, caches
+        [L, R, Tmax, Hkv, D] -> (next tokens [R], caches)."""
+        rows, t = len(rules), k_cache.shape[2]
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        keys = jnp.arange(t)
+        visible = keys <= position
+        stored = position // STORE_BLOCK * STORE_BLOCK
+        tail = (keys >= stored) & visible
+        hp = jax.lax.Precision.HIGHEST
+
+        def layer_fn(x, xs):
+            index, layer, kc, vc = xs
+            q, k, v = decoder.attention_inputs(cfg, layer, x, jnp.full((rows, 1), position, jnp.int32), inv_freq)
+            kc = jax.lax.dynamic_update_slice_in_dim(kc, k, position, axis=1)
+            vc = jax.lax.dynamic_update_slice_in_dim(vc, v, position, axis=1)
+            qg = q[:, 0].reshape(rows, hkv, hq // hkv, d)
+            s = jnp.einsum("rngd,rtnd->rngt", qg.astype(jnp.float32), kc.astype(jnp.float32),
+                           precision=hp) / math.sqrt(d)
+            p_full = _softmax_over(s, visible)
+            masks = []
+            for r, rule in enumerate(rules):
+                if rule is None:
+                    masks.append(jnp.broadcast_to(visible, (hkv, t)))
+                    continue
+                kind, budget = rule
+                if kind == "quest":
+                    kmin, kmax = quest.page_bounds(kc[r], PAGE_SIZE)
+                    score = quest.page_scores(q[r, 0], kmin, kmax)
+                else:
+                    score = p_full[r].sum(1).reshape(hkv, t // PAGE_SIZE, PAGE_SIZE).sum(-1)
+                chosen = quest.top_pages(score, stored // PAGE_SIZE, budget // PAGE_SIZE)
+                picked = jnp.zeros((hkv, t // PAGE_SIZE + 1), bool).at[jnp.arange(hkv)[:, None], chosen].set(True)
+                masks.append((picked[:, keys // PAGE_SIZE] & (keys < stored)) | tail)
+            allowed = jnp.where(index < DENSE_LAYERS, visible, jnp.stack(masks))[:, :, None]  # [R, Hkv, 1, T]
+            o = jnp.einsum("rngt,rtnd->rngd", _softmax_over(s, allowed), vc.astype(jnp.float32), precision=hp)
+            x = decoder.attention_output_and_mlp(cfg, layer, x, o.reshape(rows, 1, hq, d).astype(x.dtype))
+            return x, (kc, vc)
+
+        x = decoder.embed(params, tokens[:, None])
+        x, (k_cache, v_cache) = jax.lax.scan(layer_fn, x, (jnp.arange(len(k_cache)), layers, k_cache, v_cache))
+        return jnp.argmax(decoder.logits(cfg, params, x[:, 0]), axis=-1).astype(jnp.int32), k_cache, v_cache
+
+    return decode_step
+
+
+# ---- one prompt -----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Model:
+    cfg: Any
+    params: Any
+    layers: Any  # the layers' parameters stacked on a leading axis, for the decode step's scan
+    inv_freq: Any
+    tokenizer: Any
+    eos: frozenset[int]
+    impl: str
+
+
+def run_prompt(model: Model, prompt: NiahSample, prefill_rule, decode_rules: tuple, max_tokens: int,
+               cache_len: int) -> tuple[list[list[int]], list[float]]:
+    """Prefill once under `prefill_rule`, then decode every rule of `decode_rules` greedily from it, one batch
+    row each -> (per rule the generated ids, cut before the first EOS; the prefill density per layer)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_offload.models import decoder
+
+    n = prompt.length
+    x = decoder.embed(model.params, jnp.asarray([prompt.prompt_ids + [0] * (cache_len - n)], jnp.int32))
+    layer_fn, length = _prefill_layer_fn(), jnp.int32(n)
+    ks, vs, density = [], [], []
+    for layer in model.params.layers:
+        x, k, v, counts = layer_fn(model.cfg, layer, x, length, model.inv_freq, prefill_rule, model.impl)
+        ks.append(k)
+        vs.append(v)
+        selected, visible = np.asarray(counts)
+        density.append(float(selected / visible))
+    first = jnp.argmax(decoder.logits(model.cfg, model.params, x[0, n - 1]), axis=-1).astype(jnp.int32)
+    rows = len(decode_rules)
+    k_cache = jnp.broadcast_to(jnp.stack(ks)[:, None], (len(ks), rows, *ks[0].shape))
+    v_cache = jnp.broadcast_to(jnp.stack(vs)[:, None], (len(vs), rows, *vs[0].shape))
+    tokens = jnp.broadcast_to(first, (rows,))
+    out = [tokens]
+    step = _decode_step_fn()
+    for i in range(max_tokens - 1):
+        tokens, k_cache, v_cache = step(model.cfg, decode_rules, model.params, k_cache, v_cache, model.layers,
+                                        tokens, np.int32(n + i), model.inv_freq)
+        out.append(tokens)
+    generated = np.asarray(jnp.stack(out, axis=1)).tolist()
+    cut = [next((j for j, t in enumerate(ids) if t in model.eos), len(ids)) for ids in generated]
+    return [ids[:c] for ids, c in zip(generated, cut)], density
+
+
+def load_model(model_dir: Path, dtype: str) -> Model:
+    import jax
+    import jax.numpy as jnp
+
+    from jax_offload import LLM
+    from jax_offload.models.rope import inverse_frequencies
+
+    llm = LLM(model_dir, dtype=dtype)  # the engine's parameters, tokenizer and EOS ids
+    cfg, params = llm.model_config, llm.params
+    layers = jax.tree.map(lambda *xs: jnp.stack(xs), *params.layers)
+    return Model(cfg, params, layers, jnp.asarray(inverse_frequencies(cfg.rope, cfg.head_dim)), llm.tokenizer,
+                 llm.eos_token_ids, "pallas" if jax.default_backend() == "gpu" else "xla")
+
+
+def evaluate(args: argparse.Namespace, model_dir: Path, dtype: str) -> None:
+    """Runs every config over every length's prompts; one file per (length, config), as eval_sparse writes."""
+    import json
+
+    from tqdm import tqdm
+
+    configs = [parse_config(name) for name in args.configs]
+    model = load_model(model_dir, dtype)
+    base = {"max_model_len": model.cfg.max_position_embeddings}
+    targets = {n: eval_sparse.prompt_target(model_dir, base, n, args.max_tokens) for n in args.lengths}
+    prompts = eval_sparse.build_prompts(model_dir, targets, args.samples, args.seed)
+    meta = eval_sparse.metadata()
+    args.out.mkdir(parents=True, exist_ok=True)
+    by_prefill: dict[Any, list[Config]] = {}
+    for c in configs:
+        by_prefill.setdefault(c.prefill, []).append(c)
+    for n, ps in prompts.items():
+        cache_len = -(-(targets[n] + args.max_tokens) // CHUNK) * CHUNK
+        for prefill_rule, group in by_prefill.items():
+            start = time.perf_counter()
+            decode_rules = tuple(c.decode for c in group)
+            records: list[list[dict[str, Any]]] = [[] for _ in group]
+            for p in tqdm(ps, desc=f"{prefill_rule or 'full'} prefill @ {n}", unit="prompt", leave=False):
+                outputs, density = run_prompt(model, p, prefill_rule, decode_rules, args.max_tokens, cache_len)
+                for rs, ids in zip(records, outputs):
+                    text = model.tokenizer.decode(ids, skip_special_tokens=True)
+                    rs.append({"task": p.task, "index": p.index, "prompt_tokens": p.length, "depths": p.depths,
+                               "expected": p.answers, "output": text, "output_token_ids": ids,
+                               "score": score_string_match_all([text], [p.answers]),
+                               "prefill_density": density if prefill_rule else None})
+            wall = round(time.perf_counter() - start, 2)
+            for c, rs in zip(group, records):
+                scores = eval_sparse.task_scores(rs)
+                result = {
+                    "kind": "sparse_niah", "config": c.name, "options": _options(c, dtype), "length": n,
+                    "prompt_target": targets[n], "model": str(model_dir), "samples": args.samples,
+                    "seed": args.seed, "max_tokens": args.max_tokens,
+                    "prompts_sha256": eval_sparse.prompts_digest(ps), "scores": scores,
+                    "mean_score": sum(scores.values()) / len(scores), "records": rs,
+                    "wall_seconds_of_prefill_group": wall, "meta": meta,
+                }
+                name = eval_sparse.NIAH_FILE.format(length=n, config=c.name.replace("+", "-"))
+                (args.out / name).write_text(json.dumps(result, indent=1) + "\n")
+                print(f"{c.name} @ {n} (prompts <= {targets[n]} tokens): mean score {result['mean_score']:.1f} "
+                      f"({', '.join(f'{s:.0f}' for s in scores.values())}), group {wall:.0f} s", flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, help="Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--lengths", type=positive_int_list, default=[4096], help="comma-separated prompt lengths")
+    p.add_argument("--samples", type=int, default=10, help="prompts per task and length")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--configs", type=lambda s: [c for c in s.split(",") if c],
+                   default="full,quest512,qoracle512,quest1024,qoracle1024".split(","))
+    p.add_argument("--dtype", help="weights' dtype (default: bfloat16 on a GPU, float32 otherwise)")
+    p.add_argument("--out", type=Path, required=True, help="where the result files go")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        for name in args.configs:
+            parse_config(name)
+        if args.samples < 1 or args.max_tokens < 2:
+            raise ValueError("--samples must be at least 1 and --max-tokens at least 2.")
+        import jax
+
+        dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+        if args.model is not None:
+            model_dir = args.model
+        else:
+            from jax_offload.default_model import ensure_default_model
+
+            model_dir = ensure_default_model()
+        evaluate(args, model_dir, dtype)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

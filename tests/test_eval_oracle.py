@@ -1,0 +1,86 @@
+"""bench/eval_oracle.py, the reference engine that scores the sparse policies' selections against oracles: the
+true block mass of the XAttention oracle against float64, and the whole run on a tiny model, whose full config
+must reproduce the engine's greedy tokens and whose rules must reduce to full attention where they keep
+every key."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tiny_models
+from jax_offload import LLM, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import eval_oracle  # noqa: E402
+import eval_sparse  # noqa: E402
+
+
+def test_true_block_mass_matches_float64():
+    rng = np.random.default_rng(811)
+    t, hq, hkv, d, length = 512, 4, 2, 32, 450
+    q = (2.0 * rng.standard_normal((t, hq, d))).astype(np.float32)
+    k = rng.standard_normal((t, hkv, d)).astype(np.float32)
+    got = np.asarray(jax.jit(eval_oracle._true_block_mass)(q, k, jnp.int32(length)))
+    q64, k64 = q.astype(np.float64), np.repeat(k.astype(np.float64), hq // hkv, axis=1)
+    s = np.einsum("thd,shd->hts", q64, k64) / np.sqrt(d)
+    rows, keys = np.arange(t)[:, None], np.arange(t)[None]
+    s = np.where((keys <= rows) & (keys < length), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p = p / p.sum(-1, keepdims=True) * (rows < length)  # padding rows count nothing
+    nb = t // eval_oracle.XATTN_BLOCK
+    want = p.reshape(hq, nb, eval_oracle.XATTN_BLOCK, nb, eval_oracle.XATTN_BLOCK).sum((2, 4))
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-5)  # float32 sums of up to 16K probabilities
+    np.testing.assert_allclose(got.sum(-1).sum(-1), length, rtol=1e-5)  # each real row holds mass 1
+
+
+def test_config_names_and_their_errors():
+    c = eval_oracle.parse_config("xoracle0.9+quest1024")
+    assert (c.prefill, c.decode) == (("xoracle", 0.9), ("quest", 1024))
+    assert eval_oracle.parse_config("full") == eval_oracle.Config("full", None, None)
+    for bad, says in [("quest1000", "multiple of 16"), ("xattn1.5", "not in (0, 1]"), ("topk64", "is not one of"),
+                      ("quest64+qoracle64", "at most one of each")]:
+        with pytest.raises(ValueError, match=r"quest1000|xattn1\.5|topk64|quest64\+qoracle64") as err:
+            eval_oracle.parse_config(bad)
+        assert says in str(err.value)
+
+
+def test_reference_reproduces_the_engine_and_keeps_every_key_when_told(tmp_path, monkeypatch):
+    """A tiny 3-layer checkpoint, two random 300-token prompts (256 stored tokens and a 44-token tail for Quest's
+    rule; RULER's haystack needs a real tokenizer): the reference's full config gives the engine's greedy tokens
+    (float32, in device memory), Quest with a budget past the context and the XAttention oracle at threshold 1
+    give full's, the sparse rules run and `eval_sparse --report` tabulates the files."""
+    rng = np.random.default_rng(812)
+    prompts = [SimpleNamespace(task=t, index=0, prompt_ids=rng.integers(3, 256, 300).tolist(), length=300,
+                               depths=[0.5], answers=["w5"]) for t in ("niah_single_1", "niah_multikey_1")]
+    monkeypatch.setattr(eval_sparse, "build_prompts", lambda model_dir, targets, samples, seed: {300: prompts})
+    monkeypatch.setitem(tiny_models.COMMON, "num_hidden_layers", 3)
+    model, out, report = tmp_path / "model", tmp_path / "out", tmp_path / "report"
+    tiny_models.build("qwen2", model, seed=813)
+    configs = "full,quest512,quest32,qoracle32,xoracle1.0,xattn0.5,xoracle0.5+qoracle32"
+    assert eval_oracle.main(["--model", str(model), "--lengths", "300", "--samples", "1", "--max-tokens", "6",
+                             "--configs", configs, "--out", str(out)]) == 0
+    results = {c: json.loads((out / f"sparse_niah_300_{c.replace('+', '-')}.json").read_text())
+               for c in configs.split(",")}
+    ids = {c: [r["output_token_ids"] for r in res["records"]] for c, res in results.items()}
+
+    llm = LLM(model, dtype="float32")
+    engine = [list(o.token_ids) for o in llm.generate([p.prompt_ids for p in prompts],
+                                                      SamplingParams(temperature=0.0, max_tokens=6))]
+    assert ids["full"] == engine
+    assert ids["quest512"] == ids["full"] and ids["xoracle1.0"] == ids["full"]
+    for c in ("quest32", "qoracle32"):
+        assert all(len(x) > 0 for x in ids[c]) and results[c]["options"]["decode_budget"] == 32
+    for c in ("xattn0.5", "xoracle0.5+qoracle32"):
+        density = [r["prefill_density"] for r in results[c]["records"]]
+        assert all(len(d) == 3 and 0 < min(d) and max(d) <= 1 for d in density)
+        assert min(min(d) for d in density) < 0.9  # a threshold of 0.5 drops blocks somewhere
+    assert all(r["prefill_density"] == [1.0, 1.0, 1.0] for r in results["xoracle1.0"]["records"])
+    assert eval_sparse.main(["--report", str(out), "--out", str(report)]) == 0
+    assert "| niah_single_1 |" in (report / "sparse_niah.md").read_text()
