@@ -279,17 +279,23 @@ def _bandwidth(phase: dict) -> str:
     return f"copy bandwidth {phase['copy_bandwidth']['median'] / 1e9:.0f} GB/s"
 
 
-def report(src: Path, out: Path) -> None:
-    phases = {p.stem[len("phase_"):]: json.loads(p.read_text()) for p in sorted(src.glob("phase_*.json"))}
-    meta = next(iter(phases.values()))["meta"] if phases else {}
+def report(srcs: list[Path], out: Path) -> None:
+    """throughput.md from the phase files of `srcs`; a later folder's file replaces an earlier one's of the same
+    name (a newer run of the same phase, shape and request count)."""
+    paths = {p.name: p for src in srcs for p in sorted(src.glob("phase_*.json"))}
+    phases = {name[len("phase_"):-len(".json")]: json.loads(p.read_text()) for name, p in sorted(paths.items())}
+    metas = [p["meta"] for p in phases.values()]
+    meta = metas[0] if metas else {}
+    dates = sorted(m.get("date", "") for m in metas)
+    when = dates[0] if len(set(d[:10] for d in dates)) <= 1 else f"{dates[0]} to {dates[-1]}"
     lines = ["# Continuous-batching throughput (nano-vllm's benchmark)", "",
              f"{meta.get('device')}, jax {meta.get('jax')}, torch {meta.get('torch')}, transformers "
-             f"{meta.get('transformers')}, {meta.get('date')}. Random bf16 weights; nano-vllm's workload (256 "
+             f"{meta.get('transformers')}, {when}. Random bf16 weights; nano-vllm's workload (256 "
              "requests, or as many as the column says, drawn the same way): input and output lengths uniform in 100..1024 "
              "(seed 0), temperature 0.6, ignore_eos. Timings: median (min-max) of the runs after a warm-up of the "
              "same workload; the ratio compares the two engines on the same requests.", "",
              "| shape | requests | ours output tok/s | transformers output tok/s | ratio | ours decode step / HBM "
-             "floor (all steps; batch >= max/2) | preemptions | runs |", "|---|---|---|---|---|---|---|---|"]
+             "floor (all steps; batch >= max/2) | preemptions | runs (ours / transformers) |", "|---|---|---|---|---|---|---|---|"]
     peers = {(p["shape"], p.get("requests")): p for k, p in phases.items() if k.startswith("hf_")}
     for key, ours in phases.items():
         if not key.startswith("ours_"):
@@ -302,7 +308,8 @@ def report(src: Path, out: Path) -> None:
             f"| {ours['shape']} | {ours['requests']} | {fmt(ours['output_tokens_per_second'], digits=0)} | "
             f"{fmt(hf.get('output_tokens_per_second'), digits=0) if 'error' not in hf else 'failed: ' + hf['error']} | "
             f"{f'{ratio:.1f}x' if ratio else '-'} | {fmt(ours['decode_step_floor_ratio'])}; {fmt(large)} | "
-            f"{ours['preemptions']} | {ours['output_tokens_per_second']['n']} |")
+            f"{ours['preemptions']} | {ours['output_tokens_per_second']['n']}"
+            f"{' / ' + str(hf['output_tokens_per_second']['n']) if 'output_tokens_per_second' in hf else ''} |")
     for key, ours in phases.items():
         if key.startswith("ours_") and "prefill_seconds_total" in ours:
             lines += ["", f"Where the last run of {ours['shape']}, {ours['requests']} requests went: "
@@ -334,7 +341,7 @@ def report(src: Path, out: Path) -> None:
     lines += ["", "HBM floor of a decode step: (weights read + KV bytes of every running request) / the device's "
               "measured read bandwidth (`read_bandwidth` in the phase file, a jitted sum over 2 GiB; older files measured an "
               "elementwise copy, `copy_bandwidth`). transformers API: " + ", ".join(sorted(hf_apis)) + ".",
-              "Phase files: " + ", ".join(f"phase_{k}.json" for k in phases) + "."]
+              "Phase files: " + ", ".join(str(p) for p in paths.values()) + "."]
     out.mkdir(parents=True, exist_ok=True)
     (out / "throughput.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -356,7 +363,8 @@ def main() -> None:
     p.add_argument("--offload-requests", type=int, default=8)
     p.add_argument("--offload-tokens", type=int, default=32)
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results/runs/throughput"))
-    p.add_argument("--report", type=Path, help="write throughput.md from the phase files in this folder")
+    p.add_argument("--report", type=Path, nargs="+", metavar="DIR",
+                   help="write throughput.md from the phase files in these folders (later ones replace earlier)")
     p.add_argument("--run-phase", choices=PHASES, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.report:
@@ -382,7 +390,7 @@ def main() -> None:
             subprocess.run([sys.executable, __file__, "--run-phase", phase, "--shape", shape, "--out", args.out,
                             *extra], check=True)
             print(f"phase {phase} {shape}: {time.perf_counter() - t:.0f} s", flush=True)
-    report(Path(args.out), Path(args.out))
+    report([Path(args.out)], Path(args.out))
 
 
 if __name__ == "__main__":
