@@ -16,6 +16,7 @@ selections alone:
                        dense, 16-token pages: the engine's rule
            qoracleN    the same number of pages of the same candidates, chosen by their true softmax mass summed
                        over the GQA group (`quest.top_pages`): the most mass any choice of N tokens keeps
+           +denseL     with a decode rule: the first L layers dense instead of 2 (the engine's `dense_layers`)
 
 A config is `full`, one rule, or a prefill and a decode rule joined by `+` (`xattn0.9+quest1024`). Per length and
 prefill rule the prompt is prefilled once and every decode rule of that prefill decodes from it in one batch.
@@ -54,12 +55,12 @@ PREFILL_KINDS, DECODE_KINDS = ("xattn", "xoracle"), ("quest", "qoracle")
 class Config:
     name: str
     prefill: tuple[str, float] | None  # (kind, threshold) or None for full
-    decode: tuple[str, int] | None  # (kind, budget in tokens) or None for full
+    decode: tuple[str, int, int] | None  # (kind, budget in tokens, dense layers) or None for full
 
 
 def parse_config(name: str) -> Config:
     """A config name -> its prefill and decode rules; a bad name is one ValueError listing what is allowed."""
-    prefill = decode = None
+    prefill = decode = dense = None
     for part in ([] if name == "full" else name.split("+")):
         match = re.fullmatch(r"([a-z]+)([0-9.]+)", part)
         kind = match[1] if match else None
@@ -73,10 +74,16 @@ def parse_config(name: str) -> Config:
             if budget < 2 * PAGE_SIZE or budget % PAGE_SIZE:
                 raise ValueError(f"Config {name!r}: budget {budget} must be a multiple of {PAGE_SIZE}, at least "
                                  f"{2 * PAGE_SIZE}.")
-            decode = (kind, budget)
+            decode = (kind, budget, DENSE_LAYERS)
+        elif kind == "dense" and dense is None and match[2].isdigit():
+            dense = int(match[2])
         else:
             raise ValueError(f"Config {name!r}: part {part!r} is not one of xattnT, xoracleT (prefill) or questN, "
-                             "qoracleN (decode), at most one of each, joined by '+'; or 'full'.")
+                             "qoracleN (decode) with an optional denseL, at most one of each, joined by '+'; or 'full'.")
+    if dense is not None:
+        if decode is None:
+            raise ValueError(f"Config {name!r}: denseL needs a decode rule (questN or qoracleN).")
+        decode = (decode[0], decode[1], dense)
     return Config(name, prefill, decode)
 
 
@@ -89,7 +96,7 @@ def _options(config: Config, dtype: str) -> dict[str, Any]:
                     "xattn_stride": XATTN_STRIDE, "xattn_block": XATTN_BLOCK}
     if config.decode:
         options |= {"decode_policy": "quest" if config.decode[0] == "quest" else "quest_oracle",
-                    "decode_budget": config.decode[1], "page_size": PAGE_SIZE, "dense_layers": DENSE_LAYERS,
+                    "decode_budget": config.decode[1], "page_size": PAGE_SIZE, "dense_layers": config.decode[2],
                     "block_size": STORE_BLOCK}
     return options
 
@@ -230,7 +237,7 @@ def _decode_step_fn():
                 if rule is None:
                     masks.append(jnp.broadcast_to(visible, (hkv, t)))
                     continue
-                kind, budget = rule
+                kind, budget, dense = rule
                 if kind == "quest":
                     kmin, kmax = quest.page_bounds(kc[r], PAGE_SIZE)
                     score = quest.page_scores(q[r, 0], kmin, kmax)
@@ -238,8 +245,9 @@ def _decode_step_fn():
                     score = p_full[r].sum(1).reshape(hkv, t // PAGE_SIZE, PAGE_SIZE).sum(-1)
                 chosen = quest.top_pages(score, stored // PAGE_SIZE, budget // PAGE_SIZE)
                 picked = jnp.zeros((hkv, t // PAGE_SIZE + 1), bool).at[jnp.arange(hkv)[:, None], chosen].set(True)
-                masks.append((picked[:, keys // PAGE_SIZE] & (keys < stored)) | tail)
-            allowed = jnp.where(index < DENSE_LAYERS, visible, jnp.stack(masks))[:, :, None]  # [R, Hkv, 1, T]
+                sparse = (picked[:, keys // PAGE_SIZE] & (keys < stored)) | tail
+                masks.append(jnp.where(index < dense, visible, sparse))
+            allowed = jnp.stack(masks)[:, :, None]  # [R, Hkv, 1, T]
             o = jnp.einsum("rngt,rtnd->rngd", _softmax_over(s, allowed), vc.astype(jnp.float32), precision=hp)
             x = decoder.attention_output_and_mlp(cfg, layer, x, o.reshape(rows, 1, hq, d).astype(x.dtype))
             return x, (kc, vc)

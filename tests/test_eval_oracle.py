@@ -42,11 +42,12 @@ def test_true_block_mass_matches_float64():
 
 def test_config_names_and_their_errors():
     c = eval_oracle.parse_config("xoracle0.9+quest1024")
-    assert (c.prefill, c.decode) == (("xoracle", 0.9), ("quest", 1024))
+    assert (c.prefill, c.decode) == (("xoracle", 0.9), ("quest", 1024, 2))
+    assert eval_oracle.parse_config("quest512+dense8").decode == ("quest", 512, 8)
     assert eval_oracle.parse_config("full") == eval_oracle.Config("full", None, None)
     for bad, says in [("quest1000", "multiple of 16"), ("xattn1.5", "not in (0, 1]"), ("topk64", "is not one of"),
-                      ("quest64+qoracle64", "at most one of each")]:
-        with pytest.raises(ValueError, match=r"quest1000|xattn1\.5|topk64|quest64\+qoracle64") as err:
+                      ("quest64+qoracle64", "at most one of each"), ("xattn0.9+dense4", "needs a decode rule")]:
+        with pytest.raises(ValueError, match=r"quest1000|xattn1\.5|topk64|quest64\+qoracle64|dense4") as err:
             eval_oracle.parse_config(bad)
         assert says in str(err.value)
 
@@ -63,7 +64,7 @@ def test_reference_reproduces_the_engine_and_keeps_every_key_when_told(tmp_path,
     monkeypatch.setitem(tiny_models.COMMON, "num_hidden_layers", 3)
     model, out, report = tmp_path / "model", tmp_path / "out", tmp_path / "report"
     tiny_models.build("qwen2", model, seed=813)
-    configs = "full,quest512,quest32,qoracle32,xoracle1.0,xattn0.5,xoracle0.5+qoracle32"
+    configs = "full,quest512,quest32,qoracle32,quest32+dense3,xoracle1.0,xattn0.5,xoracle0.5+qoracle32"
     assert eval_oracle.main(["--model", str(model), "--lengths", "300", "--samples", "1", "--max-tokens", "6",
                              "--configs", configs, "--out", str(out)]) == 0
     results = {c: json.loads((out / f"sparse_niah_300_{c.replace('+', '-')}.json").read_text())
@@ -75,6 +76,7 @@ def test_reference_reproduces_the_engine_and_keeps_every_key_when_told(tmp_path,
                                                       SamplingParams(temperature=0.0, max_tokens=6))]
     assert ids["full"] == engine
     assert ids["quest512"] == ids["full"] and ids["xoracle1.0"] == ids["full"]
+    assert ids["quest32+dense3"] == ids["full"]  # every layer of the 3 dense
     for c in ("quest32", "qoracle32"):
         assert all(len(x) > 0 for x in ids[c]) and results[c]["options"]["decode_budget"] == 32
     for c in ("xattn0.5", "xoracle0.5+qoracle32"):
