@@ -16,6 +16,9 @@ selections alone:
                        dense, 16-token pages: the engine's rule
            qoracleN    the same number of pages of the same candidates, chosen by their true softmax mass summed
                        over the GQA group (`quest.top_pages`): the most mass any choice of N tokens keeps
+           qsumN       Quest's bound with the GQA group's query heads summed instead of maxed (same budget)
+           qheadN      Quest's bound per query head: each of a group's G heads picks page 0 and its N/16/G - 1
+                       best pages, the KV head reads their union (at most N tokens)
            +denseL     with a decode rule: the first L layers dense instead of 2 (the engine's `dense_layers`)
 
 A config is `full`, one rule, or a prefill and a decode rule joined by `+` (`xattn0.9+quest1024`). Per length and
@@ -48,7 +51,8 @@ from jax_offload.eval.ruler import NiahSample, score_string_match_all  # noqa: E
 STORE_BLOCK, PAGE_SIZE, DENSE_LAYERS = 256, 16, 2  # the engine's Quest setting in bench/eval_sparse.py
 XATTN_BLOCK, XATTN_STRIDE = 128, 8
 CHUNK = 512  # query rows per attention step: scores are [heads, 512, T] float32
-PREFILL_KINDS, DECODE_KINDS = ("xattn", "xoracle"), ("quest", "qoracle")
+PREFILL_KINDS, DECODE_KINDS = ("xattn", "xoracle"), ("quest", "qoracle", "qsum", "qhead")
+POLICY_NAMES = {"quest": "quest", "qoracle": "quest_oracle", "qsum": "quest_group_sum", "qhead": "quest_per_head"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +83,8 @@ def parse_config(name: str) -> Config:
             dense = int(match[2])
         else:
             raise ValueError(f"Config {name!r}: part {part!r} is not one of xattnT, xoracleT (prefill) or questN, "
-                             "qoracleN (decode) with an optional denseL, at most one of each, joined by '+'; or 'full'.")
+                             "qoracleN, qsumN, qheadN (decode) with an optional denseL, at most one of each, joined by "
+                             "'+'; or 'full'.")
     if dense is not None:
         if decode is None:
             raise ValueError(f"Config {name!r}: denseL needs a decode rule (questN or qoracleN).")
@@ -95,7 +100,7 @@ def _options(config: Config, dtype: str) -> dict[str, Any]:
         options |= {"prefill_rule": config.prefill[0], "xattn_threshold": config.prefill[1],
                     "xattn_stride": XATTN_STRIDE, "xattn_block": XATTN_BLOCK}
     if config.decode:
-        options |= {"decode_policy": "quest" if config.decode[0] == "quest" else "quest_oracle",
+        options |= {"decode_policy": POLICY_NAMES[config.decode[0]],
                     "decode_budget": config.decode[1], "page_size": PAGE_SIZE, "dense_layers": config.decode[2],
                     "block_size": STORE_BLOCK}
     return options
@@ -203,6 +208,20 @@ def _prefill_layer_fn():
 # ---- decode ---------------------------------------------------------------------------------------------------
 
 
+def _head_bounds(qg, k):
+    """Quest's bound of every page for each query head: qg [Hkv, G, D], keys k [T, Hkv, D] -> float32 [Hkv, G, P],
+    the arithmetic of `quest.page_scores` before its max over the group."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_offload.sparse import quest
+
+    kmin, kmax = quest.page_bounds(k, PAGE_SIZE)
+    dot = functools.partial(jnp.einsum, "hgd,hpd->hgp", preferred_element_type=jnp.float32,
+                            precision=jax.lax.Precision.HIGHEST)
+    return dot(jnp.maximum(qg, 0).astype(kmax.dtype), kmax) + dot(jnp.minimum(qg, 0).astype(kmin.dtype), kmin)
+
+
 @functools.cache
 def _decode_step_fn():
     import jax
@@ -238,13 +257,21 @@ def _decode_step_fn():
                     masks.append(jnp.broadcast_to(visible, (hkv, t)))
                     continue
                 kind, budget, dense = rule
+                num_pages, budget_pages = stored // PAGE_SIZE, budget // PAGE_SIZE
                 if kind == "quest":
                     kmin, kmax = quest.page_bounds(kc[r], PAGE_SIZE)
-                    score = quest.page_scores(q[r, 0], kmin, kmax)
-                else:
+                    choices = [quest.top_pages(quest.page_scores(q[r, 0], kmin, kmax), num_pages, budget_pages)]
+                elif kind == "qoracle":
                     score = p_full[r].sum(1).reshape(hkv, t // PAGE_SIZE, PAGE_SIZE).sum(-1)
-                chosen = quest.top_pages(score, stored // PAGE_SIZE, budget // PAGE_SIZE)
-                picked = jnp.zeros((hkv, t // PAGE_SIZE + 1), bool).at[jnp.arange(hkv)[:, None], chosen].set(True)
+                    choices = [quest.top_pages(score, num_pages, budget_pages)]
+                else:
+                    bound = _head_bounds(qg[r], kc[r])  # [Hkv, G, P]
+                    choices = ([quest.top_pages(bound.sum(1), num_pages, budget_pages)] if kind == "qsum" else
+                               [quest.top_pages(bound[:, g], num_pages, budget_pages // bound.shape[1])
+                                for g in range(bound.shape[1])])
+                picked = jnp.zeros((hkv, t // PAGE_SIZE + 1), bool)
+                for chosen in choices:
+                    picked = picked.at[jnp.arange(hkv)[:, None], chosen].set(True)
                 sparse = (picked[:, keys // PAGE_SIZE] & (keys < stored)) | tail
                 masks.append(jnp.where(index < dense, visible, sparse))
             allowed = jnp.stack(masks)[:, :, None]  # [R, Hkv, 1, T]
