@@ -9,7 +9,7 @@ selections alone:
            xattnT      XAttention's blocks at threshold T: the library's antidiagonal estimate and
                        `pallas_kernels.select_blocks` (stride 8, 128-token blocks), as the engine chooses them
            xoracleT    the same `select_blocks` rule on the true softmax mass of each (query block, key block):
-                       the fewest blocks that hold T of each query block's attention, which no estimate can beat
+                       the fewest blocks that hold T of each query block's attention: what an exact estimate would choose
   decode   full        every key
            questN      Quest's pages, budget N tokens per KV head: `jax_offload.sparse.quest` over the pages of
                        the stored blocks (256 tokens), the tail past them attended in full, the first 2 layers
