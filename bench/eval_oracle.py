@@ -19,6 +19,8 @@ selections alone:
            qsumN       Quest's bound with the GQA group's query heads summed instead of maxed (same budget)
            qheadN      Quest's bound per query head: each of a group's G heads picks page 0 and its N/16/G - 1
                        best pages, the KV head reads their union (at most N tokens)
+           qfineN      Quest's bound over 8-token halves of each page, the page scored by the larger (a tighter
+                       bound of the same pages, from twice the min/max metadata: 1/8 of the KV)
            +denseL     with a decode rule: the first L layers dense instead of 2 (the engine's `dense_layers`)
 
 A config is `full`, one rule, or a prefill and a decode rule joined by `+` (`xattn0.9+quest1024`). Per length and
@@ -51,8 +53,9 @@ from jax_offload.eval.ruler import NiahSample, score_string_match_all  # noqa: E
 STORE_BLOCK, PAGE_SIZE, DENSE_LAYERS = 256, 16, 2  # the engine's Quest setting in bench/eval_sparse.py
 XATTN_BLOCK, XATTN_STRIDE = 128, 8
 CHUNK = 512  # query rows per attention step: scores are [heads, 512, T] float32
-PREFILL_KINDS, DECODE_KINDS = ("xattn", "xoracle"), ("quest", "qoracle", "qsum", "qhead")
-POLICY_NAMES = {"quest": "quest", "qoracle": "quest_oracle", "qsum": "quest_group_sum", "qhead": "quest_per_head"}
+PREFILL_KINDS, DECODE_KINDS = ("xattn", "xoracle"), ("quest", "qoracle", "qsum", "qhead", "qfine")
+POLICY_NAMES = {"quest": "quest", "qoracle": "quest_oracle", "qsum": "quest_group_sum", "qhead": "quest_per_head",
+                "qfine": "quest_half_pages"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +86,7 @@ def parse_config(name: str) -> Config:
             dense = int(match[2])
         else:
             raise ValueError(f"Config {name!r}: part {part!r} is not one of xattnT, xoracleT (prefill) or questN, "
-                             "qoracleN, qsumN, qheadN (decode) with an optional denseL, at most one of each, joined by "
+                             "qoracleN, qsumN, qheadN, qfineN (decode) with an optional denseL, at most one of each, joined by "
                              "'+'; or 'full'.")
     if dense is not None:
         if decode is None:
@@ -208,15 +211,15 @@ def _prefill_layer_fn():
 # ---- decode ---------------------------------------------------------------------------------------------------
 
 
-def _head_bounds(qg, k):
-    """Quest's bound of every page for each query head: qg [Hkv, G, D], keys k [T, Hkv, D] -> float32 [Hkv, G, P],
-    the arithmetic of `quest.page_scores` before its max over the group."""
+def _head_bounds(qg, k, page_size: int):
+    """Quest's bound of every page for each query head: qg [Hkv, G, D], keys k [T, Hkv, D] -> float32 [Hkv, G,
+    T / page_size], the arithmetic of `quest.page_scores` before its max over the group."""
     import jax
     import jax.numpy as jnp
 
     from jax_offload.sparse import quest
 
-    kmin, kmax = quest.page_bounds(k, PAGE_SIZE)
+    kmin, kmax = quest.page_bounds(k, page_size)
     dot = functools.partial(jnp.einsum, "hgd,hpd->hgp", preferred_element_type=jnp.float32,
                             precision=jax.lax.Precision.HIGHEST)
     return dot(jnp.maximum(qg, 0).astype(kmax.dtype), kmax) + dot(jnp.minimum(qg, 0).astype(kmin.dtype), kmin)
@@ -264,8 +267,12 @@ def _decode_step_fn():
                 elif kind == "qoracle":
                     score = p_full[r].sum(1).reshape(hkv, t // PAGE_SIZE, PAGE_SIZE).sum(-1)
                     choices = [quest.top_pages(score, num_pages, budget_pages)]
+                elif kind == "qfine":
+                    half = _head_bounds(qg[r], kc[r], PAGE_SIZE // 2)  # [Hkv, G, 2P]
+                    score = half.reshape(hkv, -1, t // PAGE_SIZE, 2).max(-1).max(1)
+                    choices = [quest.top_pages(score, num_pages, budget_pages)]
                 else:
-                    bound = _head_bounds(qg[r], kc[r])  # [Hkv, G, P]
+                    bound = _head_bounds(qg[r], kc[r], PAGE_SIZE)  # [Hkv, G, P]
                     choices = ([quest.top_pages(bound.sum(1), num_pages, budget_pages)] if kind == "qsum" else
                                [quest.top_pages(bound[:, g], num_pages, budget_pages // bound.shape[1])
                                 for g in range(bound.shape[1])])

@@ -47,12 +47,14 @@ def test_head_bounds_maxed_over_the_group_are_quests_scores():
     hq, hkv, t, d = 6, 2, 256, 32
     q = rng.standard_normal((hq, d)).astype(np.float32)
     k = rng.standard_normal((t, hkv, d)).astype(np.float32)
-    per_head = np.asarray(eval_oracle._head_bounds(q.reshape(hkv, hq // hkv, d), k))  # [Hkv, G, P]
+    per_head = np.asarray(eval_oracle._head_bounds(q.reshape(hkv, hq // hkv, d), k, 16))  # [Hkv, G, P]
     kmin, kmax = quest.page_bounds(k, eval_oracle.PAGE_SIZE)
     np.testing.assert_array_equal(per_head.max(1), np.asarray(quest.page_scores(q, kmin, kmax)))
     pages = k.reshape(t // 16, 16, hkv, d)
     every_key = np.einsum("ngd,pknd->ngpk", q.reshape(hkv, -1, d), pages).max(-1)  # the true max of q . k per page
     assert np.all(per_head >= every_key - 1e-4)  # an upper bound for every head
+    halves = np.asarray(eval_oracle._head_bounds(q.reshape(hkv, hq // hkv, d), k, 8)).reshape(hkv, -1, t // 16, 2)
+    assert np.all(halves.max(-1) <= per_head + 1e-4) and np.all(halves.max(-1) >= every_key - 1e-4)  # tighter
 
 
 def test_config_names_and_their_errors():
@@ -79,8 +81,8 @@ def test_reference_reproduces_the_engine_and_keeps_every_key_when_told(tmp_path,
     monkeypatch.setitem(tiny_models.COMMON, "num_hidden_layers", 3)
     model, out, report = tmp_path / "model", tmp_path / "out", tmp_path / "report"
     tiny_models.build("qwen2", model, seed=813)
-    configs = ("full,quest512,qsum512,qhead512,quest32,qoracle32,qsum32,qhead32,quest32+dense3,xoracle1.0,xattn0.5,"
-               "xoracle0.5+qoracle32")
+    configs = ("full,quest512,qsum512,qhead512,qfine512,quest32,qoracle32,qsum32,qhead32,qfine32,quest32+dense3,"
+               "xoracle1.0,xattn0.5,xoracle0.5+qoracle32")
     assert eval_oracle.main(["--model", str(model), "--lengths", "300", "--samples", "1", "--max-tokens", "6",
                              "--configs", configs, "--out", str(out)]) == 0
     results = {c: json.loads((out / f"sparse_niah_300_{c.replace('+', '-')}.json").read_text())
@@ -92,9 +94,10 @@ def test_reference_reproduces_the_engine_and_keeps_every_key_when_told(tmp_path,
                                                       SamplingParams(temperature=0.0, max_tokens=6))]
     assert ids["full"] == engine
     assert ids["quest512"] == ids["full"] and ids["xoracle1.0"] == ids["full"]
-    assert ids["qsum512"] == ids["full"] and ids["qhead512"] == ids["full"]  # 16 pages per head: all 16 stored
+    for c in ("qsum512", "qhead512", "qfine512"):  # qhead: 16 pages per query head, all 16 stored
+        assert ids[c] == ids["full"], c
     assert ids["quest32+dense3"] == ids["full"]  # every layer of the 3 dense
-    for c in ("quest32", "qoracle32", "qsum32", "qhead32"):
+    for c in ("quest32", "qoracle32", "qsum32", "qhead32", "qfine32"):
         assert all(len(x) > 0 for x in ids[c]) and results[c]["options"]["decode_budget"] == 32
     for c in ("xattn0.5", "xoracle0.5+qoracle32"):
         density = [r["prefill_density"] for r in results[c]["records"]]
