@@ -1,10 +1,11 @@
 """Sparse policies on one GPU: Llama-3.1-8B shape, random bf16 weights.
 
 Phases (each in a fresh process, writing phase_<name>.json under --out):
-  quest       Quest decode over the offloaded KV: ms/token and bytes moved per token at each context, full
-              offloaded decode at 128K in the same process, and where a 128K step's time goes (the layers' q and
-              page choice, reading the chosen pages from pinned memory with attention over them, the same read
-              from GPU memory, the whole step with the store in GPU memory)
+  decode      the page-choosing decode policies (--policies, default sketch,quest) over the offloaded KV: ms/token
+              and bytes moved per token at each context, the time of the choice at each context (the policy's
+              scoring alone; the layers' q with scoring and top-k), full offloaded decode at the breakdown context
+              in the same process, and there reading the chosen pages from pinned memory with attention over
+              them against the same read from GPU memory (older runs: phase_quest.json, Quest alone)
   xattn_kernel   XAttention's block-sparse kernel against our dense causal kernel at fixed densities of the
                  causal blocks (random choice per head and query block, sink and diagonal kept), and the
                  estimate of one layer (threshold 0.9) at the same length
@@ -15,7 +16,7 @@ Every time is the median (min-max) of >= 5 measurements after a warm-up at the s
 `--report DIR [DIR ...]` writes sparse.md, sparse.json and sparse.png from the phase files, each phase from the first
 folder that has it (runs of one phase on another device or day stay in their own folder).
 
-    python bench/bench_sparse.py --phases quest --out DIR
+    python bench/bench_sparse.py --phases decode --contexts 32768,131072,262144 --out DIR
     python bench/bench_sparse.py --report DIR [DIR ...] --out bench/results
 """
 from __future__ import annotations
@@ -35,20 +36,28 @@ from common import (  # noqa: E402
     GiB, call_seconds, fmt, gpu_memory, model_config, random_params, run_metadata, run_phases, stats,
 )
 
-PHASES = ("quest", "xattn_kernel", "xattn_prefill")
+PHASES = ("decode", "xattn_kernel", "xattn_prefill")
 
 
 def _prompt(rng, cfg, n):
     return rng.integers(0, cfg.vocab_size, size=n).tolist()
 
 
-def phase_quest(a) -> dict:
+def phase_decode(a) -> dict:
+    """Each of --policies over the offloaded KV at every context: ms/token, bytes moved per token, and where the
+    choice of pages goes (the policy's scoring alone, the layers' q with scoring and top-k); full offloaded decode
+    at the breakdown context in the same process; the breakdown context's read of the chosen pages from pinned
+    memory against the same read from GPU memory, for the first policy."""
+    import gc
+
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from jax_offload import LLM, SamplingParams
-    from jax_offload.attention import embed_tokens, quest_begin, quest_read
+    from jax_offload.attention import embed_tokens, page_choice_step, page_read_step
+    from jax_offload.kv.host_store import HostKVStore
+    from jax_offload.kv.ring import group_size
 
     cfg = model_config(a.shape, a.num_layers)
     # Contexts past the checkpoint's window (256K on Llama-3.1) are positions like any other for timing.
@@ -56,17 +65,20 @@ def phase_quest(a) -> dict:
     params = random_params(cfg, jnp.bfloat16)
     rng = np.random.default_rng(0)
     bs, tokens = a.block_size, a.decode_tokens
-    sparse = dict(decode_policy="quest", decode_budget=a.budget, page_size=a.page_size, dense_layers=a.dense_layers)
     max_len = max(a.contexts) + tokens + bs
+    pages_per_block = bs // a.page_size
 
     def make(**kw):
         return LLM.from_params(cfg, params, dtype="bfloat16", offload=True, block_size=bs, num_ring_slots=a.ring_slots, **kw)
 
+    def options(policy):
+        extra = {"sketch_dtype": a.sketch_dtype} if policy == "sketch" else {}
+        return dict(decode_policy=policy, decode_budget=a.budget, page_size=a.page_size, dense_layers=a.dense_layers,
+                    **extra)
+
     def run(llm, n):
         out = llm.generate([_prompt(rng, cfg, n)], SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))[0]
         return out.prefill_seconds, stats([s * 1e3 for s in out.decode_token_seconds])
-
-    from jax_offload.kv.ring import group_size
 
     def warm_up(llm):
         # Every decode shape: dense layers stream groups of 1 .. half-the-ring blocks, the tail starts empty
@@ -75,76 +87,74 @@ def phase_quest(a) -> dict:
             run(llm, k * bs)
         run(llm, bs + 7)
 
-    quest = make(max_model_len=max_len, **sparse)
-    inv_freq = quest._inv_freq
-    warm_up(quest)
-    rows = []
-    for ctx in a.contexts:
-        n = min(ctx, cfg.max_position_embeddings - tokens - 1)
-        prefill_s, decode = run(quest, n)
-        runner = quest._runner
-        rows.append({"ctx": n, "prefill_s": prefill_s, "decode_ms": decode, "pcie_bytes_per_token": runner.last_decode_pcie_bytes,
-                     "expected_bytes": a.budget * (cfg.num_layers - a.dense_layers) * cfg.kv_bytes_per_token // cfg.num_layers,
-                     "gpu_memory_after": gpu_memory()})
-        print(json.dumps(rows[-1]), flush=True)
-    runner = quest._runner
-    meta = {"page_bounds_GiB": runner.quest.nbytes / GiB, "dense_layers_gpu_GiB": runner.store.gpu_bytes / GiB,
-            "host_store_GiB": runner.store.host_bytes / GiB}
+    def timed(fn):
+        return stats([t * 1e3 for t in call_seconds(fn, a.repeats)])
 
-    # Where a step's time goes, at the breakdown context: the request's blocks are still in the store.
-    n = a.breakdown_ctx
-    run(quest, n)
-    store, pages_per_block = runner.store, bs // a.page_size
-    written = n // bs
-    store.mark_written(written)
-    sparse_layers = sorted(runner.quest.layers)
     x = embed_tokens(params.embed, np.full((1, 1), 7, np.int32))
     tail = jnp.zeros((2, bs, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
+    rows, memory, read = [], {}, None
+    for policy in a.policies:
+        llm = make(max_model_len=max_len, **options(policy))
+        inv_freq, impl, runner = llm._inv_freq, llm.attention_impl, llm._runner
+        warm_up(llm)
+        pages = runner.pages
+        layers = sorted(pages.layers)
+        memory[policy] = {"metadata_GiB": pages.nbytes / GiB, "dense_layers_gpu_GiB": runner.store.gpu_bytes / GiB,
+                          "host_store_GiB": runner.store.host_bytes / GiB}
+        for ctx in a.contexts:
+            n = min(ctx, cfg.max_position_embeddings - tokens - 1)
+            prefill_s, decode = run(llm, n)
+            row = {"policy": policy, "ctx": n, "prefill_s": prefill_s, "decode_ms": decode,
+                   "pcie_bytes_per_token": runner.last_decode_pcie_bytes,
+                   "expected_bytes": a.budget * (cfg.num_layers - a.dense_layers) * cfg.kv_bytes_per_token // cfg.num_layers,
+                   "gpu_memory_after": gpu_memory()}
+            # The request's metadata is still in place: time the choice as a step of the engine makes it.
+            written = n // bs
+            candidates = pages.candidates(written * pages_per_block, runner.budget_pages)
+            position, tail_len, num_pages = jax.device_put(
+                [np.int32(n), np.int32(n % bs), np.int32(written * pages_per_block)])
+            q = jax.random.normal(jax.random.PRNGKey(1), (cfg.num_heads, cfg.head_dim), jnp.bfloat16)
+            score = jax.jit(functools.partial(pages.scorer.page_scores, impl), static_argnums=(3,))
+            row["scoring_ms"] = timed(lambda: [score(q, pages.metadata(l), num_pages, candidates) for l in layers])
 
-    # The step's scalars made once, as the engine does (quest_begin leaves the tail it is given intact).
-    position, tail_len, num_pages = jax.device_put([np.int32(n), np.int32(n % bs), np.int32(written * pages_per_block)])
+            def choose():
+                return [page_choice_step(cfg, impl, params.layers[l], x, inv_freq, tail, position, tail_len,
+                                         pages.scorer, pages.metadata(l), runner.budget_pages, a.page_size, bs,
+                                         candidates, num_pages) for l in layers]
 
-    def select_all():
-        return jax.block_until_ready([
-            quest_begin(cfg, params.layers[l], x, inv_freq, tail, position, tail_len,
-                        (runner.quest.kmin[l], runner.quest.kmax[l]), runner.budget_pages, a.page_size, bs, num_pages)
-            for l in sparse_layers])
+            row["choice_ms"] = timed(choose)
+            if ctx == a.breakdown_ctx and read is None:
+                choices = choose()
+                store = runner.store
+                store.mark_written(written)
 
-    def timed(fn, reps=a.repeats):
-        return stats([t * 1e3 for t in call_seconds(fn, reps)])
+                def read_all(store):
+                    return [page_read_step(impl, q, store.layer_buffer(l), rows_, num_keys, state, *store.gather_places(l))
+                            for l, (q, _, state, rows_, num_keys) in zip(layers, choices)]
 
-    def read_all(store):
-        # Reading each layer's chosen pages with attention over them (q, state, rows, key count from the choice).
-        return jax.block_until_ready([quest_read(impl, q, store.layer_buffer(l), rows, num_keys, state,
-                                                 *store.gather_places(l))
-                                      for l, (q, _, state, rows, num_keys) in zip(sparse_layers, begins)])
-
-    impl = quest.attention_impl
-    selection = timed(select_all)
-    begins = select_all()
-    read_host = timed(lambda: read_all(store))
-    store.reset()
-    del quest
-    compute_llm = make(max_model_len=n + tokens + bs, **sparse)
-    s = compute_llm._runner.store
-    from jax_offload.kv.host_store import HostKVStore
-
-    compute_llm._runner.store = HostKVStore(s.num_layers, s.num_blocks, s.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                            jnp.bfloat16, s.tp, s.places, host_memory_kind="device")
-    warm_up(compute_llm)
-    _, compute = run(compute_llm, n)
-    device_store = compute_llm._runner.store
-    device_store.mark_written(written)
-    read_device = timed(functools.partial(read_all, device_store))
-    del compute_llm, device_store
+                read = {"policy": policy, "ctx": n, "read_from_host_and_attend_ms": timed(lambda: read_all(store))}
+                store.reset()
+                device_llm = make(max_model_len=n + tokens + bs, **options(policy))
+                s_ = device_llm._runner.store
+                device_llm._runner.store = HostKVStore(s_.num_layers, s_.num_blocks, s_.block_size, cfg.num_kv_heads,
+                                                       cfg.head_dim, jnp.bfloat16, s_.tp, s_.places,
+                                                       host_memory_kind="device")
+                device_llm._runner.store.mark_written(written)
+                read["attend_in_gpu_ms"] = timed(functools.partial(read_all, device_llm._runner.store))
+                del device_llm, s_, choices
+                gc.collect()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del llm, runner, pages
+        gc.collect()
+    n = a.breakdown_ctx
     full = make(max_model_len=n + tokens + bs)
     warm_up(full)
     _, full_decode = run(full, n)
-    breakdown = {"ctx": n, "selection_ms": selection, "read_from_host_and_attend_ms": read_host,
-                 "attend_in_gpu_ms": read_device, "compute_only_ms": compute, "full_offloaded_decode_ms": full_decode}
-    print(json.dumps(breakdown), flush=True)
-    return {"rows": rows, "breakdown": breakdown, "memory": meta, "budget": a.budget, "page_size": a.page_size,
-            "dense_layers": a.dense_layers}
+    print(json.dumps({"full_offloaded_decode_ms": full_decode}), flush=True)
+    return {"rows": rows, "read": read, "full": {"ctx": n, "decode_ms": full_decode}, "memory": memory,
+            "budget": a.budget, "page_size": a.page_size, "dense_layers": a.dense_layers,
+            "sketch_dtype": a.sketch_dtype}
 
 
 def _timed(fn, reps: int) -> dict:
@@ -245,11 +255,15 @@ def phase_xattn_prefill(a) -> dict:
 
 
 def report(sources: list[Path], out: Path) -> None:
-    found = {p: next((src for src in sources if (src / f"phase_{p}.json").exists()), None) for p in PHASES}
+    # phase_quest.json: runs before the decode phase, Quest alone.
+    found = {p: next((src for src in sources if (src / f"phase_{p}.json").exists()), None) for p in PHASES + ("quest",)}
     phases = {p: json.loads((src / f"phase_{p}.json").read_text()) for p, src in found.items() if src}
     out.mkdir(parents=True, exist_ok=True)
     (out / "sparse.json").write_text(json.dumps(phases, indent=1))
     lines = ["# Sparse policies: Llama-3.1-8B shape, random bf16 weights", ""]
+    dec = phases.get("decode")
+    if dec:
+        lines += _decode_section(dec)
     q = phases.get("quest")
     if q:
         m = q["meta"]
@@ -312,6 +326,31 @@ def report(sources: list[Path], out: Path) -> None:
     print("\n".join(lines))
 
 
+def _decode_section(dec: dict) -> list[str]:
+    m, full = dec["meta"], dec["full"]
+    lines = [f"{m['device']} | jax {m['jax']} | {m['date']}", "",
+             f"## Decode policies over the offloaded KV (budget {dec['budget']} tokens per KV head, page "
+             f"{dec['page_size']}, {dec['dense_layers']} dense layers in GPU memory; sketch {dec['sketch_dtype']}), "
+             "ms: medians (min-max) of every decode step, choice timings of "
+             f"{m['repeats']} calls", "",
+             "| policy | ctx | prefill s | decode ms/token | vs full at its ctx | scoring, all sparse layers, ms | "
+             "q + scoring + top-k, ms | bytes moved per token |", "|---|---|---|---|---|---|---|---|"]
+    for r in dec["rows"]:
+        vs = f"{full['decode_ms']['median'] / r['decode_ms']['median']:.1f}x" if r["ctx"] == full["ctx"] else "-"
+        lines.append(f"| {r['policy']} | {r['ctx']} | {r['prefill_s']:.2f} | {fmt(r['decode_ms'])} | {vs} | "
+                     f"{fmt(r['scoring_ms'])} | {fmt(r['choice_ms'])} | {r['pcie_bytes_per_token'] / 2**20:.1f} MiB |")
+    lines += ["", f"Full offloaded decode at {full['ctx']} tokens, same process: {fmt(full['decode_ms'])} ms/token."]
+    read = dec.get("read")
+    if read:
+        lines.append(f"Reading {read['policy']}'s chosen pages at {read['ctx']} tokens with attention over them, all "
+                     f"sparse layers: from pinned host memory {fmt(read['read_from_host_and_attend_ms'])} ms, from GPU "
+                     f"memory {fmt(read['attend_in_gpu_ms'])} ms (the difference is the transfer).")
+    for policy, mem in dec["memory"].items():
+        lines.append(f"GPU memory, {policy}: metadata {mem['metadata_GiB']:.2f} GiB for a "
+                     f"{mem['host_store_GiB']:.1f} GiB host store, dense layers' KV {mem['dense_layers_gpu_GiB']:.2f} GiB.")
+    return lines + [""]
+
+
 def _quest_breakdown(q: dict, rows: list[dict]) -> str:
     """The sentence on where a Quest step's time goes, from one phase file (its ratio only against a Quest row of
     the same call)."""
@@ -339,10 +378,20 @@ def _plot(phases: dict, path: Path, quest_more: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    q, pre = phases.get("quest"), phases.get("xattn_prefill")
-    panels = [name for name, phase in (("quest", q), ("prefill", pre)) if phase]
+    q, pre, dec = phases.get("quest"), phases.get("xattn_prefill"), phases.get("decode")
+    panels = [name for name, phase in (("decode", dec), ("quest", q), ("prefill", pre)) if phase]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
     axes = dict(zip(panels, axes[0]))
+    if dec:
+        ax = axes["decode"]
+        for policy in dict.fromkeys(r["policy"] for r in dec["rows"]):
+            rows = [r for r in dec["rows"] if r["policy"] == policy]
+            ax.plot([r["ctx"] for r in rows], [r["decode_ms"]["median"] for r in rows], "o-",
+                    label=f"{policy}, budget {dec['budget']}")
+        ax.plot([dec["full"]["ctx"]], [dec["full"]["decode_ms"]["median"]], "s", label="full offloaded decode")
+        ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms / token",
+               title="Offloaded decode, 8B shape")
+        ax.legend()
     if q:
         ax = axes["quest"]
         rows = sorted(q["rows"] + [r for e in quest_more for r in e["rows"]], key=lambda r: r["ctx"])
@@ -388,6 +437,8 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=4096)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dense-layers", type=int, default=2)
+    p.add_argument("--policies", type=lambda s: s.split(","), default=["sketch", "quest"])
+    p.add_argument("--sketch-dtype", default="int4")
     p.add_argument("--decode-tokens", type=int, default=12)
     p.add_argument("--repeats", type=int, default=5)
     floats = lambda s: [float(x) for x in s.split(",") if x]  # noqa: E731

@@ -21,6 +21,12 @@ selections alone:
                        best pages, the KV head reads their union (at most N tokens)
            qfineN      Quest's bound over 8-token halves of each page, the page scored by the larger (a tighter
                        bound of the same pages, from twice the min/max metadata: 1/8 of the KV)
+           sketch4bN   the engine's sketch policy (`jax_offload.sparse.sketch`): every stored key quantized to int4
+                       with a per-token scale, each query head's softmax of q . k_hat over the stored keys summed
+                       over the GQA group and the page; pages chosen as qoracleN chooses (same budget)
+           sketch8bN   the same from int8 keys
+           sketch4cN   int4 codes per channel between each page's min and max key (Quest's bounds as the
+                       quantization grid: codes 1/8 of the KV plus the bounds, 1/16)
            +denseL     with a decode rule: the first L layers dense instead of 2 (the engine's `dense_layers`)
 
 A config is `full`, one rule, or a prefill and a decode rule joined by `+` (`xattn0.9+quest1024`). Per length and
@@ -53,9 +59,11 @@ from jax_offload.eval.ruler import NiahSample, score_string_match_all  # noqa: E
 STORE_BLOCK, PAGE_SIZE, DENSE_LAYERS = 256, 16, 2  # the engine's Quest setting in bench/eval_sparse.py
 XATTN_BLOCK, XATTN_STRIDE = 128, 8
 CHUNK = 512  # query rows per attention step: scores are [heads, 512, T] float32
-PREFILL_KINDS, DECODE_KINDS = ("xattn", "xoracle"), ("quest", "qoracle", "qsum", "qhead", "qfine")
+PREFILL_KINDS = ("xattn", "xoracle")
+DECODE_KINDS = ("quest", "qoracle", "qsum", "qhead", "qfine", "sketch4b", "sketch8b", "sketch4c")
 POLICY_NAMES = {"quest": "quest", "qoracle": "quest_oracle", "qsum": "quest_group_sum", "qhead": "quest_per_head",
-                "qfine": "quest_half_pages"}
+                "qfine": "quest_half_pages", "sketch4b": "sketch_int4", "sketch8b": "sketch_int8",
+                "sketch4c": "sketch_int4_page_channel"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +77,7 @@ def parse_config(name: str) -> Config:
     """A config name -> its prefill and decode rules; a bad name is one ValueError listing what is allowed."""
     prefill = decode = dense = None
     for part in ([] if name == "full" else name.split("+")):
-        match = re.fullmatch(r"([a-z]+)([0-9.]+)", part)
+        match = re.fullmatch(r"([a-z]+(?:[48][bc])?)([0-9.]+)", part)
         kind = match[1] if match else None
         if kind in PREFILL_KINDS and prefill is None:
             threshold = float(match[2])
@@ -86,7 +94,7 @@ def parse_config(name: str) -> Config:
             dense = int(match[2])
         else:
             raise ValueError(f"Config {name!r}: part {part!r} is not one of xattnT, xoracleT (prefill) or questN, "
-                             "qoracleN, qsumN, qheadN, qfineN (decode) with an optional denseL, at most one of each, joined by "
+                             "qoracleN, qsumN, qheadN, qfineN, sketch4bN, sketch8bN, sketch4cN (decode) with an optional denseL, at most one of each, joined by "
                              "'+'; or 'full'.")
     if dense is not None:
         if decode is None:
@@ -225,13 +233,34 @@ def _head_bounds(qg, k, page_size: int):
     return dot(jnp.maximum(qg, 0).astype(kmax.dtype), kmax) + dot(jnp.minimum(qg, 0).astype(kmin.dtype), kmin)
 
 
+def _sketch_scores(kind: str, qg, k):
+    """A sketch rule's estimated logits: qg [Hkv, G, D], keys k [T, Hkv, D] -> float32 [Hkv, G, T]."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_offload.sparse import quest, sketch
+
+    kh = k.transpose(1, 0, 2)
+    if kind != "sketch4c":
+        dtype = "int4" if kind == "sketch4b" else "int8"
+        codes, scale = sketch.quantize_keys(kh, dtype)
+        return sketch.token_scores(qg, sketch.pack_codes(codes, dtype), scale, dtype)
+    kmin, kmax = (b.astype(jnp.float32) for b in quest.page_bounds(k, PAGE_SIZE))  # [Hkv, P, D]
+    step = jnp.where(kmax > kmin, (kmax - kmin) / 15, 1.0)
+    pages = kh.astype(jnp.float32).reshape(kh.shape[0], -1, PAGE_SIZE, kh.shape[-1])
+    codes = jnp.clip(jnp.round((pages - kmin[:, :, None]) / step[:, :, None]), 0, 15)
+    k_hat = (kmin[:, :, None] + codes * step[:, :, None]).reshape(kh.shape)
+    return jnp.einsum("hgd,htd->hgt", qg.astype(jnp.float32), k_hat,
+                      precision=jax.lax.Precision.HIGHEST) / math.sqrt(k.shape[-1])
+
+
 @functools.cache
 def _decode_step_fn():
     import jax
     import jax.numpy as jnp
 
     from jax_offload.models import decoder
-    from jax_offload.sparse import quest
+    from jax_offload.sparse import quest, sketch
 
     @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
     def decode_step(cfg, rules, params, k_cache, v_cache, layers, tokens, position, inv_freq):
@@ -266,6 +295,9 @@ def _decode_step_fn():
                     choices = [quest.top_pages(quest.page_scores(q[r, 0], kmin, kmax), num_pages, budget_pages)]
                 elif kind == "qoracle":
                     score = p_full[r].sum(1).reshape(hkv, t // PAGE_SIZE, PAGE_SIZE).sum(-1)
+                    choices = [quest.top_pages(score, num_pages, budget_pages)]
+                elif kind.startswith("sketch"):
+                    score = sketch.page_mass(_sketch_scores(kind, qg[r], kc[r]), stored, PAGE_SIZE)
                     choices = [quest.top_pages(score, num_pages, budget_pages)]
                 elif kind == "qfine":
                     half = _head_bounds(qg[r], kc[r], PAGE_SIZE // 2)  # [Hkv, G, 2P]

@@ -28,7 +28,7 @@ HEADS = 2  # q, k, v, o [B, T, H, D]; KV blocks [2, T, Hkv, D]
 STATE_HEADS = AttentionState(2, 1, 1)  # acc [B, T, H, D], m and l [B, H, T]
 LSE_HEADS = 1  # lse [B, H, T]
 MASK_HEADS = 1  # XAttention's block mask [B, H, nqb, nkb]
-BOUNDS_HEADS = 0  # Quest's page bounds [Hkv, pages, D]
+METADATA_HEADS = 0  # a sparse decode policy's metadata: Quest's bounds [Hkv, pages, D], the sketch [Hkv, T, ...]
 BUFFER_HEADS = 1  # a one-buffer layer of the KV store [num_blocks, Hkv, ...]
 
 
@@ -345,11 +345,14 @@ def dense_stored_layer(
     return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state, tp), tail
 
 
-def _chosen_rows(q, kmin, kmax, num_pages, budget_pages, page_size, block_size):
-    """The store rows [Hkv, budget_pages * page_size / PAGE_UNIT] of the pages Quest chooses for each KV head of
-    kmin/kmax (see `quest.page_rows`)."""
-    pages = quest.select_pages(q[0, 0], kmin, kmax, num_pages, budget_pages)
-    return quest.page_rows(pages, kmin.shape[1], page_size, block_size).reshape(kmin.shape[0], -1)
+def _chosen_rows(impl, q, scorer, meta, num_pages, num_candidates, budget_pages, page_size, block_size):
+    """The store rows [Hkv, budget_pages * page_size / PAGE_UNIT] of the pages each KV head reads: page 0 and the
+    best of the first `num_pages` by the policy's page score (`scorer`, over its metadata `meta` of the layer,
+    scoring the first `num_candidates` page slots); see `quest.top_pages` and `quest.page_rows`."""
+    score = scorer.page_scores(impl, q[0, 0], meta, num_pages, num_candidates)
+    pages = quest.top_pages(score, num_pages, budget_pages)
+    hkv = score.shape[0]
+    return quest.page_rows(pages, num_candidates, page_size, block_size).reshape(hkv, -1)
 
 
 def _page_keys(pages: jax.Array, num_kv_heads: int) -> tuple[jax.Array, jax.Array]:
@@ -385,45 +388,46 @@ def attend_rows(impl: str, q: jax.Array, buffer: jax.Array, rows: jax.Array, num
     return pallas_kernels.merge_into_state(state, o.reshape(1, 1, hq, d), lse.reshape(1, hq, 1))
 
 
-def _quest_choice(cfg, layer, x, inv_freq, tail, position, tail_len, bounds, budget_pages, page_size, block_size,
-                  num_pages):
+def _page_choice(cfg, impl, layer, x, inv_freq, tail, position, tail_len, scorer, meta, budget_pages, page_size,
+                 block_size, num_candidates, num_pages):
     q, tail, state = _decode_inputs(cfg, layer, x, inv_freq, tail, position, tail_len)
-    rows = _chosen_rows(q, *bounds, num_pages, budget_pages, page_size, block_size)
+    rows = _chosen_rows(impl, q, scorer, meta, num_pages, num_candidates, budget_pages, page_size, block_size)
     return q, tail, state, rows, jnp.minimum(num_pages, budget_pages) * page_size
 
 
-@functools.partial(step_jit, static_argnums=(0, 1, 9, 10, 11, 12, 15, 16), static_argnames=("tp",),
+@functools.partial(step_jit, static_argnums=(0, 1, 8, 10, 11, 12, 13, 16, 17), static_argnames=("tp",),
                    donate_argnums=(5,))
-def quest_layer(
+def sparse_decode_layer(
     cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, inv_freq: jax.Array, tail: jax.Array,
-    position: jax.Array, tail_len: jax.Array, bounds: tuple[jax.Array, jax.Array], budget_pages: int,
+    position: jax.Array, tail_len: jax.Array, scorer, meta: tuple[jax.Array, ...], budget_pages: int,
     page_size: int, block_size: int, num_candidates: int, num_pages: jax.Array, buffer: jax.Array, host, device,
     tp: TensorParallel | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """A whole Quest decode layer as one program: the choice of pages among the first `num_pages` (the store
-    rows each KV head reads; only the first `num_candidates` >= num_pages slots of the bounds are scored), the
-    read of those rows from the pinned `buffer` with attention over them (fewer real keys than the budget while
-    the context is short), the tail, and the rest of the layer: one dispatch, no round trip through Python
-    between choosing and reading. Under tensor parallelism each device chooses, reads from its own pinned shard
-    and attends for its own KV heads. `host`, `device`: where the buffer lives and where pages go
+    """A whole sparse decode layer (Quest or sketch) as one program: the choice of pages among the first
+    `num_pages` by the policy's score (`scorer`: `quest.QuestScore` or `sketch.SketchScore`, static; `meta` its
+    metadata of the layer, head axis first; only the first `num_candidates` >= num_pages page slots are scored),
+    the read of those pages' rows from the pinned `buffer` with attention over them (fewer real keys than the
+    budget while the context is short), the tail, and the rest of the layer: one dispatch, no round trip through
+    Python between choosing and reading. Under tensor parallelism each device chooses, reads from its own pinned
+    shard and attends for its own KV heads. `host`, `device`: where the buffer lives and where pages go
     (`HostKVStore.gather_places`). -> (hidden, tail with the token's K, V)."""
     q, tail, state = _decode_inputs(cfg, layer, x, inv_freq, tail, position, tail_len, tp)
 
-    def local(q, kmin, kmax, buffer, state, num_pages):
-        kmin, kmax = kmin[:, :num_candidates], kmax[:, :num_candidates]
-        rows = _chosen_rows(q, kmin, kmax, num_pages, budget_pages, page_size, block_size)
+    def local(q, meta, buffer, state, num_pages):
+        rows = _chosen_rows(impl, q, scorer, meta, num_pages, num_candidates, budget_pages, page_size, block_size)
         num_keys = jnp.minimum(num_pages, budget_pages) * page_size
         return attend_rows(impl, q, buffer, rows, num_keys, state, host, device)
 
-    state = _local(tp, local, (HEADS, BOUNDS_HEADS, BOUNDS_HEADS, BUFFER_HEADS, STATE_HEADS, None), STATE_HEADS)(
-        q, *bounds, buffer, state, num_pages)
+    meta_heads = tuple(METADATA_HEADS for _ in meta)
+    state = _local(tp, local, (HEADS, meta_heads, BUFFER_HEADS, STATE_HEADS, None), STATE_HEADS)(
+        q, tuple(meta), buffer, state, num_pages)
     return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state, tp), tail
 
 
-# Steps of `quest_layer` as calls of their own, for the benchmark to time apart: the choice (with the layer's q),
-# and the read of the chosen pages with attention over them.
-quest_begin = functools.partial(step_jit, static_argnums=(0, 8, 9, 10))(_quest_choice)
-quest_read = functools.partial(step_jit, static_argnums=(0, 6, 7))(attend_rows)
+# Steps of `sparse_decode_layer` as calls of their own, for the benchmark to time apart: the choice (with the
+# layer's q), and the read of the chosen pages with attention over them.
+page_choice_step = functools.partial(step_jit, static_argnums=(0, 1, 8, 10, 11, 12, 13))(_page_choice)
+page_read_step = functools.partial(step_jit, static_argnums=(0, 6, 7))(attend_rows)
 
 
 @functools.partial(step_jit, static_argnums=(0, 1, 2), static_argnames=("xattn", "tp"))

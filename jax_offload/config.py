@@ -133,9 +133,12 @@ def _rope_from_dict(raw: dict) -> RopeConfig:
 
 # Options that only mean something when the KV cache is offloaded, with their defaults there.
 OFFLOAD_DEFAULTS = {"block_size": 1024, "num_ring_slots": 4, "prefill": "chunked", "decode_policy": "full"}
-# Options of Quest decode, with their defaults.
-QUEST_DEFAULTS = {"decode_budget": 4096, "page_size": 16, "dense_layers": 2}
-DECODE_POLICIES = ("full", "quest")
+# Options of the page-choosing decode policies (sketch and Quest), with their defaults.
+PAGE_POLICY_DEFAULTS = {"decode_budget": 4096, "page_size": 16, "dense_layers": 2}
+PAGE_POLICIES = ("sketch", "quest")
+DECODE_POLICIES = ("full",) + PAGE_POLICIES
+SKETCH_DTYPES = ("int4", "int8")
+SKETCH_DEFAULTS = {"sketch_dtype": "int4"}
 # Options of XAttention prefill (offloaded or not), with their defaults.
 XATTN_DEFAULTS = {"xattn_threshold": 0.9, "xattn_stride": 8, "xattn_block": 128}
 PREFILL_POLICIES = ("full", "xattention")
@@ -158,6 +161,7 @@ class EngineConfig:
     decode_budget: int | None = None
     page_size: int | None = None
     dense_layers: int | None = None
+    sketch_dtype: str | None = None
     prefill_policy: str = "full"
     xattn_threshold: float | None = None
     xattn_stride: int | None = None
@@ -186,11 +190,12 @@ class EngineConfig:
                     "sparse_policy is the old name of decode_policy, give one."
                 )
             config = dataclasses.replace(self, decode_policy=self.sparse_policy, sparse_policy=None)
-        offload_only = list(OFFLOAD_DEFAULTS) + list(QUEST_DEFAULTS)
+        offload_only = list(OFFLOAD_DEFAULTS) + list(PAGE_POLICY_DEFAULTS) + list(SKETCH_DEFAULTS)
         given = [name for name in offload_only if getattr(config, name) is not None]
         if not config.offload and given:
             raise ValueError(
-                f"{', '.join(given)} only apply to an offloaded KV cache; pass offload=True or leave them out."
+                f"{_names_apply(given)} only to an offloaded KV cache; pass offload=True or leave "
+                f"{'it' if len(given) == 1 else 'them'} out."
             )
         config = config._with_prefill_policy()
         if not config.offload:
@@ -204,12 +209,17 @@ class EngineConfig:
         config = dataclasses.replace(config, **filled)
         if config.decode_policy not in DECODE_POLICIES:
             raise ValueError(f"decode_policy {config.decode_policy!r} is unknown; valid: {', '.join(DECODE_POLICIES)}.")
-        quest_given = [name for name in QUEST_DEFAULTS if getattr(config, name) is not None]
-        if config.decode_policy != "quest" and quest_given:
-            raise ValueError(f"{', '.join(quest_given)} only apply with decode_policy='quest'.")
-        if config.decode_policy == "quest":
-            config = dataclasses.replace(
-                config, **{n: d for n, d in QUEST_DEFAULTS.items() if getattr(config, n) is None})
+        page_given = [name for name in PAGE_POLICY_DEFAULTS if getattr(config, name) is not None]
+        if config.decode_policy not in PAGE_POLICIES and page_given:
+            raise ValueError(f"{_names_apply(page_given)} only with decode_policy 'sketch' or 'quest'.")
+        if config.decode_policy != "sketch" and config.sketch_dtype is not None:
+            raise ValueError("sketch_dtype applies only with decode_policy='sketch'.")
+        defaults = {}
+        if config.decode_policy in PAGE_POLICIES:
+            defaults |= PAGE_POLICY_DEFAULTS
+        if config.decode_policy == "sketch":
+            defaults |= SKETCH_DEFAULTS
+        config = dataclasses.replace(config, **{n: d for n, d in defaults.items() if getattr(config, n) is None})
         return config._validate(model)
 
     def _with_prefill_policy(self) -> "EngineConfig":
@@ -218,7 +228,7 @@ class EngineConfig:
         given = [name for name in XATTN_DEFAULTS if getattr(self, name) is not None]
         if self.prefill_policy != "xattention":
             if given:
-                raise ValueError(f"{', '.join(given)} only apply with prefill_policy='xattention'.")
+                raise ValueError(f"{_names_apply(given)} only with prefill_policy='xattention'.")
             return self
         config = dataclasses.replace(self, **{n: d for n, d in XATTN_DEFAULTS.items() if getattr(self, n) is None})
         t, stride, block = config.xattn_threshold, config.xattn_stride, config.xattn_block
@@ -240,10 +250,10 @@ class EngineConfig:
                 f"attention heads and MLP of {model.intermediate_size}; valid sizes: "
                 f"{', '.join(map(str, model.tensor_parallel_sizes()))}."
             )
-        if self.decode_policy == "quest" and n > model.num_kv_heads:
+        if self.decode_policy in PAGE_POLICIES and n > model.num_kv_heads:
             # Repeated KV heads would each choose pages for only part of their query group.
             raise ValueError(
-                f"decode_policy='quest' with tensor_parallel_size {n} needs at least {n} KV heads; the model has "
+                f"decode_policy={self.decode_policy!r} with tensor_parallel_size {n} needs at least {n} KV heads; the model has "
                 f"{model.num_kv_heads} (use tensor_parallel_size <= {model.num_kv_heads} or decode_policy='full')."
             )
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -274,7 +284,9 @@ class EngineConfig:
                 raise ValueError(
                     f"xattn_block {self.xattn_block} must divide block_size {self.block_size} with an offloaded KV cache."
                 )
-        if self.decode_policy == "quest":
+        if self.decode_policy == "sketch" and self.sketch_dtype not in SKETCH_DTYPES:
+            raise ValueError(f"sketch_dtype {self.sketch_dtype!r} is unknown; valid: {', '.join(SKETCH_DTYPES)}.")
+        if self.decode_policy in PAGE_POLICIES:
             if not _int(self.page_size) or self.page_size < 16 or self.page_size % 16 or self.block_size % self.page_size:
                 raise ValueError(
                     f"page_size must be a multiple of 16 that divides block_size {self.block_size}, got {self.page_size!r}."
@@ -289,6 +301,11 @@ class EngineConfig:
                     f"got {self.dense_layers!r}."
                 )
         return dataclasses.replace(self, max_model_len=max_len)
+
+
+def _names_apply(names: list[str]) -> str:
+    """'a applies' or 'a, b apply': option names with their verb."""
+    return f"{', '.join(names)} {'applies' if len(names) == 1 else 'apply'}"
 
 
 def _int(x: object) -> bool:

@@ -35,11 +35,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="tokens per KV block (offload; default 1024)")
     p.add_argument("--ring-slots", type=int, help="GPU slots the KV blocks stream through (offload; default 4)")
     p.add_argument("--prefill", help="chunked or layerwise (offload; default chunked, layerwise with XAttention)")
-    p.add_argument("--decode-policy", help="full or quest: which host KV decode reads (offload; default full)")
+    p.add_argument("--decode-policy",
+                   help="full, sketch or quest: which host KV decode reads (offload; default full)")
     p.add_argument("--sparse-policy", dest="decode_policy", help=argparse.SUPPRESS)  # the old name
-    p.add_argument("--decode-budget", type=int, help="quest: tokens of host KV each KV head reads per step (4096)")
-    p.add_argument("--page-size", type=int, help="quest: tokens per page (16)")
-    p.add_argument("--dense-layers", type=int, help="quest: first layers kept in GPU memory and read in full (2)")
+    p.add_argument("--decode-budget", type=int,
+                   help="sketch, quest: tokens of host KV each KV head reads per step (4096)")
+    p.add_argument("--page-size", type=int, help="sketch, quest: tokens per page (16)")
+    p.add_argument("--dense-layers", type=int,
+                   help="sketch, quest: first layers kept in GPU memory and read in full (2)")
+    p.add_argument("--sketch-dtype", help="sketch: int4 or int8, the key sketch's codes (int4)")
     p.add_argument("--prefill-policy", default="full", help="full or xattention: which blocks prefill attends")
     p.add_argument("--xattn-threshold", type=float, help="xattention: softmax mass each query block keeps (0.9)")
     p.add_argument("--xattn-stride", type=int, help="xattention: antidiagonal stride of the estimate (8)")
@@ -124,6 +128,7 @@ def _run(args: argparse.Namespace) -> int:
         decode_budget=args.decode_budget,
         page_size=args.page_size,
         dense_layers=args.dense_layers,
+        sketch_dtype=args.sketch_dtype,
         prefill_policy=args.prefill_policy,
         xattn_threshold=args.xattn_threshold,
         xattn_stride=args.xattn_stride,

@@ -5,10 +5,11 @@ holding the tokens not yet flushed. `finish` clears both, always. A request's lo
 block i, or in `blocks[i]` when prefill is given a block table (the batch engine runs several requests over one
 store, `serving/offload_model_runner.py`, and takes each prefilled request over with `hand_over`).
 
-With decode_policy="quest" the first `dense_layers` layers keep their blocks in GPU memory and attend in full;
-every other layer keeps its blocks in one pinned buffer, and each decode step reads, per KV head, the pages
-Quest chose from it (`sparse/quest.py`): with the Pallas kernels on a GPU the attention kernel reads them in
-place over PCIe, otherwise they are gathered on the host and moved. Each layer is one program per step, and the
+With a page-choosing decode policy ("sketch", `sparse/sketch.py`, or "quest", `sparse/quest.py`) the first
+`dense_layers` layers keep their blocks in GPU memory and attend in full; every other layer keeps its blocks in
+one pinned buffer, and each decode step reads, per KV head, the pages the policy chose from it by its metadata on
+the GPU (the key sketch, or Quest's bounds), written with every stored block: with the Pallas kernels on a GPU the
+attention kernel reads them in place over PCIe, otherwise they are gathered on the host and moved. Each layer is one program per step, and the
 step's scalars reach the GPU once (each eager scalar costs the host more than a layer's GPU work at this size).
 Prefill reads every block in either case.
 
@@ -34,19 +35,20 @@ from jax_offload.attention import (
     embed_tokens,
     gather_keys,
     layerwise_layer,
-    quest_layer,
     reads_rows_in_place,
+    sparse_decode_layer,
     xattn_attend_blocks,
     xattn_chunk_end,
     xattn_chunk_select,
 )
 from jax_offload.buckets import prompt_bucket
-from jax_offload.config import EngineConfig, ModelConfig, round_up
+from jax_offload.config import PAGE_POLICIES, EngineConfig, ModelConfig, round_up
 from jax_offload.kv.host_store import HostKVStore
 from jax_offload.kv.ring import BlockRing, Key, group_size, grouped
 from jax_offload.models.params import ModelParams
 from jax_offload.progress import LaggedProgress
 from jax_offload.sparse.quest import QuestPages
+from jax_offload.sparse.sketch import KeySketch
 from jax_offload.tensor_parallel import TensorParallel, to_host
 
 
@@ -69,17 +71,23 @@ class OffloadRunner:
         self.block_size, self.num_slots, self.mode = engine.block_size, engine.num_ring_slots, engine.prefill
         self.group = group_size(engine.num_ring_slots)
         num_blocks = -(-engine.max_model_len // engine.block_size)
-        self.quest: QuestPages | None = None
+        # The page-choosing policy's metadata on the GPU (Quest's bounds or the key sketch), None for full decode.
+        self.pages: QuestPages | KeySketch | None = None
         places = ["blocks"] * cfg.num_layers
-        if engine.decode_policy == "quest":
+        if engine.decode_policy in PAGE_POLICIES:
             dense = engine.dense_layers
             places = ["gpu"] * dense + ["pages"] * (cfg.num_layers - dense)
             num_pages = num_blocks * engine.block_size // engine.page_size
             # A budget past max_model_len reads every page.
             self.budget_pages, self.page_size = min(engine.decode_budget // engine.page_size, num_pages), engine.page_size
             self.page_bytes = 2 * engine.page_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
-            self.quest = QuestPages(list(range(dense, cfg.num_layers)), num_pages, cfg.num_kv_heads, cfg.head_dim,
-                                    engine.page_size, dtype, tp)
+            sparse_layers = list(range(dense, cfg.num_layers))
+            if engine.decode_policy == "quest":
+                self.pages = QuestPages(sparse_layers, num_pages, cfg.num_kv_heads, cfg.head_dim, engine.page_size,
+                                        dtype, tp)
+            else:
+                self.pages = KeySketch(sparse_layers, num_blocks * engine.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                       engine.page_size, engine.sketch_dtype, tp)
         self.store = HostKVStore(
             cfg.num_layers, num_blocks, engine.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, tp, places)
         self.xattn = engine.xattention()
@@ -231,8 +239,8 @@ class OffloadRunner:
         """Stores the request's logical block `index` of `layer`; blocks are written in order."""
         if index != self._written[layer]:
             raise RuntimeError(f"Block {index} of layer {layer} written out of order (next is {self._written[layer]}).")
-        if self.quest is not None:
-            self.quest.record(layer, index, block)
+        if self.pages is not None:
+            self.pages.record(layer, index, block)
         self.store.write(layer, self._blocks[index], block)
         self._written[layer] += 1
 
@@ -247,21 +255,20 @@ class OffloadRunner:
         # Every layer holds the same blocks. The step's scalars go to the GPU once, not once per layer's call.
         written = self._written[0]
         pos, tail_len = jax.device_put([np.int32(position), np.int32(self._tail_len)])
-        if self.quest is not None:
+        if self.pages is not None:
             pages = written * (self.block_size // self.page_size)
             num_keys, num_pages = jax.device_put([np.int32(written * self.block_size), np.int32(pages)])
-            candidates = self.quest.candidates(pages, self.budget_pages)
+            candidates = self.pages.candidates(pages, self.budget_pages)
         for l, layer in enumerate(layers):
             if store.places[l] == "gpu":
                 x, self._tails[l] = dense_stored_layer(
                     self.cfg, self.impl, layer, x, self.inv_freq, self._tails[l], pos, tail_len, num_keys,
                     store.layer_buffer(l), *store.gather_places(l), tp=self.tp)
             elif store.places[l] == "pages":
-                x, self._tails[l] = quest_layer(
-                    self.cfg, self.impl, layer, x, self.inv_freq, self._tails[l], pos, tail_len,
-                    (self.quest.kmin[l], self.quest.kmax[l]), self.budget_pages, self.page_size, self.block_size,
-                    candidates, num_pages, store.layer_buffer(l),
-                    *store.gather_places(l), tp=self.tp)
+                x, self._tails[l] = sparse_decode_layer(
+                    self.cfg, self.impl, layer, x, self.inv_freq, self._tails[l], pos, tail_len, self.pages.scorer,
+                    self.pages.metadata(l), self.budget_pages, self.page_size, self.block_size, candidates, num_pages,
+                    store.layer_buffer(l), *store.gather_places(l), tp=self.tp)
                 # The kernel reads each KV head's chosen pages in place; a gather moves the whole budget's rows.
                 moved += (min(pages, self.budget_pages) if reads_rows_in_place(self.impl) else self.budget_pages) \
                     * self.page_bytes

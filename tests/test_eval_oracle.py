@@ -58,6 +58,7 @@ def test_head_bounds_maxed_over_the_group_are_quests_scores():
 
 
 def test_config_names_and_their_errors():
+    assert eval_oracle.parse_config("sketch4b1024").decode == ("sketch4b", 1024, 2)
     c = eval_oracle.parse_config("xoracle0.9+quest1024")
     assert (c.prefill, c.decode) == (("xoracle", 0.9), ("quest", 1024, 2))
     assert eval_oracle.parse_config("quest512+dense8").decode == ("quest", 512, 8)
@@ -81,8 +82,8 @@ def test_reference_reproduces_the_engine_and_keeps_every_key_when_told(tmp_path,
     monkeypatch.setitem(tiny_models.COMMON, "num_hidden_layers", 3)
     model, out, report = tmp_path / "model", tmp_path / "out", tmp_path / "report"
     tiny_models.build("qwen2", model, seed=813)
-    configs = ("full,quest512,qsum512,qhead512,qfine512,quest32,qoracle32,qsum32,qhead32,qfine32,quest32+dense3,"
-               "xoracle1.0,xattn0.5,xoracle0.5+qoracle32")
+    configs = ("full,quest512,qsum512,qhead512,qfine512,sketch4b512,sketch8b512,sketch4c512,quest32,qoracle32,qsum32,"
+               "qhead32,qfine32,sketch4b32,sketch8b32,sketch4c32,quest32+dense3,xoracle1.0,xattn0.5,xoracle0.5+qoracle32")
     assert eval_oracle.main(["--model", str(model), "--lengths", "300", "--samples", "1", "--max-tokens", "6",
                              "--configs", configs, "--out", str(out)]) == 0
     results = {c: json.loads((out / f"sparse_niah_300_{c.replace('+', '-')}.json").read_text())
@@ -94,10 +95,10 @@ def test_reference_reproduces_the_engine_and_keeps_every_key_when_told(tmp_path,
                                                       SamplingParams(temperature=0.0, max_tokens=6))]
     assert ids["full"] == engine
     assert ids["quest512"] == ids["full"] and ids["xoracle1.0"] == ids["full"]
-    for c in ("qsum512", "qhead512", "qfine512"):  # qhead: 16 pages per query head, all 16 stored
+    for c in ("qsum512", "qhead512", "qfine512", "sketch4b512", "sketch8b512", "sketch4c512"):  # qhead: 16 pages per query head, all 16 stored
         assert ids[c] == ids["full"], c
     assert ids["quest32+dense3"] == ids["full"]  # every layer of the 3 dense
-    for c in ("quest32", "qoracle32", "qsum32", "qhead32", "qfine32"):
+    for c in ("quest32", "qoracle32", "qsum32", "qhead32", "qfine32", "sketch4b32", "sketch8b32", "sketch4c32"):
         assert all(len(x) > 0 for x in ids[c]) and results[c]["options"]["decode_budget"] == 32
     for c in ("xattn0.5", "xoracle0.5+qoracle32"):
         density = [r["prefill_density"] for r in results[c]["records"]]

@@ -104,7 +104,7 @@ def _pinned_host_bytes() -> int:
 ])
 def test_offload_options_need_offload(model, option, name):
     path, _, _ = model
-    with pytest.raises(ValueError, match=f"{name} only apply to an offloaded KV cache"):
+    with pytest.raises(ValueError, match=f"{name} appl(y|ies) only to an offloaded KV cache"):
         LLM(path, dtype="float32", **option)
 
 

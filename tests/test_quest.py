@@ -1,5 +1,6 @@
-"""Quest decode over the offloaded KV: page choice against a float64 reference, exactness at full budget, the
-bytes a step moves, the metadata's size, and no state across requests."""
+"""The page-choosing decode policies over the offloaded KV (sketch and Quest): Quest's page choice against a float64
+reference, and for both exactness at full budget, the Pallas path against the jnp path, the bytes a step moves,
+the metadata's size, the sketch written with every stored block, and no state across requests."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -66,8 +67,11 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def _quest(path, budget, **kw):
-    return LLM(path, dtype="float32", offload=True, block_size=64, num_ring_slots=2, decode_policy="quest",
+POLICIES = ("sketch", "quest")
+
+
+def _sparse(path, budget, policy="quest", **kw):
+    return LLM(path, dtype="float32", offload=True, block_size=64, num_ring_slots=2, decode_policy=policy,
                decode_budget=budget, page_size=16, dense_layers=1, **kw)
 
 
@@ -88,37 +92,43 @@ def _decode_logits(llm, ids, steps):
     return np.stack(out)
 
 
-def test_full_budget_equals_full_decode(model_dir):
-    """With a budget covering the whole context, Quest reads every page: the same logits and tokens as
+@pytest.mark.parametrize("policy", POLICIES)
+def test_full_budget_equals_full_decode(model_dir, policy):
+    """With a budget covering the whole context, the policy reads every page: the same logits and tokens as
     full decode, across block flushes."""
     ids = np.random.default_rng(502).integers(3, tiny_models.VOCAB, size=150).tolist()
     full = LLM(model_dir, dtype="float32", offload=True, block_size=64, num_ring_slots=2)
-    quest = _quest(model_dir, 1024)
+    quest = _sparse(model_dir, 1024, policy)
     diff = np.abs(_decode_logits(quest, ids, 60) - _decode_logits(full, ids, 60)).max()
     assert diff <= 1e-5, f"model seed {MODEL_SEED}, prompt seed 502: {diff}"
     assert quest.generate([ids], GREEDY)[0].token_ids == full.generate([ids], GREEDY)[0].token_ids
 
 
-def test_budget_past_max_model_len_reads_every_page(model_dir):
+@pytest.mark.parametrize("policy", POLICIES)
+def test_budget_past_max_model_len_reads_every_page(model_dir, policy):
     """A budget larger than the whole store (max_model_len 256, budget 1024) reads every page: full decode."""
     ids = np.random.default_rng(505).integers(3, tiny_models.VOCAB, size=150).tolist()
     full = LLM(model_dir, dtype="float32", offload=True, block_size=64, num_ring_slots=2, max_model_len=256)
-    quest = _quest(model_dir, 1024, max_model_len=256)
+    quest = _sparse(model_dir, 1024, policy, max_model_len=256)
     diff = np.abs(_decode_logits(quest, ids, 40) - _decode_logits(full, ids, 40)).max()
     assert diff <= 1e-5, f"model seed {MODEL_SEED}, prompt seed 505: {diff}"
 
 
-def test_pallas_quest_equals_jnp_quest(model_dir):
-    """With a budget below the context (pages skipped), Quest through the Pallas paged kernel, which reads each KV
-    head's chosen rows as one K|V pool (on a GPU straight from pinned memory), gives the jnp path's logits."""
+@pytest.mark.parametrize("policy", POLICIES)
+def test_pallas_path_equals_jnp_path(model_dir, policy):
+    """With a budget below the context (pages skipped), the policy through the Pallas kernels (the sketch's scores,
+    and the paged kernel reading each KV head's chosen rows as one K|V pool, on a GPU straight from pinned memory)
+    gives the jnp path's logits."""
     ids = np.random.default_rng(504).integers(3, tiny_models.VOCAB, size=200).tolist()
-    logits = {impl: _decode_logits(_quest(model_dir, 64, attention_impl=impl), ids, 20) for impl in ("pallas", "xla")}
+    logits = {impl: _decode_logits(_sparse(model_dir, 64, policy, attention_impl=impl), ids, 20)
+              for impl in ("pallas", "xla")}
     diff = np.abs(logits["pallas"] - logits["xla"]).max()
     assert diff <= 1e-5, f"model seed {MODEL_SEED}, prompt seed 504: {diff}"
 
 
-def test_bytes_moved_and_metadata_size(model_dir):
-    quest = _quest(model_dir, 64)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_bytes_moved_and_metadata_size(model_dir, policy):
+    quest = _sparse(model_dir, 64, policy)
     cfg = quest.model_config
     quest.generate([np.random.default_rng(503).integers(3, 250, size=300).tolist()], SamplingParams(max_tokens=3))
     runner = quest._runner
@@ -126,27 +136,64 @@ def test_bytes_moved_and_metadata_size(model_dir):
     kv_bytes_per_token_layer = 2 * cfg.num_kv_heads * cfg.head_dim * 4
     assert runner.last_decode_pcie_bytes == 64 * sparse_layers * kv_bytes_per_token_layer
     described = runner.store.block_bytes * runner.store.num_blocks * sparse_layers
-    assert runner.quest.nbytes <= described / 8
+    # Quest: min and max per 16-token page, 1/16 of the KV; the int4 sketch: half a byte per key element and a
+    # float32 scale per token and KV head, (D / 2 + 4) / (4 D) of the float32 KV here.
+    d = cfg.head_dim
+    expected = described / 16 if policy == "quest" else described * (d / 2 + 4) / (2 * d * 4)
+    assert runner.pages.nbytes == expected
     assert runner.store.gpu_bytes == runner.store.block_bytes * runner.store.num_blocks  # the dense layer
 
 
-def test_back_to_back_requests_share_nothing(model_dir):
+@pytest.mark.parametrize("policy", POLICIES)
+def test_back_to_back_requests_share_nothing(model_dir, policy):
     rng = np.random.default_rng(504)
     long, short = rng.integers(3, 250, size=400).tolist(), rng.integers(3, 250, size=90).tolist()
-    shared = _quest(model_dir, 48)
+    shared = _sparse(model_dir, 48, policy)
     first = shared.generate([short], GREEDY)[0].token_ids
     shared.generate([long], GREEDY)
-    assert shared.generate([short], GREEDY)[0].token_ids == first == _quest(model_dir, 48).generate([short], GREEDY)[0].token_ids
+    fresh = _sparse(model_dir, 48, policy).generate([short], GREEDY)[0].token_ids
+    assert shared.generate([short], GREEDY)[0].token_ids == first == fresh
+
+
+@pytest.mark.parametrize("prefill,dtype", [("chunked", "int4"), ("layerwise", "int8")])
+def test_sketch_is_written_with_every_stored_block(model_dir, prefill, dtype):
+    """After a prefill (chunked or layerwise) and decode steps that flush the tail, every stored key of every
+    sparse layer has its sketch: the codes and scales of the keys in the host store, and nothing past them is
+    read (a page past the written ones gets no mass)."""
+    from jax_offload.kv.host_store import from_stored_layout
+    from jax_offload.sparse import sketch
+
+    ids = np.random.default_rng(506).integers(3, tiny_models.VOCAB, size=150).tolist()
+    llm = _sparse(model_dir, 32, "sketch", prefill=prefill, sketch_dtype=dtype)
+    hidden, _ = llm._prefill(ids, 200)
+    from jax_offload.attention import embed_tokens
+    for i in range(40):  # 150 + 40 tokens: the third block is flushed during decode
+        hidden = llm._runner.decode(embed_tokens(llm.params.embed, np.full((1, 1), 5, np.int32)), len(ids) + i)
+    runner = llm._runner
+    written = runner._written[1]
+    assert written == 2, written
+    for layer in runner.pages.layers:
+        buffer = runner.store.layer_buffer(layer)[:written]  # [blocks, Hkv, units, 2, 16, D]
+        pages = buffer.transpose(1, 0, 2, 3, 4, 5).reshape(buffer.shape[1], -1, *buffer.shape[3:])
+        stored = np.asarray(from_stored_layout(pages))  # [2, T, Hkv, D]
+        codes, scale = sketch.quantize_keys(jnp.asarray(stored[0].transpose(1, 0, 2)), dtype)
+        t = written * 64
+        np.testing.assert_array_equal(np.asarray(runner.pages.codes[layer][:, :t]),
+                                      np.asarray(sketch.pack_codes(codes, dtype)))
+        np.testing.assert_array_equal(np.asarray(runner.pages.scales[layer][:, :t]), np.asarray(scale))
+    runner.finish()
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(decode_policy="nope"), "decode_policy 'nope' is unknown; valid: full, quest"),
+    (dict(decode_policy="nope"), "decode_policy 'nope' is unknown; valid: full, sketch, quest"),
+    (dict(decode_policy="sketch", sketch_dtype="int2"), "sketch_dtype 'int2' is unknown; valid: int4, int8"),
+    (dict(sketch_dtype="int8"), "sketch_dtype applies only with decode_policy='sketch'"),
     (dict(decode_policy="quest", page_size=24), "page_size must be a multiple of 16 that divides block_size"),
     (dict(decode_policy="quest", decode_budget=100), "decode_budget must be a positive multiple of page_size 16"),
     (dict(decode_policy="quest", dense_layers=9), "dense_layers must be an integer from 0 to the model's 2 layers"),
-    (dict(decode_budget=256), "decode_budget only apply with decode_policy='quest'"),
+    (dict(decode_budget=256), "decode_budget applies only with decode_policy 'sketch' or 'quest'"),
     (dict(sparse_policy="full", decode_policy="quest"), "sparse_policy is the old name of decode_policy"),
 ])
-def test_bad_quest_options(model_dir, kwargs, message):
+def test_bad_page_policy_options(model_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(model_dir, dtype="float32", offload=True, block_size=64, **kwargs)

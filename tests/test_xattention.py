@@ -124,7 +124,7 @@ def test_top_fraction_keeps_that_share_of_each_row():
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(prefill_policy="sparse"), "prefill_policy 'sparse' is unknown; valid: full, xattention"),
-    (dict(xattn_threshold=0.9), "xattn_threshold only apply with prefill_policy='xattention'"),
+    (dict(xattn_threshold=0.9), "xattn_threshold applies only with prefill_policy='xattention'"),
     (dict(prefill_policy="xattention", xattn_threshold=1.5), r"xattn_threshold must be a number in \(0, 1\]"),
     (dict(prefill_policy="xattention", xattn_block=48), "xattn_block must be a power of two >= 16"),
     (dict(prefill_policy="xattention", xattn_stride=3), "xattn_stride must be a power of two that divides"),

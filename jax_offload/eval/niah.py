@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from tqdm import tqdm
 
+from jax_offload.config import DECODE_POLICIES, SKETCH_DTYPES
 from jax_offload.eval.ruler import TASKS, make_samples, score_string_match_all
 
 BACKENDS = ("jax", "torch")
@@ -187,11 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--block-size", type=int, dest="block_size")
     engine.add_argument("--ring-slots", type=int, dest="num_ring_slots")
     engine.add_argument("--prefill", choices=("chunked", "layerwise"))
-    engine.add_argument("--decode-policy", dest="decode_policy", choices=("full", "quest"))
+    engine.add_argument("--decode-policy", dest="decode_policy", choices=DECODE_POLICIES)
     engine.add_argument("--sparse-policy", dest="decode_policy", help=argparse.SUPPRESS)  # the old name
     engine.add_argument("--decode-budget", type=int, dest="decode_budget")
     engine.add_argument("--page-size", type=int, dest="page_size")
     engine.add_argument("--dense-layers", type=int, dest="dense_layers")
+    engine.add_argument("--sketch-dtype", dest="sketch_dtype", choices=SKETCH_DTYPES)
     engine.add_argument("--prefill-policy", dest="prefill_policy", choices=("full", "xattention"))
     engine.add_argument("--xattn-threshold", type=float, dest="xattn_threshold")
     engine.add_argument("--xattn-stride", type=int, dest="xattn_stride")
@@ -200,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 ENGINE_OPTIONS = ("dtype", "max_model_len", "offload", "block_size", "num_ring_slots", "prefill", "decode_policy",
-                  "decode_budget", "page_size", "dense_layers", "prefill_policy", "xattn_threshold", "xattn_stride",
+                  "decode_budget", "page_size", "dense_layers", "sketch_dtype", "prefill_policy", "xattn_threshold", "xattn_stride",
                   "xattn_block")
 
 

@@ -7,6 +7,7 @@ fraction of the KV they describe and stay on the GPU, so choosing pages costs no
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -56,6 +57,13 @@ def top_pages(score: jax.Array, num_pages: jax.Array, k: int) -> jax.Array:
     return jnp.sort(chosen, axis=-1)
 
 
+def candidate_count(num_slots: int, num_pages: int, budget_pages: int) -> int:
+    """How many page slots a step scores: the next power of two covering the written pages and the budget (so the
+    choice costs what the context needs, compiled for few sizes), at most every slot."""
+    need = max(num_pages, budget_pages, 1)
+    return min(num_slots, 1 << (need - 1).bit_length())
+
+
 def page_rows(pages: jax.Array, num_slots: int, page_size: int, block_size: int) -> jax.Array:
     """Pages [Hkv, k] (index in the layer, or `num_slots` for a missing entry) -> the store's 16-token rows
     [Hkv * k * page_size / PAGE_UNIT] of a "pages" layer, head by head, page by page. Missing pages map to row
@@ -69,8 +77,21 @@ def page_rows(pages: jax.Array, num_slots: int, page_size: int, block_size: int)
     return jnp.where(pages[..., None] < num_slots, rows, 0).reshape(-1)
 
 
+@dataclasses.dataclass(frozen=True)
+class QuestScore:
+    """Quest's page score inside the decode step (static under jit): the metadata of a layer is (kmin, kmax)."""
+
+    def page_scores(self, impl: str, q: jax.Array, meta: tuple[jax.Array, jax.Array], num_pages: jax.Array,
+                    num_candidates: int) -> jax.Array:
+        """q [Hq, D] -> the bound of the first `num_candidates` pages, float32 [Hkv, num_candidates]."""
+        kmin, kmax = meta
+        return page_scores(q, kmin[:, :num_candidates], kmax[:, :num_candidates])
+
+
 class QuestPages:
     """Page bounds of every sparse layer, on the GPU, for up to `num_pages` pages per layer."""
+
+    scorer = QuestScore()
 
     def __init__(self, layers: list[int], num_pages: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype: jnp.dtype, tp: TensorParallel):
@@ -82,10 +103,10 @@ class QuestPages:
         self.nbytes = sum(x.nbytes for d in (self.kmin, self.kmax) for x in d.values())
 
     def candidates(self, num_pages: int, budget_pages: int) -> int:
-        """How many slots a step scores: the next power of two covering the written pages and the budget (so the
-        choice costs what the context needs, compiled for few sizes), at most every slot."""
-        need = max(num_pages, budget_pages, 1)
-        return min(self.num_slots, 1 << (need - 1).bit_length())
+        return candidate_count(self.num_slots, num_pages, budget_pages)
+
+    def metadata(self, layer: int) -> tuple[jax.Array, jax.Array]:
+        return self.kmin[layer], self.kmax[layer]
 
     def record(self, layer: int, block_index: int, kv: jax.Array) -> None:
         """Bounds of a block kv [2, block_size, Hkv, D] being written as block `block_index` of `layer`."""

@@ -1,0 +1,146 @@
+"""Sketch decode: each KV head reads the pages that hold the most of its query group's estimated attention mass.
+
+A low-bit copy of each sparse layer's post-RoPE keys (the sketch) stays in GPU memory: per token and KV head,
+symmetric integer codes (int4, two per byte, or int8) and one float32 scale. Each decode step scores every
+stored token with the real query, q . k_hat / sqrt(D), turns each query head's scores into an estimated softmax
+over the stored tokens, sums that mass over the head's GQA group and over each page, and lets every KV head read
+page 0 and its pages of largest estimated mass (the rule of `quest.top_pages`). With exact keys this is the
+true-mass oracle of `bench/eval_oracle.py`, which keeps full attention's NIAH score at Quest's budgets.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels
+from jax_offload.config import SKETCH_DTYPES
+from jax_offload.precision import step_jit
+from jax_offload.sparse.quest import candidate_count
+from jax_offload.tensor_parallel import TensorParallel
+
+# The largest code of each sketch dtype: codes lie in [-qmax, qmax], symmetric around zero.
+SKETCH_QMAX = dict(zip(SKETCH_DTYPES, (7, 127)))
+
+
+def check_sketch_dtype(dtype: str) -> str:
+    if dtype not in SKETCH_QMAX:
+        raise ValueError(f"sketch_dtype {dtype!r} is unknown; valid: {', '.join(SKETCH_DTYPES)}.")
+    return dtype
+
+
+def quantize_keys(k: jax.Array, dtype: str) -> tuple[jax.Array, jax.Array]:
+    """Keys k [..., D] -> (codes int8 [..., D] in [-qmax, qmax], scale float32 [...]): k ~= codes * scale, the
+    scale the largest |k| of the token's head over qmax (a zero key gets scale 0 and codes 0)."""
+    qmax = SKETCH_QMAX[check_sketch_dtype(dtype)]
+    kf = k.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(kf), axis=-1) / qmax
+    safe = jnp.where(scale > 0, scale, 1.0)[..., None]
+    codes = jnp.clip(jnp.round(kf / safe), -qmax, qmax).astype(jnp.int8)
+    return codes, scale
+
+
+def pack_codes(codes: jax.Array, dtype: str) -> jax.Array:
+    """int8 codes [..., D] -> what the sketch stores: int8 as they are; int4 as uint8 [..., D / 2], byte j holding
+    channel j (low nibble) and channel j + D / 2 (high nibble), each offset by 8."""
+    if check_sketch_dtype(dtype) == "int8":
+        return codes
+    half = codes.shape[-1] // 2
+    lo, hi = (codes[..., :half] + 8).astype(jnp.uint8), (codes[..., half:] + 8).astype(jnp.uint8)
+    return lo | (hi << 4)
+
+
+def unpack_codes(packed: jax.Array, dtype: str) -> jax.Array:
+    """The inverse of `pack_codes` -> int8 codes [..., D]."""
+    if check_sketch_dtype(dtype) == "int8":
+        return packed
+    lo = (packed & 0xF).astype(jnp.int8) - 8
+    hi = (packed >> 4).astype(jnp.int8) - 8
+    return jnp.concatenate([lo, hi], axis=-1)
+
+
+def token_scores(q: jax.Array, packed: jax.Array, scale: jax.Array, dtype: str) -> jax.Array:
+    """Estimated attention logits of every sketched token: q [Hkv, G, D], packed codes [Hkv, T, D or D/2], scales
+    [Hkv, T] -> float32 [Hkv, G, T] = (q . codes) * scale / sqrt(D). The codes are small integers, exact in any
+    float dtype, so q . codes is q's products summed in float32."""
+    codes = unpack_codes(packed, dtype).astype(q.dtype)
+    dots = jnp.einsum("hgd,htd->hgt", q, codes, preferred_element_type=jnp.float32,
+                      precision=jax.lax.Precision.HIGHEST)
+    return dots * (scale[:, None, :] / math.sqrt(q.shape[-1]))
+
+
+def page_mass(scores: jax.Array, num_keys: jax.Array, page_size: int) -> jax.Array:
+    """Per KV head the estimated attention mass of each page: scores [Hkv, G, T] (T a multiple of page_size) ->
+    float32 [Hkv, T / page_size], each query head's softmax over the first `num_keys` tokens summed over the
+    group and over the page's tokens (a page past num_keys gets 0)."""
+    hkv, g, t = scores.shape
+    visible = jnp.arange(t) < num_keys
+    s = jnp.where(visible, scores, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    e = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    p = e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
+    return p.sum(axis=1).reshape(hkv, t // page_size, page_size).sum(axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SketchScore:
+    """The sketch's page score inside the decode step (static under jit): a layer's metadata is (codes, scales)."""
+
+    dtype: str
+    page_size: int
+
+    def page_scores(self, impl: str, q: jax.Array, meta: tuple[jax.Array, jax.Array], num_pages: jax.Array,
+                    num_candidates: int) -> jax.Array:
+        """q [Hq, D] -> the estimated mass of the first `num_candidates` pages, float32 [Hkv, num_candidates]
+        (only the first `num_pages` hold keys). With the Pallas kernels the scores come from one kernel that
+        unpacks the codes in registers; the jnp path unpacks them in memory."""
+        packed, scale = meta
+        hkv, t = packed.shape[0], num_candidates * self.page_size
+        packed, scale = packed[:, :t], scale[:, :t]
+        qg = q.reshape(hkv, -1, q.shape[-1])
+        if impl == "pallas":
+            scores = pallas_kernels.sketch_scores(qg, packed, scale, bits=4 if self.dtype == "int4" else 8)
+        else:
+            scores = token_scores(qg, packed, scale, self.dtype)
+        return page_mass(scores, num_pages * self.page_size, self.page_size)
+
+
+class KeySketch:
+    """The key sketch of every sparse layer, on the GPU, for up to `num_tokens` tokens per layer: codes [Hkv,
+    num_tokens, D / 2] uint8 (int4) or [Hkv, num_tokens, D] int8, scales [Hkv, num_tokens] float32."""
+
+    def __init__(self, layers: list[int], num_tokens: int, num_kv_heads: int, head_dim: int, page_size: int,
+                 dtype: str, tp: TensorParallel):
+        """Under tensor parallelism each device keeps the sketch of its own KV heads."""
+        self.layers, self.page_size, self.dtype = set(layers), page_size, check_sketch_dtype(dtype)
+        self.num_slots = num_tokens // page_size
+        width = head_dim // 2 if dtype == "int4" else head_dim
+        code_dtype = jnp.uint8 if dtype == "int4" else jnp.int8
+        self.codes = {l: tp.zeros((num_kv_heads, num_tokens, width), code_dtype, 0) for l in layers}
+        self.scales = {l: tp.zeros((num_kv_heads, num_tokens), jnp.float32, 0) for l in layers}
+        self.nbytes = sum(x.nbytes for d in (self.codes, self.scales) for x in d.values())
+        self.scorer = SketchScore(dtype, page_size)
+
+    def candidates(self, num_pages: int, budget_pages: int) -> int:
+        return candidate_count(self.num_slots, num_pages, budget_pages)
+
+    def metadata(self, layer: int) -> tuple[jax.Array, jax.Array]:
+        return self.codes[layer], self.scales[layer]
+
+    def record(self, layer: int, block_index: int, kv: jax.Array) -> None:
+        """Sketches the keys of a block kv [2, block_size, Hkv, D] being written as block `block_index` of `layer`."""
+        if layer in self.layers:
+            first = np.int32(block_index * kv.shape[1])
+            self.codes[layer], self.scales[layer] = _record(self.codes[layer], self.scales[layer], kv, first,
+                                                            self.dtype)
+
+
+@functools.partial(step_jit, static_argnums=(4,), donate_argnums=(0, 1))
+def _record(codes: jax.Array, scales: jax.Array, kv: jax.Array, first: jax.Array, dtype: str):
+    new_codes, new_scales = quantize_keys(kv[0].transpose(1, 0, 2), dtype)
+    return (jax.lax.dynamic_update_slice(codes, pack_codes(new_codes, dtype), (0, first, 0)),
+            jax.lax.dynamic_update_slice(scales, new_scales, (0, first)))
