@@ -62,7 +62,18 @@ def main():
             "pallas_page_mass": timed(lambda: pallas_mass(q, packed, scale)),
             "jnp_page_mass": timed(lambda: jnp_mass(q, packed, scale)),
         }
-        print(dtype, json.dumps(result[dtype]), flush=True)
+        # Launch configurations: tokens per program, warps, pipeline stages.
+        sweep = []
+        for block_t in (256, 512, 1024, 2048, 4096):
+            for warps in (4, 8):
+                for stages in (2, 3):
+                    fn = jax.jit(lambda q, p, s, b=block_t, w=warps, n=stages: pallas_kernels.sketch_scores(
+                        q, p, s, bits=bits, block_t=b, num_warps=w, num_stages=n))
+                    sweep.append({"block_t": block_t, "num_warps": warps, "num_stages": stages,
+                                  **timed(lambda: fn(q, packed, scale), reps=30)})
+        result[dtype]["sweep"] = sorted(sweep, key=lambda r: r["median_ms"])
+        print(dtype, json.dumps({k: v for k, v in result[dtype].items() if k != "sweep"}), flush=True)
+        print(dtype, "best", json.dumps(result[dtype]["sweep"][:4]), flush=True)
     text = json.dumps(result, indent=1)
     if "OUT" in os.environ:
         Path(os.environ["OUT"], "probe_sketch_kernel.json").write_text(text + "\n")
