@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sketch, quest: first layers kept in GPU memory and read in full (2)")
     p.add_argument("--sketch-dtype", help="sketch: int4 or int8, the key sketch's codes (int4)")
     p.add_argument("--prefill-policy", default="full", help="full or xattention: which blocks prefill attends")
-    p.add_argument("--xattn-threshold", type=float, help="xattention: softmax mass each query block keeps (0.9)")
+    p.add_argument("--xattn-threshold", type=float, help="xattention: softmax mass each query block keeps (0.95)")
     p.add_argument("--xattn-stride", type=int, help="xattention: antidiagonal stride of the estimate (8)")
     p.add_argument("--xattn-block", type=int, help="xattention: tokens per selection block (128)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="several prompts: running requests at most (256)")
