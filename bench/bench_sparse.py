@@ -114,8 +114,11 @@ def phase_decode(a) -> dict:
             position, tail_len, num_pages = jax.device_put(
                 [np.int32(n), np.int32(n % bs), np.int32(written * pages_per_block)])
             q = jax.random.normal(jax.random.PRNGKey(1), (cfg.num_heads, cfg.head_dim), jnp.bfloat16)
-            score = jax.jit(functools.partial(pages.scorer.page_scores, impl), static_argnums=(3,))
-            row["scoring_ms"] = timed(lambda: [score(q, pages.metadata(l), num_pages, candidates) for l in layers])
+            # Every sparse layer's scoring in one program, as each runs inside its layer's program in a step.
+            score_all = jax.jit(lambda q, metas, num_pages, nc=candidates: [
+                pages.scorer.page_scores(impl, q, meta, num_pages, nc) for meta in metas])
+            metas = [pages.metadata(l) for l in layers]
+            row["scoring_ms"] = timed(lambda: score_all(q, metas, num_pages))
 
             def choose():
                 return [page_choice_step(cfg, impl, params.layers[l], x, inv_freq, tail, position, tail_len,

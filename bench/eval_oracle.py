@@ -297,7 +297,7 @@ def _decode_step_fn():
                     score = p_full[r].sum(1).reshape(hkv, t // PAGE_SIZE, PAGE_SIZE).sum(-1)
                     choices = [quest.top_pages(score, num_pages, budget_pages)]
                 elif kind.startswith("sketch"):
-                    score = sketch.page_mass(_sketch_scores(kind, qg[r], kc[r]), stored, PAGE_SIZE)
+                    score = sketch.page_mass(_sketch_scores(kind, qg[r], kc[r]), num_pages, PAGE_SIZE)
                     choices = [quest.top_pages(score, num_pages, budget_pages)]
                 elif kind == "qfine":
                     half = _head_bounds(qg[r], kc[r], PAGE_SIZE // 2)  # [Hkv, G, 2P]

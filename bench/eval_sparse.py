@@ -11,8 +11,8 @@ that Quest's chosen pages hold.
 Every config is one `LLM` over the same base, `offload=True, block_size=256, num_ring_slots=2,
 prefill="chunked"` (`--base key=value,...` overrides or adds base options; `--dtype` defaults to bfloat16 on a
 GPU, float32 otherwise), and runs every length's prompts greedily for `--max-tokens` tokens. A config name is
-`full` or parts joined by `+`: `questN` (Quest decode, budget N tokens per KV head, 16-token pages, 2 dense
-layers) and `xattnT` (XAttention prefill, threshold T, stride 8, 128-token blocks). Each length's prompts (the
+`full` or parts joined by `+`: `questN` and `sketchN` (Quest or int4-sketch decode, budget N tokens per KV head,
+16-token pages, 2 dense layers) and `xattnT` (XAttention prefill, threshold T, stride 8, 128-token blocks). Each length's prompts (the
 eight RULER NIAH tasks, `--samples` each, `--seed`) are built once, so every config sees the same token ids;
 prompts are fitted to at most `min(length, max_model_len - max_tokens)` tokens, so that all tokens can be
 generated. A run writes `sparse_niah_{length}_{config}.json` per length and config under `--out` (`+` written as `-`).
@@ -60,6 +60,8 @@ BASE_OPTIONS: dict[str, Any] = {"offload": True, "block_size": 256, "num_ring_sl
 PARTS: dict[str, tuple[Callable[[str], Any], Callable[[Any], dict[str, Any]]]] = {
     "quest": (int, lambda budget: {"decode_policy": "quest", "decode_budget": budget, "page_size": 16,
                                    "dense_layers": 2}),
+    "sketch": (int, lambda budget: {"decode_policy": "sketch", "decode_budget": budget, "page_size": 16,
+                                    "dense_layers": 2, "sketch_dtype": "int4"}),
     "xattn": (float, lambda threshold: {"prefill_policy": "xattention", "xattn_threshold": threshold,
                                         "xattn_stride": 8, "xattn_block": 128}),
 }
@@ -78,7 +80,7 @@ def config_options(name: str) -> dict[str, Any]:
     for part in name.split("+"):
         match = re.fullmatch(r"([a-z]+)([0-9.]+)", part)
         if match is None or match[1] not in PARTS:
-            raise ValueError(f"Config {name!r} is not full or questN / xattnT parts joined by '+'.")
+            raise ValueError(f"Config {name!r} is not full or questN / sketchN / xattnT parts joined by '+'.")
         read, options_of = PARTS[match[1]]
         try:
             value = read(match[2])
@@ -466,7 +468,7 @@ def measure_mass(args: argparse.Namespace, model_dir: Path, base: dict[str, Any]
 def _config_order(result: dict[str, Any]) -> tuple:
     """full, then Quest by budget, XAttention by threshold, then combinations."""
     o = result["options"]
-    quest, xattn = o.get("decode_policy") == "quest", "xattn_threshold" in o
+    quest, xattn = o.get("decode_policy") in ("quest", "sketch"), "xattn_threshold" in o
     rank = 3 if quest and xattn else 2 if xattn else 1 if quest else 0
     return rank, o.get("xattn_threshold", 0.0), o.get("decode_budget", 0), result["config"]
 

@@ -28,7 +28,7 @@ HEADS = 2  # q, k, v, o [B, T, H, D]; KV blocks [2, T, Hkv, D]
 STATE_HEADS = AttentionState(2, 1, 1)  # acc [B, T, H, D], m and l [B, H, T]
 LSE_HEADS = 1  # lse [B, H, T]
 MASK_HEADS = 1  # XAttention's block mask [B, H, nqb, nkb]
-METADATA_HEADS = 0  # a sparse decode policy's metadata: Quest's bounds [Hkv, pages, D], the sketch [Hkv, T, ...]
+METADATA_HEADS = 0  # a page policy's metadata: Quest's bounds [Hkv, pages, D], the sketch [Hkv, page_size, pages, ...]
 BUFFER_HEADS = 1  # a one-buffer layer of the KV store [num_blocks, Hkv, ...]
 
 

@@ -29,7 +29,7 @@ from pallas_kernels.paged_decode import (
     paged_decode_attention_with_lse,
     paged_decode_attention_with_lse_xla,
 )
-from pallas_kernels.sketch import sketch_scores
+from pallas_kernels.sketch import sketch_page_lse
 from pallas_kernels.state import AttentionState, empty_state, finish_state, merge_into_state
 from pallas_kernels.xattn import (
     antidiagonal_scores,
@@ -69,7 +69,7 @@ __all__ = [
     "paged_decode_attention_with_lse",
     "paged_decode_attention_with_lse_xla",
     "select_blocks",
-    "sketch_scores",
+    "sketch_page_lse",
     "softmax_normalize_block_sum",
     "softmax_partial_stats",
     "xattn_estimate",

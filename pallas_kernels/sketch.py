@@ -1,12 +1,16 @@
-"""Scores of every token of a low-bit key sketch against a query group (sketch decode's page choice).
+"""Per-page log-sum-exp of a low-bit key sketch's scores against a query group (sketch decode's page choice).
 
-`sketch_scores` launches one program per (token block, KV head): it loads the block's codes (int4, two per byte,
-or int8), unpacks them in registers into exact small integers of q's dtype, multiplies them with the KV head's
-query group on the tensor cores and scales each token's column by its float32 scale: float32 [Hkv, G, T] of
-(q . codes) * scale * sm_scale. The codes never exist unpacked in memory, so the kernel reads the sketch once.
+`sketch_page_lse` launches one program per (block of pages, KV head). For each of a page's token offsets it loads
+that token's codes in every page of its block (int4, two per byte, or int8), unpacks them in registers into exact
+small integers of q's dtype, multiplies them with the KV head's query group on the tensor cores, scales each
+token by its float32 scale and folds the scores into a running per-page log-sum-exp: float32 [Hkv, G, P] of
+log sum_{t in page} exp((q . codes_t) * scale_t * sm_scale). The sketch is read once and no per-token score
+reaches memory.
 
-int4 layout (`jax_offload.sparse.sketch.pack_codes`): byte j of a token holds channel j in its low nibble and
-channel j + D / 2 in its high nibble, each offset by 8, so the two halves of q meet the two nibbles.
+Layout (`jax_offload.sparse.sketch`): codes [Hkv, page_size, P, width], scales [Hkv, page_size, P]: token j of
+page p at [:, j, p], so one token offset of a block of pages is one contiguous tile. int4: byte i of a token holds
+channel i in its low nibble and channel i + D / 2 in its high nibble, each offset by 8, so the two halves of q meet
+the two nibbles.
 """
 
 from __future__ import annotations
@@ -20,12 +24,12 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
     MIN_BLOCK,
+    NEG_INF,
     check_sm_scale,
     compiler_params,
     dot_precision,
     fit_block,
     interpret_aware_jit,
-    load_rows,
     next_pow2,
     resolve_interpret,
 )
@@ -33,89 +37,106 @@ from pallas_kernels._common import (
 SKETCH_BITS = (4, 8)
 
 
-def _sketch_kernel(q_ref, codes_ref, scale_ref, o_ref, *, block_t: int, group: int, num_tokens: int, bits: int,
-                   sm_scale: float, precision):
-    start = pl.multiple_of(pl.program_id(0) * block_t, block_t)
-    tokens = pl.ds(start, block_t)
+def _page_lse_kernel(q_ref, codes_ref, scale_ref, o_ref, *, block_p: int, group: int, num_pages: int, bits: int,
+                     sm_scale: float, precision):
+    start = pl.multiple_of(pl.program_id(0) * block_p, block_p)
+    pages = pl.ds(start, block_p)
     # Masks only where the last block is ragged: unmasked loads vectorize best.
-    ragged = num_tokens % block_t != 0
-    col_ok = start + jnp.arange(block_t, dtype=jnp.int32) < num_tokens if ragged else None
+    ok = start + jnp.arange(block_p, dtype=jnp.int32) < num_pages if num_pages % block_p else None
     block_h = q_ref.shape[0]
     row_ok = jnp.arange(block_h) < group
     dtype = q_ref.dtype
-    codes = load_rows(codes_ref, tokens, col_ok)
     if bits == 4:
         half = codes_ref.shape[-1]
-        packed = codes.astype(jnp.int32)
-        lo, hi = ((packed & 15) - 8).astype(dtype), ((packed >> 4) - 8).astype(dtype)
         q_lo = plgpu.load(q_ref.at[:, pl.ds(0, half)], mask=row_ok[:, None], other=0)
         q_hi = plgpu.load(q_ref.at[:, pl.ds(half, half)], mask=row_ok[:, None], other=0)
-        s = (plgpu.dot(q_lo, lo, trans_b=True, precision=precision)
-             + plgpu.dot(q_hi, hi, trans_b=True, precision=precision))
     else:
         q = plgpu.load(q_ref, mask=row_ok[:, None], other=0)
-        s = plgpu.dot(q, codes.astype(dtype), trans_b=True, precision=precision)
-    if ragged:
-        scale = plgpu.load(scale_ref.at[tokens], mask=col_ok, other=0.0)
-        mask = row_ok[:, None] & col_ok[None, :]
-    else:
-        scale, mask = plgpu.load(scale_ref.at[tokens]), row_ok[:, None]
-    plgpu.store(o_ref.at[:, tokens], s * (scale * sm_scale)[None, :], mask=mask)
+    m = jnp.full((block_h, block_p), NEG_INF, jnp.float32)
+    l = jnp.zeros((block_h, block_p), jnp.float32)
+    for offset in range(codes_ref.shape[0]):  # the page's token offsets, unrolled
+        j = jnp.int32(offset)
+        if ok is None:
+            codes, scale = plgpu.load(codes_ref.at[j, pages, :]), plgpu.load(scale_ref.at[j, pages])
+        else:
+            codes = plgpu.load(codes_ref.at[j, pages, :], mask=ok[:, None], other=0)
+            scale = plgpu.load(scale_ref.at[j, pages], mask=ok, other=0.0)
+        if bits == 4:
+            packed = codes.astype(jnp.int32)
+            lo, hi = ((packed & 15) - 8).astype(dtype), ((packed >> 4) - 8).astype(dtype)
+            s = (plgpu.dot(q_lo, lo, trans_b=True, precision=precision)
+                 + plgpu.dot(q_hi, hi, trans_b=True, precision=precision))
+        else:
+            s = plgpu.dot(q, codes.astype(dtype), trans_b=True, precision=precision)
+        s = s * (scale * sm_scale)[None, :]
+        m_new = jnp.maximum(m, s)
+        l = l * jnp.exp(m - m_new) + jnp.exp(s - m_new)
+        m = m_new
+    mask = row_ok[:, None] if ok is None else row_ok[:, None] & ok[None, :]
+    plgpu.store(o_ref.at[:, pages], m + jnp.log(l), mask=mask)
 
 
-def _sketch_call(q, codes, scale, *, bits, sm_scale, interpret, block_t, num_warps, num_stages):
+def _page_lse_call(q, codes, scale, *, bits, num_pages, sm_scale, interpret, block_p, num_warps, num_stages):
     hkv, group, d = q.shape
-    t, width = codes.shape[1], codes.shape[2]
+    page, slots, width = codes.shape[1:]
+    p = num_pages
     block_h = max(MIN_BLOCK, next_pow2(group))
-    kernel = functools.partial(_sketch_kernel, block_t=block_t, group=group, num_tokens=t, bits=bits,
+    kernel = functools.partial(_page_lse_kernel, block_p=block_p, group=group, num_pages=p, bits=bits,
                                sm_scale=sm_scale, precision=dot_precision(q.dtype))
     return pl.pallas_call(
         kernel,
-        grid=(-(-t // block_t), hkv),
+        grid=(-(-p // block_p), hkv),
         in_specs=[
             # The query block is padded past the group to a full tensor-core tile.
             pl.BlockSpec((None, block_h, d), lambda i, h: (h, 0, 0)),
-            pl.BlockSpec((None, t, width), lambda i, h: (h, 0, 0)),
-            pl.BlockSpec((None, t), lambda i, h: (h, 0)),
+            pl.BlockSpec((None, page, slots, width), lambda i, h: (h, 0, 0, 0)),
+            pl.BlockSpec((None, page, slots), lambda i, h: (h, 0, 0)),
         ],
-        out_specs=pl.BlockSpec((None, block_h, t), lambda i, h: (h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((hkv, group, t), jnp.float32),
+        out_specs=pl.BlockSpec((None, block_h, p), lambda i, h: (h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((hkv, group, p), jnp.float32),
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
-        name="sketch_scores",
+        name="sketch_page_lse",
     )(q, codes, scale)
 
 
-_sketch_call = interpret_aware_jit(
-    _sketch_call, ("bits", "sm_scale", "interpret", "block_t", "num_warps", "num_stages"))
+_page_lse_call = interpret_aware_jit(
+    _page_lse_call, ("bits", "num_pages", "sm_scale", "interpret", "block_p", "num_warps", "num_stages"))
 
 
-def sketch_scores(q: jax.Array, codes: jax.Array, scale: jax.Array, *, bits: int, sm_scale: float | None = None,
-                  interpret: bool | None = None, block_t: int = 256, num_warps: int = 8,
-                  num_stages: int = 2) -> jax.Array:
-    """Estimated attention logits of every sketched token.
+def sketch_page_lse(q: jax.Array, codes: jax.Array, scale: jax.Array, *, bits: int, num_pages: int | None = None,
+                    sm_scale: float | None = None, interpret: bool | None = None, block_p: int = 64, num_warps: int = 8,
+                    num_stages: int = 2) -> jax.Array:
+    """Per page and query head, the log-sum-exp of the sketch's estimated attention logits.
 
     Args:
       q: [Hkv, G, D] query heads grouped by their KV head (bfloat16, float16 or float32).
-      codes: bits=4: uint8 [Hkv, T, D / 2] (two codes a byte, see the module docstring); bits=8: int8 [Hkv, T, D].
-      scale: float32 [Hkv, T], each token's scale.
-      sm_scale: default 1/sqrt(D). block_t: tokens per program (power of two >= 16).
+      codes: [Hkv, page_size, P, width]: bits=4 uint8 with width D / 2 (two codes a byte, see the module
+        docstring); bits=8 int8 with width D.
+      scale: float32 [Hkv, page_size, P], each token's scale.
+      num_pages: score only the first num_pages <= P pages (static; default P). The kernel reads them in place, so
+        a sketch allocated for the longest context is never sliced (a slice of its page axis would be a copy).
+      sm_scale: default 1/sqrt(D). block_p: pages per program (power of two >= 16).
 
     Returns:
-      float32 [Hkv, G, T]: (q . codes) * scale * sm_scale.
+      float32 [Hkv, G, num_pages]: log sum over each page's tokens of exp((q . codes) * scale * sm_scale).
     """
     if bits not in SKETCH_BITS:
         raise ValueError(f"bits={bits}; allowed: {', '.join(map(str, SKETCH_BITS))}")
-    if q.ndim != 3 or codes.ndim != 3 or codes.shape[0] != q.shape[0]:
-        raise ValueError(f"q has shape {q.shape} and codes {codes.shape}; allowed: [Hkv, G, D] and [Hkv, T, width]")
+    if q.ndim != 3 or codes.ndim != 4 or codes.shape[0] != q.shape[0]:
+        raise ValueError(f"q has shape {q.shape} and codes {codes.shape}; allowed: [Hkv, G, D] and "
+                         "[Hkv, page_size, P, width]")
     hkv, _, d = q.shape
-    t = codes.shape[1]
+    page, p = codes.shape[1:3]
     width, code_dtype = (d // 2, jnp.uint8) if bits == 4 else (d, jnp.int8)
-    if codes.shape[2] != width or codes.dtype != code_dtype or (bits == 4 and d % 2):
+    if codes.shape[3] != width or codes.dtype != code_dtype or (bits == 4 and d % 2):
         raise ValueError(f"codes have shape {codes.shape} and dtype {codes.dtype}; allowed for bits={bits} and head "
-                         f"dim {d}: [{hkv}, T, {width}] {jnp.dtype(code_dtype).name}")
-    if scale.shape != (hkv, t):
-        raise ValueError(f"scale has shape {scale.shape}; allowed: ({hkv}, {t})")
-    return _sketch_call(q, codes, scale.astype(jnp.float32), bits=bits, sm_scale=check_sm_scale(sm_scale, d),
-                        interpret=resolve_interpret(interpret), block_t=fit_block(block_t, t),
-                        num_warps=num_warps, num_stages=num_stages)
+                         f"dim {d}: [{hkv}, page_size, P, {width}] {jnp.dtype(code_dtype).name}")
+    if scale.shape != (hkv, page, p):
+        raise ValueError(f"scale has shape {scale.shape}; allowed: ({hkv}, {page}, {p})")
+    num_pages = p if num_pages is None else int(num_pages)
+    if not 1 <= num_pages <= p:
+        raise ValueError(f"num_pages={num_pages}; allowed: 1 to the sketch's {p} pages")
+    return _page_lse_call(q, codes, scale.astype(jnp.float32), bits=bits, num_pages=num_pages,
+                          sm_scale=check_sm_scale(sm_scale, d), interpret=resolve_interpret(interpret),
+                          block_p=fit_block(block_p, num_pages), num_warps=num_warps, num_stages=num_stages)

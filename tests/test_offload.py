@@ -111,7 +111,7 @@ def test_offload_options_need_offload(model, option, name):
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(sparse_policy="nope"), "decode_policy 'nope' is unknown; valid: full, quest"),
+        (dict(sparse_policy="nope"), "decode_policy 'nope' is unknown; valid: full, sketch, quest"),
         (dict(prefill="sideways"), "prefill mode 'sideways' is unknown"),
         (dict(block_size=0), "block_size must be a positive multiple of 16"),
         (dict(block_size=100), "block_size must be a positive multiple of 16"),

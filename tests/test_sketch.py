@@ -51,15 +51,16 @@ def test_token_scores_and_page_mass_match_float64(dtype):
     ref = np.einsum("hgd,htd->hgt", q.astype(np.float64), c64) * s64[:, None] / math.sqrt(d)
     np.testing.assert_allclose(np.asarray(scores), ref, rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
 
-    num_keys = 70  # pages 0..3 whole, page 4 partly, page 5 past the keys
-    mass = np.asarray(sketch.page_mass(scores, jnp.int32(num_keys), page))
+    num_pages = 4  # of 6: the last two hold no key yet
+    num_keys = num_pages * page
+    mass = np.asarray(sketch.page_mass(scores, jnp.int32(num_pages), page))
     e = np.exp(ref[..., :num_keys] - ref[..., :num_keys].max(-1, keepdims=True))
     p = np.zeros_like(ref)
     p[..., :num_keys] = e / e.sum(-1, keepdims=True)
     ref_mass = p.sum(1).reshape(hkv, t // page, page).sum(-1)
     np.testing.assert_allclose(mass, ref_mass, rtol=1e-5, atol=1e-6, err_msg=f"seed {seed}")
     np.testing.assert_allclose(mass.sum(-1), g, rtol=1e-5)  # each query head's mass sums to 1
-    assert np.all(mass[:, 5] == 0)
+    assert np.all(mass[:, num_pages:] == 0)
 
 
 def test_unknown_sketch_dtype_is_one_clear_error():
@@ -67,20 +68,27 @@ def test_unknown_sketch_dtype_is_one_clear_error():
         sketch.quantize_keys(jnp.ones((2, 4)), "int2")
 
 
-@pytest.mark.parametrize("dtype,t,q_dtype", [("int4", 200, jnp.float32), ("int8", 96, jnp.float32),
-                                              ("int4", 64, jnp.bfloat16)])
-def test_pallas_kernel_matches_float64(dtype, t, q_dtype):
-    """The Pallas kernel (interpret mode here) against float64 NumPy over the unpacked codes; 200 tokens leave a
-    ragged last block of the kernel's 64-token tiles."""
-    seed = 4300 + t
+@pytest.mark.parametrize("dtype,pages,q_dtype", [("int4", 40, jnp.float32), ("int8", 32, jnp.float32),
+                                                  ("int4", 16, jnp.bfloat16)])
+def test_pallas_page_lse_matches_float64(dtype, pages, q_dtype):
+    """The Pallas kernel (interpret mode here) against float64 NumPy over the unpacked codes; 40 pages leave a
+    ragged last block of the kernel's 16-page tiles. The jnp path of the engine computes the same."""
+    seed = 4300 + pages
     rng = np.random.default_rng(seed)
-    hkv, g, d = 2, 3, 32
+    hkv, g, d, page = 2, 3, 32, 16
+    t = pages * page
     q = jnp.asarray(rng.standard_normal((hkv, g, d)), q_dtype)
     codes, scale = sketch.quantize_keys(jnp.asarray(rng.standard_normal((hkv, t, d)) * 3, jnp.float32), dtype)
     packed = sketch.pack_codes(codes, dtype)
-    got = pallas_kernels.sketch_scores(q, packed, scale, bits=int(dtype[3:]), block_t=64, interpret=True)
-    ref = (np.einsum("hgd,htd->hgt", np.asarray(q, np.float64), np.asarray(codes, np.float64))
-           * np.asarray(scale, np.float64)[:, None] / math.sqrt(d))
+    stored = sketch.to_page_layout(packed, page), sketch.to_page_layout(scale, page)
+    np.testing.assert_array_equal(np.asarray(sketch.from_page_layout(stored[0])), np.asarray(packed))
+    got = pallas_kernels.sketch_page_lse(q, *stored, bits=int(dtype[3:]), block_p=16, interpret=True)
+    s64 = (np.einsum("hgd,htd->hgt", np.asarray(q, np.float64), np.asarray(codes, np.float64))
+           * np.asarray(scale, np.float64)[:, None] / math.sqrt(d)).reshape(hkv, g, pages, page)
+    m = s64.max(-1)
+    ref = m + np.log(np.exp(s64 - m[..., None]).sum(-1))
     np.testing.assert_allclose(np.asarray(got), ref, rtol=2e-6, atol=2e-6, err_msg=f"seed {seed}")
-    same = sketch.token_scores(q, packed, scale, dtype)  # the jnp path the CPU engine runs
-    np.testing.assert_allclose(np.asarray(got), np.asarray(same), rtol=2e-6, atol=2e-6, err_msg=f"seed {seed}")
+    jnp_path = sketch.page_lse(sketch.token_scores(q, packed, scale, dtype), page)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jnp_path), rtol=2e-6, atol=2e-6, err_msg=f"seed {seed}")
+    first = pallas_kernels.sketch_page_lse(q, *stored, bits=int(dtype[3:]), num_pages=9, block_p=16, interpret=True)
+    np.testing.assert_allclose(np.asarray(first), ref[..., :9], rtol=2e-6, atol=2e-6, err_msg=f"seed {seed}")

@@ -34,10 +34,12 @@ MODES = {
 # Layerwise prefill shares its decode and store with chunked: at TP=2 only, to keep the test fast.
 SIZES_AND_MODES = [(2, "in_gpu"), (2, "chunked"), (2, "layerwise"), (4, "in_gpu"), (4, "chunked")]
 XATTN = dict(prefill_policy="xattention", xattn_threshold=0.5, xattn_stride=4, xattn_block=16)
-# Quest reads 2 of the 80-token prompt's pages per KV head (the sink and one chosen) in its one sparse layer.
+# Quest and the sketch read 2 of the 80-token prompt's pages per KV head (the sink and one chosen) in their one
+# sparse layer.
 QUEST = dict(decode_policy="quest", decode_budget=32, page_size=16, dense_layers=1)
+SKETCH = dict(QUEST, decode_policy="sketch")
 SPARSE_MODES = {"xattn_in_gpu": XATTN, "xattn_chunked": dict(MODES["chunked"], **XATTN),
-                "quest_chunked": dict(MODES["chunked"], **QUEST)}
+                "quest_chunked": dict(MODES["chunked"], **QUEST), "sketch_chunked": dict(MODES["chunked"], **SKETCH)}
 COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
 
 
@@ -62,11 +64,11 @@ def devices(seed: int, models: list[str]) -> None:
             _emit(model=Path(model).name, size=size, mode=mode, max_diff=float(np.abs(logits - ref_logits).max()),
                   tokens=tokens, ref_tokens=ref_tokens)
     # The sparse policies against themselves at TP=1, at a length with several selection blocks and pages:
-    # XAttention's block choice per head on each device (first model), Quest's page choice per KV head on each
-    # device (second model: Quest needs a KV head per device).
+    # XAttention's block choice per head on each device (first model), Quest's and the sketch's page choice per KV
+    # head on each device (second model: they need a KV head per device).
     ids = _prompt(seed, 80)
     for mode, options in SPARSE_MODES.items():
-        model = models[1] if mode.startswith("quest") else models[0]
+        model = models[1] if mode.startswith(("quest", "sketch")) else models[0]
         ref_logits, ref_tokens = _run(model, ids, **options)
         logits, tokens = _run(model, ids, tensor_parallel_size=2, **options)
         _emit(model=Path(model).name, size=2, mode=mode, max_diff=float(np.abs(logits - ref_logits).max()),

@@ -4,7 +4,9 @@ A low-bit copy of each sparse layer's post-RoPE keys (the sketch) stays in GPU m
 symmetric integer codes (int4, two per byte, or int8) and one float32 scale. Each decode step scores every
 stored token with the real query, q . k_hat / sqrt(D), turns each query head's scores into an estimated softmax
 over the stored tokens, sums that mass over the head's GQA group and over each page, and lets every KV head read
-page 0 and its pages of largest estimated mass (the rule of `quest.top_pages`). With exact keys this is the
+page 0 and its pages of largest estimated mass (the rule of `quest.top_pages`). The Pallas kernel reduces the
+scores to each page's log-sum-exp in registers (`pallas_kernels.sketch_page_lse`); the softmax over pages is
+small. With exact keys this is the
 true-mass oracle of `bench/eval_oracle.py`, which keeps full attention's NIAH score at Quest's budgets.
 """
 from __future__ import annotations
@@ -73,17 +75,39 @@ def token_scores(q: jax.Array, packed: jax.Array, scale: jax.Array, dtype: str) 
     return dots * (scale[:, None, :] / math.sqrt(q.shape[-1]))
 
 
-def page_mass(scores: jax.Array, num_keys: jax.Array, page_size: int) -> jax.Array:
-    """Per KV head the estimated attention mass of each page: scores [Hkv, G, T] (T a multiple of page_size) ->
-    float32 [Hkv, T / page_size], each query head's softmax over the first `num_keys` tokens summed over the
-    group and over the page's tokens (a page past num_keys gets 0)."""
+def page_lse(scores: jax.Array, page_size: int) -> jax.Array:
+    """scores [Hkv, G, T] (T a multiple of page_size) -> float32 [Hkv, G, T / page_size]: the log-sum-exp of each
+    page's tokens (what the Pallas kernel computes without writing the scores)."""
     hkv, g, t = scores.shape
-    visible = jnp.arange(t) < num_keys
-    s = jnp.where(visible, scores, -jnp.inf)
+    return jax.nn.logsumexp(scores.reshape(hkv, g, t // page_size, page_size), axis=-1)
+
+
+def mass_of_pages(lse: jax.Array, num_pages: jax.Array) -> jax.Array:
+    """Per KV head the estimated attention mass of each page: page log-sum-exps [Hkv, G, P] -> float32 [Hkv, P],
+    each query head's softmax over the first `num_pages` pages (its tokens' softmax, summed per page) summed over
+    the group; a page past num_pages gets 0."""
+    visible = jnp.arange(lse.shape[-1]) < num_pages
+    s = jnp.where(visible, lse, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     e = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
-    p = e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
-    return p.sum(axis=1).reshape(hkv, t // page_size, page_size).sum(axis=-1)
+    return (e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)).sum(axis=1)
+
+
+def page_mass(scores: jax.Array, num_pages: jax.Array, page_size: int) -> jax.Array:
+    """Estimated attention mass [Hkv, P] of each of the first `num_pages` pages from token scores [Hkv, G, T]."""
+    return mass_of_pages(page_lse(scores, page_size), num_pages)
+
+
+def to_page_layout(x: jax.Array, page_size: int) -> jax.Array:
+    """[Hkv, T, ...] -> the stored layout [Hkv, page_size, T / page_size, ...]: token j of page p at [:, j, p]."""
+    hkv, t = x.shape[:2]
+    return jnp.moveaxis(x.reshape(hkv, t // page_size, page_size, *x.shape[2:]), 2, 1)
+
+
+def from_page_layout(x: jax.Array) -> jax.Array:
+    """The inverse of `to_page_layout`."""
+    hkv, page_size, p = x.shape[:3]
+    return jnp.moveaxis(x, 1, 2).reshape(hkv, p * page_size, *x.shape[3:])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,22 +120,24 @@ class SketchScore:
     def page_scores(self, impl: str, q: jax.Array, meta: tuple[jax.Array, jax.Array], num_pages: jax.Array,
                     num_candidates: int) -> jax.Array:
         """q [Hq, D] -> the estimated mass of the first `num_candidates` pages, float32 [Hkv, num_candidates]
-        (only the first `num_pages` hold keys). With the Pallas kernels the scores come from one kernel that
-        unpacks the codes in registers; the jnp path unpacks them in memory."""
+        (only the first `num_pages` hold keys). With the Pallas kernels one kernel unpacks the codes in registers
+        and returns each page's log-sum-exp; the jnp path unpacks them in memory and scores every token."""
         packed, scale = meta
-        hkv, t = packed.shape[0], num_candidates * self.page_size
-        packed, scale = packed[:, :t], scale[:, :t]
-        qg = q.reshape(hkv, -1, q.shape[-1])
+        qg = q.reshape(packed.shape[0], -1, q.shape[-1])
         if impl == "pallas":
-            scores = pallas_kernels.sketch_scores(qg, packed, scale, bits=4 if self.dtype == "int4" else 8)
+            lse = pallas_kernels.sketch_page_lse(qg, packed, scale, bits=4 if self.dtype == "int4" else 8,
+                                                 num_pages=num_candidates)
         else:
-            scores = token_scores(qg, packed, scale, self.dtype)
-        return page_mass(scores, num_pages * self.page_size, self.page_size)
+            packed, scale = packed[:, :, :num_candidates], scale[:, :, :num_candidates]
+            scores = token_scores(qg, from_page_layout(packed), from_page_layout(scale), self.dtype)
+            lse = page_lse(scores, self.page_size)
+        return mass_of_pages(lse, num_pages)
 
 
 class KeySketch:
-    """The key sketch of every sparse layer, on the GPU, for up to `num_tokens` tokens per layer: codes [Hkv,
-    num_tokens, D / 2] uint8 (int4) or [Hkv, num_tokens, D] int8, scales [Hkv, num_tokens] float32."""
+    """The key sketch of every sparse layer, on the GPU, for up to `num_tokens` tokens per layer, in the page layout
+    of `to_page_layout` (P = num_tokens / page_size): codes [Hkv, page_size, P, D / 2] uint8 (int4) or [Hkv,
+    page_size, P, D] int8, scales [Hkv, page_size, P] float32."""
 
     def __init__(self, layers: list[int], num_tokens: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype: str, tp: TensorParallel):
@@ -120,8 +146,9 @@ class KeySketch:
         self.num_slots = num_tokens // page_size
         width = head_dim // 2 if dtype == "int4" else head_dim
         code_dtype = jnp.uint8 if dtype == "int4" else jnp.int8
-        self.codes = {l: tp.zeros((num_kv_heads, num_tokens, width), code_dtype, 0) for l in layers}
-        self.scales = {l: tp.zeros((num_kv_heads, num_tokens), jnp.float32, 0) for l in layers}
+        pages = (num_kv_heads, page_size, self.num_slots)
+        self.codes = {l: tp.zeros((*pages, width), code_dtype, 0) for l in layers}
+        self.scales = {l: tp.zeros(pages, jnp.float32, 0) for l in layers}
         self.nbytes = sum(x.nbytes for d in (self.codes, self.scales) for x in d.values())
         self.scorer = SketchScore(dtype, page_size)
 
@@ -134,13 +161,14 @@ class KeySketch:
     def record(self, layer: int, block_index: int, kv: jax.Array) -> None:
         """Sketches the keys of a block kv [2, block_size, Hkv, D] being written as block `block_index` of `layer`."""
         if layer in self.layers:
-            first = np.int32(block_index * kv.shape[1])
+            first = np.int32(block_index * kv.shape[1] // self.page_size)
             self.codes[layer], self.scales[layer] = _record(self.codes[layer], self.scales[layer], kv, first,
-                                                            self.dtype)
+                                                            self.dtype, self.page_size)
 
 
-@functools.partial(step_jit, static_argnums=(4,), donate_argnums=(0, 1))
-def _record(codes: jax.Array, scales: jax.Array, kv: jax.Array, first: jax.Array, dtype: str):
+@functools.partial(step_jit, static_argnums=(4, 5), donate_argnums=(0, 1))
+def _record(codes: jax.Array, scales: jax.Array, kv: jax.Array, first_page: jax.Array, dtype: str, page_size: int):
     new_codes, new_scales = quantize_keys(kv[0].transpose(1, 0, 2), dtype)
-    return (jax.lax.dynamic_update_slice(codes, pack_codes(new_codes, dtype), (0, first, 0)),
-            jax.lax.dynamic_update_slice(scales, new_scales, (0, first)))
+    new_codes = to_page_layout(pack_codes(new_codes, dtype), page_size)
+    return (jax.lax.dynamic_update_slice(codes, new_codes, (0, 0, first_page, 0)),
+            jax.lax.dynamic_update_slice(scales, to_page_layout(new_scales, page_size), (0, 0, first_page)))
