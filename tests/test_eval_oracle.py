@@ -74,7 +74,8 @@ def test_reference_reproduces_the_engine_and_keeps_every_key_when_told(tmp_path,
     """A tiny 3-layer checkpoint, two random 300-token prompts (256 stored tokens and a 44-token tail for Quest's
     rule; RULER's haystack needs a real tokenizer): the reference's full config gives the engine's greedy tokens
     (float32, in device memory), Quest with a budget past the context and the XAttention oracle at threshold 1
-    give full's, the sparse rules run and `eval_sparse --report` tabulates the files."""
+    give full's, the sketch rule gives the offloaded engine's sketch tokens, the sparse rules run and `eval_sparse
+    --report` tabulates the files."""
     rng = np.random.default_rng(812)
     prompts = [SimpleNamespace(task=t, index=0, prompt_ids=rng.integers(3, 256, 300).tolist(), length=300,
                                depths=[0.5], answers=["w5"]) for t in ("niah_single_1", "niah_multikey_1")]
@@ -94,6 +95,12 @@ def test_reference_reproduces_the_engine_and_keeps_every_key_when_told(tmp_path,
     engine = [list(o.token_ids) for o in llm.generate([p.prompt_ids for p in prompts],
                                                       SamplingParams(temperature=0.0, max_tokens=6))]
     assert ids["full"] == engine
+    # The sketch rule is the engine's policy: the offloaded engine with the reference's store blocks, pages and
+    # dense layers reads the same 2 pages per KV head and gives the same tokens.
+    sketch_llm = LLM(model, dtype="float32", offload=True, block_size=256, decode_policy="sketch",
+                     decode_budget=32, page_size=16, dense_layers=2)
+    assert ids["sketch4b32"] == [list(o.token_ids) for o in sketch_llm.generate(
+        [p.prompt_ids for p in prompts], SamplingParams(temperature=0.0, max_tokens=6))]
     assert ids["quest512"] == ids["full"] and ids["xoracle1.0"] == ids["full"]
     for c in ("qsum512", "qhead512", "qfine512", "sketch4b512", "sketch8b512", "sketch4c512"):  # qhead: 16 pages per query head, all 16 stored
         assert ids[c] == ids["full"], c

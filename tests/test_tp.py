@@ -40,8 +40,7 @@ def _cpu_env(**extra: str) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def device_runs(model_dirs) -> list[dict]:
+def _device_runs(model_dirs) -> list[dict]:
     proc = subprocess.run(
         [sys.executable, str(HERE / "tp_check.py"), "devices", str(PROMPT_SEED), *map(str, model_dirs.values())],
         env=_cpu_env(XLA_FLAGS="--xla_force_host_platform_device_count=4"), capture_output=True, text=True,
@@ -50,7 +49,17 @@ def device_runs(model_dirs) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
-def test_tp_logits_and_greedy_tokens_equal_tp1(device_runs):
+def test_tp_on_virtual_devices_equals_tp1(model_dirs):
+    """One test for everything the virtual-device subprocess checks (it takes minutes): as separate tests, each
+    xdist worker would run it again."""
+    device_runs = _device_runs(model_dirs)
+    _check_logits_and_greedy_tokens(device_runs)
+    _check_batch_equals_one_at_a_time(device_runs)
+    _check_preemption(device_runs)
+    _check_only_all_reduce(device_runs)
+
+
+def _check_logits_and_greedy_tokens(device_runs):
     rows = [r for r in device_runs if "mode" in r and "case" not in r]
     # 3 models x (TP=2: in GPU memory, chunked and layerwise offload; TP=4: in GPU memory, chunked offload), and
     # at TP=2 XAttention prefill in GPU memory and chunked-offloaded, Quest decode and sketch decode.
@@ -61,7 +70,7 @@ def test_tp_logits_and_greedy_tokens_equal_tp1(device_runs):
         assert r["tokens"] == r["ref_tokens"], f"{case}: greedy tokens differ from TP=1"
 
 
-def test_tp_batch_equals_tp1_one_at_a_time(device_runs):
+def _check_batch_equals_one_at_a_time(device_runs):
     """Several prompts at TP=2 run together (continuous batching), over the split paged pool in GPU memory and
     over the split host store offloaded."""
     rows = [r for r in device_runs if r.get("case") == "batched"]
@@ -73,7 +82,7 @@ def test_tp_batch_equals_tp1_one_at_a_time(device_runs):
         assert r["largest_batch"] == 4, case
 
 
-def test_tp_preemption_swaps_and_recomputes(device_runs):
+def _check_preemption(device_runs):
     """At TP=2 in GPU memory a 20-block pool forces preemption: each device's share of a request's blocks goes to
     host memory and back, or with no swap space the request is recomputed; the tokens are TP=1's."""
     (r,) = [r for r in device_runs if r.get("case") == "preempted"]
@@ -83,7 +92,7 @@ def test_tp_preemption_swaps_and_recomputes(device_runs):
         assert r[name]["tokens"] == r["ref_tokens"], f"{case}: greedy tokens differ from TP=1 one at a time"
 
 
-def test_tp_layer_steps_only_all_reduce(device_runs):
+def _check_only_all_reduce(device_runs):
     """XLA's collectives are the two all-reduces of the row-parallel wo and w_down per layer; attention is local."""
     steps = next(r["steps"] for r in device_runs if r.get("case") == "collectives")
     layer_ends = {"all-reduce": 2, "all-gather": 0, "all-to-all": 0, "collective-permute": 0, "reduce-scatter": 0}

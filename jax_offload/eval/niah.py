@@ -41,7 +41,9 @@ def _torch_backend(model_dir: Path, max_tokens: int, engine_options: dict[str, A
 
     unsupported = sorted(set(engine_options) - {"dtype"})
     if unsupported:
-        raise ValueError(f"Engine options {unsupported} apply only to the jax backend; the torch backend takes only dtype.")
+        raise ValueError(f"Engine option{'s' if len(unsupported) > 1 else ''} {', '.join(unsupported)} "
+                         f"appl{'y' if len(unsupported) > 1 else 'ies'} only to the jax backend; the torch backend "
+                         "takes only dtype.")
     dtype_name = engine_options.get("dtype", "float32")
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype_name not in dtypes:
