@@ -66,13 +66,14 @@ def _check(outs, reference, where: str) -> None:
 
 
 # ---- (a) batched greedy == one at a time -------------------------------------------------------------------
-# Every max_num_seqs from 1 (no batching) to 24 (all at once). Steps are padded to the same power-of-two batch
-# sizes whatever the limit, so the whole sweep compiles each step once per model and pool.
+# max_num_seqs from 1 (no batching) to 24 (all at once): every limit to 8, then every fourth (the suite's time
+# budget). Steps are padded to the same power-of-two batch sizes whatever the limit, so the whole sweep compiles
+# each step once per model and pool.
 
-ALL_LIMITS = tuple(range(1, NUM_PROMPTS + 1))
+LIMITS = tuple(range(1, 9)) + (12, 16, 20, 24)
 
 
-@pytest.mark.parametrize("variant,limits", [("llama3", ALL_LIMITS), ("qwen2", (1, 7, 24))])
+@pytest.mark.parametrize("variant,limits", [("llama3", LIMITS), ("qwen2", (1, 7, 24))])
 def test_batched_greedy_equals_one_at_a_time(tmp_root, variant, limits):
     llm = _llm(variant, tmp_root)
     prompts, params = _workload()
@@ -149,7 +150,7 @@ def _swap_bytes(llm: LLM, blocks: int) -> int:
     return blocks * 2 * cfg.num_layers * BLOCK_SIZE * cfg.num_kv_heads * cfg.head_dim * 4
 
 
-@pytest.mark.parametrize("variant,limits", [("llama3", ALL_LIMITS), ("qwen3", (8,))])
+@pytest.mark.parametrize("variant,limits", [("llama3", LIMITS), ("qwen3", (8,))])
 def test_preemption_swaps_and_keeps_outputs(tmp_root, variant, limits):
     """A pool of 30 blocks for 24 requests: the newest running requests are preempted again and again, their KV
     swapped to host memory and back."""
