@@ -202,8 +202,8 @@ def test_seeded_sampling_ignores_batch_composition(tmp_root):
     llm = _llm("llama3", tmp_root)
     prompts, params = _sampled_workload(SAMPLING_SEED)
     where = f"model seed {MODEL_SEEDS['llama3']}, prompt seed {PROMPT_SEED}, request seeds {SAMPLING_SEED}+i"
-    runs = {n: [o.token_ids for o in _engine(llm, max_num_seqs=n).generate(prompts, params)] for n in (1, 5, 24)}
-    assert runs[1] == runs[5] == runs[24], where
+    runs = {n: [o.token_ids for o in _engine(llm, max_num_seqs=n).generate(prompts, params)] for n in (1, 24)}
+    assert runs[1] == runs[24], where
     # Other neighbours: the odd requests alone, in reverse order, then preempted and swapped.
     odd = [o.token_ids for o in _engine(llm, max_num_seqs=3).generate(prompts[::-2], params[::-2])]
     assert odd == runs[24][::-2], where

@@ -15,7 +15,9 @@ from jax_offload import LLM, SamplingParams
 MODEL_SEEDS = {"llama3": 9101, "qwen2": 9102, "qwen3": 9103}
 PROMPT_SEED = 9200
 NUM_PROMPTS = 10
-GREEDY_120 = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+# 64 new tokens cross blocks of 16 and 64 tokens during decode for every prompt (120 in earlier sessions; the
+# suite's time budget).
+GREEDY_64 = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 # Every pair of (block size, ring slots, prefill) values meets in one of these four (all eight combinations
 # passed when this test ran them all, commit 63fba59; four keep the suite fast).
 CONFIGS = [(16, 1, "chunked"), (16, 3, "layerwise"), (64, 1, "layerwise"), (64, 3, "chunked")]
@@ -35,7 +37,7 @@ def reference(request, tmp_path_factory):
     in_gpu = LLM(path, dtype="bfloat16")
     logits = [in_gpu.logits(p) for p in prompts]
     # One at a time: several prompts at once would run the batch engine, not bit-identical in bfloat16 (yet).
-    tokens = [in_gpu.generate([p], GREEDY_120)[0].token_ids for p in prompts]
+    tokens = [in_gpu.generate([p], GREEDY_64)[0].token_ids for p in prompts]
     return variant, seed, path, prompts, logits, tokens
 
 
@@ -48,7 +50,7 @@ def test_bf16_offload_equals_in_gpu(reference, block_size, num_ring_slots, prefi
     record_property("max_abs_logit_diff", max_diff)
     print(f"\n{variant} (seed {seed}) block {block_size} slots {num_ring_slots} {prefill}: max |dlogit| {max_diff}")
     # One at a time, as the reference: the batch engine is not bit-identical to it in bfloat16 (yet).
-    outs = [offload.generate([p], GREEDY_120)[0] for p in prompts]
+    outs = [offload.generate([p], GREEDY_64)[0] for p in prompts]
     same = [o.token_ids == ref for o, ref in zip(outs, tokens)]
     assert all(same), f"{variant} model seed {seed}, prompt seed {PROMPT_SEED}: greedy differs on prompts {same}"
     assert max_diff <= BEFORE[variant] / 4, f"{variant} model seed {seed}: max |dlogit| {max_diff}"
