@@ -132,19 +132,20 @@ def phase_decode(a) -> dict:
                 store.mark_written(written)
 
                 def read_all(store):
-                    return [page_read_step(impl, q, store.layer_buffer(l), rows_, num_keys, state, *store.gather_places(l))
-                            for l, (q, _, state, rows_, num_keys) in zip(layers, choices)]
+                    return [page_read_step(impl, q, store.layer_buffer(l), chosen_rows, num_keys, state, *store.gather_places(l))
+                            for l, (q, _, state, chosen_rows, num_keys) in zip(layers, choices)]
 
                 read = {"policy": policy, "ctx": n, "read_from_host_and_attend_ms": timed(lambda: read_all(store))}
                 store.reset()
                 device_llm = make(max_model_len=n + tokens + bs, **options(policy))
-                s_ = device_llm._runner.store
-                device_llm._runner.store = HostKVStore(s_.num_layers, s_.num_blocks, s_.block_size, cfg.num_kv_heads,
-                                                       cfg.head_dim, jnp.bfloat16, s_.tp, s_.places,
+                pinned = device_llm._runner.store
+                device_llm._runner.store = HostKVStore(pinned.num_layers, pinned.num_blocks, pinned.block_size,
+                                                       cfg.num_kv_heads, cfg.head_dim, jnp.bfloat16, pinned.tp,
+                                                       pinned.places,
                                                        host_memory_kind="device")
                 device_llm._runner.store.mark_written(written)
                 read["attend_in_gpu_ms"] = timed(functools.partial(read_all, device_llm._runner.store))
-                del device_llm, s_, choices
+                del device_llm, pinned, choices
                 gc.collect()
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -6,8 +6,8 @@ stored token with the real query, q . k_hat / sqrt(D), turns each query head's s
 over the stored tokens, sums that mass over the head's GQA group and over each page, and lets every KV head read
 page 0 and its pages of largest estimated mass (the rule of `quest.top_pages`). The Pallas kernel reduces the
 scores to each page's log-sum-exp in registers (`pallas_kernels.sketch_page_lse`); the softmax over pages is
-small. With exact keys this is the
-true-mass oracle of `bench/eval_oracle.py`, which keeps full attention's NIAH score at Quest's budgets.
+small. With exact keys this is the true-mass oracle of `bench/eval_oracle.py`, which keeps full attention's NIAH
+score at Quest's budgets.
 """
 from __future__ import annotations
 
