@@ -68,16 +68,17 @@ def test_unknown_sketch_dtype_is_one_clear_error():
         sketch.quantize_keys(jnp.ones((2, 4)), "int2")
 
 
-@pytest.mark.parametrize("dtype,pages,q_dtype", [("int4", 40, jnp.float32), ("int8", 32, jnp.float32),
-                                                  ("int4", 16, jnp.bfloat16)])
-def test_pallas_page_lse_matches_float64(dtype, pages, q_dtype):
+@pytest.mark.parametrize("dtype,pages,q_dtype,q_scale", [("int4", 40, jnp.float32, 1.0), ("int8", 32, jnp.float32, 1.0),
+                                                          ("int4", 16, jnp.bfloat16, 1.0), ("int4", 16, jnp.bfloat16, 1e5)])
+def test_pallas_page_lse_matches_float64(dtype, pages, q_dtype, q_scale):
     """The Pallas kernel (interpret mode here) against float64 NumPy over the unpacked codes; 40 pages leave a
-    ragged last block of the kernel's 16-page tiles. The jnp path of the engine computes the same."""
-    seed = 4300 + pages
+    ragged last block of the kernel's 16-page tiles; int4 with a bfloat16 q takes the float16 bit-unpacking, with
+    q scaled past float16's range. The jnp path of the engine computes the same."""
+    seed = 4300 + pages + (q_scale > 1)
     rng = np.random.default_rng(seed)
     hkv, g, d, page = 2, 3, 32, 16
     t = pages * page
-    q = jnp.asarray(rng.standard_normal((hkv, g, d)), q_dtype)
+    q = jnp.asarray(rng.standard_normal((hkv, g, d)) * q_scale, q_dtype)
     codes, scale = sketch.quantize_keys(jnp.asarray(rng.standard_normal((hkv, t, d)) * 3, jnp.float32), dtype)
     packed = sketch.pack_codes(codes, dtype)
     stored = sketch.to_page_layout(packed, page), sketch.to_page_layout(scale, page)
