@@ -2,7 +2,7 @@
 128), page 16, at 128K and 256K tokens: the Pallas kernel (each page's log-sum-exp) over a sweep of launch
 configurations (pages per program, warps), against the HBM time of reading the 30 sketches.
 `probe_sketch_kernel.h200.json` is from this sweep with two more switches, since made the kernel's only way: the
-int4 codes unpacked by bit operations into float16, and the log-sum-exp in base 2 (each ~6% at 256K).
+int4 codes unpacked by bit operations into float16, and the log-sum-exp in base 2 (together -14% at 256K).
 
 Each layer has its own sketch (random codes and scales), so no layer's read is served from L2. Checks the compiled
 kernel against the jnp path first, then times (median, min, max of 20 calls after a warm-up, each waited for) the
