@@ -201,6 +201,15 @@ def attend_and_finish(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, state
     return _local(tp, local, (HEADS, HEADS, HEADS, STATE_HEADS, None), HEADS)(q, k, v, state, kv_len)
 
 
+def chunk_attention(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, k_prefix: jax.Array, v_prefix: jax.Array,
+                    prefix_len: jax.Array, chunk_len: jax.Array, tp: TensorParallel | None = None) -> jax.Array:
+    """Attention of a prompt chunk's queries q [1, T, Hq, D] over the prompt's earlier keys k_prefix [1, S, Hkv, D]
+    (the first prefix_len are real) and then, causally, over the chunk's own keys k [1, T, Hkv, D] (the first
+    chunk_len are real), folded in that key order as the offloaded chunked prefill folds its blocks: o float32."""
+    state = attend(impl, q, k_prefix, v_prefix, _empty_state(tp, q), causal=False, kv_len=prefix_len, tp=tp)
+    return attend_and_finish(impl, q, k, v, state, causal=True, kv_len=chunk_len, tp=tp)
+
+
 def _split_block(block: jax.Array) -> tuple[jax.Array, jax.Array]:
     """A GPU block [2, block_size, Hkv, D] -> k, v [1, block_size, Hkv, D]."""
     return block[0][None], block[1][None]

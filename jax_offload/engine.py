@@ -192,7 +192,7 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"Got {len(params)} SamplingParams for {len(prompts)} prompts; give one, or one each.")
         encoded = [self.encode(p) for p in prompts]
-        if self._batches() and (len(encoded) > 1 or self._one_step_in_gpu(encoded[0])):
+        if self._batches() and (len(encoded) > 1 or self._single_prompt_batches()):
             return self._batch().generate(encoded, params, on_text, progress)
         each = [params] * len(encoded) if isinstance(params, SamplingParams) else params
         return [
@@ -206,15 +206,13 @@ class LLM:
         e = self.engine_config
         return e.prefill_policy == "full" and (not e.offload or e.decode_policy == "full")
 
-    def _one_step_in_gpu(self, ids: list[int]) -> bool:
-        """Whether one prompt runs on the batch engine too: with its KV in GPU memory, the Pallas kernels and a
-        prompt that one prefill step takes, its decode is one compiled step for the whole model, where the
-        per-request path dispatches a call per layer and token (H200, 8B at 8K: 4.8 vs 9.3 ms per token). The
-        per-request path keeps prompts longer than a prefill step (its cache is sized to the request) and the XLA
-        twins (CPU), whose paged step grows with the pool's size (smoke model: 0.3 ms with 3 blocks, 29 ms with
-        768)."""
-        e = self.engine_config
-        return not e.offload and self.attention_impl == "pallas" and len(ids) <= e.max_num_batched_tokens
+    def _single_prompt_batches(self) -> bool:
+        """Whether one prompt runs on the batch engine too: with its KV in GPU memory and the Pallas kernels, its
+        decode is one compiled step for the whole model, where the per-request path dispatches a call per layer
+        and token (H200, 8B at 8K: 4.8 vs 9.3 ms per token), and a prompt longer than a prefill step is prefilled
+        in chunks. The per-request path keeps the XLA twins (CPU), whose paged step grows with the pool's size
+        (smoke model: 0.3 ms with 3 blocks, 29 ms with 768)."""
+        return not self.engine_config.offload and self.attention_impl == "pallas"
 
     def _batch(self) -> BatchEngine:
         if self._batch_engine is None:

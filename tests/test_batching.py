@@ -185,6 +185,26 @@ def test_preemption_recomputes_when_host_room_runs_out(tmp_root, swap_blocks):
     assert engine.blocks.num_free == SCARCE_BLOCKS and engine.runner.host_bytes_used == 0, where
 
 
+@pytest.mark.parametrize("budget,num_blocks", [(64, POOL_BLOCKS), (100, SCARCE_BLOCKS)])
+def test_long_prompts_prefill_in_chunks(tmp_root, budget, num_blocks):
+    """With a step budget of 64 tokens (or 100, in which the largest padded row is still 64) a longer prompt runs
+    alone, in chunks of 64 over consecutive steps, each attending to the prompt's keys already in the pool; with a
+    scarce pool and no host room, the recomputes of preempted requests (prompt and output so far) are chunked
+    too."""
+    llm = _llm("llama3", tmp_root)
+    prompts, params = _workload()
+    engine = _engine(llm, max_num_seqs=8, max_num_batched_tokens=budget, num_blocks=num_blocks, swap_space_bytes=0)
+    outs = engine.generate(prompts, params)
+    stats = engine.stats
+    where = f"model seed {MODEL_SEEDS['llama3']}, prompt seed {PROMPT_SEED}, budget {budget}, {stats}"
+    _check(outs, _one_at_a_time("llama3", tmp_root), where)
+    assert engine.scheduler.max_chunk == 64, where
+    chunk_steps = [(n, kv) for kind, n, kv, _ in engine.step_log if kind == "prefill" and kv % 64 == 0 and n == 1]
+    assert len(chunk_steps) >= sum((len(p) - 1) // 64 for p in prompts), where  # every chunk before a last one
+    assert (stats.recomputes > 0) == (num_blocks == SCARCE_BLOCKS) and stats.swap_outs == 0, where
+    assert engine.blocks.num_free == num_blocks and engine.scheduler.chunking is None, where
+
+
 # ---- (c) seeded sampling does not depend on the batch -----------------------------------------------------
 
 def _sampled_workload(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:

@@ -25,8 +25,9 @@ from jax_offload.tensor_parallel import TensorParallel
 
 
 class BatchEngine:
-    """Generates for many requests at once: new prompts are prefilled together, then every running request
-    decodes one token per step, and a finished request's place is taken by the next one. `in_gpu` keeps the KV
+    """Generates for many requests at once: new prompts are prefilled together (in GPU memory, one longer than
+    `max_num_batched_tokens` alone, in chunks over consecutive steps), then every running request decodes one
+    token per step, and a finished request's place is taken by the next one. `in_gpu` keeps the KV
     in a paged GPU pool (a decode step is one compiled call); `offloaded` keeps it in the pinned host store of an
     offloaded engine (a decode step streams every running request's blocks through the ring).
 
@@ -52,7 +53,10 @@ class BatchEngine:
         self.runner, self.blocks, self.tokenizer = runner, blocks, tokenizer
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
-        self.scheduler = Scheduler(blocks, runner, max_num_seqs, max_num_batched_tokens, runner.prefill_tokens)
+        # In GPU memory a prompt longer than a step is prefilled in chunks; the offloaded runner prefills one prompt
+        # at a time in blocks anyway.
+        self.scheduler = Scheduler(blocks, runner, max_num_seqs, max_num_batched_tokens, runner.prefill_tokens,
+                                   chunked_prefill=isinstance(runner, ModelRunner))
         # (kind, batch size, KV tokens read, seconds) of every step of the last `generate` call.
         self.step_log: list[tuple[str, int, int, float]] = []
         # Decode steps of the last `generate` call dispatched before the previous step's tokens were read.
@@ -176,10 +180,20 @@ class BatchEngine:
                     self._read(*pending, on_text)
                 pending = (step, tokens, start, kv_tokens)
                 continue
-            run = self.runner.prefill if step.kind == "prefill" else self.runner.decode
-            tokens = run(step.seqs)
-            for seq in step.seqs:
-                seq.num_cached = seq.num_tokens
+            if step.chunk is not None:
+                (seq,), (begin, end) = step.seqs, step.chunk
+                tokens = self.runner.prefill_chunk(seq, begin, end)
+                seq.num_cached = end
+                if not tokens:  # a chunk before the last: its time counts towards the first token's
+                    seconds = time.perf_counter() - start
+                    seq.prefill_seconds += seconds
+                    self.step_log.append((step.kind, 1, end, seconds))
+                    continue
+            else:
+                run = self.runner.prefill if step.kind == "prefill" else self.runner.decode
+                tokens = run(step.seqs)
+                for seq in step.seqs:
+                    seq.num_cached = seq.num_tokens
             self._took(step, tokens, start, kv_tokens, on_text)
         self._bar.close()
         if self.blocks.num_used or self.runner.host_bytes_used:
@@ -191,7 +205,7 @@ class BatchEngine:
         """Whether the next step may be scheduled before the tokens of the one in flight are read: it is then a
         decode of the running sequences that admits, swaps and preempts nothing (those need read tokens)."""
         s = self.scheduler
-        if s.waiting or s.swapped or not s.running:
+        if s.waiting or s.swapped or s.chunking or not s.running:
             return False
         return sum(self.blocks.new_blocks_to_append(seq) for seq in s.running) <= self.blocks.num_free
 
@@ -215,7 +229,7 @@ class BatchEngine:
             if seq.finish_reason is not None:
                 continue  # finished by a token read after this step was dispatched: its draw here is void
             if not seq.output_ids:
-                seq.prefill_seconds = seconds
+                seq.prefill_seconds += seconds
             else:
                 seq.step_seconds.append(seconds)
             self._append(seq, token, on_text)

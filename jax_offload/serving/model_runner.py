@@ -9,7 +9,9 @@ kernel) at real sizes. A block id means the same block in every layer.
 Prefill packs the prompts of a step one after another into one row (each starting at a multiple of PACK_ALIGN)
 and runs the causal kernel with each query's first visible key at its prompt's start, so no prompt sees another
 and no compute goes to padding them to a common length. The row is padded to a length bucket, so a few programs
-serve every step; the scheduler's token budget counts that padded row, what is really computed.
+serve every step; the scheduler's token budget counts that padded row, what is really computed. A prompt longer
+than the budget is prefilled chunk by chunk: each chunk attends to the prompt's keys already in the pool (its
+blocks gathered per layer, a copy far smaller than the chunk's compute) and then causally to its own.
 """
 from __future__ import annotations
 
@@ -20,7 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_offload.attention import embed_tokens, paged_decode_attention, prefill_attention, split_qkv
+from jax_offload.attention import (
+    chunk_attention,
+    embed_tokens,
+    paged_decode_attention,
+    prefill_attention,
+    split_qkv,
+)
 from jax_offload.buckets import prompt_bucket
 from jax_offload.config import ModelConfig
 from jax_offload.kv.host_store import available_host_bytes
@@ -61,8 +69,8 @@ def kv_block_bytes(cfg: ModelConfig, dtype: jnp.dtype, block_size: int) -> int:
 
 def default_num_blocks(cfg: ModelConfig, dtype: jnp.dtype, block_size: int, max_num_seqs: int, max_model_len: int,
                        max_num_batched_tokens: int, gpu_memory_utilization: float, num_devices: int = 1) -> int:
-    """As many blocks as `gpu_memory_utilization` of what JAX's allocator may use leaves after the weights and
-    a step's activations, and no more than max_num_seqs full-length sequences need; each of `num_devices` holds
+    """As many blocks as `gpu_memory_utilization` of what JAX's allocator may use leaves after the weights, a
+    step's activations and a prefill chunk's gathered prefix, and no more than max_num_seqs full-length sequences need; each of `num_devices` holds
     its share of a block's KV heads. Without device memory statistics (CPU) a quarter of the free host memory is
     the budget."""
     wanted = max_num_seqs * -(-max_model_len // block_size)
@@ -72,7 +80,9 @@ def default_num_blocks(cfg: ModelConfig, dtype: jnp.dtype, block_size: int, max_
         qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         activations = max_num_batched_tokens * (6 * cfg.hidden_size + 2 * qkv + 4 * cfg.intermediate_size) * itemsize
         logits = 4 * max_num_seqs * cfg.vocab_size * 4  # float32 logits, scaled copy, noise, sort
-        budget = stats["bytes_limit"] * gpu_memory_utilization - stats["bytes_in_use"] - activations - logits
+        prefix = 2 * max_model_len * cfg.num_kv_heads * cfg.head_dim * itemsize  # one layer's, gathered for a chunk
+        budget = (stats["bytes_limit"] * gpu_memory_utilization - stats["bytes_in_use"] - activations - logits
+                  - prefix)
     else:
         budget = available_host_bytes() / 4
     per_device = kv_block_bytes(cfg, dtype, block_size) // num_devices
@@ -150,6 +160,24 @@ def _prefill_layer(cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array
     one-request engine's `prefill_layer_in_device`."""
     q, k, v = split_qkv(cfg, tp, layer, x, positions, inv_freq)
     o, _ = prefill_attention(impl, q, k, v, causal=True, kv_start=starts, tp=tp)
+    k_pool = _write_kv(k_pool, slots, k)
+    v_pool = _write_kv(v_pool, slots, v)
+    return decoder.attention_output_and_mlp(cfg, layer, x, o), k_pool, v_pool
+
+
+@functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",), donate_argnums=(4, 5))
+def _chunk_layer(cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                 inv_freq: jax.Array, positions: jax.Array, prefix_blocks: jax.Array, prefix_len: jax.Array,
+                 slots: jax.Array, chunk_len: jax.Array, tp: TensorParallel | None = None):
+    """One layer over a chunk x [1, T, hidden] of one sequence's prompt at `positions`, whose first prefix_len
+    tokens are in the pool's blocks `prefix_blocks` (ids past them are padding: read, then masked); writes the
+    chunk's K, V at `slots` (-1: padding)."""
+    q, k, v = split_qkv(cfg, tp, layer, x, positions, inv_freq)
+
+    def prefix(pool):
+        return pool[prefix_blocks].reshape(1, -1, *pool.shape[2:])
+
+    o = chunk_attention(impl, q, k, v, prefix(k_pool), prefix(v_pool), prefix_len, chunk_len, tp=tp)
     k_pool = _write_kv(k_pool, slots, k)
     v_pool = _write_kv(v_pool, slots, v)
     return decoder.attention_output_and_mlp(cfg, layer, x, o), k_pool, v_pool
@@ -237,7 +265,14 @@ class ModelRunner:
     def prefill(self, seqs: list[Sequence]) -> list[int]:
         """Runs every token of each sequence (none cached yet), packed into one row, and samples the next one."""
         size = self.batch_size(len(seqs))
-        begins = np.cumsum([0] + [packed_length(s.num_tokens) for s in seqs])
+        x, last = self._prefill_packed(seqs, [s.num_tokens for s in seqs], size)
+        tokens = sample_last(self.cfg, self.params, x, last, *sampling_batch(seqs, size))
+        return np.asarray(tokens)[: len(seqs)].tolist()
+
+    def _prefill_packed(self, seqs: list[Sequence], counts: list[int], size: int) -> tuple[jax.Array, np.ndarray]:
+        """Runs the first counts[i] tokens of each sequence packed into one row: the hidden states and the row
+        index of each sequence's last token ([size], padded)."""
+        begins = np.cumsum([0] + [packed_length(n) for n in counts])
         length = prefill_bucket(int(begins[-1]))
         ids = np.zeros((1, length), np.int32)
         positions = np.zeros((1, length), np.int32)
@@ -246,11 +281,10 @@ class ModelRunner:
         starts = np.full((1, length), begins[-1], np.int32)
         slots = np.full((1, length), -1, np.int32)
         last = np.zeros(size, np.int32)
-        for row, (seq, begin) in enumerate(zip(seqs, begins)):
-            n = seq.num_tokens
+        for row, (seq, n, begin) in enumerate(zip(seqs, counts, begins)):
             pos = np.arange(n)
             span = slice(begin, begin + n)
-            ids[0, span], positions[0, span], starts[0, begin:begins[row + 1]] = seq.token_ids, pos, begin
+            ids[0, span], positions[0, span], starts[0, begin:begins[row + 1]] = seq.token_ids[:n], pos, begin
             slots[0, span] = np.asarray(seq.block_table, np.int32)[pos // self.block_size] * self.block_size \
                 + pos % self.block_size
             last[row] = begin + n - 1
@@ -262,8 +296,45 @@ class ModelRunner:
             k_out.append(k_pages)
             v_out.append(v_pages)
         self.k_pool, self.v_pool = tuple(k_out), tuple(v_out)
-        tokens = sample_last(self.cfg, self.params, x, last, *sampling_batch(seqs, size))
-        return np.asarray(tokens)[: len(seqs)].tolist()
+        return x, last
+
+    def prefill_chunk(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Runs the sequence's tokens [start, end), the earlier ones already in the pool; samples the next token
+        after the last chunk ([] after the others)."""
+        if start == 0:  # nothing in the pool yet: the first chunk is a prompt of its own
+            x, last = self._prefill_packed([seq], [end], 1)
+        else:
+            x = self._prefill_after(seq, start, end)
+            last = np.asarray([end - start - 1], np.int32)
+        if end < seq.num_tokens:
+            return []
+        tokens = sample_last(self.cfg, self.params, x, last, *sampling_batch([seq], 1))
+        return np.asarray(tokens)[:1].tolist()
+
+    def _prefill_after(self, seq: Sequence, start: int, end: int) -> jax.Array:
+        """Runs the sequence's tokens [start > 0, end) over its first `start` tokens' KV in the pool."""
+        n, bs = end - start, self.block_size
+        length = prefill_bucket(n)
+        ids = np.zeros((1, length), np.int32)
+        ids[0, :n] = seq.token_ids[start:end]
+        positions = (start + np.arange(length, dtype=np.int32))[None]
+        table = np.asarray(seq.block_table, np.int32)
+        slots = np.full((1, length), -1, np.int32)
+        slots[0, :n] = table[positions[0, :n] // bs] * bs + positions[0, :n] % bs
+        # The prefix's block count padded to a power of two (block 0 fills the rest): few shapes to compile.
+        num_prefix = -(-start // bs)
+        prefix_blocks = np.zeros(1 << (num_prefix - 1).bit_length(), np.int32)
+        prefix_blocks[:num_prefix] = table[:num_prefix]
+        x = embed_tokens(self.params.embed, ids)
+        k_out, v_out = [], []
+        for layer, k_pages, v_pages in zip(self.params.layers, self.k_pool, self.v_pool):
+            x, k_pages, v_pages = _chunk_layer(self.cfg, self.impl, layer, x, k_pages, v_pages, self.inv_freq,
+                                               positions, prefix_blocks, np.int32(start), slots, np.int32(n),
+                                               tp=self.tp)
+            k_out.append(k_pages)
+            v_out.append(v_pages)
+        self.k_pool, self.v_pool = tuple(k_out), tuple(v_out)
+        return x
 
     def decode_async(self, seqs: list[Sequence], previous: tuple[list[Sequence], jax.Array] | None = None
                      ) -> jax.Array:

@@ -1,5 +1,6 @@
-"""Which sequences run in the next step: a prefill of newly admitted prompts, or one decode token for every
-running sequence, preempting the newest ones when the KV pool runs out of blocks."""
+"""Which sequences run in the next step: a prefill of newly admitted prompts (or the next chunk of one prompt
+longer than a step), or one decode token for every running sequence, preempting the newest ones when the KV pool
+runs out of blocks."""
 from __future__ import annotations
 
 import bisect
@@ -29,6 +30,8 @@ class KVSwapper(Protocol):
 class Step:
     kind: str  # "prefill" or "decode"
     seqs: list[Sequence]
+    # A prefill of one sequence's tokens [start, end) only, the earlier ones already in the pool; None: whole prompts.
+    chunk: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass
@@ -43,7 +46,10 @@ class Scheduler:
     """FIFO admission with prefill first (as nano-vllm): a step either prefills prompts or decodes every running
     sequence. When a decode step needs a block and none is free, the newest running sequence is preempted: its
     KV goes to host memory (swap) and comes back before any new prompt is admitted; only when the host budget
-    is spent is its KV dropped and recomputed by a later prefill."""
+    is spent is its KV dropped and recomputed by a later prefill.
+
+    With `chunked_prefill`, a prompt longer than one step's token budget is admitted alone and prefilled in
+    chunks over consecutive steps (each as large as the budget allows), before anything else runs."""
 
     def __init__(
         self,
@@ -52,12 +58,17 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         prefill_tokens: Callable[[list[int]], int],
+        chunked_prefill: bool = False,
     ):
         """`prefill_tokens(lengths)` is the padded size of a prefill of prompts of these lengths: the budget
         `max_num_batched_tokens` counts what is computed, padding included."""
         self.blocks, self.swapper = blocks, swapper
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.prefill_tokens = prefill_tokens
+        self.prefill_tokens, self.chunked_prefill = prefill_tokens, chunked_prefill
+        # The longest prefill one step may run: what the budget holds, or a single token's padded row if less.
+        room = max(max_num_batched_tokens, prefill_tokens([1]))
+        self.max_chunk = _largest(lambda n: prefill_tokens([n]) <= room, room)
+        self.chunking: Sequence | None = None  # the sequence whose prompt is being prefilled chunk by chunk
         self.waiting: deque[Sequence] = deque()
         # Both oldest first (by index): the newest running sequence is preempted first, the oldest swapped one
         # comes back first.
@@ -75,9 +86,11 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.swapped or self.running)
+        return bool(self.waiting or self.swapped or self.running or self.chunking)
 
     def schedule(self) -> Step:
+        if self.chunking is not None:
+            return self._next_chunk(self.chunking)
         if self.swapped or self.waiting:
             step = self._admit()
             if step is not None:
@@ -100,11 +113,16 @@ class Scheduler:
         lengths: list[int] = []
         while not self.swapped and self.waiting and len(self.running) + len(batch) < self.max_num_seqs:
             seq = self.waiting[0]
-            # One sequence alone may exceed the budget; otherwise no prompt could ever be longer than it.
+            # Without chunks one sequence alone may exceed the budget; otherwise no prompt could be longer than it.
             if batch and self.prefill_tokens(lengths + [seq.num_tokens]) > self.max_num_batched_tokens:
                 break
             if not self.blocks.can_allocate(seq.num_tokens, reserve):
                 break
+            if self.chunked_prefill and not batch and seq.num_tokens > self.max_chunk:
+                self.waiting.popleft()
+                self.blocks.allocate(seq, seq.num_tokens)
+                self.chunking = seq
+                return self._next_chunk(seq)
             self.waiting.popleft()
             self.blocks.allocate(seq, seq.num_tokens)
             batch.append(seq)
@@ -112,6 +130,15 @@ class Scheduler:
         for seq in batch:
             self._run(seq)
         return Step("prefill", batch) if batch else None
+
+    def _next_chunk(self, seq: Sequence) -> Step:
+        """The prefill step of the sequence's next chunk; after its last chunk the sequence runs."""
+        start = seq.num_cached
+        end = min(start + self.max_chunk, seq.num_tokens)
+        if end == seq.num_tokens:
+            self.chunking = None
+            self._run(seq)
+        return Step("prefill", [seq], (start, end))
 
     def _make_room_for_decode(self) -> list[Sequence]:
         # Runs once per decode step over every running sequence: one block-count query per sequence.
@@ -158,3 +185,12 @@ class Scheduler:
 
 def _age(seq: Sequence) -> int:
     return seq.index
+
+
+def _largest(fits: Callable[[int], bool], upper: int) -> int:
+    """The largest n in 1..upper with fits(n) (fits is monotone: true up to some n, false after), at least 1."""
+    lo, hi = 1, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
