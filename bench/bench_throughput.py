@@ -331,9 +331,12 @@ def report(srcs: list[Path], out: Path) -> None:
                           f"whole model): {fmt(b['batch_engine_decode_token_seconds'], 1e3)} ms/token (ratio "
                           f"{fmt(b['batch_engine_floor_ratio'])})" if "batch_engine_floor_ratio" in b else "") + (
                           f" through LLM.generate, which runs it on the batch engine (paged pool, one compiled step "
-                          f"for the whole model); the per-request path that longer prompts take (one call per layer): "
+                          f"for the whole model); the per-request path (one call per layer): "
                           f"{fmt(b['per_request_decode_token_seconds'], 1e3)} ms/token (ratio "
-                          f"{fmt(b['per_request_floor_ratio'])})" if "per_request_floor_ratio" in b else "") + "."]
+                          f"{fmt(b['per_request_floor_ratio'])})" if "per_request_floor_ratio" in b else "") + (
+                          f". Prefill: {fmt(b['prefill_seconds'])} s on the batch engine (step budget "
+                          f"{b['max_num_batched_tokens']} tokens), {fmt(b['per_request_prefill_seconds'])} s on the "
+                          f"per-request path" if "prefill_seconds" in b else "") + "."]
     for key, o in phases.items():
         if key.startswith("offload_"):
             lines += ["", f"Offloaded KV, {o['shape']}, {o['requests']} requests of {o['context']} tokens, "

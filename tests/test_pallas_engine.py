@@ -43,9 +43,10 @@ def test_pallas_batch_engine_matches_jnp_one_at_a_time(model_dir):
         assert out.token_ids == reference.generate([prompt], greedy)[0].token_ids, where
 
 
-def test_one_short_prompt_runs_on_the_batch_engine(model_dir):
-    """With the Pallas kernels, one prompt that a prefill step takes decodes on the batch engine (one compiled step
-    for the whole model) with the per-request path's greedy tokens; a longer prompt keeps the per-request path."""
+def test_one_prompt_runs_on_the_batch_engine(model_dir):
+    """With the Pallas kernels, one prompt decodes on the batch engine (one compiled step for the whole model) with
+    the per-request path's greedy tokens, a prompt longer than a prefill step (70 tokens, budget 64) after a
+    prefill in two chunks, the second through the Pallas kernels over the first's keys in the pool."""
     rng = np.random.default_rng(PROMPT_SEED + 2)
     short, long = (rng.integers(3, tiny_models.VOCAB, size=n).tolist() for n in (29, 70))
     where = f"model seed {MODEL_SEED}, prompt seed {PROMPT_SEED + 2}"
@@ -53,6 +54,7 @@ def test_one_short_prompt_runs_on_the_batch_engine(model_dir):
     reference = LLM(model_dir, dtype="float32", attention_impl="xla")
     llm = LLM(model_dir, dtype="float32", attention_impl="pallas", max_num_seqs=2, max_num_batched_tokens=64)
     assert llm.generate(long, greedy)[0].token_ids == reference.generate(long, greedy)[0].token_ids, where
-    assert llm._batch_engine is None, "a prompt longer than max_num_batched_tokens went to the batch engine"
+    engine = llm._batch_engine
+    assert engine is not None and [kind for kind, *_ in engine.step_log[:2]] == ["prefill", "prefill"], where
     assert llm.generate(short, greedy)[0].token_ids == reference.generate(short, greedy)[0].token_ids, where
-    assert llm._batch_engine is not None and llm._batch_engine.step_log, "one short prompt skipped the batch engine"
+    assert engine.step_log[0][:2] == ("prefill", 1), "one short prompt skipped the batch engine"
