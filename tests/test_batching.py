@@ -13,6 +13,8 @@ from jax_offload import LLM, SamplingParams
 from jax_offload import generate as generate_cli
 from jax_offload.serving.block_manager import BlockManager
 from jax_offload.serving.engine import BatchEngine
+from jax_offload.serving.model_runner import packed_length, prefill_bucket
+from jax_offload.serving.scheduler import Scheduler
 from jax_offload.serving.sequence import Sequence
 
 MODEL_SEEDS = {"llama3": 401, "qwen2": 402, "qwen3": 403}
@@ -274,6 +276,36 @@ def test_block_manager_accounting():
     stale.block_table = [0]
     with pytest.raises(RuntimeError, match="Block 0 of sequence 4 is not in use"):
         blocks.free(stale)
+
+
+class _NoSwap:
+    def can_swap_out(self, seq):
+        return False
+
+    def drop(self, seq):
+        pass
+
+
+def test_scheduler_interleaves_chunks_with_decodes():
+    """A prompt longer than the step budget (150 tokens, 64 a step) is admitted alone and prefilled in chunks, the
+    running request decoding a token between two chunks; the next prompt waits for the last chunk."""
+    blocks = BlockManager(num_blocks=64, block_size=16)
+    scheduler = Scheduler(blocks, _NoSwap(), max_num_seqs=4, max_num_batched_tokens=64,
+                          prefill_tokens=lambda lengths: prefill_bucket(sum(packed_length(n) for n in lengths)),
+                          chunked_prefill=True)
+    for seq in (_seq(0, 20), _seq(1, 150), _seq(2, 10)):
+        scheduler.add(seq)
+    plan = []
+    for _ in range(8):
+        step = scheduler.schedule()
+        plan.append((step.kind, [seq.index for seq in step.seqs], step.chunk))
+        for seq in step.seqs:  # what the engine does with the step
+            seq.num_cached = step.chunk[1] if step.chunk else seq.num_tokens
+            if seq.num_cached == seq.num_tokens:
+                seq.output_ids.append(7)
+    assert plan == [("prefill", [0], None), ("prefill", [1], (0, 64)), ("decode", [0], None),
+                    ("prefill", [1], (64, 128)), ("decode", [0], None), ("prefill", [1], (128, 150)),
+                    ("prefill", [2], None), ("decode", [0, 1, 2], None)]
 
 
 def test_no_blocks_or_host_bytes_leak(tmp_root):

@@ -49,7 +49,8 @@ class Scheduler:
     is spent is its KV dropped and recomputed by a later prefill.
 
     With `chunked_prefill`, a prompt longer than one step's token budget is admitted alone and prefilled in
-    chunks over consecutive steps (each as large as the budget allows), before anything else runs."""
+    chunks (each as large as the budget allows), a decode step of the running sequences between two chunks, so
+    their next tokens wait for one chunk, not the whole prompt; nothing else is admitted meanwhile."""
 
     def __init__(
         self,
@@ -69,6 +70,7 @@ class Scheduler:
         room = max(max_num_batched_tokens, prefill_tokens([1]))
         self.max_chunk = _largest(lambda n: prefill_tokens([n]) <= room, room)
         self.chunking: Sequence | None = None  # the sequence whose prompt is being prefilled chunk by chunk
+        self._decode_next = False  # whether the running sequences decode before the next chunk
         self.waiting: deque[Sequence] = deque()
         # Both oldest first (by index): the newest running sequence is preempted first, the oldest swapped one
         # comes back first.
@@ -90,6 +92,11 @@ class Scheduler:
 
     def schedule(self) -> Step:
         if self.chunking is not None:
+            if self._decode_next and self.running:
+                self._decode_next = False
+                scheduled = self._make_room_for_decode()
+                if scheduled:
+                    return Step("decode", scheduled)
             return self._next_chunk(self.chunking)
         if self.swapped or self.waiting:
             step = self._admit()
@@ -135,6 +142,7 @@ class Scheduler:
         """The prefill step of the sequence's next chunk; after its last chunk the sequence runs."""
         start = seq.num_cached
         end = min(start + self.max_chunk, seq.num_tokens)
+        self._decode_next = True
         if end == seq.num_tokens:
             self.chunking = None
             self._run(seq)
