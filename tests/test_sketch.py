@@ -68,8 +68,9 @@ def test_unknown_sketch_dtype_is_one_clear_error():
         sketch.quantize_keys(jnp.ones((2, 4)), "int2")
 
 
-@pytest.mark.parametrize("dtype,pages,q_dtype,q_scale", [("int4", 40, jnp.float32, 1.0), ("int8", 32, jnp.float32, 1.0),
-                                                          ("int4", 16, jnp.bfloat16, 1.0), ("int4", 16, jnp.bfloat16, 1e5)])
+@pytest.mark.parametrize("dtype,pages,q_dtype,q_scale", [
+    ("int4", 40, jnp.float32, 1.0), ("int8", 32, jnp.float32, 1.0), ("int4", 16, jnp.bfloat16, 1.0),
+    ("int4", 16, jnp.bfloat16, 1e5)])
 def test_pallas_page_lse_matches_float64(dtype, pages, q_dtype, q_scale):
     """The Pallas kernel (interpret mode here) against float64 NumPy over the unpacked codes; 40 pages leave a
     ragged last block of the kernel's 16-page tiles; int4 with a bfloat16 q takes the float16 bit-unpacking, with

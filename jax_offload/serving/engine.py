@@ -27,9 +27,10 @@ from jax_offload.tensor_parallel import TensorParallel
 class BatchEngine:
     """Generates for many requests at once: new prompts are prefilled together (in GPU memory, one longer than
     `max_num_batched_tokens` alone, in chunks, the running requests decoding a token between two chunks), then
-    every running request decodes one token per step, and a finished request's place is taken by the next one. `in_gpu` keeps the KV
-    in a paged GPU pool (a decode step is one compiled call); `offloaded` keeps it in the pinned host store of an
-    offloaded engine (a decode step streams every running request's blocks through the ring).
+    every running request decodes one token per step, and a finished request's place is taken by the next one.
+    `in_gpu` keeps the KV in a paged GPU pool (a decode step is one compiled call); `offloaded` keeps it in the
+    pinned host store of an offloaded engine (a decode step streams every running request's blocks through the
+    ring).
 
     In GPU memory, while only running requests decode (nothing waits, is swapped or must be preempted), each
     decode step is dispatched before the previous step's tokens are read: its input tokens stay on the device,

@@ -70,9 +70,9 @@ def kv_block_bytes(cfg: ModelConfig, dtype: jnp.dtype, block_size: int) -> int:
 def default_num_blocks(cfg: ModelConfig, dtype: jnp.dtype, block_size: int, max_num_seqs: int, max_model_len: int,
                        max_num_batched_tokens: int, gpu_memory_utilization: float, num_devices: int = 1) -> int:
     """As many blocks as `gpu_memory_utilization` of what JAX's allocator may use leaves after the weights, a
-    step's activations and a prefill chunk's gathered prefix, and no more than max_num_seqs full-length sequences need; each of `num_devices` holds
-    its share of a block's KV heads. Without device memory statistics (CPU) a quarter of the free host memory is
-    the budget."""
+    step's activations and a prefill chunk's gathered prefix, and no more than max_num_seqs full-length sequences
+    need; each of `num_devices` holds its share of a block's KV heads. Without device memory statistics (CPU) a
+    quarter of the free host memory is the budget."""
     wanted = max_num_seqs * -(-max_model_len // block_size)
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
