@@ -13,17 +13,17 @@ kernel against the jnp path first, then times (median, min, max of 20 calls afte
 """
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import pallas_kernels  # noqa: E402
+from common import call_seconds, run_metadata, stats  # noqa: E402
 from jax_offload.sparse import sketch  # noqa: E402
 
 HKV, G, D, PAGE, LAYERS = 8, 4, 128, 16, 30
@@ -32,13 +32,9 @@ HBM_BYTES_PER_S = 4.8e12  # H200
 
 
 def timed(fn, reps=20):
-    jax.block_until_ready(fn())
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        out.append((time.perf_counter() - t) * 1e3)
-    return {"median_ms": statistics.median(out), "min_ms": min(out), "max_ms": max(out)}
+    """Median, min and max milliseconds of `reps` calls after a warm-up, each waited for."""
+    s = stats([t * 1e3 for t in call_seconds(fn, reps)])
+    return {"median_ms": s["median"], "min_ms": s["min"], "max_ms": s["max"]}
 
 
 def random_sketches(tokens, dtype, seed):
@@ -68,7 +64,7 @@ def check(dtype, bits):
 
 def main():
     q = jax.random.normal(jax.random.PRNGKey(1), (LAYERS, HKV, G, D), jnp.bfloat16)
-    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "kv_heads": HKV, "group": G,
+    result = {**run_metadata(), "kv_heads": HKV, "group": G,
               "head_dim": D, "page": PAGE, "layers": LAYERS, "contexts": {}}
     for dtype in ("int4", "int8"):
         bits = int(dtype[3:])

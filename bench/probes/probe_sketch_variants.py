@@ -7,12 +7,11 @@ block of tokens, each page's log-sum-exp by a reshape). Writes probe_sketch_vari
 import functools
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parents[1]), str(HERE.parent), str(HERE)]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -20,20 +19,12 @@ from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as plgpu  # noqa: E402
 
 import pallas_kernels  # noqa: E402
+from common import run_metadata  # noqa: E402
 from jax_offload.sparse import sketch  # noqa: E402
+from probe_sketch_kernel import timed  # noqa: E402
 
 HKV, G, D, PAGE, LAYERS, BH = 8, 4, 128, 16, 30, 16
 SM = D ** -0.5
-
-
-def timed(fn, reps=20):
-    jax.block_until_ready(fn())
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        out.append((time.perf_counter() - t) * 1e3)
-    return {"median_ms": statistics.median(out), "min_ms": min(out), "max_ms": max(out)}
 
 
 def _unpack(codes):
@@ -130,7 +121,7 @@ def check():
 
 
 def main():
-    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "token_major_rel_err": check(),
+    result = {**run_metadata(), "token_major_rel_err": check(),
               "contexts": {}}
     print(json.dumps(result), flush=True)
     q = jax.random.normal(jax.random.PRNGKey(1), (LAYERS, HKV, G, D), jnp.bfloat16)
