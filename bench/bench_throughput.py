@@ -90,7 +90,7 @@ def phase_ours(args) -> dict:
     sps = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m, seed=i) for i, m in enumerate(max_tokens)]
     llm = LLM.from_params(cfg, params, dtype="bfloat16", max_model_len=max(map(len, prompts)) + max(max_tokens) + 1,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          gpu_memory_utilization=args.gpu_memory_utilization)
+                          gpu_memory_utilization=args.gpu_memory_utilization, batch_invariant=args.batch_invariant)
     t = time.perf_counter()
     llm.generate(prompts, sps)
     warm_s = time.perf_counter() - t
@@ -137,7 +137,7 @@ def phase_batch1(args) -> dict:
     jax.block_until_ready(params)
     bw = read_bandwidth(2 * GiB if args.shape != "smoke" else 2**24)
     llm = LLM.from_params(cfg, params, dtype="bfloat16", max_model_len=ctx + 64,
-                          max_num_batched_tokens=args.max_num_batched_tokens)
+                          max_num_batched_tokens=args.max_num_batched_tokens, batch_invariant=args.batch_invariant)
     prompt = random.Random(1).choices(range(1000), k=ctx)
     sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
@@ -272,9 +272,11 @@ def run_phase(args) -> None:
     if args.run_phase != "hf":
         result["gpu_memory"] = gpu_memory()
     result["meta"] = run_metadata()
+    result["batch_invariant"] = args.batch_invariant
     # A smaller workload (--num-seqs) gets its own file, compared only with the peer's run of the same one.
     count = f"_n{args.num_seqs}" if args.run_phase in ("ours", "hf") and args.num_seqs != 256 else ""
-    path = Path(args.out) / f"phase_{args.run_phase}_{args.shape}{count}.json"
+    mode = "_not_invariant" if not args.batch_invariant and args.run_phase != "hf" else ""
+    path = Path(args.out) / f"phase_{args.run_phase}_{args.shape}{count}{mode}.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
 
@@ -371,6 +373,8 @@ def main() -> None:
     p.add_argument("--offload-context", type=int, default=8192)
     p.add_argument("--offload-requests", type=int, default=8)
     p.add_argument("--offload-tokens", type=int, default=32)
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engine's batch-invariant mode (default on; --no-batch-invariant: XLA's matmuls)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results/runs/throughput"))
     p.add_argument("--report", type=Path, nargs="+", metavar="DIR",
                    help="write throughput.md from the phase files in these folders (later ones replace earlier)")
@@ -393,6 +397,7 @@ def main() -> None:
         extra = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
                  ("runs", "hf_runs", "num_seqs", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
                   "batch1_context", "offload_context", "offload_requests", "offload_tokens")]
+        extra.append("--batch-invariant" if args.batch_invariant else "--no-batch-invariant")
     for phase in phases:
         for shape in shapes if phase not in ("batch1", "offload") else shapes[-1:]:
             t = time.perf_counter()

@@ -64,14 +64,24 @@ def _empty_state(tp: TensorParallel | None, q: jax.Array) -> AttentionState:
     return state if tp is None else tp.constrain(state, STATE_HEADS)
 
 
-def paged_decode_attention(impl: str, q, k_pages, v_pages, tables, seq_lens, tp: TensorParallel | None = None):
+def paged_decode_attention(impl: str, q, k_pages, v_pages, tables, seq_lens, tp: TensorParallel | None = None,
+                           batch_invariant: bool = False):
     """Decode attention of q [B, Hq, D] over a paged pool [num_blocks, block_size, Hkv, D] (block tables [B, n],
-    lengths [B]) -> o [B, Hq, D] in q's dtype, each device over its heads."""
-    fn = (pallas_kernels.paged_decode_attention_with_lse if impl == "pallas"
-          else pallas_kernels.paged_decode_attention_with_lse_xla)
+    lengths [B]) -> o [B, Hq, D], each device over its heads. Batch-invariant (Pallas only): o float32 from the
+    fixed DECODE_SPLIT splits folded in key order, the bits of the offloaded decode (`decode_state`); otherwise o
+    in q's dtype from splits sized to the batch."""
+    if impl == "pallas" and batch_invariant:
+        def local(q, k_pages, v_pages, tables, seq_lens):
+            state = pallas_kernels.empty_state(q.shape[0], 1, *q.shape[1:])
+            o, _ = pallas_kernels.finish_state(
+                pallas_kernels.paged_decode_state(q, k_pages, v_pages, tables, seq_lens, state))
+            return o[:, 0]
+    else:
+        fn = (pallas_kernels.paged_decode_attention_with_lse if impl == "pallas"
+              else pallas_kernels.paged_decode_attention_with_lse_xla)
 
-    def local(q, k_pages, v_pages, tables, seq_lens):
-        return fn(q, k_pages, v_pages, tables, seq_lens)[0]
+        def local(q, k_pages, v_pages, tables, seq_lens):
+            return fn(q, k_pages, v_pages, tables, seq_lens)[0]
 
     return _local(tp, local, (1, HEADS, HEADS, None, None), 1)(q, k_pages, v_pages, tables, seq_lens)
 

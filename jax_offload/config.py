@@ -174,6 +174,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     # Devices the model's heads and MLP are split over (tensor parallelism).
     tensor_parallel_size: int = 1
+    # A request's tokens independent of the requests run with it (see `LLM`).
+    batch_invariant: bool = True
 
     def xattention(self) -> XAttention | None:
         """The XAttention prefill policy, or None for full prefill."""
@@ -242,6 +244,8 @@ class EngineConfig:
         return dataclasses.replace(config, xattn_threshold=float(t))
 
     def _validate(self, model: ModelConfig) -> "EngineConfig":
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}.")
         n = self.tensor_parallel_size
         if not _int(n) or n < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {n!r}.")

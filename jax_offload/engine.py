@@ -41,6 +41,10 @@ class LLM:
 
     `tensor_parallel_size` N splits every layer over N devices by KV-head groups (the KV cache too, offloaded or
     not, and the paged pool of continuous batching).
+
+    `batch_invariant` (default on, with the Pallas kernels on one device): the weights are multiplied by a Pallas
+    matmul whose per-element order does not depend on the row count, and decode attention folds fixed 256-key
+    splits in key order, so a request's bfloat16 tokens are the same alone, batched or offloaded.
     """
 
     def __init__(
@@ -67,6 +71,7 @@ class LLM:
         max_num_batched_tokens: int = 16384,
         gpu_memory_utilization: float = 0.9,
         tensor_parallel_size: int = 1,
+        batch_invariant: bool = True,
     ):
         from transformers import AutoTokenizer
 
@@ -82,6 +87,7 @@ class LLM:
             xattn_threshold=xattn_threshold, xattn_stride=xattn_stride, xattn_block=xattn_block,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+            batch_invariant=batch_invariant,
         )
         options = options.validate(model_config)
         check_attention_impl(attention_impl or default_attention_impl())
@@ -127,6 +133,9 @@ class LLM:
         # With fewer KV heads than devices, the devices hold repeated KV heads: the model as they run it.
         model_config = sharded_model_config(model_config, tp.size)
         self.tp = tp
+        # The Pallas matmul runs on one device: under tensor parallelism XLA splits the matmuls.
+        params = params.with_batch_invariance(engine.batch_invariant and self.attention_impl == "pallas"
+                                              and tp.size == 1)
         self.model_config, self.engine_config, self.params, self.tokenizer = model_config, engine, params, tokenizer
         self.dtype = jnp.dtype(engine.dtype)
         self.eos_token_ids = frozenset(int(i) for i in eos_ids)

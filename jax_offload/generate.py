@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="several prompts: share of GPU memory for weights and the paged KV pool (0.9)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="devices each layer is split over by KV-head groups (1); with several processes, all of them")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+                   help="a request's tokens independent of the requests run with it (GPU, one device; default on)")
     return p
 
 
@@ -137,6 +139,7 @@ def _run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size,
+        batch_invariant=args.batch_invariant,
     )
     chat = not args.no_chat_template
     ids = [llm.apply_chat_template([{"role": "user", "content": p}]) if chat else llm.encode(p) for p in prompts]

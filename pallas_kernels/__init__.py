@@ -22,12 +22,15 @@ from pallas_kernels.decode import (
     decode_state,
     default_decode_config,
 )
+from pallas_kernels.fold import fold_splits
+from pallas_kernels.matmul import matmul, matmul_xla
 from pallas_kernels.merge import merge_states, merge_states_n
 from pallas_kernels.paged_decode import (
     paged_decode_attention_kv_with_lse,
     paged_decode_attention_kv_with_lse_xla,
     paged_decode_attention_with_lse,
     paged_decode_attention_with_lse_xla,
+    paged_decode_state,
 )
 from pallas_kernels.sketch import sketch_page_lse
 from pallas_kernels.state import AttentionState, empty_state, finish_state, merge_into_state
@@ -59,7 +62,10 @@ __all__ = [
     "default_xattn_config",
     "empty_state",
     "finish_state",
+    "fold_splits",
     "mask_to_block_lists",
+    "matmul",
+    "matmul_xla",
     "merge_into_state",
     "merge_softmax_stats",
     "merge_states",
@@ -68,6 +74,7 @@ __all__ = [
     "paged_decode_attention_kv_with_lse_xla",
     "paged_decode_attention_with_lse",
     "paged_decode_attention_with_lse_xla",
+    "paged_decode_state",
     "select_blocks",
     "sketch_page_lse",
     "softmax_normalize_block_sum",

@@ -44,8 +44,9 @@ from pallas_kernels._common import (
     resolve_interpret,
 )
 from pallas_kernels.attention import _check_pallas_head_dim, attention_with_lse_xla
+from pallas_kernels.fold import fold_splits
 from pallas_kernels.merge import merge_stack
-from pallas_kernels.state import AttentionState, check_state, merge_into_state
+from pallas_kernels.state import AttentionState, check_state
 
 # About one program per SM of an H100/H200 (132): on 64K keys, 16 splits x 8 KV heads ran at
 # 0.94x the device copy bandwidth, against 0.81x for 64 splits (fewer, longer programs keep
@@ -236,6 +237,4 @@ def decode_state(q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState
     o_part, lse_part = _decode_parts(
         q, k, v, kv_len, sm_scale=check_sm_scale(sm_scale, d), interpret=resolve_interpret(interpret),
         block_k=block_k, split_len=split_len, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    for o, lse in zip(o_part.reshape(-1, batch, 1, hq, d), lse_part.reshape(-1, batch, hq, 1)):
-        state = merge_into_state(state, o, lse)
-    return state
+    return fold_splits(state, o_part, lse_part, interpret=resolve_interpret(interpret))

@@ -24,6 +24,7 @@ lse = -inf.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -54,79 +55,92 @@ from pallas_kernels._common import (
 from pallas_kernels.attention import _check_pallas_head_dim
 from pallas_kernels.decode import (
     _TARGET_PROGRAMS,
+    DECODE_SPLIT,
     decode_attention_with_lse_xla,
     default_decode_config,
 )
+from pallas_kernels.fold import fold_splits
 from pallas_kernels.merge import merge_stack
+from pallas_kernels.state import AttentionState, check_state
 
 
 def _paged_decode_kernel(seqlen_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
                          scale_log2: float, page_size: int, page_stride: int, v_offset: int,
-                         block_k: int, split_len: int, group: int, precision):
-    split = pl.program_id(0)
+                         block_k: int, split_len: int, num_programs: int, group: int, precision):
     seq_len = seqlen_ref[()]
-    start = split * split_len  # a multiple of page_size: a key block never straddles pages
-    n_keys = jnp.clip(seq_len - start, 0, split_len)
-    n_full = fdiv(n_keys, block_k)
-    n_blocks = cdiv(n_keys, block_k)
     block_h = q_ref.shape[0]
     row_ok = jnp.arange(block_h) < group
     # Rows past the group are zero queries; they are computed (tensor-core tiles are >= 16
     # rows) and never stored.
     q = plgpu.load(q_ref, mask=row_ok[:, None], other=0)
+    program = pl.program_id(0)
 
-    def body(j, carry, masked: bool):
-        pos = start + j * block_k
-        # Only pages below ceil(seq_len / page_size) are reached, so padding entries of the
-        # block table are never read.
-        phys = bt_ref[fdiv(pos, page_size)]
-        row = pl.multiple_of(phys * page_stride + lax.rem(pos, jnp.int32(page_size)), block_k)
-        kslice = pl.ds(row, block_k)
-        vslice = pl.ds(pl.multiple_of(row + v_offset, block_k), block_k)
-        col_ok = None
-        if masked:
-            # Rows of the tail page past seq_len may hold stale keys (even NaN): never loaded.
-            col_ok = (j * block_k + jnp.arange(block_k, dtype=jnp.int32)) < n_keys
-        k = load_rows(k_ref, kslice, col_ok)
-        # Raw scores; the scale is folded into the exponent (one FMA per element).
-        s = plgpu.dot(q, k, trans_b=True, precision=precision)
-        if masked:
-            s = jnp.where(col_ok[None, :], s, NEG_INF)
-        return online_softmax_update(
-            carry, s, lambda: load_rows(v_ref, vslice, col_ok), scale_log2=scale_log2,
-            masked=masked, precision=precision)
+    def one_split(i, _):
+        # Program p takes splits p, p + num_programs, ... that hold keys. Each starts from an empty state, so its
+        # result does not depend on how splits map to programs.
+        split = program + i * num_programs
+        start = split * split_len
+        n_keys = jnp.clip(seq_len - start, 0, split_len)
+        n_full = fdiv(n_keys, block_k)
+        n_blocks = cdiv(n_keys, block_k)
 
-    carry = empty_softmax_state(block_h, q.shape[-1])
-    carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
-    carry = lax.fori_loop(n_full, n_blocks, functools.partial(body, masked=True), carry)
-    o, lse = finish_online_softmax(*carry)
-    plgpu.store(o_ref, o, mask=row_ok[:, None])
-    plgpu.store(lse_ref, lse, mask=row_ok)
+        def body(j, carry, masked: bool):
+            pos = start + j * block_k
+            # Only pages below ceil(seq_len / page_size) are reached, so padding entries of the
+            # block table are never read.
+            phys = bt_ref[fdiv(pos, page_size)]
+            row = pl.multiple_of(phys * page_stride + lax.rem(pos, jnp.int32(page_size)), block_k)
+            kslice = pl.ds(row, block_k)
+            vslice = pl.ds(pl.multiple_of(row + v_offset, block_k), block_k)
+            col_ok = None
+            if masked:
+                # Rows of the tail page past seq_len may hold stale keys (even NaN): never loaded.
+                col_ok = (j * block_k + jnp.arange(block_k, dtype=jnp.int32)) < n_keys
+            k = load_rows(k_ref, kslice, col_ok)
+            # Raw scores; the scale is folded into the exponent (one FMA per element).
+            s = plgpu.dot(q, k, trans_b=True, precision=precision)
+            if masked:
+                s = jnp.where(col_ok[None, :], s, NEG_INF)
+            return online_softmax_update(
+                carry, s, lambda: load_rows(v_ref, vslice, col_ok), scale_log2=scale_log2,
+                masked=masked, precision=precision)
+
+        carry = empty_softmax_state(block_h, q.shape[-1])
+        carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
+        carry = lax.fori_loop(n_full, n_blocks, functools.partial(body, masked=True), carry)
+        o, lse = finish_online_softmax(*carry)
+        plgpu.store(o_ref.at[split], o, mask=row_ok[:, None])
+        plgpu.store(lse_ref.at[split], lse, mask=row_ok)
+        return _
+
+    lax.fori_loop(0, cdiv(jnp.maximum(cdiv(seq_len, split_len) - program, 0), num_programs), one_split, 0)
 
 
-def _paged_decode_pallas(q, k_rows, v_rows, block_tables, seq_lens, *, page_size, v_offset, sm_scale,
-                         out_dtype, interpret, block_k, num_splits, num_warps, num_stages):
-    """k_rows, v_rows [rows, Hkv, D]: page p's keys are rows p * page_stride + [0, page_size) of k_rows, its
-    values the same rows + v_offset of v_rows (page_stride = page_size for separate pools; a combined pool is
-    passed as both, with page_stride = 2 * page_size and v_offset = page_size)."""
+def _paged_decode_parts(q, k_rows, v_rows, block_tables, seq_lens, *, page_size, v_offset, sm_scale, interpret,
+                        block_k, split_len, num_programs, num_warps, num_stages):
+    """Unmerged float32 states of consecutive key splits of `split_len` keys (a multiple of block_k), computed by
+    `num_programs` programs per (sequence, KV head): o [S, B, Hkv, group, D], natural-log lse [S, B, Hkv, group]
+    with S covering the block table. Only the splits holding keys (the first ceil(seq_len / split_len)) are
+    written; the others hold whatever the buffer held.
+    k_rows, v_rows [rows, Hkv, D]: page p's keys are rows p * page_stride + [0, page_size) of k_rows, its values
+    the same rows + v_offset of v_rows (page_stride = page_size for separate pools; a combined pool is passed as
+    both, with page_stride = 2 * page_size and v_offset = page_size)."""
     batch, hq, d = q.shape
     _, hkv, _ = k_rows.shape
-    page_stride = page_size + v_offset
     max_pages = block_tables.shape[1]
     group = hq // hkv
     block_h = max(MIN_BLOCK, next_pow2(group))
-    split_pages = -(-max_pages // num_splits)
-    num_splits = -(-max_pages // split_pages)
+    num_splits = -(-max_pages * page_size // split_len)
     kernel = functools.partial(
         _paged_decode_kernel, scale_log2=sm_scale * LOG2E, page_size=page_size,
-        page_stride=page_stride, v_offset=v_offset, block_k=block_k, split_len=split_pages * page_size, group=group,
-        precision=dot_precision(q.dtype))
+        page_stride=page_size + v_offset, v_offset=v_offset, block_k=block_k, split_len=split_len,
+        num_programs=num_programs, group=group, precision=dot_precision(q.dtype))
     qg = q.reshape(batch, hkv, group, d)
     # A key block is one contiguous row slice of a page, as in the contiguous kernel.
     kv_spec = pl.BlockSpec((k_rows.shape[0], None, d), lambda s, bh: (0, bh % hkv, 0))
-    o_part, lse_part = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
-        grid=(num_splits, batch * hkv),
+        grid=(num_programs, batch * hkv),
         in_specs=[
             pl.BlockSpec((None,), lambda s, bh: (bh // hkv,)),
             pl.BlockSpec((None, max_pages), lambda s, bh: (bh // hkv, 0)),
@@ -136,9 +150,8 @@ def _paged_decode_pallas(q, k_rows, v_rows, block_tables, seq_lens, *, page_size
             kv_spec,
         ],
         out_specs=[
-            pl.BlockSpec((None, None, None, block_h, d),
-                         lambda s, bh: (s, bh // hkv, bh % hkv, 0, 0)),
-            pl.BlockSpec((None, None, None, block_h), lambda s, bh: (s, bh // hkv, bh % hkv, 0)),
+            pl.BlockSpec((num_splits, None, None, block_h, d), lambda s, bh: (0, bh // hkv, bh % hkv, 0, 0)),
+            pl.BlockSpec((num_splits, None, None, block_h), lambda s, bh: (0, bh // hkv, bh % hkv, 0)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((num_splits, batch, hkv, group, d), jnp.float32),
@@ -148,6 +161,21 @@ def _paged_decode_pallas(q, k_rows, v_rows, block_tables, seq_lens, *, page_size
         interpret=interpret,
         name="paged_decode_attention_with_lse",
     )(seq_lens, block_tables, qg, k_rows, v_rows)
+
+
+def _paged_decode_pallas(q, k_rows, v_rows, block_tables, seq_lens, *, page_size, v_offset, sm_scale,
+                         out_dtype, interpret, block_k, num_splits, num_warps, num_stages):
+    """The splits of `_paged_decode_parts`, as many as asked (whole pages each), merged in one N-way merge."""
+    batch, hq, d = q.shape
+    max_pages = block_tables.shape[1]
+    split_pages = -(-max_pages // num_splits)
+    o_part, lse_part = _paged_decode_parts(
+        q, k_rows, v_rows, block_tables, seq_lens, page_size=page_size, v_offset=v_offset, sm_scale=sm_scale,
+        interpret=interpret, block_k=block_k, split_len=split_pages * page_size,
+        num_programs=-(-max_pages // split_pages), num_warps=num_warps, num_stages=num_stages)
+    # Splits past a sequence's keys were never written: empty them before the merge.
+    live = jnp.arange(o_part.shape[0])[:, None] < cdiv(seq_lens, split_pages * page_size)[None, :]
+    lse_part = jnp.where(live[:, :, None, None], lse_part, NEG_INF)
     o, lse = merge_stack(o_part, lse_part)
     return o.reshape(batch, hq, d).astype(out_dtype), lse.reshape(batch, hq)
 
@@ -155,6 +183,57 @@ def _paged_decode_pallas(q, k_rows, v_rows, block_tables, seq_lens, *, page_size
 _paged_decode_pallas = interpret_aware_jit(
     _paged_decode_pallas, ("page_size", "v_offset", "sm_scale", "out_dtype", "interpret", "block_k",
                            "num_splits", "num_warps", "num_stages"))
+
+
+def _paged_decode_state(q, k_rows, v_rows, block_tables, seq_lens, state, *, page_size, v_offset, sm_scale,
+                        interpret, block_k, split_len, num_programs, num_warps, num_stages):
+    o_part, lse_part = _paged_decode_parts(
+        q, k_rows, v_rows, block_tables, seq_lens, page_size=page_size, v_offset=v_offset, sm_scale=sm_scale,
+        interpret=interpret, block_k=block_k, split_len=split_len, num_programs=num_programs, num_warps=num_warps,
+        num_stages=num_stages)
+    return fold_splits(state, o_part, lse_part, cdiv(seq_lens, split_len), interpret=interpret)
+
+
+_paged_decode_state = interpret_aware_jit(
+    _paged_decode_state, ("page_size", "v_offset", "sm_scale", "interpret", "block_k", "split_len", "num_programs",
+                          "num_warps", "num_stages"))
+
+
+def paged_decode_state(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
+                       seq_lens: jax.Array, state: AttentionState, *, sm_scale: float | None = None,
+                       split_len: int = DECODE_SPLIT, interpret: bool | None = None,
+                       num_programs: int | None = None) -> AttentionState:
+    """Continues the decode state of each sequence over its keys in a paged pool, batch-invariantly.
+
+    The keys are cut into splits of `split_len` keys from position 0, attended in parallel, and folded into
+    `state` in ascending order (`fold_splits`): the same operations as `decode_state` over the same keys,
+    whatever the batch, the block tables or how many programs run. Bits equal `decode_state`'s when page_size
+    is at least the decode tile (128 keys in bfloat16, 32 in float32).
+
+    Args: as `paged_decode_attention_with_lse`, plus
+      state: AttentionState with acc [B, 1, Hq, D], m and l [B, Hq, 1].
+      split_len: keys per split (static), a multiple of 16.
+      num_programs: programs per (sequence, KV head), each taking every num_programs-th split; default gives
+        ~128 programs on a GPU. Changes the speed, not the bits.
+    """
+    block_tables, seq_lens = _check_paged_args(q, k_pages, v_pages, block_tables, seq_lens)
+    batch, hq, d = q.shape
+    num_pages, page_size, hkv, _ = k_pages.shape
+    _check_pallas_head_dim(d)
+    check_state(state, batch, 1, hq, d)
+    if split_len < MIN_BLOCK or split_len % MIN_BLOCK:
+        raise ValueError(f"split_len={split_len}; allowed: a positive multiple of {MIN_BLOCK}")
+    block_k = math.gcd(default_decode_config(q.dtype)["block_k"], split_len, page_size)
+    max_splits = -(-block_tables.shape[1] * page_size // split_len)
+    if num_programs is None:
+        num_programs = -(-_TARGET_PROGRAMS // (batch * hkv))
+    rows = num_pages * page_size
+    cfg = default_decode_config(q.dtype)
+    return _paged_decode_state(
+        q, k_pages.reshape(rows, hkv, d), v_pages.reshape(rows, hkv, d), block_tables, seq_lens, state,
+        page_size=page_size, v_offset=0, sm_scale=check_sm_scale(sm_scale, d), interpret=resolve_interpret(interpret),
+        block_k=block_k, split_len=split_len, num_programs=int(max(1, min(num_programs, max_splits))),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def _check_paged_args(q, k_pages, v_pages, block_tables, seq_lens):

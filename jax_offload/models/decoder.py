@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax_offload.config import ModelConfig
 from jax_offload.models.params import LayerParams, ModelParams
 from jax_offload.models.rope import apply_rope, cos_sin
+from pallas_kernels.matmul import matmul
 
 
 def _sum_last_axis(x: jax.Array) -> jax.Array:
@@ -39,6 +40,11 @@ def _split_shard_groups(x: jax.Array, n: int, widths: tuple[int, ...]) -> list[j
     return [p.reshape(*x.shape[:-1], n * w) for p, w in zip(parts, widths)]
 
 
+def _project(x: jax.Array, w: jax.Array, batch_invariant: bool) -> jax.Array:
+    """x @ w, by the batch-invariant Pallas matmul when asked (each row's bits independent of the others)."""
+    return matmul(x, w) if batch_invariant else x @ w
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm in float32, rounded back to the input dtype before the weight (as transformers does)."""
     x32 = x.astype(jnp.float32)
@@ -58,7 +64,7 @@ def attention_inputs(
     """x [B, T, hidden], positions [B, T] -> q [B, T, Hq, D], k and v [B, T, Hkv, D]."""
     b, t, _ = x.shape
     h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-    qkv = h @ layer.wqkv
+    qkv = _project(h, layer.wqkv, layer.batch_invariant)
     if layer.bqkv is not None:
         qkv = qkv + layer.bqkv
     n = layer.num_shards
@@ -75,15 +81,19 @@ def attention_inputs(
 def attention_output_and_mlp(cfg: ModelConfig, layer: LayerParams, x: jax.Array, attn: jax.Array) -> jax.Array:
     """Finishes a layer: x [B, T, hidden] residual, attn [B, T, Hq, D] attention output."""
     b, t, _ = x.shape
-    x = x + attn.astype(x.dtype).reshape(b, t, -1) @ layer.wo
+    x = x + _project(attn.astype(x.dtype).reshape(b, t, -1), layer.wo, layer.batch_invariant)
     h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
     n = layer.num_shards
-    gate, up = _split_shard_groups(h @ layer.w_gate_up, n, (cfg.intermediate_size // n,) * 2)
-    return x + (jax.nn.silu(gate) * up) @ layer.w_down
+    gate, up = _split_shard_groups(_project(h, layer.w_gate_up, layer.batch_invariant), n,
+                                   (cfg.intermediate_size // n,) * 2)
+    return x + _project(jax.nn.silu(gate) * up, layer.w_down, layer.batch_invariant)
 
 
 def logits(cfg: ModelConfig, params: ModelParams, x: jax.Array) -> jax.Array:
     """Final norm and LM head: x [..., hidden] -> float32 logits [..., vocab]."""
     h = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
-    head = params.embed.T if params.lm_head is None else params.lm_head
-    return (h @ head).astype(jnp.float32)
+    if params.batch_invariant:  # a tied table is read in place, as XLA's dot reads embed.T
+        out = (matmul(h, params.embed, transpose_w=True) if params.lm_head is None else matmul(h, params.lm_head))
+    else:
+        out = h @ (params.embed.T if params.lm_head is None else params.lm_head)
+    return out.astype(jnp.float32)

@@ -21,6 +21,8 @@ class LayerParams:
     # wqkv and w_gate_up hold this many column groups, one per tensor-parallel device: [q_g|k_g|v_g] and
     # [gate_g|up_g] (`sharded_layout`); 1 is the plain [q|k|v], [gate|up]. Static: it shapes the trace.
     num_shards: int = struct.field(pytree_node=False, default=1)
+    # Multiply by the batch-invariant Pallas matmul (a row's bits independent of the other rows); else XLA's dot.
+    batch_invariant: bool = struct.field(pytree_node=False, default=False)
 
 
 @struct.dataclass
@@ -29,3 +31,8 @@ class ModelParams:
     layers: list[LayerParams]
     final_norm: jax.Array  # [hidden]
     lm_head: jax.Array | None  # [hidden, vocab]; None when tied to `embed`
+    batch_invariant: bool = struct.field(pytree_node=False, default=False)  # as LayerParams'; also decode attention
+
+    def with_batch_invariance(self, on: bool) -> "ModelParams":
+        """The same weights, multiplied (and decode attention reduced) batch-invariantly or not."""
+        return self.replace(layers=[layer.replace(batch_invariant=on) for layer in self.layers], batch_invariant=on)

@@ -38,6 +38,7 @@ from jax_offload.precision import step_jit
 from jax_offload.sampling import sample_token
 from jax_offload.serving.sequence import Sequence
 from jax_offload.tensor_parallel import TensorParallel
+from pallas_kernels import DECODE_SPLIT
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -46,9 +47,10 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return [1 << i for i in range((max_num_seqs - 1).bit_length() + 1)]
 
 
-# Packed prompts start at multiples of this: the jnp attention twin takes keys 16 at a time, so a prompt's keys
-# then fall into the same groups as when it runs alone and its float32 results carry the same bits.
-PACK_ALIGN = 16
+# Packed prompts start at multiples of this: the prefill kernels take keys 64 at a time (32 in float32, 16 in the
+# jnp twin), so a prompt's keys then fall into the same tiles as when it runs alone and its results carry the same
+# bits.
+PACK_ALIGN = 64
 
 
 def packed_length(num_tokens: int) -> int:
@@ -81,8 +83,10 @@ def default_num_blocks(cfg: ModelConfig, dtype: jnp.dtype, block_size: int, max_
         activations = max_num_batched_tokens * (6 * cfg.hidden_size + 2 * qkv + 4 * cfg.intermediate_size) * itemsize
         logits = 4 * max_num_seqs * cfg.vocab_size * 4  # float32 logits, scaled copy, noise, sort
         prefix = 2 * max_model_len * cfg.num_kv_heads * cfg.head_dim * itemsize  # one layer's, gathered for a chunk
+        # Batch-invariant decode: every 256-key split's float32 (o, lse) of one layer.
+        splits = -(-max_model_len // DECODE_SPLIT) * max_num_seqs * cfg.num_heads * (cfg.head_dim + 1) * 4
         budget = (stats["bytes_limit"] * gpu_memory_utilization - stats["bytes_in_use"] - activations - logits
-                  - prefix)
+                  - prefix - splits)
     else:
         budget = available_host_bytes() / 4
     per_device = kv_block_bytes(cfg, dtype, block_size) // num_devices
@@ -209,7 +213,7 @@ def _decode_step(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tuple
         q, k, v = split_qkv(cfg, tp, layer, x, positions[:, None], inv_freq)
         k_out.append(_write_kv(k_pages, slots, k[:, 0]))
         v_out.append(_write_kv(v_pages, slots, v[:, 0]))
-        o = paged_decode_attention(impl, q[:, 0], k_out[-1], v_out[-1], tables, seq_lens, tp)
+        o = paged_decode_attention(impl, q[:, 0], k_out[-1], v_out[-1], tables, seq_lens, tp, params.batch_invariant)
         x = decoder.attention_output_and_mlp(cfg, layer, x, o[:, None])
     return sample(decoder.logits(cfg, params, x[:, 0]), sampling, draws), tuple(k_out), tuple(v_out)
 

@@ -1,0 +1,87 @@
+"""Folds the float32 results of consecutive key splits into an attention state, one split after another.
+
+Decode kernels cut the keys into fixed splits attended in parallel; `fold_splits` then merges the splits' (o, lse)
+into the running `AttentionState` strictly in split order, with the formula of `merge_into_state`, in one
+program per (sequence, KV head). The order of operations depends on nothing but the keys' positions: not on the
+batch, nor on how many splits a kernel call covered, nor on whether the keys arrived in one call or block by
+block from the host. So decode gives the same bits alone or batched, in GPU memory or offloaded.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._common import LOG2E, NEG_INF, compiler_params, interpret_aware_jit, next_pow2, resolve_interpret
+from pallas_kernels.state import AttentionState
+
+
+def _fold_kernel(live_ref, o_ref, lse_ref, acc_ref, m_ref, l_ref, acc_out, m_out, l_out, *, group: int):
+    rows = acc_ref.shape[0]
+    row_ok = jnp.arange(rows) < group
+    acc = plgpu.load(acc_ref, mask=row_ok[:, None], other=0.0)
+    m = plgpu.load(m_ref, mask=row_ok, other=NEG_INF)
+    l = plgpu.load(l_ref, mask=row_ok, other=0.0)
+
+    def body(s, carry):
+        acc, m, l = carry
+        o = plgpu.load(o_ref.at[s], mask=row_ok[:, None], other=0.0)
+        lse2 = plgpu.load(lse_ref.at[s], mask=row_ok, other=NEG_INF) * LOG2E
+        m_new = jnp.maximum(m, lse2)
+        m_use = jnp.where(m_new == NEG_INF, 0.0, m_new)  # both empty: keep exp2() finite
+        w_old, w_new = jnp.exp2(m - m_use), jnp.exp2(lse2 - m_use)
+        part = jnp.where(w_new[:, None] > 0, w_new[:, None] * o, 0.0)  # an empty split's o may be anything
+        return acc * w_old[:, None] + part, m_new, l * w_old + w_new
+
+    acc, m, l = lax.fori_loop(0, live_ref[()], body, (acc, m, l))
+    plgpu.store(acc_out, acc, mask=row_ok[:, None])
+    plgpu.store(m_out, m, mask=row_ok)
+    plgpu.store(l_out, l, mask=row_ok)
+
+
+def _fold(num_live, o_part, lse_part, acc, m, l, *, interpret):
+    """num_live [B]; o_part [S, B, Hkv, G, D], lse_part [S, B, Hkv, G]; acc [B, Hkv, G, D], m and l [B, Hkv, G]."""
+    num_splits, batch, hkv, group, d = o_part.shape
+    rows = next_pow2(group)
+    row_spec = pl.BlockSpec((None, None, rows, d), lambda bh: (bh // hkv, bh % hkv, 0, 0))
+    stat_spec = pl.BlockSpec((None, None, rows), lambda bh: (bh // hkv, bh % hkv, 0))
+    return pl.pallas_call(
+        functools.partial(_fold_kernel, group=group),
+        grid=(batch * hkv,),
+        in_specs=[pl.BlockSpec((None,), lambda bh: (bh // hkv,)),
+                  pl.BlockSpec((num_splits, None, None, rows, d), lambda bh: (0, bh // hkv, bh % hkv, 0, 0)),
+                  pl.BlockSpec((num_splits, None, None, rows), lambda bh: (0, bh // hkv, bh % hkv, 0)),
+                  row_spec, stat_spec, stat_spec],
+        out_specs=[row_spec, stat_spec, stat_spec],
+        out_shape=[jax.ShapeDtypeStruct(acc.shape, jnp.float32), jax.ShapeDtypeStruct(m.shape, jnp.float32),
+                   jax.ShapeDtypeStruct(l.shape, jnp.float32)],
+        compiler_params=compiler_params(4, 3),
+        interpret=interpret,
+        name="fold_splits",
+    )(num_live, o_part, lse_part, acc, m, l)
+
+
+_fold = interpret_aware_jit(_fold, ("interpret",))
+
+
+def fold_splits(state: AttentionState, o_part: jax.Array, lse_part: jax.Array, num_live: jax.Array | None = None,
+                interpret: bool | None = None) -> AttentionState:
+    """Folds split results o_part [S, B, Hkv, G, D] (float32) and natural-log lse_part [S, B, Hkv, G], in
+    ascending split order, into the decode state of B sequences (acc [B, 1, Hkv * G, D], m and l [B, Hkv * G, 1]).
+    Sequence b folds its first num_live[b] splits (default all S; the others are never read). A split with
+    lse = -inf (no key) leaves the state as it was."""
+    num_splits, batch, hkv, group, d = o_part.shape
+    if lse_part.shape != o_part.shape[:4]:
+        raise ValueError(f"lse_part has shape {lse_part.shape} for o_part {o_part.shape}; allowed: "
+                         f"{o_part.shape[:4]}")
+    hq = hkv * group
+    num_live = jnp.full((batch,), num_splits, jnp.int32) if num_live is None else num_live.astype(jnp.int32)
+    acc, m, l = _fold(num_live, o_part.astype(jnp.float32), lse_part.astype(jnp.float32),
+                      state.acc.reshape(batch, hkv, group, d), state.m.reshape(batch, hkv, group),
+                      state.l.reshape(batch, hkv, group), interpret=resolve_interpret(interpret))
+    return AttentionState(acc.reshape(batch, 1, hq, d), m.reshape(batch, hq, 1), l.reshape(batch, hq, 1))

@@ -1,0 +1,120 @@
+"""A batch-invariant matmul: row i of x @ w has the same bits whatever the other rows and their count.
+
+cuBLAS picks its algorithm (tiling, split-K, reduction order) from the shape, so on a GPU row 0 of
+`x[:M] @ w` changes with M (`../shared/probes/matmul_invariance.py`): a request's tokens then depend on which
+requests share its step. Here every output element is one float32 sum of `block_k`-wide tile products in
+ascending K order, from zero, rounded once to the output dtype; `block_k` depends on K alone. The tiles over
+rows and columns (`block_m`, `block_n`) only decide which program computes an element, so they are picked per
+call for speed: wide tiles for prefill, narrow ones for decode batches, where the weight must be read by many
+programs at once to reach HBM speed. Their bits are the same (tested on the H200 with
+`bench/probes/probe_matmul.py`, and in interpret mode by tests/test_matmul.py).
+
+`matmul_xla` is XLA's own dot.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._common import MIN_BLOCK, compiler_params, dot_precision, interpret_aware_jit, resolve_interpret
+
+BLOCK_K = 64
+
+
+def block_k_for(k: int) -> int:
+    """Keys of the K axis per tile product: the fixed reduction step of a weight with K rows."""
+    if k % MIN_BLOCK:
+        raise ValueError(f"K={k}; allowed: a multiple of {MIN_BLOCK}")
+    return next(b for b in (BLOCK_K, 32, 16) if k % b == 0)
+
+
+def default_matmul_config(m: int, n: int) -> dict[str, int]:
+    """Launch parameters by row count (tuned on the H200, bench/probes/probe_matmul.py); any choice gives the
+    same bits."""
+    if m <= 16:
+        cfg = dict(block_m=16, block_n=64, num_warps=4, num_stages=4)
+    elif m <= 128:
+        cfg = dict(block_m=64, block_n=64, num_warps=4, num_stages=4)
+    elif m <= 512:
+        cfg = dict(block_m=64, block_n=128, num_warps=4, num_stages=3)
+    else:
+        cfg = dict(block_m=128, block_n=256, num_warps=8, num_stages=3)
+    cfg["block_n"] = next(b for b in (256, 128, 64, 32, 16) if b <= cfg["block_n"] and n % b == 0)
+    return cfg
+
+
+def _matmul_kernel(x_ref, w_ref, o_ref, *, block_k: int, transpose_w: bool, precision):
+    def body(t, acc):
+        cols = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
+        w = plgpu.load(w_ref.at[:, cols] if transpose_w else w_ref.at[cols, :])
+        return acc + plgpu.dot(plgpu.load(x_ref.at[:, cols]), w, trans_b=transpose_w, precision=precision)
+
+    acc = lax.fori_loop(0, x_ref.shape[1] // block_k, body, jnp.zeros(o_ref.shape, jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _matmul(x, w, *, transpose_w, out_dtype, interpret, block_m, block_n, num_warps, num_stages):
+    m, k = x.shape
+    n = w.shape[0] if transpose_w else w.shape[1]
+    rows = -(-m // block_m) * block_m
+    x = jnp.pad(x, ((0, rows - m), (0, 0)))  # padded rows are zeros, computed and dropped
+    out = pl.pallas_call(
+        functools.partial(_matmul_kernel, block_k=block_k_for(k), transpose_w=transpose_w,
+                          precision=dot_precision(x.dtype)),
+        grid=(rows // block_m, n // block_n),
+        in_specs=[pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
+                  pl.BlockSpec((block_n, k), lambda i, j: (j, 0)) if transpose_w
+                  else pl.BlockSpec((k, block_n), lambda i, j: (0, j))],
+        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((rows, n), out_dtype),
+        compiler_params=compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="matmul",
+    )(x, w)
+    return out[:m]
+
+
+_matmul = interpret_aware_jit(_matmul, ("transpose_w", "out_dtype", "interpret", "block_m", "block_n", "num_warps",
+                                        "num_stages"))
+
+
+def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=None, interpret: bool | None = None,
+           block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+           num_stages: int | None = None) -> jax.Array:
+    """x [..., K] @ w [K, N] -> [..., N] in `out_dtype` (default x's), each row's bits independent of the rows
+    computed with it.
+
+    Args:
+      x: [..., K]; w: [K, N] of x's dtype, K and N multiples of 16 ([N, K] with transpose_w: a tied embedding
+        table as the LM head, read in place).
+      interpret: None picks Triton on a GPU backend and interpret mode elsewhere.
+      block_m, block_n, num_warps, num_stages: launch parameters (powers of two, block_n dividing N; default
+        `default_matmul_config`); they change the speed, not the bits.
+    """
+    k_axis = 1 if transpose_w else 0
+    if w.ndim != 2 or x.shape[-1] != w.shape[k_axis]:
+        raise ValueError(f"x has shape {x.shape} and w {w.shape}; allowed: x [..., K] and w "
+                         f"{'[N, K]' if transpose_w else '[K, N]'}")
+    if x.dtype != w.dtype:
+        raise ValueError(f"x has dtype {x.dtype} and w {w.dtype}; allowed: one dtype")
+    rows = x.reshape(-1, x.shape[-1])
+    n = w.shape[1 - k_axis]
+    cfg = default_matmul_config(rows.shape[0], n)
+    block_n = block_n or cfg["block_n"]
+    if block_n < MIN_BLOCK or n % block_n:
+        raise ValueError(f"block_n={block_n} for N={n}; allowed: a divisor of N, >= {MIN_BLOCK}")
+    out = _matmul(rows, w, transpose_w=transpose_w, out_dtype=jnp.dtype(out_dtype or x.dtype),
+                  interpret=resolve_interpret(interpret), block_m=block_m or cfg["block_m"], block_n=block_n,
+                  num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
+    return out.reshape(*x.shape[:-1], n)
+
+
+def matmul_xla(x: jax.Array, w: jax.Array, *, out_dtype=None) -> jax.Array:
+    """XLA's `x @ w` in `out_dtype` (default x's)."""
+    return (x @ w).astype(out_dtype or x.dtype)
