@@ -34,17 +34,18 @@ def block_k_for(k: int) -> int:
     return next(b for b in (BLOCK_K, 32, 16) if k % b == 0)
 
 
-def default_matmul_config(m: int, n: int) -> dict[str, int]:
-    """Launch parameters by row count (tuned on the H200, bench/probes/probe_matmul.py); any choice gives the
-    same bits."""
+def default_matmul_config(m: int, k: int, n: int) -> dict[str, int]:
+    """Launch parameters by row count and weight size, the fastest measured on the H200 for the Llama-3.1-8B and
+    Qwen3-0.6B projections (bench/probes/probe_matmul.h200.json); any choice gives the same bits."""
+    large = k * n >= 100 * 2**20
     if m <= 16:
         cfg = dict(block_m=16, block_n=64, num_warps=4, num_stages=4)
-    elif m <= 128:
+    elif m <= 512 and not large:
         cfg = dict(block_m=64, block_n=64, num_warps=4, num_stages=4)
     elif m <= 512:
-        cfg = dict(block_m=64, block_n=128, num_warps=4, num_stages=3)
+        cfg = dict(block_m=128, block_n=128, num_warps=8, num_stages=3)
     else:
-        cfg = dict(block_m=128, block_n=256, num_warps=8, num_stages=3)
+        cfg = dict(block_m=128, block_n=256 if k * n >= 16 * 2**20 else 128, num_warps=8, num_stages=3)
     cfg["block_n"] = next(b for b in (256, 128, 64, 32, 16) if b <= cfg["block_n"] and n % b == 0)
     return cfg
 
@@ -105,7 +106,7 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=N
         raise ValueError(f"x has dtype {x.dtype} and w {w.dtype}; allowed: one dtype")
     rows = x.reshape(-1, x.shape[-1])
     n = w.shape[1 - k_axis]
-    cfg = default_matmul_config(rows.shape[0], n)
+    cfg = default_matmul_config(rows.shape[0], x.shape[-1], n)
     block_n = block_n or cfg["block_n"]
     if block_n < MIN_BLOCK or n % block_n:
         raise ValueError(f"block_n={block_n} for N={n}; allowed: a divisor of N, >= {MIN_BLOCK}")
