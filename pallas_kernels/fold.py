@@ -21,24 +21,42 @@ from pallas_kernels._common import LOG2E, NEG_INF, compiler_params, interpret_aw
 from pallas_kernels.state import AttentionState
 
 
+# Splits loaded together per loop step: their loads are issued at once and their latencies overlap, then they fold
+# one after another. A constant, so that every call runs the very same code.
+_SPLITS_PER_STEP = 8
+
+
 def _fold_kernel(live_ref, o_ref, lse_ref, acc_ref, m_ref, l_ref, acc_out, m_out, l_out, *, group: int):
     rows = acc_ref.shape[0]
     row_ok = jnp.arange(rows) < group
     acc = plgpu.load(acc_ref, mask=row_ok[:, None], other=0.0)
     m = plgpu.load(m_ref, mask=row_ok, other=NEG_INF)
     l = plgpu.load(l_ref, mask=row_ok, other=0.0)
+    num_live = live_ref[()]
+    num_splits = o_ref.shape[0]
 
-    def body(s, carry):
+    def fold_one(carry, o, lse, live):
         acc, m, l = carry
-        o = plgpu.load(o_ref.at[s], mask=row_ok[:, None], other=0.0)
-        lse2 = plgpu.load(lse_ref.at[s], mask=row_ok, other=NEG_INF) * LOG2E
+        lse2 = lse * LOG2E
         m_new = jnp.maximum(m, lse2)
         m_use = jnp.where(m_new == NEG_INF, 0.0, m_new)  # both empty: keep exp2() finite
         w_old, w_new = jnp.exp2(m - m_use), jnp.exp2(lse2 - m_use)
         part = jnp.where(w_new[:, None] > 0, w_new[:, None] * o, 0.0)  # an empty split's o may be anything
-        return acc * w_old[:, None] + part, m_new, l * w_old + w_new
+        new = (acc * w_old[:, None] + part, m_new, l * w_old + w_new)
+        return tuple(jnp.where(live, x, y) for x, y in zip(new, carry))  # past the live splits: unchanged
 
-    acc, m, l = lax.fori_loop(0, live_ref[()], body, (acc, m, l))
+    def step(i, carry):
+        first = i * _SPLITS_PER_STEP
+        loaded = []
+        for u in range(_SPLITS_PER_STEP):
+            s = jnp.minimum(first + u, num_splits - 1)
+            loaded.append((plgpu.load(o_ref.at[s], mask=row_ok[:, None], other=0.0),
+                           plgpu.load(lse_ref.at[s], mask=row_ok, other=NEG_INF), first + u < num_live))
+        for o, lse, live in loaded:
+            carry = fold_one(carry, o, lse, live)
+        return carry
+
+    acc, m, l = lax.fori_loop(0, (num_live + _SPLITS_PER_STEP - 1) // _SPLITS_PER_STEP, step, (acc, m, l))
     plgpu.store(acc_out, acc, mask=row_ok[:, None])
     plgpu.store(m_out, m, mask=row_ok)
     plgpu.store(l_out, l, mask=row_ok)
