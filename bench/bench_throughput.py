@@ -20,6 +20,7 @@ Phases, each in a fresh process writing phase_<phase>_<shape>.json under --out:
     python bench/bench_throughput.py --shapes llama-3.1-8b --phases ours,hf,batch1 --runs 3 --out DIR
     python bench/bench_throughput.py --shapes llama-3.1-8b --phases offload --out DIR
     python bench/bench_throughput.py --shape smoke --out /tmp/tp                             # CPU check, < 1 min
+    --batch-invariant runs the engine's batch-invariant mode; its phase files end in _batch_invariant.json
     python bench/bench_throughput.py --report DIR --out bench/results                        # throughput.md
 """
 from __future__ import annotations
@@ -275,7 +276,7 @@ def run_phase(args) -> None:
     result["batch_invariant"] = args.batch_invariant
     # A smaller workload (--num-seqs) gets its own file, compared only with the peer's run of the same one.
     count = f"_n{args.num_seqs}" if args.run_phase in ("ours", "hf") and args.num_seqs != 256 else ""
-    mode = "_not_invariant" if not args.batch_invariant and args.run_phase != "hf" else ""
+    mode = "_batch_invariant" if args.batch_invariant and args.run_phase != "hf" else ""
     path = Path(args.out) / f"phase_{args.run_phase}_{args.shape}{count}{mode}.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
@@ -373,8 +374,8 @@ def main() -> None:
     p.add_argument("--offload-context", type=int, default=8192)
     p.add_argument("--offload-requests", type=int, default=8)
     p.add_argument("--offload-tokens", type=int, default=32)
-    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
-                   help="the engine's batch-invariant mode (default on; --no-batch-invariant: XLA's matmuls)")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
+                   help="the engine's batch-invariant mode (default off, as the engine's)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results/runs/throughput"))
     p.add_argument("--report", type=Path, nargs="+", metavar="DIR",
                    help="write throughput.md from the phase files in these folders (later ones replace earlier)")

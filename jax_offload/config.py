@@ -175,7 +175,7 @@ class EngineConfig:
     # Devices the model's heads and MLP are split over (tensor parallelism).
     tensor_parallel_size: int = 1
     # A request's tokens independent of the requests run with it (see `LLM`).
-    batch_invariant: bool = True
+    batch_invariant: bool = False
 
     def xattention(self) -> XAttention | None:
         """The XAttention prefill policy, or None for full prefill."""

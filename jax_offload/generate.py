@@ -55,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="several prompts: share of GPU memory for weights and the paged KV pool (0.9)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="devices each layer is split over by KV-head groups (1); with several processes, all of them")
-    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
-                   help="a request's tokens independent of the requests run with it (GPU, one device; default on)")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
+                   help="a request's tokens independent of the requests run with it (GPU, one device; costs speed)")
     return p
 
 
