@@ -36,6 +36,7 @@ from pallas_kernels._common import (
     check_sm_scale,
     compiler_params,
     dot_precision,
+    fdiv,
     fit_block,
     interpret_aware_jit,
     next_pow2,
@@ -69,6 +70,7 @@ def _decode_kernel(kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale_log2
     kv_len = kvlen_ref[()]
     start = split * split_len
     n_keys = jnp.clip(kv_len - start, 0, split_len)
+    n_full = fdiv(n_keys, block_k)
     n_blocks = cdiv(n_keys, block_k)
     block_h = q_ref.shape[0]
     row_ok = jnp.arange(block_h) < group
@@ -91,10 +93,9 @@ def _decode_kernel(kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale_log2
             carry, s, lambda: load_rows(v_ref, kslice, col_ok), scale_log2=scale_log2,
             masked=masked, precision=precision)
 
-    # Every tile runs the masked update, as the paged kernel's batch-invariant loop does (`_paged_splits_kernel`):
-    # the same operations, so offloaded and paged decode keep the same bits.
     carry = empty_softmax_state(block_h, q.shape[-1])
-    carry = lax.fori_loop(0, n_blocks, functools.partial(body, masked=True), carry)
+    carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
+    carry = lax.fori_loop(n_full, n_blocks, functools.partial(body, masked=True), carry)
     o, lse = finish_online_softmax(*carry)
     plgpu.store(o_ref, o, mask=row_ok[:, None])
     plgpu.store(lse_ref, lse, mask=row_ok)

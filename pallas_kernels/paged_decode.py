@@ -116,51 +116,8 @@ def _paged_decode_kernel(seqlen_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref
     lax.fori_loop(0, cdiv(jnp.maximum(cdiv(seq_len, split_len) - program, 0), num_programs), one_split, 0)
 
 
-def _paged_splits_kernel(seqlen_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale_log2: float,
-                         page_size: int, page_stride: int, v_offset: int, block_k: int, split_len: int,
-                         num_programs: int, group: int, precision):
-    """The splits of `_paged_decode_kernel` (program p: splits p, p + num_programs, ...), as one loop over their key
-    tiles: the running state restarts empty at each split's first tile and is finished and stored after its last,
-    so the tile loads stay pipelined across splits. Every tile runs masked: a fully visible tile gives the
-    unmasked update's bits, and a tile past the split's keys leaves the state as it was."""
-    seq_len = seqlen_ref[()]
-    block_h = q_ref.shape[0]
-    row_ok = jnp.arange(block_h) < group
-    q = plgpu.load(q_ref, mask=row_ok[:, None], other=0)
-    program = pl.program_id(0)
-    tiles = split_len // block_k
-    empty = empty_softmax_state(block_h, q.shape[-1])
-
-    def body(t, carry):
-        j = lax.rem(t, jnp.int32(tiles))
-        split = program + fdiv(t, tiles) * num_programs
-        start = split * split_len
-        n_keys = jnp.clip(seq_len - start, 0, split_len)
-        carry = tuple(jnp.where(j == 0, e, c) for e, c in zip(empty, carry))
-        pos = start + j * block_k
-        phys = bt_ref[fdiv(pos, page_size)]
-        row = pl.multiple_of(phys * page_stride + lax.rem(pos, jnp.int32(page_size)), block_k)
-        col_ok = (j * block_k + jnp.arange(block_k, dtype=jnp.int32)) < n_keys
-        k = load_rows(k_ref, pl.ds(row, block_k), col_ok)
-        s = jnp.where(col_ok[None, :], plgpu.dot(q, k, trans_b=True, precision=precision), NEG_INF)
-        carry = online_softmax_update(
-            carry, s, lambda: load_rows(v_ref, pl.ds(pl.multiple_of(row + v_offset, block_k), block_k), col_ok),
-            scale_log2=scale_log2, masked=True, precision=precision)
-
-        @pl.when(j == tiles - 1)
-        def _store():
-            o, lse = finish_online_softmax(*carry)
-            plgpu.store(o_ref.at[split], o, mask=row_ok[:, None])
-            plgpu.store(lse_ref.at[split], lse, mask=row_ok)
-
-        return carry
-
-    num_splits = cdiv(jnp.maximum(cdiv(seq_len, split_len) - program, 0), num_programs)
-    lax.fori_loop(0, num_splits * tiles, body, empty)
-
-
 def _paged_decode_parts(q, k_rows, v_rows, block_tables, seq_lens, *, page_size, v_offset, sm_scale, interpret,
-                        block_k, split_len, num_programs, num_warps, num_stages, one_loop=False):
+                        block_k, split_len, num_programs, num_warps, num_stages):
     """Unmerged float32 states of consecutive key splits of `split_len` keys (a multiple of block_k), computed by
     `num_programs` programs per (sequence, KV head): o [S, B, Hkv, group, D], natural-log lse [S, B, Hkv, group]
     with S covering the block table. Only the splits holding keys (the first ceil(seq_len / split_len)) are
@@ -175,7 +132,7 @@ def _paged_decode_parts(q, k_rows, v_rows, block_tables, seq_lens, *, page_size,
     block_h = max(MIN_BLOCK, next_pow2(group))
     num_splits = -(-max_pages * page_size // split_len)
     kernel = functools.partial(
-        _paged_splits_kernel if one_loop else _paged_decode_kernel, scale_log2=sm_scale * LOG2E, page_size=page_size,
+        _paged_decode_kernel, scale_log2=sm_scale * LOG2E, page_size=page_size,
         page_stride=page_size + v_offset, v_offset=v_offset, block_k=block_k, split_len=split_len,
         num_programs=num_programs, group=group, precision=dot_precision(q.dtype))
     qg = q.reshape(batch, hkv, group, d)
@@ -233,7 +190,7 @@ def _paged_decode_state(q, k_rows, v_rows, block_tables, seq_lens, state, *, pag
     o_part, lse_part = _paged_decode_parts(
         q, k_rows, v_rows, block_tables, seq_lens, page_size=page_size, v_offset=v_offset, sm_scale=sm_scale,
         interpret=interpret, block_k=block_k, split_len=split_len, num_programs=num_programs, num_warps=num_warps,
-        num_stages=num_stages, one_loop=True)
+        num_stages=num_stages)
     return fold_splits(state, o_part, lse_part, cdiv(seq_lens, split_len), interpret=interpret)
 
 

@@ -33,8 +33,7 @@ def compare(got, alone):
             "first_divergence": [first_diff(a, b) for a, b in zip(got, alone)]}
 
 
-# PROBE_INVARIANT_ONLY=1 skips the default mode's run (its result: bench/probes/probe_path_invariance.h200.json).
-for invariant in (True,) if os.environ.get("PROBE_INVARIANT_ONLY") else (True, False):
+for invariant in (True, False):
     gpu = LLM.from_params(cfg, params, max_model_len=32768, gpu_memory_utilization=0.5, batch_invariant=invariant)
     alone = [list(gpu.generate([p], sp)[0].token_ids) for p in prompts]
     together = [list(o.token_ids) for o in gpu.generate(prompts, sp)]
