@@ -36,7 +36,7 @@ def reference(request, tmp_path_factory):
     prompts = [rng.integers(3, tiny_models.VOCAB, size=int(n)).tolist() for n in rng.integers(5, 130, NUM_PROMPTS)]
     in_gpu = LLM(path, dtype="bfloat16")
     logits = [in_gpu.logits(p) for p in prompts]
-    # One at a time: several prompts at once would run the batch engine, not bit-identical in bfloat16 (yet).
+    # One at a time: several prompts at once run the batch engine, checked in tests/test_batch_invariance.py.
     tokens = [in_gpu.generate([p], GREEDY_64)[0].token_ids for p in prompts]
     return variant, seed, path, prompts, logits, tokens
 
@@ -49,7 +49,7 @@ def test_bf16_offload_equals_in_gpu(reference, block_size, num_ring_slots, prefi
     max_diff = max(float(np.abs(offload.logits(p) - ref).max()) for p, ref in zip(prompts, logits))
     record_property("max_abs_logit_diff", max_diff)
     print(f"\n{variant} (seed {seed}) block {block_size} slots {num_ring_slots} {prefill}: max |dlogit| {max_diff}")
-    # One at a time, as the reference: the batch engine is not bit-identical to it in bfloat16 (yet).
+    # One at a time, as the reference (the batch engine's bits: tests/test_batch_invariance.py).
     outs = [offload.generate([p], GREEDY_64)[0] for p in prompts]
     same = [o.token_ids == ref for o, ref in zip(outs, tokens)]
     assert all(same), f"{variant} model seed {seed}, prompt seed {PROMPT_SEED}: greedy differs on prompts {same}"
