@@ -93,7 +93,8 @@ class BatchEngine:
             raise ValueError(f"block_size must be a power of two >= 16, got {block_size!r}.")
         if num_blocks is None:
             num_blocks = default_num_blocks(model_config, dtype, block_size, max_num_seqs, max_model_len,
-                                            max_num_batched_tokens, gpu_memory_utilization, tp.size)
+                                            max_num_batched_tokens, gpu_memory_utilization, tp.size,
+                                            params.batch_invariant)
             if num_blocks < 1:
                 raise ValueError(
                     f"gpu_memory_utilization {gpu_memory_utilization} leaves no memory for KV blocks after the "

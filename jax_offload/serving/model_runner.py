@@ -70,10 +70,12 @@ def kv_block_bytes(cfg: ModelConfig, dtype: jnp.dtype, block_size: int) -> int:
 
 
 def default_num_blocks(cfg: ModelConfig, dtype: jnp.dtype, block_size: int, max_num_seqs: int, max_model_len: int,
-                       max_num_batched_tokens: int, gpu_memory_utilization: float, num_devices: int = 1) -> int:
+                       max_num_batched_tokens: int, gpu_memory_utilization: float, num_devices: int = 1,
+                       batch_invariant: bool = False) -> int:
     """As many blocks as `gpu_memory_utilization` of what JAX's allocator may use leaves after the weights, a
-    step's activations and a prefill chunk's gathered prefix, and no more than max_num_seqs full-length sequences
-    need; each of `num_devices` holds its share of a block's KV heads. Without device memory statistics (CPU) a
+    step's activations, a prefill chunk's gathered prefix and (batch-invariant) the decode splits' states of one
+    layer, and no more than max_num_seqs full-length sequences need; each of `num_devices` holds its share of a
+    block's KV heads. Without device memory statistics (CPU) a
     quarter of the free host memory is the budget."""
     wanted = max_num_seqs * -(-max_model_len // block_size)
     stats = jax.devices()[0].memory_stats() or {}
@@ -84,7 +86,8 @@ def default_num_blocks(cfg: ModelConfig, dtype: jnp.dtype, block_size: int, max_
         logits = 4 * max_num_seqs * cfg.vocab_size * 4  # float32 logits, scaled copy, noise, sort
         prefix = 2 * max_model_len * cfg.num_kv_heads * cfg.head_dim * itemsize  # one layer's, gathered for a chunk
         # Batch-invariant decode: every 256-key split's float32 (o, lse) of one layer.
-        splits = -(-max_model_len // DECODE_SPLIT) * max_num_seqs * cfg.num_heads * (cfg.head_dim + 1) * 4
+        splits = (-(-max_model_len // DECODE_SPLIT) * max_num_seqs * cfg.num_heads * (cfg.head_dim + 1) * 4
+                  if batch_invariant else 0)
         budget = (stats["bytes_limit"] * gpu_memory_utilization - stats["bytes_in_use"] - activations - logits
                   - prefix - splits)
     else:
