@@ -176,6 +176,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # A request's tokens independent of the requests run with it (see `LLM`).
     batch_invariant: bool = False
+    # Reuse the KV blocks of earlier prompts' equal prefixes (GPU pool of continuous batching; see `LLM`).
+    enable_prefix_caching: bool = False
 
     def xattention(self) -> XAttention | None:
         """The XAttention prefill policy, or None for full prefill."""
@@ -246,6 +248,11 @@ class EngineConfig:
     def _validate(self, model: ModelConfig) -> "EngineConfig":
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}.")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}.")
+        if self.enable_prefix_caching and self.offload:
+            raise ValueError("enable_prefix_caching=True works with the KV cache in GPU memory so far; "
+                             "use offload=False or enable_prefix_caching=False.")
         n = self.tensor_parallel_size
         if not _int(n) or n < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {n!r}.")

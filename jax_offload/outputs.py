@@ -15,6 +15,7 @@ class RequestOutput:
     decode_token_seconds: list[float] = dataclasses.field(default_factory=list)  # each decode step's wall time
     # XAttention prefill: per layer, the selected share of the causally visible (query, key) blocks, all heads.
     prefill_density: list[float] | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV was reused from the prefix cache (vLLM's name)
 
     @property
     def prefill_tokens_per_second(self) -> float:

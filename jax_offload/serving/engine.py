@@ -82,12 +82,14 @@ class BatchEngine:
         gpu_memory_utilization: float = 0.9,
         swap_space_bytes: int | None = None,
         tp: TensorParallel | None = None,
+        enable_prefix_caching: bool = False,
     ) -> "BatchEngine":
         """`num_blocks` KV blocks of `block_size` tokens (default: what `gpu_memory_utilization` of the device
         memory JAX may use leaves after the weights); `swap_space_bytes` of host memory hold preempted requests'
         KV (default: half the free host memory, at most the pool's size); beyond it preempted requests are
         recomputed. `tp`: the mesh the (already placed) params are split over; the pool is split the same way (one
-        device if None). The options `LLM` shares with this engine are checked by `EngineConfig`."""
+        device if None). `enable_prefix_caching`: prompts reuse the KV blocks of earlier prompts' equal prefixes
+        (`BlockManager`). The options `LLM` shares with this engine are checked by `EngineConfig`."""
         tp = tp or TensorParallel.create(1)
         if not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 16, got {block_size!r}.")
@@ -108,7 +110,8 @@ class BatchEngine:
             model_config, params, inv_freq, jnp.dtype(dtype), check_attention_impl(attention_impl), tp,
             num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             swap_space_bytes=swap_space_bytes)
-        return cls(runner, BlockManager(num_blocks, block_size), max_model_len, tokenizer, eos_token_ids,
+        return cls(runner, BlockManager(num_blocks, block_size, enable_prefix_caching), max_model_len, tokenizer,
+                   eos_token_ids,
                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
 
     @classmethod
@@ -186,6 +189,7 @@ class BatchEngine:
                 (seq,), (begin, end) = step.seqs, step.chunk
                 tokens = self.runner.prefill_chunk(seq, begin, end)
                 seq.num_cached = end
+                self.blocks.register(seq)
                 if not tokens:  # a chunk before the last: its time counts towards the first token's
                     seconds = time.perf_counter() - start
                     seq.prefill_seconds += seconds
@@ -196,6 +200,8 @@ class BatchEngine:
                 tokens = run(step.seqs)
                 for seq in step.seqs:
                     seq.num_cached = seq.num_tokens
+                    if step.kind == "prefill":
+                        self.blocks.register(seq)
             self._took(step, tokens, start, kv_tokens, on_text)
         self._bar.close()
         if self.blocks.num_used or self.runner.host_bytes_used:
@@ -290,7 +296,7 @@ class BatchEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(seq.prompt_ids, seq.text, seq.output_ids, seq.finish_reason, seq.prefill_seconds,
-                             sum(seq.step_seconds), seq.step_seconds)
+                             sum(seq.step_seconds), seq.step_seconds, num_cached_tokens=seq.num_cached_tokens)
 
 
 def _check_int(name: str, value: object, least: int) -> None:

@@ -37,6 +37,7 @@ class Sequence:
     block_table: list[int] = dataclasses.field(default_factory=list)
     num_cached: int = 0
     num_pending: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     host_kv: object = None  # the swapped-out KV blocks (host arrays) while SWAPPED
     text: str = ""
     finish_reason: str | None = None

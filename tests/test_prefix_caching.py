@@ -1,0 +1,134 @@
+"""Prefix caching in the GPU pool: prompts that start alike reuse the KV blocks an earlier prefill computed.
+
+The block manager's bookkeeping (keys chained over the tokens, reference counts, least-recently-freed eviction, no
+leak over 1,000 requests) is checked on its own; the engine's outputs with caching equal those without it
+(float32 greedy, tiny Llama), with the reused tokens reported.
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+import tiny_models
+from jax_offload import LLM, SamplingParams
+from jax_offload.sampling import SamplingParams as Params
+from jax_offload.serving.block_manager import BlockManager
+from jax_offload.serving.sequence import Sequence
+
+
+def _seq(index: int, ids: list[int]) -> Sequence:
+    return Sequence(index, list(ids), Params(), np.zeros(2, np.uint32), len(ids) + 8)
+
+
+def _prefill(blocks: BlockManager, seq: Sequence) -> None:
+    blocks.allocate(seq, seq.num_tokens, reuse=True)
+    seq.num_cached = seq.num_tokens
+    blocks.register(seq)
+
+
+def test_blocks_are_shared_by_prefix_and_evicted_least_recently_freed():
+    blocks = BlockManager(6, 4, enable_prefix_caching=True)
+    a = _seq(0, range(10))  # blocks [0..3], [4..7] full, [8, 9] partial
+    _prefill(blocks, a)
+    b = _seq(1, list(range(8)) + [50, 51, 52])
+    _prefill(blocks, b)
+    assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+    c = _seq(2, list(range(4)) + [60] * 5)  # shares the first block only
+    _prefill(blocks, c)
+    assert c.num_cached_tokens == 4 and c.block_table[0] == a.block_table[0]
+    assert blocks.num_used == 3 + 1 + 2 and blocks.num_free == 0
+    d = _seq(3, list(range(8)))  # its last token's block is computed, never reused: one block shared
+    assert blocks.cached_prefix(d) == a.block_table[:1]
+    for seq in (a, b, c):
+        blocks.free(seq)
+    assert blocks.num_used == 0 and blocks.num_free == 6
+    _prefill(blocks, d)
+    assert d.num_cached_tokens == 4
+    blocks.free(d)
+    # A fresh prompt needs every block: the cached ones are evicted, their keys dropped.
+    e = _seq(4, [90 + i for i in range(24)])
+    _prefill(blocks, e)
+    assert blocks.cached_prefix(_seq(5, list(range(10)))) == []
+    blocks.free(e)
+
+
+def test_no_block_leaks_over_a_thousand_requests():
+    rng = random.Random(11)
+    blocks = BlockManager(64, 8, enable_prefix_caching=True)
+    prefixes = [[rng.randrange(100) for _ in range(rng.randrange(0, 40))] for _ in range(5)]
+    live: list[Sequence] = []
+    for i in range(1000):
+        ids = rng.choice(prefixes) + [rng.randrange(100) for _ in range(rng.randrange(1, 30))]
+        seq = _seq(i, ids)
+        while not blocks.can_allocate(seq.num_tokens, 0, seq):
+            blocks.free(live.pop(0))
+        _prefill(blocks, seq)
+        live.append(seq)
+        if rng.random() < 0.5:
+            blocks.free(live.pop(rng.randrange(len(live))))
+    for seq in live:
+        blocks.free(seq)
+    assert blocks.num_used == 0 and blocks.num_free == 64, "seed 11"
+
+
+MODEL_SEED, PROMPT_SEED = 4301, 4302
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama3")
+    tiny_models.build("llama3", path, seed=MODEL_SEED)
+    return path
+
+
+def test_reused_prefix_gives_the_same_tokens(tiny_llama):
+    rng = np.random.default_rng(PROMPT_SEED)
+    system = rng.integers(3, tiny_models.VOCAB, size=600).tolist()  # two full blocks of 256 and a partial one
+
+    def ask(n: int) -> list[int]:
+        return system + rng.integers(3, tiny_models.VOCAB, size=n).tolist()
+
+    first, second = [ask(20), ask(7)], [ask(33), ask(90), rng.integers(3, tiny_models.VOCAB, size=50).tolist()]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    where = f"model seed {MODEL_SEED}, prompt seed {PROMPT_SEED}"
+    plain = LLM(tiny_llama, dtype="float32", max_model_len=1024, max_num_seqs=4)
+    cached = LLM(tiny_llama, dtype="float32", max_model_len=1024, max_num_seqs=4, enable_prefix_caching=True)
+    for prompts in (first, second):
+        want = [o.token_ids for o in plain.generate(prompts, greedy)]
+        outs = cached.generate(prompts, greedy)
+        assert [o.token_ids for o in outs] == want, where
+    # The first batch computed the shared blocks once; every later prompt on the system prompt reused both.
+    assert [o.num_cached_tokens for o in outs] == [512, 512, 0], where
+    assert cached._batch_engine.blocks.num_used == 0, where
+
+
+@pytest.mark.parametrize("swap_blocks", [0, 64], ids=["recompute", "swap"])
+def test_preemption_keeps_outputs_with_shared_blocks(tiny_llama, swap_blocks):
+    """A pool of 14 blocks of 16 tokens for 10 requests on two shared prefixes: requests are preempted (swapped,
+    or recomputed when host room is short) while others hold their prefix blocks."""
+    from jax_offload.serving.engine import BatchEngine
+
+    rng = np.random.default_rng(PROMPT_SEED + 1)
+    prefixes = [rng.integers(3, tiny_models.VOCAB, size=n).tolist() for n in (40, 70)]
+    prompts = [prefixes[i % 2] + rng.integers(3, tiny_models.VOCAB, size=int(n)).tolist()
+               for i, n in enumerate(rng.integers(1, 30, 10))]
+    params = [SamplingParams(temperature=0.0, max_tokens=int(m), ignore_eos=True) for m in rng.integers(8, 40, 10)]
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=256)
+    kv_block = 2 * llm.model_config.num_layers * 16 * llm.model_config.num_kv_heads * llm.model_config.head_dim * 4
+
+    def engine(num_blocks: int, caching: bool) -> BatchEngine:
+        return BatchEngine.in_gpu(llm.model_config, llm.params, llm._inv_freq, llm.dtype, llm.attention_impl,
+                                  llm.max_model_len, block_size=16, num_blocks=num_blocks, max_num_seqs=6,
+                                  max_num_batched_tokens=512, swap_space_bytes=swap_blocks * kv_block,
+                                  enable_prefix_caching=caching)
+
+    want = [o.token_ids for o in engine(200, False).generate(prompts, params)]
+    cached = engine(14, True)
+    outs = cached.generate(prompts, params)
+    where = f"model seed {MODEL_SEED}, prompt seed {PROMPT_SEED + 1}, {cached.stats}"
+    assert [o.token_ids for o in outs] == want, where
+    assert cached.stats.preemptions > 0 and sum(o.num_cached_tokens for o in outs) > 0, where
+    assert (cached.stats.swap_outs > 0) == (swap_blocks > 0), where
+    assert cached.blocks.num_used == 0 and cached.blocks.num_free == 14, where
