@@ -68,14 +68,14 @@ def _check(outs, reference, where: str) -> None:
 
 
 # ---- (a) batched greedy == one at a time -------------------------------------------------------------------
-# max_num_seqs from 1 (no batching) to 24 (all at once): seven limits between (every limit to 8 and every fourth
+# max_num_seqs from 1 (no batching) to 24 (all at once): five limits (every limit to 8 and every fourth
 # after passed until the suite needed the time for prefix caching, commit 36091a7). Steps are padded to the same power-of-two batch sizes whatever the limit, so the whole sweep compiles
 # each step once per model and pool.
 
-LIMITS = (1, 2, 3, 5, 8, 12, 24)
+LIMITS = (1, 2, 3, 8, 24)
 
 
-@pytest.mark.parametrize("variant,limits", [("llama3", LIMITS), ("qwen2", (1, 7, 24))])
+@pytest.mark.parametrize("variant,limits", [("llama3", LIMITS), ("qwen2", (1, 24))])
 def test_batched_greedy_equals_one_at_a_time(tmp_root, variant, limits):
     llm = _llm(variant, tmp_root)
     prompts, params = _workload()
@@ -226,9 +226,8 @@ def test_seeded_sampling_ignores_batch_composition(tmp_root):
     where = f"model seed {MODEL_SEEDS['llama3']}, prompt seed {PROMPT_SEED}, request seeds {SAMPLING_SEED}+i"
     runs = {n: [o.token_ids for o in _engine(llm, max_num_seqs=n).generate(prompts, params)] for n in (1, 24)}
     assert runs[1] == runs[24], where
-    # Other neighbours: the odd requests alone, in reverse order, then preempted and swapped.
-    odd = [o.token_ids for o in _engine(llm, max_num_seqs=3).generate(prompts[::-2], params[::-2])]
-    assert odd == runs[24][::-2], where
+    # Other neighbours: preempted and swapped (the odd requests alone in reverse order passed until the suite
+    # needed the time, commit 36091a7).
     scarce = _engine(llm, max_num_seqs=8, num_blocks=SCARCE_BLOCKS)
     assert [o.token_ids for o in scarce.generate(prompts, params)] == runs[24], where
     assert scarce.stats.swap_outs > 0, where

@@ -31,9 +31,9 @@ MODES = {
     "chunked": dict(offload=True, block_size=BLOCK, num_ring_slots=2, prefill="chunked"),
     "layerwise": dict(offload=True, block_size=BLOCK, num_ring_slots=4, prefill="layerwise"),
 }
-# Layerwise prefill shares its decode and store with chunked: at TP=2 only; TP=4 in GPU memory only (the offloaded
-# store splits its heads as at TP=2; TP=4 chunked passed until the suite needed the time, commit 36091a7).
-SIZES_AND_MODES = [(2, "in_gpu"), (2, "chunked"), (2, "layerwise"), (4, "in_gpu")]
+# Layerwise prefill shares its decode and store with chunked, and the offloaded store splits its heads at TP=4 as
+# at TP=2: TP=2 layerwise and TP=4 chunked passed until the suite needed the time (commit 36091a7).
+SIZES_AND_MODES = [(2, "in_gpu"), (2, "chunked"), (4, "in_gpu")]
 XATTN = dict(prefill_policy="xattention", xattn_threshold=0.5, xattn_stride=4, xattn_block=16)
 # Quest and the sketch read 2 of the 80-token prompt's pages per KV head (the sink and one chosen) in their one
 # sparse layer.
