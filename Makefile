@@ -30,4 +30,4 @@ run: setup
 
 test: setup-test
 	$(PYTHON) -m jax_offload.default_model
-	$(PYTHON) -m pytest -n 2 tests
+	$(PYTHON) -m pytest -n 2 --dist loadfile tests

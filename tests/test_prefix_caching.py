@@ -124,7 +124,7 @@ def test_preemption_keeps_outputs_with_shared_blocks(tiny_llama, swap_blocks):
                                   max_num_batched_tokens=512, swap_space_bytes=swap_blocks * kv_block,
                                   enable_prefix_caching=caching)
 
-    want = [o.token_ids for o in engine(200, False).generate(prompts, params)]
+    want = [o.token_ids for o in engine(14, False).generate(prompts, params)]  # the same shapes: compiled once
     cached = engine(14, True)
     outs = cached.generate(prompts, params)
     where = f"model seed {MODEL_SEED}, prompt seed {PROMPT_SEED + 1}, {cached.stats}"
