@@ -13,13 +13,12 @@ import pytest
 
 import tiny_models
 from jax_offload import LLM, SamplingParams
-from jax_offload.sampling import SamplingParams as Params
 from jax_offload.serving.block_manager import BlockManager
 from jax_offload.serving.sequence import Sequence
 
 
 def _seq(index: int, ids: list[int]) -> Sequence:
-    return Sequence(index, list(ids), Params(), np.zeros(2, np.uint32), len(ids) + 8)
+    return Sequence(index, list(ids), SamplingParams(), np.zeros(2, np.uint32), len(ids) + 8)
 
 
 def _prefill(blocks: BlockManager, seq: Sequence) -> None:
