@@ -22,7 +22,7 @@ def _seq(index: int, ids: list[int]) -> Sequence:
 
 
 def _prefill(blocks: BlockManager, seq: Sequence) -> None:
-    blocks.allocate(seq, seq.num_tokens, reuse=True)
+    blocks.allocate(seq, seq.num_tokens, blocks.cached_prefix(seq))
     seq.num_cached = seq.num_tokens
     blocks.register(seq)
 
@@ -61,7 +61,7 @@ def test_no_block_leaks_over_a_thousand_requests():
     for i in range(1000):
         ids = rng.choice(prefixes) + [rng.randrange(100) for _ in range(rng.randrange(1, 30))]
         seq = _seq(i, ids)
-        while not blocks.can_allocate(seq.num_tokens, 0, seq):
+        while not blocks.can_allocate(seq.num_tokens, 0, blocks.cached_prefix(seq)):
             blocks.free(live.pop(0))
         _prefill(blocks, seq)
         live.append(seq)

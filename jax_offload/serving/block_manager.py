@@ -60,26 +60,28 @@ class BlockManager:
             blocks.append(block)
         return blocks
 
-    def can_allocate(self, num_tokens: int, reserve: int = 0, seq: Sequence | None = None) -> bool:
-        """Whether `num_tokens` tokens fit, `reserve` blocks kept free; given `seq`, its cached prefix counts."""
-        hit = self.cached_prefix(seq) if seq is not None else []
-        taken = self.blocks_for(num_tokens) - len(hit) + sum(self._refs[b] == 0 for b in hit)
-        return self.num_free - reserve >= taken
+    def _blocks_taken(self, num_tokens: int, cached: list[int]) -> int:
+        """Free blocks an allocation takes: new ones, and cached ones no sequence holds."""
+        return self.blocks_for(num_tokens) - len(cached) + sum(self._refs[b] == 0 for b in cached)
 
-    def allocate(self, seq: Sequence, num_tokens: int, reuse: bool = False) -> None:
-        """Gives a sequence with no blocks enough of them for `num_tokens` tokens; with `reuse`, its cached prefix
-        first (`seq.num_cached` then counts those tokens)."""
+    def can_allocate(self, num_tokens: int, reserve: int = 0, cached: list[int] = ()) -> bool:
+        """Whether `num_tokens` tokens fit, `reserve` blocks kept free, the first ones being the `cached` blocks
+        (`cached_prefix`)."""
+        return self.num_free - reserve >= self._blocks_taken(num_tokens, cached)
+
+    def allocate(self, seq: Sequence, num_tokens: int, cached: list[int] = ()) -> None:
+        """Gives a sequence with no blocks enough of them for `num_tokens` tokens, the `cached` blocks of its prefix
+        (`cached_prefix`) first; `seq.num_cached` then counts their tokens."""
         if seq.block_table:
             raise RuntimeError(f"Sequence {seq.index} already holds blocks {seq.block_table}.")
-        hit = self.cached_prefix(seq) if reuse else []
-        need = self.blocks_for(num_tokens) - len(hit)
-        if need + sum(self._refs[b] == 0 for b in hit) > self.num_free:
-            raise RuntimeError(f"Sequence {seq.index} needs {need} blocks but only {self.num_free} are free.")
-        for block in hit:
+        if self._blocks_taken(num_tokens, cached) > self.num_free:
+            raise RuntimeError(f"Sequence {seq.index} needs {self._blocks_taken(num_tokens, cached)} blocks but "
+                               f"only {self.num_free} are free.")
+        for block in cached:
             self._hold(block)
-        seq.block_table = hit + [self._take() for _ in range(need)]
-        if reuse:
-            seq.num_cached = seq.num_cached_tokens = len(hit) * self.block_size
+        seq.block_table = list(cached) + [self._take() for _ in range(self.blocks_for(num_tokens) - len(cached))]
+        if cached:
+            seq.num_cached = seq.num_cached_tokens = len(cached) * self.block_size
 
     def register(self, seq: Sequence) -> None:
         """Keys the sequence's full blocks whose KV is computed, so later prompts can reuse them."""

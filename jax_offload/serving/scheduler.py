@@ -124,14 +124,14 @@ class Scheduler:
             if batch and self.prefill_tokens(lengths + [seq.num_tokens]) > self.max_num_batched_tokens:
                 break
             # A cached prefix: the rest of the prompt runs as chunks after it (the chunk step reads earlier KV).
-            hit = bool(self.chunked_prefill and self.blocks.cached_prefix(seq))
-            if not self.blocks.can_allocate(seq.num_tokens, reserve, seq if hit else None):
+            cached = self.blocks.cached_prefix(seq) if self.chunked_prefill else []
+            if not self.blocks.can_allocate(seq.num_tokens, reserve, cached):
                 break
-            if hit:
+            if cached:
                 if batch:
                     break
                 self.waiting.popleft()
-                self.blocks.allocate(seq, seq.num_tokens, reuse=True)
+                self.blocks.allocate(seq, seq.num_tokens, cached)
                 self.chunking = seq
                 return self._next_chunk(seq)
             if self.chunked_prefill and not batch and seq.num_tokens > self.max_chunk:
