@@ -182,6 +182,21 @@ def finish_online_softmax(acc, m_i, l_i):
     return acc * inv_l[:, None], lse
 
 
+def decode_key_tile(carry, q, k_ref, v_ref, kslice, vslice, col_ok, *, scale_log2: float, precision):
+    """One key tile of a decode program (contiguous or paged): scores of the query group against the tile's keys,
+    then `online_softmax_update`. `col_ok` None: every key of the tile is visible (the unmasked update); else
+    keys where it is False are neither loaded nor counted. One function for both kernels, so that the offloaded
+    decode and the paged decode run the same operations (and, on a GPU, get the same bits)."""
+    masked = col_ok is not None
+    k = load_rows(k_ref, kslice, col_ok)
+    # Raw scores; the scale is folded into the exponent (one FMA per element).
+    s = plgpu.dot(q, k, trans_b=True, precision=precision)
+    if masked:
+        s = jnp.where(col_ok[None, :], s, NEG_INF)
+    return online_softmax_update(carry, s, lambda: load_rows(v_ref, vslice, col_ok), scale_log2=scale_log2,
+                                 masked=masked, precision=precision)
+
+
 def online_softmax_update(carry, s, load_v, *, scale_log2: float, masked: bool, precision):
     """One key tile of the online softmax shared by the prefill and decode kernels.
 

@@ -23,13 +23,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
+    decode_key_tile,
     empty_softmax_state,
     finish_online_softmax,
-    load_rows,
-    online_softmax_update,
     LOG2E,
     MIN_BLOCK,
-    NEG_INF,
     cdiv,
     check_attention_shapes,
     check_out_dtype,
@@ -79,19 +77,10 @@ def _decode_kernel(kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale_log2
     q = plgpu.load(q_ref, mask=row_ok[:, None], other=0)
 
     def body(j, carry, masked: bool):
-        first = pl.multiple_of(start + j * block_k, block_k)
-        kslice = pl.ds(first, block_k)
-        col_ok = None
-        if masked:
-            col_ok = (j * block_k + jnp.arange(block_k, dtype=jnp.int32)) < n_keys
-        k = load_rows(k_ref, kslice, col_ok)
-        # Raw scores; the scale is folded into the exponent below (one FMA per element).
-        s = plgpu.dot(q, k, trans_b=True, precision=precision)
-        if masked:
-            s = jnp.where(col_ok[None, :], s, NEG_INF)
-        return online_softmax_update(
-            carry, s, lambda: load_rows(v_ref, kslice, col_ok), scale_log2=scale_log2,
-            masked=masked, precision=precision)
+        kslice = pl.ds(pl.multiple_of(start + j * block_k, block_k), block_k)
+        col_ok = (j * block_k + jnp.arange(block_k, dtype=jnp.int32)) < n_keys if masked else None
+        return decode_key_tile(carry, q, k_ref, v_ref, kslice, kslice, col_ok, scale_log2=scale_log2,
+                               precision=precision)
 
     carry = empty_softmax_state(block_h, q.shape[-1])
     carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)

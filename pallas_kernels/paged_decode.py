@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
+    decode_key_tile,
     LOG2E,
     MIN_BLOCK,
     NEG_INF,
@@ -46,9 +47,7 @@ from pallas_kernels._common import (
     fit_block,
     finish_online_softmax,
     interpret_aware_jit,
-    load_rows,
     next_pow2,
-    online_softmax_update,
     per_batch,
     resolve_interpret,
 )
@@ -90,20 +89,11 @@ def _paged_decode_kernel(seqlen_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref
             # block table are never read.
             phys = bt_ref[fdiv(pos, page_size)]
             row = pl.multiple_of(phys * page_stride + lax.rem(pos, jnp.int32(page_size)), block_k)
-            kslice = pl.ds(row, block_k)
             vslice = pl.ds(pl.multiple_of(row + v_offset, block_k), block_k)
-            col_ok = None
-            if masked:
-                # Rows of the tail page past seq_len may hold stale keys (even NaN): never loaded.
-                col_ok = (j * block_k + jnp.arange(block_k, dtype=jnp.int32)) < n_keys
-            k = load_rows(k_ref, kslice, col_ok)
-            # Raw scores; the scale is folded into the exponent (one FMA per element).
-            s = plgpu.dot(q, k, trans_b=True, precision=precision)
-            if masked:
-                s = jnp.where(col_ok[None, :], s, NEG_INF)
-            return online_softmax_update(
-                carry, s, lambda: load_rows(v_ref, vslice, col_ok), scale_log2=scale_log2,
-                masked=masked, precision=precision)
+            # Rows of the tail page past seq_len may hold stale keys (even NaN): never loaded.
+            col_ok = (j * block_k + jnp.arange(block_k, dtype=jnp.int32)) < n_keys if masked else None
+            return decode_key_tile(carry, q, k_ref, v_ref, pl.ds(row, block_k), vslice, col_ok,
+                                   scale_log2=scale_log2, precision=precision)
 
         carry = empty_softmax_state(block_h, q.shape[-1])
         carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
