@@ -7,7 +7,7 @@ ascending K order, from zero, rounded once to the output dtype; `block_k` depend
 rows and columns (`block_m`, `block_n`) only decide which program computes an element, so they are picked per
 call for speed: wide tiles for prefill, narrow ones for decode batches, where the weight must be read by many
 programs at once to reach HBM speed. Their bits are the same (tested on the H200 with
-`bench/probes/probe_matmul.py`, and in interpret mode by tests/test_matmul.py).
+`bench/probes/probe_matmul.py`, and in interpret mode by tests/test_batch_invariance.py).
 
 `matmul_xla` is XLA's own dot.
 """

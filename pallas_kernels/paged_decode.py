@@ -213,12 +213,12 @@ def paged_decode_state(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, blo
     check_state(state, batch, 1, hq, d)
     if split_len < MIN_BLOCK or split_len % MIN_BLOCK:
         raise ValueError(f"split_len={split_len}; allowed: a positive multiple of {MIN_BLOCK}")
-    block_k = math.gcd(default_decode_config(q.dtype)["block_k"], split_len, page_size)
+    cfg = default_decode_config(q.dtype)
+    block_k = math.gcd(cfg["block_k"], split_len, page_size)
     max_splits = -(-block_tables.shape[1] * page_size // split_len)
     if num_programs is None:
         num_programs = -(-_TARGET_PROGRAMS // (batch * hkv))
     rows = num_pages * page_size
-    cfg = default_decode_config(q.dtype)
     return _paged_decode_state(
         q, k_pages.reshape(rows, hkv, d), v_pages.reshape(rows, hkv, d), block_tables, seq_lens, state,
         page_size=page_size, v_offset=0, sm_scale=check_sm_scale(sm_scale, d), interpret=resolve_interpret(interpret),
