@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from jax_offload.config import ModelConfig
 from jax_offload.kv.host_store import PAGE_UNIT, from_stored_layout, gather_rows, in_device_memory
+from jax_offload.kv.kv_cache_dtype import Fp8KV, dequantize
 from jax_offload.models import decoder
 from jax_offload.models.params import LayerParams
 from jax_offload.precision import step_jit
@@ -69,19 +70,27 @@ def paged_decode_attention(impl: str, q, k_pages, v_pages, tables, seq_lens, tp:
     """Decode attention of q [B, Hq, D] over a paged pool [num_blocks, block_size, Hkv, D] (block tables [B, n],
     lengths [B]) -> o [B, Hq, D], each device over its heads. Batch-invariant (Pallas only): o float32 from the
     fixed DECODE_SPLIT splits folded in key order, the bits of the offloaded decode (`decode_state`); otherwise o
-    in q's dtype from splits sized to the batch."""
+    in q's dtype from splits sized to the batch. An fp8 pool (`Fp8KV` pages) is dequantized in the kernel."""
+    def pool(k_pages, v_pages):
+        """(k, v, scale keywords) of a pool in either form."""
+        if isinstance(k_pages, Fp8KV):
+            return k_pages.values, v_pages.values, dict(k_scales=k_pages.scales, v_scales=v_pages.scales)
+        return k_pages, v_pages, {}
+
     if impl == "pallas" and batch_invariant:
         def local(q, k_pages, v_pages, tables, seq_lens):
+            k, v, scales = pool(k_pages, v_pages)
             state = pallas_kernels.empty_state(q.shape[0], 1, *q.shape[1:])
             o, _ = pallas_kernels.finish_state(
-                pallas_kernels.paged_decode_state(q, k_pages, v_pages, tables, seq_lens, state))
+                pallas_kernels.paged_decode_state(q, k, v, tables, seq_lens, state, **scales))
             return o[:, 0]
     else:
         fn = (pallas_kernels.paged_decode_attention_with_lse if impl == "pallas"
               else pallas_kernels.paged_decode_attention_with_lse_xla)
 
         def local(q, k_pages, v_pages, tables, seq_lens):
-            return fn(q, k_pages, v_pages, tables, seq_lens)[0]
+            k, v, scales = pool(k_pages, v_pages)
+            return fn(q, k, v, tables, seq_lens, **scales)[0]
 
     return _local(tp, local, (1, HEADS, HEADS, None, None), 1)(q, k_pages, v_pages, tables, seq_lens)
 
@@ -225,11 +234,16 @@ def _split_block(block: jax.Array) -> tuple[jax.Array, jax.Array]:
     return block[0][None], block[1][None]
 
 
-def _join_blocks(blocks: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
-    """Consecutive blocks as the host store keeps them -> k, v [1, n * block_size, Hkv, D]: one kernel call
-    covers the whole group."""
-    pages = jnp.concatenate(blocks, axis=1) if len(blocks) > 1 else blocks[0]
-    return _split_block(from_stored_layout(pages))
+def _stored_values(stored) -> jax.Array:
+    """The values of a stored KV array in either form (for its shape)."""
+    return stored.values if isinstance(stored, Fp8KV) else stored
+
+
+def _join_blocks(blocks: tuple, dtype) -> tuple[jax.Array, jax.Array]:
+    """Consecutive blocks as the host store keeps them -> k, v [1, n * block_size, Hkv, D] in `dtype` (an fp8
+    block dequantized in one pass over GPU memory, exactly): one kernel call covers the whole group."""
+    pages = jax.tree.map(lambda *b: jnp.concatenate(b, axis=1), *blocks) if len(blocks) > 1 else blocks[0]
+    return _split_block(dequantize(from_stored_layout(pages), dtype))
 
 
 @functools.partial(step_jit, static_argnums=(0,), static_argnames=("tp",))
@@ -248,7 +262,7 @@ def chunk_begin(
 def attend_blocks(impl: str, q: jax.Array, blocks: tuple[jax.Array, ...], state: AttentionState,
                   tp: TensorParallel | None = None) -> AttentionState:
     """Continues the state of a chunk's (or a token's) queries over earlier host blocks, all visible."""
-    k, v = _join_blocks(blocks)
+    k, v = _join_blocks(blocks, q.dtype)
     return attend(impl, q, k, v, state, causal=False, tp=tp)
 
 
@@ -328,15 +342,19 @@ def pooled_decode_end(
     return decoder.attention_output_and_mlp(cfg, layer, x, o)  # the one rounding to the model dtype
 
 
-def _layer_blocks(buffer: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """A one-buffer layer [num_blocks, Hkv, units, 2, PAGE_UNIT, D] -> k, v [1, num_blocks * block_size, Hkv, D]."""
-    nb, hkv, units = buffer.shape[:3]
-    return _split_block(from_stored_layout(buffer.swapaxes(0, 1).reshape(hkv, nb * units, *buffer.shape[3:])))
+def _layer_blocks(buffer, dtype) -> tuple[jax.Array, jax.Array]:
+    """A one-buffer layer [num_blocks, Hkv, units, 2, PAGE_UNIT, D] -> k, v [1, num_blocks * block_size, Hkv, D]
+    in `dtype`."""
+    def heads_first(b):
+        nb, hkv, units = b.shape[:3]
+        return b.swapaxes(0, 1).reshape(hkv, nb * units, *b.shape[3:])
+
+    return _split_block(dequantize(from_stored_layout(jax.tree.map(heads_first, buffer)), dtype))
 
 
-def _all_rows(buffer: jax.Array) -> jax.Array:
+def _all_rows(buffer) -> jax.Array:
     """Every store row of a one-buffer layer [num_blocks, Hkv, units, ...], per KV head in key order -> [Hkv, n]."""
-    num_blocks, hkv, units = buffer.shape[:3]
+    num_blocks, hkv, units = _stored_values(buffer).shape[:3]
     unit = jnp.arange(num_blocks * units, dtype=jnp.int32)
     head = jnp.arange(hkv, dtype=jnp.int32)[:, None]
     return ((unit // units)[None] * hkv + head) * units + unit % units
@@ -357,7 +375,7 @@ def dense_stored_layer(
 
     def local(q, buffer, state, num_keys):
         if impl == "xla":
-            return attend(impl, q, *_layer_blocks(buffer), state, causal=False, kv_len=num_keys)
+            return attend(impl, q, *_layer_blocks(buffer, q.dtype), state, causal=False, kv_len=num_keys)
         return attend_rows(impl, q, buffer, _all_rows(buffer), num_keys, state, host, device)
 
     state = _local(tp, local, (HEADS, BUFFER_HEADS, STATE_HEADS, None), STATE_HEADS)(q, buffer, state, num_keys)
@@ -374,9 +392,10 @@ def _chosen_rows(impl, q, scorer, meta, num_pages, num_candidates, budget_pages,
     return quest.page_rows(pages, num_candidates, page_size, block_size).reshape(hkv, -1)
 
 
-def _page_keys(pages: jax.Array, num_kv_heads: int) -> tuple[jax.Array, jax.Array]:
-    """Gathered pages [Hkv * n, 2, PAGE_UNIT, D], head by head -> k, v [1, n * PAGE_UNIT, Hkv, D]."""
-    return _split_block(from_stored_layout(pages.reshape(num_kv_heads, -1, *pages.shape[1:])))
+def _page_keys(pages, num_kv_heads: int, dtype) -> tuple[jax.Array, jax.Array]:
+    """Gathered pages [Hkv * n, 2, PAGE_UNIT, D], head by head -> k, v [1, n * PAGE_UNIT, Hkv, D] in `dtype`."""
+    by_head = jax.tree.map(lambda p: p.reshape(num_kv_heads, -1, *p.shape[1:]), pages)
+    return _split_block(dequantize(from_stored_layout(by_head), dtype))
 
 
 def reads_rows_in_place(impl: str) -> bool:
@@ -392,18 +411,22 @@ def attend_rows(impl: str, q: jax.Array, buffer: jax.Array, rows: jax.Array, num
     paged kernel reads the rows straight from the buffer: from a pinned host buffer only they cross PCIe and
     nothing is gathered first. The jnp path (and Pallas interpret mode, which cannot read host memory) gathers
     the rows on the host and moves them first."""
-    hkv, d = buffer.shape[1], buffer.shape[-1]
+    values = _stored_values(buffer)
+    hkv, d = values.shape[1], values.shape[-1]
     if impl == "xla":
         pages = gather_rows(buffer, rows.reshape(-1), host, device)
-        return attend(impl, q, *_page_keys(pages, hkv), state, causal=False, kv_len=num_keys)
+        return attend(impl, q, *_page_keys(pages, hkv, q.dtype), state, causal=False, kv_len=num_keys)
     if reads_rows_in_place(impl) or in_device_memory(host):
-        pool, tables = buffer.reshape(-1, 2, PAGE_UNIT, 1, d), rows  # each KV head's rows: a "sequence"
+        # each KV head's rows: a "sequence"
+        pool, tables = jax.tree.map(lambda b: b.reshape(-1, 2, PAGE_UNIT, 1, b.shape[-1]), buffer), rows
     else:
-        pool = gather_rows(buffer, rows.reshape(-1), host, device)[:, :, :, None]
+        pool = jax.tree.map(lambda p: p[:, :, :, None], gather_rows(buffer, rows.reshape(-1), host, device))
         tables = jnp.arange(rows.size, dtype=jnp.int32).reshape(rows.shape)
+    pool, scales = (pool.values, dict(kv_scales=pool.scales)) if isinstance(pool, Fp8KV) else (pool, {})
     hq = q.shape[2]
     o, lse = pallas_kernels.paged_decode_attention_kv_with_lse(
-        q.reshape(hkv, hq // hkv, d), pool, tables, jnp.full((hkv,), num_keys, jnp.int32), out_dtype=jnp.float32)
+        q.reshape(hkv, hq // hkv, d), pool, tables, jnp.full((hkv,), num_keys, jnp.int32), out_dtype=jnp.float32,
+        **scales)
     return pallas_kernels.merge_into_state(state, o.reshape(1, 1, hq, d), lse.reshape(1, hq, 1))
 
 
@@ -474,8 +497,8 @@ def gather_keys(keys: jax.Array, blocks: tuple[jax.Array, ...], start: jax.Array
     """Writes the keys of consecutive host blocks (first key at `start`) into the layer's key buffer
     [1, max_len, Hkv, D]; also returns a value computed from the blocks on every device (one key element per
     head), to tell when their slots are free."""
-    k, _ = _join_blocks(blocks)
-    return jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype), (0, start, 0, 0)), k[0, 0, :, 0]
+    k, _ = _join_blocks(blocks, keys.dtype)
+    return jax.lax.dynamic_update_slice(keys, k, (0, start, 0, 0)), k[0, 0, :, 0]
 
 
 @functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",))
@@ -508,8 +531,9 @@ def xattn_attend_blocks(
     mask: jax.Array, state: AttentionState, tp: TensorParallel | None = None,
 ) -> AttentionState:
     """Continues the chunk's state over earlier host blocks (ids `block_ids`), visiting only the chosen tiles."""
-    k, v = _join_blocks(blocks)
-    cols = _mask_columns(mask, block_ids, blocks[0].shape[1] * blocks[0].shape[3], xattn.block)
+    k, v = _join_blocks(blocks, q.dtype)
+    values = _stored_values(blocks[0])
+    cols = _mask_columns(mask, block_ids, values.shape[1] * values.shape[3], xattn.block)
     o, lse = xattn_attention(impl, xattn, q, k, v, cols, causal=False, out_dtype=jnp.float32, tp=tp)
     return pallas_kernels.merge_into_state(state, o, lse)
 

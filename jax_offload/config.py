@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+from jax_offload.kv.kv_cache_dtype import check_kv_cache_dtype
 from jax_offload.sparse.xattention import XAttention
 
 SUPPORTED_ARCHITECTURES = {
@@ -178,6 +179,8 @@ class EngineConfig:
     batch_invariant: bool = False
     # Reuse the KV blocks of earlier prompts' equal prefixes (GPU pool of continuous batching; see `LLM`).
     enable_prefix_caching: bool = False
+    # How the KV cache stores K and V: "auto" (the model's dtype) or "fp8" (`kv.kv_cache_dtype`).
+    kv_cache_dtype: str = "auto"
 
     def xattention(self) -> XAttention | None:
         """The XAttention prefill policy, or None for full prefill."""
@@ -246,6 +249,7 @@ class EngineConfig:
         return dataclasses.replace(config, xattn_threshold=float(t))
 
     def _validate(self, model: ModelConfig) -> "EngineConfig":
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}.")
         if not isinstance(self.enable_prefix_caching, bool):

@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="devices each layer is split over by KV-head groups (1); with several processes, all of them")
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
                    help="a request's tokens independent of the requests run with it (GPU, one device; costs speed)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="how the KV cache stores K and V: auto (the model's dtype) or fp8 (float8_e4m3fn with a "
+                        "scale per token and KV head: half the memory and PCIe bytes)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="several prompts in GPU memory: reuse the KV of earlier prompts' equal prefixes (off)")
     return p
@@ -143,6 +146,7 @@ def _run(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         batch_invariant=args.batch_invariant,
         enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     chat = not args.no_chat_template
     ids = [llm.apply_chat_template([{"role": "user", "content": p}]) if chat else llm.encode(p) for p in prompts]

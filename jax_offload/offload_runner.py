@@ -44,6 +44,7 @@ from jax_offload.attention import (
 from jax_offload.buckets import prompt_bucket
 from jax_offload.config import PAGE_POLICIES, EngineConfig, ModelConfig, round_up
 from jax_offload.kv.host_store import HostKVStore
+from jax_offload.kv.kv_cache_dtype import bytes_per_vector
 from jax_offload.kv.ring import BlockRing, Key, group_size, grouped
 from jax_offload.models.params import ModelParams
 from jax_offload.progress import LaggedProgress
@@ -80,7 +81,8 @@ class OffloadRunner:
             num_pages = num_blocks * engine.block_size // engine.page_size
             # A budget past max_model_len reads every page.
             self.budget_pages, self.page_size = min(engine.decode_budget // engine.page_size, num_pages), engine.page_size
-            self.page_bytes = 2 * engine.page_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+            self.page_bytes = 2 * engine.page_size * cfg.num_kv_heads * bytes_per_vector(
+                engine.kv_cache_dtype, cfg.head_dim, dtype)
             sparse_layers = list(range(dense, cfg.num_layers))
             if engine.decode_policy == "quest":
                 self.pages = QuestPages(sparse_layers, num_pages, cfg.num_kv_heads, cfg.head_dim, engine.page_size,
@@ -89,7 +91,8 @@ class OffloadRunner:
                 self.pages = KeySketch(sparse_layers, num_blocks * engine.block_size, cfg.num_kv_heads, cfg.head_dim,
                                        engine.page_size, engine.sketch_dtype, tp)
         self.store = HostKVStore(
-            cfg.num_layers, num_blocks, engine.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, tp, places)
+            cfg.num_layers, num_blocks, engine.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, tp, places,
+            kv_cache_dtype=engine.kv_cache_dtype)
         self.xattn = engine.xattention()
         self.last_decode_pcie_bytes = 0  # bytes the last decode step moved from host to GPU
         self.last_prefill_pcie_bytes = 0  # bytes the last prefill moved from host to GPU

@@ -182,19 +182,32 @@ def finish_online_softmax(acc, m_i, l_i):
     return acc * inv_l[:, None], lse
 
 
-def decode_key_tile(carry, q, k_ref, v_ref, kslice, vslice, col_ok, *, scale_log2: float, precision):
+def load_kv_rows(ref, scale_ref, rows, ok, dtype):
+    """Rows of a K or V tile in `dtype`: as stored, or (with `scale_ref`, one float32 scale per row) float8 values
+    times their scales, computed in float32 and rounded to `dtype` (exact for the power-of-two scales of an fp8
+    KV cache: the bits a dequantized bfloat16 cache holds). Rows where `ok` is False read as 0."""
+    x = load_rows(ref, rows, ok)
+    if scale_ref is None:
+        return x
+    scale = plgpu.load(scale_ref.at[rows]) if ok is None else plgpu.load(scale_ref.at[rows], mask=ok, other=0)
+    return (x.astype(jnp.float32) * scale[:, None]).astype(dtype)
+
+
+def decode_key_tile(carry, q, k_ref, v_ref, kslice, vslice, col_ok, *, scale_log2: float, precision,
+                    k_scale_ref=None, v_scale_ref=None):
     """One key tile of a decode program (contiguous or paged): scores of the query group against the tile's keys,
     then `online_softmax_update`. `col_ok` None: every key of the tile is visible (the unmasked update); else
     keys where it is False are neither loaded nor counted. One function for both kernels, so that the offloaded
-    decode and the paged decode run the same operations (and, on a GPU, get the same bits)."""
+    decode and the paged decode run the same operations (and, on a GPU, get the same bits). With scale refs the
+    tiles are dequantized in registers (`load_kv_rows`)."""
     masked = col_ok is not None
-    k = load_rows(k_ref, kslice, col_ok)
+    k = load_kv_rows(k_ref, k_scale_ref, kslice, col_ok, q.dtype)
     # Raw scores; the scale is folded into the exponent (one FMA per element).
     s = plgpu.dot(q, k, trans_b=True, precision=precision)
     if masked:
         s = jnp.where(col_ok[None, :], s, NEG_INF)
-    return online_softmax_update(carry, s, lambda: load_rows(v_ref, vslice, col_ok), scale_log2=scale_log2,
-                                 masked=masked, precision=precision)
+    return online_softmax_update(carry, s, lambda: load_kv_rows(v_ref, v_scale_ref, vslice, col_ok, q.dtype),
+                                 scale_log2=scale_log2, masked=masked, precision=precision)
 
 
 def online_softmax_update(carry, s, load_v, *, scale_log2: float, masked: bool, precision):

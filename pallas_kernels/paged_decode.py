@@ -9,6 +9,9 @@ so the pages are never gathered in memory. The per-split states are merged in fl
 `paged_decode_attention_with_lse_xla` is the jnp twin (gathers the pages, then runs
 `decode_attention_with_lse_xla`).
 
+A float8_e4m3fn pool (the fp8 KV cache) comes with float32 scales, one per key or value vector, in the pool's
+layout with a last axis of 1; the kernels dequantize each tile in registers (`_common.load_kv_rows`).
+
 `paged_decode_attention_kv_with_lse` reads one pool that keeps a page's keys and values side by side,
 [num_pages, 2, page_size, Hkv, D] (the offloaded store's page layout): Quest's decode reads the pages it chose
 straight from the pinned host store with it, the kernel's loads crossing PCIe (zero copy).
@@ -63,9 +66,12 @@ from pallas_kernels.merge import merge_stack
 from pallas_kernels.state import AttentionState, check_state
 
 
-def _paged_decode_kernel(seqlen_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
+def _paged_decode_kernel(seqlen_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
                          scale_log2: float, page_size: int, page_stride: int, v_offset: int,
                          block_k: int, split_len: int, num_programs: int, group: int, precision):
+    # refs: (o, lse), or (k scales, v scales, o, lse) for a float8 pool.
+    k_scale_ref, v_scale_ref = refs[:-2] or (None, None)
+    o_ref, lse_ref = refs[-2:]
     seq_len = seqlen_ref[()]
     block_h = q_ref.shape[0]
     row_ok = jnp.arange(block_h) < group
@@ -93,7 +99,8 @@ def _paged_decode_kernel(seqlen_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref
             # Rows of the tail page past seq_len may hold stale keys (even NaN): never loaded.
             col_ok = (j * block_k + jnp.arange(block_k, dtype=jnp.int32)) < n_keys if masked else None
             return decode_key_tile(carry, q, k_ref, v_ref, pl.ds(row, block_k), vslice, col_ok,
-                                   scale_log2=scale_log2, precision=precision)
+                                   scale_log2=scale_log2, precision=precision, k_scale_ref=k_scale_ref,
+                                   v_scale_ref=v_scale_ref)
 
         carry = empty_softmax_state(block_h, q.shape[-1])
         carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
@@ -106,15 +113,16 @@ def _paged_decode_kernel(seqlen_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref
     lax.fori_loop(0, cdiv(jnp.maximum(cdiv(seq_len, split_len) - program, 0), num_programs), one_split, 0)
 
 
-def _paged_decode_parts(q, k_rows, v_rows, block_tables, seq_lens, *, page_size, v_offset, sm_scale, interpret,
-                        block_k, split_len, num_programs, num_warps, num_stages):
+def _paged_decode_parts(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, *, page_size, v_offset, sm_scale,
+                        interpret, block_k, split_len, num_programs, num_warps, num_stages):
     """Unmerged float32 states of consecutive key splits of `split_len` keys (a multiple of block_k), computed by
     `num_programs` programs per (sequence, KV head): o [S, B, Hkv, group, D], natural-log lse [S, B, Hkv, group]
     with S covering the block table. Only the splits holding keys (the first ceil(seq_len / split_len)) are
     written; the others hold whatever the buffer held.
     k_rows, v_rows [rows, Hkv, D]: page p's keys are rows p * page_stride + [0, page_size) of k_rows, its values
     the same rows + v_offset of v_rows (page_stride = page_size for separate pools; a combined pool is passed as
-    both, with page_stride = 2 * page_size and v_offset = page_size)."""
+    both, with page_stride = 2 * page_size and v_offset = page_size). scale_rows: None, or the float32 scales
+    (k, v) [rows, Hkv] of float8 rows, indexed as the rows are."""
     batch, hq, d = q.shape
     _, hkv, _ = k_rows.shape
     max_pages = block_tables.shape[1]
@@ -128,6 +136,8 @@ def _paged_decode_parts(q, k_rows, v_rows, block_tables, seq_lens, *, page_size,
     qg = q.reshape(batch, hkv, group, d)
     # A key block is one contiguous row slice of a page, as in the contiguous kernel.
     kv_spec = pl.BlockSpec((k_rows.shape[0], None, d), lambda s, bh: (0, bh % hkv, 0))
+    scales = () if scale_rows is None else tuple(scale_rows)
+    scale_spec = pl.BlockSpec((k_rows.shape[0], None), lambda s, bh: (0, bh % hkv))
     return pl.pallas_call(
         kernel,
         grid=(num_programs, batch * hkv),
@@ -138,6 +148,7 @@ def _paged_decode_parts(q, k_rows, v_rows, block_tables, seq_lens, *, page_size,
             pl.BlockSpec((None, None, block_h, d), lambda s, bh: (bh // hkv, bh % hkv, 0, 0)),
             kv_spec,
             kv_spec,
+            *[scale_spec] * len(scales),
         ],
         out_specs=[
             pl.BlockSpec((num_splits, None, None, block_h, d), lambda s, bh: (0, bh // hkv, bh % hkv, 0, 0)),
@@ -150,18 +161,18 @@ def _paged_decode_parts(q, k_rows, v_rows, block_tables, seq_lens, *, page_size,
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="paged_decode_attention_with_lse",
-    )(seq_lens, block_tables, qg, k_rows, v_rows)
+    )(seq_lens, block_tables, qg, k_rows, v_rows, *scales)
 
 
-def _paged_decode_pallas(q, k_rows, v_rows, block_tables, seq_lens, *, page_size, v_offset, sm_scale,
+def _paged_decode_pallas(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, *, page_size, v_offset, sm_scale,
                          out_dtype, interpret, block_k, num_splits, num_warps, num_stages):
     """The splits of `_paged_decode_parts`, as many as asked (whole pages each), merged in one N-way merge."""
     batch, hq, d = q.shape
     max_pages = block_tables.shape[1]
     split_pages = -(-max_pages // num_splits)
     o_part, lse_part = _paged_decode_parts(
-        q, k_rows, v_rows, block_tables, seq_lens, page_size=page_size, v_offset=v_offset, sm_scale=sm_scale,
-        interpret=interpret, block_k=block_k, split_len=split_pages * page_size,
+        q, k_rows, v_rows, scale_rows, block_tables, seq_lens, page_size=page_size, v_offset=v_offset,
+        sm_scale=sm_scale, interpret=interpret, block_k=block_k, split_len=split_pages * page_size,
         num_programs=-(-max_pages // split_pages), num_warps=num_warps, num_stages=num_stages)
     # Splits past a sequence's keys were never written: empty them before the merge.
     live = jnp.arange(o_part.shape[0])[:, None] < cdiv(seq_lens, split_pages * page_size)[None, :]
@@ -175,10 +186,11 @@ _paged_decode_pallas = interpret_aware_jit(
                            "num_splits", "num_warps", "num_stages"))
 
 
-def _paged_decode_state(q, k_rows, v_rows, block_tables, seq_lens, state, *, page_size, v_offset, sm_scale,
-                        interpret, block_k, split_len, num_programs, num_warps, num_stages):
+def _paged_decode_state(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, state, *, page_size, v_offset,
+                        sm_scale, interpret, block_k, split_len, num_programs, num_warps, num_stages):
     o_part, lse_part = _paged_decode_parts(
-        q, k_rows, v_rows, block_tables, seq_lens, page_size=page_size, v_offset=v_offset, sm_scale=sm_scale,
+        q, k_rows, v_rows, scale_rows, block_tables, seq_lens, page_size=page_size, v_offset=v_offset,
+        sm_scale=sm_scale,
         interpret=interpret, block_k=block_k, split_len=split_len, num_programs=num_programs, num_warps=num_warps,
         num_stages=num_stages)
     return fold_splits(state, o_part, lse_part, cdiv(seq_lens, split_len), interpret=interpret)
@@ -192,7 +204,8 @@ _paged_decode_state = interpret_aware_jit(
 def paged_decode_state(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                        seq_lens: jax.Array, state: AttentionState, *, sm_scale: float | None = None,
                        split_len: int = DECODE_SPLIT, interpret: bool | None = None,
-                       num_programs: int | None = None) -> AttentionState:
+                       num_programs: int | None = None, k_scales: jax.Array | None = None,
+                       v_scales: jax.Array | None = None) -> AttentionState:
     """Continues the decode state of each sequence over its keys in a paged pool, batch-invariantly.
 
     The keys are cut into splits of `split_len` keys from position 0, attended in parallel, and folded into
@@ -206,7 +219,7 @@ def paged_decode_state(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, blo
       num_programs: programs per (sequence, KV head), each taking every num_programs-th split; default gives
         ~128 programs on a GPU. Changes the speed, not the bits.
     """
-    block_tables, seq_lens = _check_paged_args(q, k_pages, v_pages, block_tables, seq_lens)
+    block_tables, seq_lens = _check_paged_args(q, k_pages, v_pages, block_tables, seq_lens, k_scales, v_scales)
     batch, hq, d = q.shape
     num_pages, page_size, hkv, _ = k_pages.shape
     _check_pallas_head_dim(d)
@@ -220,13 +233,21 @@ def paged_decode_state(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, blo
         num_programs = -(-_TARGET_PROGRAMS // (batch * hkv))
     rows = num_pages * page_size
     return _paged_decode_state(
-        q, k_pages.reshape(rows, hkv, d), v_pages.reshape(rows, hkv, d), block_tables, seq_lens, state,
+        q, k_pages.reshape(rows, hkv, d), v_pages.reshape(rows, hkv, d),
+        _scale_rows(rows, hkv, k_scales, v_scales), block_tables, seq_lens, state,
         page_size=page_size, v_offset=0, sm_scale=check_sm_scale(sm_scale, d), interpret=resolve_interpret(interpret),
         block_k=block_k, split_len=split_len, num_programs=int(max(1, min(num_programs, max_splits))),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-def _check_paged_args(q, k_pages, v_pages, block_tables, seq_lens):
+def _scale_rows(rows: int, hkv: int, k_scales, v_scales):
+    """None, or the scales of k and v as [rows, Hkv] (the kernel's row indexing)."""
+    if k_scales is None:
+        return None
+    return k_scales.reshape(rows, hkv), v_scales.reshape(rows, hkv)
+
+
+def _check_paged_args(q, k_pages, v_pages, block_tables, seq_lens, k_scales=None, v_scales=None):
     """Validate the arguments; returns (int32 block_tables, int32 seq_lens clamped to the table)."""
     if q.ndim != 3:
         raise ValueError(f"q has shape {q.shape}; allowed: rank 3 [B, Hq, D]")
@@ -244,7 +265,11 @@ def _check_paged_args(q, k_pages, v_pages, block_tables, seq_lens):
         raise ValueError("k_pages has 0 pages; allowed: num_pages >= 1")
     if page_size < MIN_BLOCK or page_size & (page_size - 1):
         raise ValueError(f"page_size={page_size}; allowed: a power of two >= {MIN_BLOCK}")
-    if q.dtype != k_pages.dtype or k_pages.dtype != v_pages.dtype:
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError("k_scales and v_scales: give both (a float8 pool) or neither")
+    if k_scales is not None:
+        _check_scales(k_pages, k_scales, v_pages, v_scales)
+    elif q.dtype != k_pages.dtype or k_pages.dtype != v_pages.dtype:
         raise ValueError(f"q, k_pages, v_pages have dtypes {q.dtype}, {k_pages.dtype}, "
                          f"{v_pages.dtype}; allowed: one dtype")
     if not jnp.issubdtype(q.dtype, jnp.floating):
@@ -265,7 +290,8 @@ def paged_decode_attention_with_lse(q: jax.Array, k_pages: jax.Array, v_pages: j
                                     sm_scale: float | None = None, out_dtype=None,
                                     interpret: bool | None = None, block_k: int | None = None,
                                     num_splits: int | None = None, num_warps: int | None = None,
-                                    num_stages: int | None = None) -> tuple[jax.Array, jax.Array]:
+                                    num_stages: int | None = None, k_scales: jax.Array | None = None,
+                                    v_scales: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Attention of one query token per sequence over a paged KV pool, with LSE.
 
     Args:
@@ -286,22 +312,28 @@ def paged_decode_attention_with_lse(q: jax.Array, k_pages: jax.Array, v_pages: j
         pipeline stage must fit in shared memory).
       num_splits: page splits (static); default gives ~128 programs on a GPU and 4 splits in
         interpret mode; capped at max_pages. num_warps, num_stages: Triton launch params.
+      k_scales, v_scales: None, or (a float8_e4m3fn pool) float32 [num_pages, page_size, Hkv, 1], one scale per
+        key and value vector: the kernel computes values * scale in float32 and rounds it to q's dtype in
+        registers before the dot products.
 
     Returns:
       o [B, Hq, D] in out_dtype (default q.dtype) and lse [B, Hq] float32 (natural log).
     """
-    block_tables, seq_lens = _check_paged_args(q, k_pages, v_pages, block_tables, seq_lens)
+    block_tables, seq_lens = _check_paged_args(q, k_pages, v_pages, block_tables, seq_lens, k_scales, v_scales)
     num_pages, page_size, hkv, d = k_pages.shape
     rows = num_pages * page_size  # page p starts at row p * page_size (a free reshape)
-    return _launch(q, k_pages.reshape(rows, hkv, d), v_pages.reshape(rows, hkv, d), block_tables, seq_lens,
+    return _launch(q, k_pages.reshape(rows, hkv, d), v_pages.reshape(rows, hkv, d),
+                   _scale_rows(rows, hkv, k_scales, v_scales), block_tables, seq_lens,
                    page_size=page_size, v_offset=0, sm_scale=sm_scale, out_dtype=out_dtype, interpret=interpret,
                    block_k=block_k, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
 
 
 def paged_decode_attention_kv_with_lse(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
-                                       seq_lens: jax.Array, **options) -> tuple[jax.Array, jax.Array]:
+                                       seq_lens: jax.Array, kv_scales: jax.Array | None = None,
+                                       **options) -> tuple[jax.Array, jax.Array]:
     """`paged_decode_attention_with_lse` over one pool kv_pages [num_pages, 2, page_size, Hkv, D]
-    whose page p holds its keys at [p, 0] and its values at [p, 1]; same arguments and results.
+    whose page p holds its keys at [p, 0] and its values at [p, 1]; same arguments and results
+    (a float8 pool's scales as kv_scales [num_pages, 2, page_size, Hkv, 1]).
 
     The pool may live in pinned host memory (memory kind "pinned_host") when the call runs on a
     GPU inside `jax.jit`: the kernel then reads only the pages its block tables name, over PCIe,
@@ -309,9 +341,15 @@ def paged_decode_attention_kv_with_lse(q: jax.Array, kv_pages: jax.Array, block_
     _check_kv_pool(kv_pages)
     num_pages, _, page_size, hkv, d = kv_pages.shape
     half = jax.ShapeDtypeStruct((num_pages, page_size, hkv, d), kv_pages.dtype)
-    block_tables, seq_lens = _check_paged_args(q, half, half, block_tables, seq_lens)
-    rows = kv_pages.reshape(num_pages * 2 * page_size, hkv, d)
-    return _launch(q, rows, rows, block_tables, seq_lens, page_size=page_size, v_offset=page_size, **options)
+    half_scales = None if kv_scales is None else jax.ShapeDtypeStruct((num_pages, page_size, hkv, 1), kv_scales.dtype)
+    if kv_scales is not None and kv_scales.shape != (num_pages, 2, page_size, hkv, 1):
+        raise ValueError(f"kv_scales has shape {kv_scales.shape}; allowed: {(num_pages, 2, page_size, hkv, 1)}")
+    block_tables, seq_lens = _check_paged_args(q, half, half, block_tables, seq_lens, half_scales, half_scales)
+    rows = num_pages * 2 * page_size
+    scale_rows = _scale_rows(rows, hkv, kv_scales, kv_scales)
+    pool = kv_pages.reshape(rows, hkv, d)
+    return _launch(q, pool, pool, scale_rows, block_tables, seq_lens, page_size=page_size, v_offset=page_size,
+                   **options)
 
 
 def _check_kv_pool(kv_pages) -> None:
@@ -319,8 +357,17 @@ def _check_kv_pool(kv_pages) -> None:
         raise ValueError(f"kv_pages has shape {kv_pages.shape}; allowed: [num_pages, 2, page_size, Hkv, D]")
 
 
-def _launch(q, k_rows, v_rows, block_tables, seq_lens, *, page_size, v_offset, sm_scale=None, out_dtype=None,
-            interpret=None, block_k=None, num_splits=None, num_warps=None, num_stages=None):
+def _check_scales(k_pages, k_scales, v_pages, v_scales) -> None:
+    for name, pages, scales in (("k", k_pages, k_scales), ("v", v_pages, v_scales)):
+        if pages.dtype != jnp.float8_e4m3fn:
+            raise ValueError(f"{name}_pages has dtype {pages.dtype} with scales; allowed: float8_e4m3fn")
+        if scales.shape != (*pages.shape[:-1], 1) or scales.dtype != jnp.float32:
+            raise ValueError(f"{name}_scales has shape {scales.shape} and dtype {scales.dtype}; allowed: float32 "
+                             f"{(*pages.shape[:-1], 1)}")
+
+
+def _launch(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, *, page_size, v_offset, sm_scale=None,
+            out_dtype=None, interpret=None, block_k=None, num_splits=None, num_warps=None, num_stages=None):
     """Defaults the launch parameters (see `paged_decode_attention_with_lse`) and runs the kernel."""
     batch, _, d = q.shape
     hkv = k_rows.shape[1]
@@ -336,7 +383,7 @@ def _launch(q, k_rows, v_rows, block_tables, seq_lens, *, page_size, v_offset, s
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits}; allowed: >= 1")
     return _paged_decode_pallas(
-        q, k_rows, v_rows, block_tables, seq_lens, page_size=page_size, v_offset=v_offset,
+        q, k_rows, v_rows, scale_rows, block_tables, seq_lens, page_size=page_size, v_offset=v_offset,
         sm_scale=check_sm_scale(sm_scale, d),
         out_dtype=check_out_dtype(out_dtype, q.dtype), interpret=interpret, block_k=block_k,
         num_splits=int(min(num_splits, max_pages)), num_warps=num_warps or cfg["num_warps"],
@@ -365,23 +412,29 @@ def _gather_pages(k_pages, v_pages, block_tables, seq_lens):
 def paged_decode_attention_with_lse_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                         block_tables: jax.Array, seq_lens: jax.Array, *,
                                         sm_scale: float | None = None, out_dtype=None,
-                                        interpret: bool | None = None
-                                        ) -> tuple[jax.Array, jax.Array]:
+                                        interpret: bool | None = None, k_scales: jax.Array | None = None,
+                                        v_scales: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """jnp twin of `paged_decode_attention_with_lse` (exact float32; `interpret` ignored).
 
     Gathers each sequence's pages into a contiguous [B, max_pages * page_size, Hkv, D] cache
-    and runs `decode_attention_with_lse_xla` with kv_len = seq_lens.
+    (dequantized as the kernel does, for a float8 pool) and runs `decode_attention_with_lse_xla` with
+    kv_len = seq_lens.
     """
     del interpret
-    block_tables, seq_lens = _check_paged_args(q, k_pages, v_pages, block_tables, seq_lens)
+    block_tables, seq_lens = _check_paged_args(q, k_pages, v_pages, block_tables, seq_lens, k_scales, v_scales)
     k, v = _gather_pages(k_pages, v_pages, block_tables, seq_lens)
+    if k_scales is not None:
+        ks, vs = _gather_pages(k_scales, v_scales, block_tables, seq_lens)
+        k, v = ((x.astype(jnp.float32) * sc).astype(q.dtype) for x, sc in ((k, ks), (v, vs)))
     return decode_attention_with_lse_xla(q, k, v, kv_len=seq_lens, sm_scale=sm_scale,
                                          out_dtype=out_dtype)
 
 
 def paged_decode_attention_kv_with_lse_xla(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
-                                           seq_lens: jax.Array, **options) -> tuple[jax.Array, jax.Array]:
+                                           seq_lens: jax.Array, kv_scales: jax.Array | None = None,
+                                           **options) -> tuple[jax.Array, jax.Array]:
     """jnp twin of `paged_decode_attention_kv_with_lse` (the pool in device memory)."""
     _check_kv_pool(kv_pages)
+    scales = {} if kv_scales is None else dict(k_scales=kv_scales[:, 0], v_scales=kv_scales[:, 1])
     return paged_decode_attention_with_lse_xla(q, kv_pages[:, 0], kv_pages[:, 1], block_tables, seq_lens,
-                                               **options)
+                                               **scales, **options)

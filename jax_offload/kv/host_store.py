@@ -16,6 +16,9 @@ Each layer lives in one of three places:
 
 Under tensor parallelism every buffer is split on its KV-head axis over the mesh: each device's heads live in
 pinned memory attached to that device and cross only its own link.
+
+With kv_cache_dtype "fp8" a block (or a one-buffer layer) is an `Fp8KV` pair of buffers, float8 values and their
+scales [..., 1] in the same layout; every operation here maps over both (`jax.tree.map`).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_offload.kv import kv_cache_dtype as kv_format
 from jax_offload.tensor_parallel import TensorParallel
 
 PAGE_UNIT = 16  # tokens per stored page: the finest page a sparse policy can select; block sizes are multiples
@@ -37,16 +41,22 @@ def available_host_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def to_stored_layout(kv: jax.Array) -> jax.Array:
-    """[2, T, Hkv, D] (K|V) -> [Hkv, T / PAGE_UNIT, 2, PAGE_UNIT, D]."""
-    _, t, hkv, d = kv.shape
-    return kv.reshape(2, t // PAGE_UNIT, PAGE_UNIT, hkv, d).transpose(3, 1, 0, 2, 4)
+def to_stored_layout(kv):
+    """[2, T, Hkv, D] (K|V) -> [Hkv, T / PAGE_UNIT, 2, PAGE_UNIT, D], each leaf of a stored KV array."""
+    def one(kv):
+        _, t, hkv, d = kv.shape
+        return kv.reshape(2, t // PAGE_UNIT, PAGE_UNIT, hkv, d).transpose(3, 1, 0, 2, 4)
+
+    return jax.tree.map(one, kv)
 
 
-def from_stored_layout(pages: jax.Array) -> jax.Array:
-    """[Hkv, n, 2, PAGE_UNIT, D] -> [2, n * PAGE_UNIT, Hkv, D] (K|V)."""
-    hkv, n, _, unit, d = pages.shape
-    return pages.transpose(2, 1, 3, 0, 4).reshape(2, n * unit, hkv, d)
+def from_stored_layout(pages):
+    """[Hkv, n, 2, PAGE_UNIT, D] -> [2, n * PAGE_UNIT, Hkv, D] (K|V), each leaf of a stored KV array."""
+    def one(pages):
+        hkv, n, _, unit, d = pages.shape
+        return pages.transpose(2, 1, 3, 0, 4).reshape(2, n * unit, hkv, d)
+
+    return jax.tree.map(one, pages)
 
 
 def _host_compute(fn):
@@ -83,15 +93,17 @@ class HostKVStore:
         tp: TensorParallel,
         places: Sequence[str] | None = None,
         host_memory_kind: str = "pinned_host",
+        kv_cache_dtype: str = "auto",
     ):
         """`places[l]` is "gpu", "blocks" (default) or "pages" (see the module docstring).
         `host_memory_kind="device"` keeps even the host layers on the GPU (benchmarks use it to time compute
-        without transfers)."""
+        without transfers). `dtype` is the model's; `kv_cache_dtype` how blocks store it."""
         places = list(places or ["blocks"] * num_layers)
         if len(places) != num_layers or not set(places) <= set(PLACES):
             raise ValueError(f"places {places} must name one of {PLACES} for each of the {num_layers} layers.")
         self.block_shape = (num_kv_heads, block_size // PAGE_UNIT, 2, PAGE_UNIT, head_dim)
-        self.block_bytes = 2 * block_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+        self.dtype, self.kv_cache_dtype = dtype, kv_cache_dtype
+        self.block_bytes = 2 * block_size * num_kv_heads * kv_format.bytes_per_vector(kv_cache_dtype, head_dim, dtype)
         self.places = places
         layer_bytes = num_blocks * self.block_bytes
         self.gpu_bytes = places.count("gpu") * layer_bytes
@@ -110,36 +122,46 @@ class HostKVStore:
         # A one-buffer layer ("gpu", "pages") is [num_blocks, Hkv, ...]: split on axis 1; a block on axis 0.
         self._sharding = [tp.sharding(0 if p == "blocks" else 1, "device" if p == "gpu" else host_memory_kind)
                           for p in places]
-        zeros = tp.zeros(self.block_shape, dtype, 0)
-        self._blocks: list[list[jax.Array] | jax.Array] = []
+        zeros = self._empty(self.block_shape, 0)
+        self._blocks: list[list] = []
         for place, sharding in zip(places, self._sharding):
             if place != "blocks":
-                layer = tp.zeros((num_blocks, *self.block_shape), dtype, 1)
+                layer = self._empty((num_blocks, *self.block_shape), 1)
                 self._blocks.append(jax.device_put(layer, sharding, may_alias=False))
             else:
                 self._blocks.append([jax.device_put(zeros, sharding, may_alias=False) for _ in range(num_blocks)])
         self._written = np.zeros((num_layers, num_blocks), bool)
 
-    @staticmethod
-    @functools.partial(jax.jit, static_argnums=(2,), donate_argnums=(0,))
-    def _write_block(old: jax.Array, kv: jax.Array, sharding) -> jax.Array:
-        return jax.lax.dynamic_update_slice(old, jax.device_put(to_stored_layout(kv), sharding), (0,) * old.ndim)
+    def _empty(self, shape: tuple[int, ...], head_axis: int):
+        """A zero stored KV array of `shape` on the mesh, split on `head_axis`."""
+        return kv_format.empty(self.kv_cache_dtype, shape, self.dtype,
+                               lambda shape, dtype: self.tp.zeros(shape, dtype, head_axis))
 
     @staticmethod
-    @functools.partial(jax.jit, static_argnums=(3,), donate_argnums=(0,))
-    def _write_into_layer(layer: jax.Array, kv: jax.Array, index: jax.Array, sharding) -> jax.Array:
-        block = jax.device_put(to_stored_layout(kv)[None], sharding)  # [1, Hkv, ...]: the layer's head axis
-        return jax.lax.dynamic_update_slice(layer, block, (index,) + (0,) * (layer.ndim - 1))
+    @functools.partial(jax.jit, static_argnums=(2, 3, 4), donate_argnums=(0,))
+    def _write_block(old, kv: jax.Array, sharding, kv_cache_dtype: str, dtype):
+        new = to_stored_layout(kv_format.encode(kv_cache_dtype, kv, dtype))
+        return jax.tree.map(lambda old, new: jax.lax.dynamic_update_slice(
+            old, jax.device_put(new, sharding), (0,) * old.ndim), old, new)
+
+    @staticmethod
+    @functools.partial(jax.jit, static_argnums=(3, 4, 5), donate_argnums=(0,))
+    def _write_into_layer(layer, kv: jax.Array, index: jax.Array, sharding, kv_cache_dtype: str, dtype):
+        new = to_stored_layout(kv_format.encode(kv_cache_dtype, kv, dtype))
+        # [1, Hkv, ...]: the layer's head axis
+        return jax.tree.map(lambda layer, new: jax.lax.dynamic_update_slice(
+            layer, jax.device_put(new[None], sharding), (index,) + (0,) * (layer.ndim - 1)), layer, new)
 
     def write(self, layer: int, index: int, kv: jax.Array) -> None:
-        """Stores a GPU block kv [2, block_size, Hkv, D] as block `index` of `layer`; the copy is asynchronous."""
+        """Stores a GPU block kv [2, block_size, Hkv, D] (as the layer computed it: `round_trip` values) as block
+        `index` of `layer`, encoded as the store keeps it; the copy is asynchronous."""
         if not 0 <= index < self.num_blocks:
             raise RuntimeError(f"Block {index} is outside the store's {self.num_blocks} blocks.")
-        sharding = self._sharding[layer]
+        how = (self._sharding[layer], self.kv_cache_dtype, jnp.dtype(self.dtype))
         if self.places[layer] != "blocks":
-            self._blocks[layer] = self._write_into_layer(self._blocks[layer], kv, np.int32(index), sharding)
+            self._blocks[layer] = self._write_into_layer(self._blocks[layer], kv, np.int32(index), *how)
         else:
-            self._blocks[layer][index] = self._write_block(self._blocks[layer][index], kv, sharding)
+            self._blocks[layer][index] = self._write_block(self._blocks[layer][index], kv, *how)
         self._written[layer, index] = True
 
     def fetch(self, keys: Sequence[tuple[int, int]]) -> list[jax.Array]:
@@ -155,13 +177,12 @@ class HostKVStore:
         if [k for k in keys] != [(layer, first + j) for j in range(len(keys))]:
             raise RuntimeError(f"Blocks {keys} of a one-buffer layer must be consecutive blocks of one layer.")
         group = self._read_consecutive(self._blocks[layer], np.int32(first), len(keys), self.tp.sharding(1, "device"))
-        return [group[j] for j in range(len(keys))]
+        return [jax.tree.map(lambda g: g[j], group) for j in range(len(keys))]
 
     @staticmethod
     @functools.partial(jax.jit, static_argnums=(2, 3))
-    def _read_consecutive(layer: jax.Array, first: jax.Array, count: int, device) -> jax.Array:
-        block = jax.lax.dynamic_slice_in_dim(layer, first, count)
-        return jax.device_put(block, device)
+    def _read_consecutive(layer, first: jax.Array, count: int, device):
+        return jax.tree.map(lambda l: jax.device_put(jax.lax.dynamic_slice_in_dim(l, first, count), device), layer)
 
     def layer_buffer(self, layer: int) -> jax.Array:
         """The one buffer [num_blocks, *block_shape] of a "gpu" or "pages" layer (blocks past those the request
@@ -204,12 +225,11 @@ class HostKVStore:
 
     def host_bytes_held(self) -> int:
         return sum(b.nbytes for place, layer in zip(self.places, self._blocks) if place != "gpu"
-                   for b in (layer if isinstance(layer, list) else [layer]))
+                   for b in jax.tree.leaves(layer))
 
     def buffer_addresses(self) -> list[list[int]]:
         """Where each buffer lives: unchanged for the store's lifetime."""
-        return [[b.unsafe_buffer_pointer() for b in (layer if isinstance(layer, list) else [layer])]
-                for layer in self._blocks]
+        return [[b.unsafe_buffer_pointer() for b in jax.tree.leaves(layer)] for layer in self._blocks]
 
 
 def in_device_memory(place) -> bool:
@@ -218,16 +238,13 @@ def in_device_memory(place) -> bool:
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
-def gather_rows(layer: jax.Array, rows: jax.Array, host, device) -> jax.Array:
+def gather_rows(layer, rows: jax.Array, host, device):
     """The 16-token pages `rows` (int32, anywhere; row (b * Hkv + h) * units + u is unit u of KV head h in block
     b) of a one-buffer layer kept in `host` (a sharding or memory space), on `device`: gathered on the host
-    next to the pinned buffer, then one transfer. -> [len(rows), 2, PAGE_UNIT, D]. Called inside a jit, both join
-    that program."""
-    unit = layer.shape[-3:]
-
+    next to the pinned buffer, then one transfer. -> [len(rows), 2, PAGE_UNIT, D] (each leaf of a stored KV
+    array). Called inside a jit, both join that program."""
     def take(layer, rows):
-        flat = layer.reshape(-1, *unit)
-        return flat.at[rows].get(mode="promise_in_bounds")
+        return jax.tree.map(lambda l: l.reshape(-1, *l.shape[-3:]).at[rows].get(mode="promise_in_bounds"), layer)
 
     if in_device_memory(host):
         return take(layer, rows)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_offload.config import ModelConfig
+from jax_offload.kv.kv_cache_dtype import round_trip
 from jax_offload.models.params import LayerParams, ModelParams
 from jax_offload.models.rope import apply_rope, cos_sin
 from pallas_kernels.matmul import matmul
@@ -61,7 +62,8 @@ def embed(params: ModelParams, token_ids: jax.Array) -> jax.Array:
 def attention_inputs(
     cfg: ModelConfig, layer: LayerParams, x: jax.Array, positions: jax.Array, inv_freq: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x [B, T, hidden], positions [B, T] -> q [B, T, Hq, D], k and v [B, T, Hkv, D]."""
+    """x [B, T, hidden], positions [B, T] -> q [B, T, Hq, D], k and v [B, T, Hkv, D] (as the KV cache will hold
+    them)."""
     b, t, _ = x.shape
     h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
     qkv = _project(h, layer.wqkv, layer.batch_invariant)
@@ -75,7 +77,8 @@ def attention_inputs(
         q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
     cos, sin = cos_sin(inv_freq, positions, x.dtype)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    kv_dtype = layer.kv_cache_dtype
+    return apply_rope(q, cos, sin), round_trip(kv_dtype, apply_rope(k, cos, sin)), round_trip(kv_dtype, v)
 
 
 def attention_output_and_mlp(cfg: ModelConfig, layer: LayerParams, x: jax.Array, attn: jax.Array) -> jax.Array:

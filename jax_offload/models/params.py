@@ -23,6 +23,9 @@ class LayerParams:
     num_shards: int = struct.field(pytree_node=False, default=1)
     # Multiply by the batch-invariant Pallas matmul (a row's bits independent of the other rows); else XLA's dot.
     batch_invariant: bool = struct.field(pytree_node=False, default=False)
+    # How the KV cache stores K and V (`kv.kv_cache_dtype`): the layer rounds them to the stored values once, as
+    # it projects them, so every attention path reads the same keys.
+    kv_cache_dtype: str = struct.field(pytree_node=False, default="auto")
 
 
 @struct.dataclass
@@ -32,7 +35,13 @@ class ModelParams:
     final_norm: jax.Array  # [hidden]
     lm_head: jax.Array | None  # [hidden, vocab]; None when tied to `embed`
     batch_invariant: bool = struct.field(pytree_node=False, default=False)  # as LayerParams'; also decode attention
+    kv_cache_dtype: str = struct.field(pytree_node=False, default="auto")  # as LayerParams'; also the KV pool's
 
     def with_batch_invariance(self, on: bool) -> "ModelParams":
         """The same weights, multiplied (and decode attention reduced) batch-invariantly or not."""
         return self.replace(layers=[layer.replace(batch_invariant=on) for layer in self.layers], batch_invariant=on)
+
+    def with_kv_cache_dtype(self, kv_cache_dtype: str) -> "ModelParams":
+        """The same weights, with K and V rounded to what a `kv_cache_dtype` cache stores."""
+        return self.replace(layers=[layer.replace(kv_cache_dtype=kv_cache_dtype) for layer in self.layers],
+                            kv_cache_dtype=kv_cache_dtype)

@@ -96,15 +96,15 @@ class BatchEngine:
         if num_blocks is None:
             num_blocks = default_num_blocks(model_config, dtype, block_size, max_num_seqs, max_model_len,
                                             max_num_batched_tokens, gpu_memory_utilization, tp.size,
-                                            params.batch_invariant)
+                                            params.batch_invariant, params.kv_cache_dtype)
             if num_blocks < 1:
                 raise ValueError(
                     f"gpu_memory_utilization {gpu_memory_utilization} leaves no memory for KV blocks after the "
                     "weights and activations; raise it or lower max_num_batched_tokens / max_num_seqs.")
         _check_int("num_blocks", num_blocks, 1)
         if swap_space_bytes is None:
-            swap_space_bytes = min(available_host_bytes() // 2, num_blocks * kv_block_bytes(model_config, dtype,
-                                                                                            block_size))
+            swap_space_bytes = min(available_host_bytes() // 2, num_blocks * kv_block_bytes(
+                model_config, dtype, block_size, params.kv_cache_dtype))
         _check_int("swap_space_bytes", swap_space_bytes, 0)
         runner = ModelRunner(
             model_config, params, inv_freq, jnp.dtype(dtype), check_attention_impl(attention_impl), tp,

@@ -1,7 +1,8 @@
 """The model over a paged KV pool: batched prefill of packed prompts, one compiled decode step for the whole
 model and batch (sampling included), and the host swap of preempted sequences' blocks.
 
-The pool is a tuple over layers of [num_blocks, block_size, Hkv, D] arrays for K and one for V, all donated to
+The pool is a tuple over layers of [num_blocks, block_size, Hkv, D] arrays for K and one for V (with an fp8 KV
+cache, `Fp8KV` pairs of float8 values and their scales, dequantized inside the decode kernel), all donated to
 every step, so each layer's pages reach the attention kernel as a whole buffer: slicing a layer out of one
 stacked array would copy it, and one array over all layers would pass 2^31 elements (int32 offsets in the
 kernel) at real sizes. A block id means the same block in every layer.
@@ -31,6 +32,7 @@ from jax_offload.attention import (
 )
 from jax_offload.buckets import prompt_bucket
 from jax_offload.config import ModelConfig
+from jax_offload.kv import kv_cache_dtype as kv_format
 from jax_offload.kv.host_store import available_host_bytes
 from jax_offload.models import decoder
 from jax_offload.models.params import LayerParams, ModelParams
@@ -64,14 +66,15 @@ def prefill_bucket(total: int) -> int:
     return max(prompt_bucket(total), 64)
 
 
-def kv_block_bytes(cfg: ModelConfig, dtype: jnp.dtype, block_size: int) -> int:
-    """Bytes of one block of K and V over all layers."""
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+def kv_block_bytes(cfg: ModelConfig, dtype: jnp.dtype, block_size: int, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one block of K and V over all layers, stored as `kv_cache_dtype` says."""
+    vector = kv_format.bytes_per_vector(kv_cache_dtype, cfg.head_dim, dtype)
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * vector
 
 
 def default_num_blocks(cfg: ModelConfig, dtype: jnp.dtype, block_size: int, max_num_seqs: int, max_model_len: int,
                        max_num_batched_tokens: int, gpu_memory_utilization: float, num_devices: int = 1,
-                       batch_invariant: bool = False) -> int:
+                       batch_invariant: bool = False, kv_cache_dtype: str = "auto") -> int:
     """As many blocks as `gpu_memory_utilization` of what JAX's allocator may use leaves after the weights, a
     step's activations, a prefill chunk's gathered prefix and (batch-invariant) the decode splits' states of one
     layer, and no more than max_num_seqs full-length sequences need; each of `num_devices` holds its share of a
@@ -92,7 +95,7 @@ def default_num_blocks(cfg: ModelConfig, dtype: jnp.dtype, block_size: int, max_
                   - prefix - splits)
     else:
         budget = available_host_bytes() / 4
-    per_device = kv_block_bytes(cfg, dtype, block_size) // num_devices
+    per_device = kv_block_bytes(cfg, dtype, block_size, kv_cache_dtype) // num_devices
     return int(max(min(wanted, budget // per_device), 0))
 
 
@@ -149,13 +152,24 @@ def sample(logits: jax.Array, s: SamplingBatch, draws: str) -> jax.Array:
     return jnp.where(filtered, drawn, tokens)
 
 
-def _write_kv(pool: jax.Array, slots: jax.Array, kv: jax.Array) -> jax.Array:
-    """Writes kv [..., Hkv, D] into one layer's pool at `slots` [...] (block * block_size + offset; -1 writes
-    nothing)."""
-    rows = pool.reshape(-1, *pool.shape[2:])
-    index = jnp.where(slots >= 0, slots, rows.shape[0]).reshape(-1)
-    rows = rows.at[index].set(kv.reshape(-1, *kv.shape[-2:]).astype(pool.dtype), mode="drop")
-    return rows.reshape(pool.shape)
+def _write_kv(pool, slots: jax.Array, kv: jax.Array, kv_cache_dtype: str):
+    """Writes kv [..., Hkv, D] (as the layer computed it) into one layer's pool at `slots` [...] (block *
+    block_size + offset; -1 writes nothing), encoded as the pool stores it."""
+    values = pool.values if isinstance(pool, kv_format.Fp8KV) else pool
+    stored = kv_format.encode(kv_cache_dtype, kv.reshape(-1, *kv.shape[-2:]), values.dtype)
+    index = jnp.where(slots >= 0, slots, values.shape[0] * values.shape[1]).reshape(-1)
+
+    def write(pool, new):
+        rows = pool.reshape(-1, *pool.shape[2:]).at[index].set(new, mode="drop")
+        return rows.reshape(pool.shape)
+
+    return jax.tree.map(write, pool, stored)
+
+
+def _pool_prefix(pool, blocks: jax.Array, dtype) -> jax.Array:
+    """The keys (or values) of one sequence's pool blocks `blocks`, in order: [1, n * block_size, Hkv, D] in
+    `dtype`."""
+    return kv_format.dequantize(jax.tree.map(lambda p: p[blocks].reshape(1, -1, *p.shape[2:]), pool), dtype)
 
 
 @functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",), donate_argnums=(4, 5))
@@ -167,8 +181,8 @@ def _prefill_layer(cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array
     one-request engine's `prefill_layer_in_device`."""
     q, k, v = split_qkv(cfg, tp, layer, x, positions, inv_freq)
     o, _ = prefill_attention(impl, q, k, v, causal=True, kv_start=starts, tp=tp)
-    k_pool = _write_kv(k_pool, slots, k)
-    v_pool = _write_kv(v_pool, slots, v)
+    k_pool = _write_kv(k_pool, slots, k, layer.kv_cache_dtype)
+    v_pool = _write_kv(v_pool, slots, v, layer.kv_cache_dtype)
     return decoder.attention_output_and_mlp(cfg, layer, x, o), k_pool, v_pool
 
 
@@ -180,13 +194,10 @@ def _chunk_layer(cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, 
     tokens are in the pool's blocks `prefix_blocks` (ids past them are padding: read, then masked); writes the
     chunk's K, V at `slots` (-1: padding)."""
     q, k, v = split_qkv(cfg, tp, layer, x, positions, inv_freq)
-
-    def prefix(pool):
-        return pool[prefix_blocks].reshape(1, -1, *pool.shape[2:])
-
-    o = chunk_attention(impl, q, k, v, prefix(k_pool), prefix(v_pool), prefix_len, chunk_len, tp=tp)
-    k_pool = _write_kv(k_pool, slots, k)
-    v_pool = _write_kv(v_pool, slots, v)
+    k_prefix, v_prefix = (_pool_prefix(pool, prefix_blocks, x.dtype) for pool in (k_pool, v_pool))
+    o = chunk_attention(impl, q, k, v, k_prefix, v_prefix, prefix_len, chunk_len, tp=tp)
+    k_pool = _write_kv(k_pool, slots, k, layer.kv_cache_dtype)
+    v_pool = _write_kv(v_pool, slots, v, layer.kv_cache_dtype)
     return decoder.attention_output_and_mlp(cfg, layer, x, o), k_pool, v_pool
 
 
@@ -206,7 +217,7 @@ def _decode_step(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tuple
                  ) -> tuple[jax.Array, tuple, tuple]:
     """The whole model for one token per sequence: tokens [B] at positions seq_lens - 1 (rows with seq_len 0 are
     padding), block tables [B, max_blocks]. Returns the next tokens [B] and the updated pools."""
-    block_size = k_pool[0].shape[1]
+    block_size = jax.tree.leaves(k_pool[0])[0].shape[1]
     positions = jnp.maximum(seq_lens - 1, 0)
     block = tables[jnp.arange(tables.shape[0]), positions // block_size]
     slots = jnp.where(seq_lens > 0, block * block_size + positions % block_size, -1)
@@ -214,8 +225,8 @@ def _decode_step(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tuple
     k_out, v_out = [], []
     for layer, k_pages, v_pages in zip(params.layers, k_pool, v_pool):
         q, k, v = split_qkv(cfg, tp, layer, x, positions[:, None], inv_freq)
-        k_out.append(_write_kv(k_pages, slots, k[:, 0]))
-        v_out.append(_write_kv(v_pages, slots, v[:, 0]))
+        k_out.append(_write_kv(k_pages, slots, k[:, 0], layer.kv_cache_dtype))
+        v_out.append(_write_kv(v_pages, slots, v[:, 0], layer.kv_cache_dtype))
         o = paged_decode_attention(impl, q[:, 0], k_out[-1], v_out[-1], tables, seq_lens, tp, params.batch_invariant)
         x = decoder.attention_output_and_mlp(cfg, layer, x, o[:, None])
     return sample(decoder.logits(cfg, params, x[:, 0]), sampling, draws), tuple(k_out), tuple(v_out)
@@ -229,15 +240,16 @@ def _feed_tokens(drawn: jax.Array, rows: jax.Array, tokens: jax.Array) -> jax.Ar
 
 
 @jax.jit
-def _gather_blocks(pools: tuple[jax.Array, ...], blocks: jax.Array) -> jax.Array:
-    """-> [num_layers, len(blocks), block_size, Hkv, D]."""
-    return jnp.stack([pool[blocks] for pool in pools])
+def _gather_blocks(pools: tuple, blocks: jax.Array):
+    """-> [num_layers, len(blocks), block_size, Hkv, D] (each leaf of the stored form)."""
+    return jax.tree.map(lambda *layers: jnp.stack([layer[blocks] for layer in layers]), *pools)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _scatter_blocks(pools: tuple[jax.Array, ...], blocks: jax.Array, kv: jax.Array) -> tuple[jax.Array, ...]:
+def _scatter_blocks(pools: tuple, blocks: jax.Array, kv) -> tuple:
     """Inverse of `_gather_blocks`; out-of-range block ids write nothing."""
-    return tuple(pool.at[blocks].set(layer, mode="drop") for pool, layer in zip(pools, kv))
+    return tuple(jax.tree.map(lambda pool, stacked: pool.at[blocks].set(stacked[l], mode="drop"), pool, kv)
+                 for l, pool in enumerate(pools))
 
 
 class ModelRunner:
@@ -252,10 +264,14 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.buckets = batch_buckets(max_num_seqs)
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        # Made on the mesh, as the steps return them, so that each step compiles once.
-        self.k_pool = tuple(tp.zeros(shape, dtype, 2) for _ in range(cfg.num_layers))
-        self.v_pool = tuple(tp.zeros(shape, dtype, 2) for _ in range(cfg.num_layers))
-        self.block_bytes = kv_block_bytes(cfg, dtype, block_size)
+
+        def empty_pool():
+            # Made on the mesh, as the steps return them, so that each step compiles once.
+            return kv_format.empty(params.kv_cache_dtype, shape, dtype, lambda shape, dtype: tp.zeros(shape, dtype, 2))
+
+        self.k_pool = tuple(empty_pool() for _ in range(cfg.num_layers))
+        self.v_pool = tuple(empty_pool() for _ in range(cfg.num_layers))
+        self.block_bytes = kv_block_bytes(cfg, dtype, block_size, params.kv_cache_dtype)
         kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
         # Swapped blocks [layers, n, block_size, Hkv, D]: each device's heads to and from its own host memory.
         self._host = tp.sharding(3, "pinned_host" if "pinned_host" in kinds else "unpinned_host")

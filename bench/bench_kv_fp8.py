@@ -1,0 +1,205 @@
+"""fp8 KV cache against the model-dtype cache on one GPU: Llama-3.1-8B shape, random bf16 weights.
+
+  decode   offloaded decode at --ctx for each of --policies (full, quest, sketch), kv_cache_dtype auto then fp8
+           in the same process: prefill seconds, ms/token (median, min, max of every step after a warm-up), the
+           bytes a step moves over PCIe, and the PCIe floor of full decode (the host blocks' bytes / the measured
+           host->GPU bandwidth)
+  batch    continuous batching with the KV in GPU memory: the pool's blocks (tokens, and sequences of
+           --batch-prompt + --batch-tokens) for auto and fp8, and output tokens/s of --batch-seqs such requests
+           (one warm-up run, then --repeats timed)
+  long     one --long-ctx prompt, fp8 KV offloaded: prefill (layerwise, XAttention at --long-threshold, or full
+           with --long-threshold 0), then --long-tokens decoded with full attention and with the sketch policy:
+           seconds, ms/token, peak GPU memory and pinned host bytes
+
+    python bench/bench_kv_fp8.py --phases decode --out $OUT/kv_fp8
+    python bench/bench_kv_fp8.py --phases batch,long --out $OUT/kv_fp8
+
+Every phase writes <out>/kv_fp8_<phase>.json with the run's device, versions and date.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import GiB, gpu_memory, h2d_bandwidth, model_config, random_params, run_metadata, stats  # noqa: E402
+
+KV_DTYPES = ("auto", "fp8")
+
+
+def _prompt(rng, cfg, n: int) -> list[int]:
+    return rng.integers(0, cfg.vocab_size, size=n).tolist()
+
+
+def _policy_options(policy: str, a) -> dict:
+    if policy == "full":
+        return {}
+    extra = {"sketch_dtype": "int4"} if policy == "sketch" else {}
+    return dict(decode_policy=policy, decode_budget=a.budget, page_size=16, dense_layers=2, **extra)
+
+
+def phase_decode(a) -> dict:
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_offload import LLM, SamplingParams
+    from jax_offload.kv.ring import group_size
+
+    cfg = model_config(a.shape, a.num_layers)
+    params = random_params(cfg, jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    bs, n = a.block_size, min(a.ctx, cfg.max_position_embeddings - a.decode_tokens - 1)
+    bandwidth = h2d_bandwidth()
+    rows = []
+    for policy in a.policies:
+        for kv in KV_DTYPES:
+            llm = LLM.from_params(cfg, params, dtype="bfloat16", offload=True, block_size=bs,
+                                  num_ring_slots=a.ring_slots,
+                                  max_model_len=max(n, (2 * group_size(a.ring_slots) + 1) * bs) + a.decode_tokens + 1,
+                                  kv_cache_dtype=kv, **_policy_options(policy, a))
+
+            def run(length, tokens=a.decode_tokens):
+                return llm.generate([_prompt(rng, cfg, length)],
+                                    SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))[0]
+
+            # Every decode shape (groups of 1 .. half the ring, the tail empty or not) before the timed prompt.
+            for k in range(1, 2 * group_size(a.ring_slots) + 2):
+                run(k * bs, 2)
+            run(bs + 7, 2)
+            out = run(n)
+            runner = llm._runner
+            row = {"policy": policy, "kv_cache_dtype": kv, "ctx": n, "prefill_s": out.prefill_seconds,
+                   "decode_ms": stats([s * 1e3 for s in out.decode_token_seconds[1:]]),
+                   "pcie_bytes_per_token": runner.last_decode_pcie_bytes,
+                   "host_store_GiB": runner.store.host_bytes / GiB, "gpu_memory": gpu_memory()}
+            if policy == "full":
+                row["pcie_floor_ms"] = runner.last_decode_pcie_bytes / bandwidth["median"] * 1e3
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del llm, runner, out
+            gc.collect()
+    ratios = {}
+    for policy in a.policies:
+        by = {r["kv_cache_dtype"]: r for r in rows if r["policy"] == policy}
+        ratios[policy] = by["fp8"]["decode_ms"]["median"] / by["auto"]["decode_ms"]["median"]
+    return {"rows": rows, "fp8_over_auto": ratios, "h2d_bandwidth": bandwidth, "block_size": bs,
+            "ring_slots": a.ring_slots, "budget": a.budget}
+
+
+def phase_batch(a) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_offload import LLM, SamplingParams
+
+    cfg = model_config(a.shape, a.num_layers)
+    params = random_params(cfg, jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    prompts = [_prompt(rng, cfg, a.batch_prompt) for _ in range(a.batch_seqs)]
+    sampling = SamplingParams(temperature=0.0, max_tokens=a.batch_tokens, ignore_eos=True)
+    seq_len = a.batch_prompt + a.batch_tokens
+    rows = []
+    for kv in KV_DTYPES:
+        llm = LLM.from_params(cfg, params, dtype="bfloat16", max_model_len=seq_len + 1, kv_cache_dtype=kv,
+                              max_num_seqs=a.batch_seqs, max_num_batched_tokens=a.max_num_batched_tokens)
+        engine = llm._batch()
+        blocks, block_size = engine.runner.num_blocks, engine.runner.block_size
+        llm.generate(prompts[: max(1, a.batch_seqs // 8)], sampling)  # warm-up: compiles the steps
+        seconds = []
+        for _ in range(a.repeats):
+            start = time.perf_counter()
+            outs = llm.generate(prompts, sampling)
+            seconds.append(time.perf_counter() - start)
+        tokens = sum(len(o.token_ids) for o in outs)
+        row = {"kv_cache_dtype": kv, "pool_blocks": blocks, "block_size": block_size,
+               "pool_tokens": blocks * block_size, "sequences_that_fit": blocks * block_size // seq_len,
+               "output_tokens": tokens, "seconds": stats(seconds),
+               "output_tok_per_s": stats([tokens / s for s in seconds]), "gpu_memory": gpu_memory()}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del llm, engine
+        gc.collect()
+        jax.clear_caches()
+    return {"rows": rows, "batch_seqs": a.batch_seqs, "prompt_tokens": a.batch_prompt,
+            "output_tokens_each": a.batch_tokens}
+
+
+def phase_long(a) -> dict:
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_offload import LLM, SamplingParams
+
+    cfg = model_config(a.shape, a.num_layers)
+    n = a.long_ctx
+    # Llama-3.1's RoPE (factor 8 over an 8K original window: 128K positions), its factor scaled to cover the prompt.
+    window = n + a.long_tokens + a.block_size
+    rope = dataclasses.replace(cfg.rope, factor=max(cfg.rope.factor, cfg.rope.factor * window / cfg.max_position_embeddings))
+    cfg = dataclasses.replace(cfg, max_position_embeddings=window, rope=rope)
+    params = random_params(cfg, jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    ids = _prompt(rng, cfg, n)
+    xattn = (dict(prefill_policy="xattention", xattn_threshold=a.long_threshold, xattn_stride=8, xattn_block=128)
+             if a.long_threshold > 0 else {})
+    rows = []
+    for policy in ("full", "sketch"):
+        llm = LLM.from_params(cfg, params, dtype="bfloat16", offload=True, block_size=a.block_size,
+                              num_ring_slots=a.ring_slots, prefill="layerwise", max_model_len=n + a.long_tokens + 1,
+                              kv_cache_dtype="fp8", **xattn, **_policy_options(policy, a))
+        out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=a.long_tokens, ignore_eos=True))[0]
+        row = {"policy": policy, "ctx": n, "prefill_s": out.prefill_seconds,
+               "decode_ms": stats([s * 1e3 for s in out.decode_token_seconds[1:]]),
+               "first_step_ms": out.decode_token_seconds[0] * 1e3 if out.decode_token_seconds else None,
+               "prefill_density_mean": (float(np.mean(out.prefill_density)) if out.prefill_density else None),
+               "pinned_host_GiB": llm._runner.store.host_bytes_held() / GiB, "gpu_memory": gpu_memory()}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del llm, out
+        gc.collect()
+    return {"rows": rows, "rope": dataclasses.asdict(rope), "xattn_threshold": a.long_threshold, "block_size": a.block_size}
+
+
+PHASES = {"decode": phase_decode, "batch": phase_batch, "long": phase_long}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")) / "kv_fp8")
+    p.add_argument("--phases", default="decode")
+    p.add_argument("--shape", default="llama-3.1-8b")
+    p.add_argument("--num-layers", type=int, help="fewer layers, for a smoke run")
+    p.add_argument("--ctx", type=int, default=131072)
+    p.add_argument("--policies", type=lambda s: s.split(","), default=["full", "quest", "sketch"])
+    p.add_argument("--block-size", type=int, default=4096)
+    p.add_argument("--ring-slots", type=int, default=4)
+    p.add_argument("--budget", type=int, default=4096)
+    p.add_argument("--decode-tokens", type=int, default=12)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--batch-seqs", type=int, default=256)
+    p.add_argument("--batch-prompt", type=int, default=4096)
+    p.add_argument("--batch-tokens", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--long-ctx", type=int, default=1 << 20)
+    p.add_argument("--long-tokens", type=int, default=32)
+    p.add_argument("--long-threshold", type=float, default=0.9)
+    a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    for name in a.phases.split(","):
+        start = time.perf_counter()
+        result = {**run_metadata(), "phase": name, "args": {k: str(v) for k, v in vars(a).items()},
+                  **PHASES[name](a), "wall_s": None}
+        result["wall_s"] = time.perf_counter() - start
+        (a.out / f"kv_fp8_{name}.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

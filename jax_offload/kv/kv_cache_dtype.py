@@ -1,0 +1,79 @@
+"""How the KV cache is stored: "auto" keeps the model's dtype; "fp8" keeps float8_e4m3fn values with one
+power-of-two float32 scale per token, KV head and K|V (vLLM's option name and meaning).
+
+A stored KV array is a pytree: a plain array for "auto", `Fp8KV(values [..., D], scales [..., 1])` for "fp8".
+Both leaves share every axis but the last, so code that reshapes, slices, gathers, moves or shards the cache on
+those axes treats either form with `jax.tree.map`.
+
+Quantization happens once, right after K and V are projected (`round_trip`): from there on every path (the
+chunk's own keys, the GPU tail, the host store, the paged pool) holds the same values. A power-of-two scale
+makes `values * scale` exact in bfloat16 and float32, so dequantizing (in a kernel's registers or in one pass
+over HBM) gives the same bits everywhere, and fp8 offloaded equals fp8 in GPU memory by construction.
+
+Why per token and power of two: e4m3 carries its own exponent per element, so a finer scale gains no
+precision, only range; a scale per token maps each token's largest |x| into [224, 448], keeping the small
+elements of that token out of the subnormals. A power of two costs at most one binade of that range.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+KV_CACHE_DTYPES = ("auto", "fp8")
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+class Fp8KV(NamedTuple):
+    values: jax.Array  # float8_e4m3fn [..., D]
+    scales: jax.Array  # float32 [..., 1], powers of two
+
+
+def check_kv_cache_dtype(name: object) -> str:
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {name!r} is unknown; valid: {', '.join(KV_CACHE_DTYPES)}.")
+    return name
+
+
+def quantize_fp8(x: jax.Array) -> Fp8KV:
+    """x [..., D] -> float8 values and the smallest power-of-two scale per row with max|x| / scale <= 448."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
+    mantissa, exponent = jnp.frexp(amax)  # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
+    # 448 = 0.875 * 2^9: amax <= 448 * 2^(exponent - 9) exactly when mantissa <= 0.875.
+    exponent = exponent - 9 + (mantissa > FP8_MAX / 512).astype(exponent.dtype)
+    scales = jnp.ldexp(jnp.ones_like(amax), jnp.clip(exponent, -126, 127))
+    return Fp8KV((x.astype(jnp.float32) / scales).astype(FP8), scales)
+
+
+def dequantize(stored, dtype) -> jax.Array:
+    """A stored KV array (either form) -> values in `dtype` (exact for fp8 into bfloat16 or float32)."""
+    if isinstance(stored, Fp8KV):
+        return (stored.values.astype(jnp.float32) * stored.scales).astype(dtype)
+    return stored.astype(dtype)
+
+
+def round_trip(kv_cache_dtype: str, x: jax.Array) -> jax.Array:
+    """The values x takes once stored in the cache, in x's dtype."""
+    return x if kv_cache_dtype == "auto" else dequantize(quantize_fp8(x), x.dtype)
+
+
+def encode(kv_cache_dtype: str, x: jax.Array, dtype) -> jax.Array | Fp8KV:
+    """x [..., D] as the cache stores it ("auto": cast to `dtype`, the model's)."""
+    return x.astype(dtype) if kv_cache_dtype == "auto" else quantize_fp8(x)
+
+
+def empty(kv_cache_dtype: str, shape: tuple[int, ...], dtype, make=jnp.zeros) -> jax.Array | Fp8KV:
+    """A zero-filled stored KV array of `shape` [..., D]; `make(shape, dtype)` allocates each leaf (e.g. on a
+    mesh)."""
+    if kv_cache_dtype == "auto":
+        return make(shape, dtype)
+    return Fp8KV(make(shape, FP8), make((*shape[:-1], 1), jnp.float32))
+
+
+def bytes_per_vector(kv_cache_dtype: str, head_dim: int, dtype) -> int:
+    """Bytes one stored vector of head_dim elements (one token's K or V of one KV head) takes."""
+    if kv_cache_dtype == "auto":
+        return head_dim * jnp.dtype(dtype).itemsize
+    return head_dim + 4
