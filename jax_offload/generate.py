@@ -65,6 +65,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _make_room_for_pinned_kv(model_dir: Path, args: argparse.Namespace) -> None:
+    """Raises XLA's pinned host pool limit (read when JAX starts its GPU backend, so before that) to what the
+    offloaded KV store of --max-model-len tokens takes, when that is past the default and the user set none."""
+    from jax_offload.config import OFFLOAD_DEFAULTS, ModelConfig, round_up
+    from jax_offload.kv.host_store import DEFAULT_PINNED_LIMIT_GB, PINNED_LIMIT_VAR
+    from jax_offload.kv.kv_cache_dtype import KV_CACHE_DTYPES, bytes_per_vector
+
+    if PINNED_LIMIT_VAR in os.environ:
+        return
+    cfg = ModelConfig.from_hf(model_dir)
+    if args.kv_cache_dtype not in KV_CACHE_DTYPES:
+        return  # LLM names the allowed values
+    tokens = round_up(args.max_model_len or cfg.max_position_embeddings,
+                      args.block_size or OFFLOAD_DEFAULTS["block_size"])
+    # The model's dtype is at most 2 bytes an element on a GPU (bfloat16 or float16).
+    vector = bytes_per_vector(args.kv_cache_dtype, cfg.head_dim, "bfloat16")
+    gib = cfg.num_layers * tokens * 2 * cfg.num_kv_heads * vector / 2**30
+    if gib > DEFAULT_PINNED_LIMIT_GB:
+        os.environ[PINNED_LIMIT_VAR] = str(int(gib) + 4)
+
+
 def read_prompts(path: Path) -> list[str]:
     """The prompts of a --prompt-file: one per line of a .jsonl file, else the file's whole text."""
     text = path.read_text()
@@ -122,6 +143,8 @@ def _run(args: argparse.Namespace) -> int:
     from jax_offload.default_model import ensure_default_model
 
     model_dir = args.model if args.model is not None else ensure_default_model(quiet=args.json)
+    if args.offload:
+        _make_room_for_pinned_kv(model_dir, args)
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     llm = LLM(
         model_dir,

@@ -186,11 +186,15 @@ def load_kv_rows(ref, scale_ref, rows, ok, dtype):
     """Rows of a K or V tile in `dtype`: as stored, or (with `scale_ref`, one float32 scale per row) float8 values
     times their scales, computed in float32 and rounded to `dtype` (exact for the power-of-two scales of an fp8
     KV cache: the bits a dequantized bfloat16 cache holds). Rows where `ok` is False read as 0."""
-    x = load_rows(ref, rows, ok)
     if scale_ref is None:
-        return x
-    scale = plgpu.load(scale_ref.at[rows]) if ok is None else plgpu.load(scale_ref.at[rows], mask=ok, other=0)
-    return (x.astype(jnp.float32) * scale[:, None]).astype(dtype)
+        return load_rows(ref, rows, ok)
+    if ok is None:
+        x = plgpu.load(ref.at[rows, :]).astype(jnp.float32) * plgpu.load(scale_ref.at[rows])[:, None]
+        return x.astype(dtype)
+    # Triton cannot cast a fill value to float8: masked rows are loaded as anything and zeroed after the scale.
+    x = plgpu.load(ref.at[rows, :], mask=ok[:, None]).astype(jnp.float32)
+    x = x * plgpu.load(scale_ref.at[rows], mask=ok)[:, None]
+    return jnp.where(ok[:, None], x, 0.0).astype(dtype)
 
 
 def decode_key_tile(carry, q, k_ref, v_ref, kslice, vslice, col_ok, *, scale_log2: float, precision,

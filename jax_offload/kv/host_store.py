@@ -37,8 +37,21 @@ PAGE_UNIT = 16  # tokens per stored page: the finest page a sparse policy can se
 PLACES = ("gpu", "blocks", "pages")
 
 
+# XLA's pinned host allocator on a GPU stops at this many GiB unless the variable raises it (read once, when the
+# GPU backend starts).
+PINNED_LIMIT_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+DEFAULT_PINNED_LIMIT_GB = 64
+
+
 def available_host_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def pinned_limit_bytes() -> int | None:
+    """How much pinned host memory XLA will allocate on this backend; None where it sets no limit (CPU)."""
+    if jax.default_backend() != "gpu":
+        return None
+    return int(float(os.environ.get(PINNED_LIMIT_VAR, DEFAULT_PINNED_LIMIT_GB)) * 2**30)
 
 
 def to_stored_layout(kv):
@@ -114,7 +127,16 @@ class HostKVStore:
             raise ValueError(
                 f"The host KV store needs {self.host_bytes / 2**30:.2f} GiB for {num_blocks} blocks x "
                 f"{num_layers - places.count('gpu')} layers but only {available / 2**30:.2f} GiB of host memory is "
-                "available; lower max_model_len."
+                "available; lower max_model_len" + (" or use kv_cache_dtype='fp8'." if kv_cache_dtype == "auto"
+                                                    else ".")
+            )
+        limit = pinned_limit_bytes() if host_memory_kind == "pinned_host" else None
+        if limit is not None and self.host_bytes > limit:
+            wanted = -(-self.host_bytes // 2**30) + 4  # headroom for the swap space and small buffers
+            raise ValueError(
+                f"The host KV store needs {self.host_bytes / 2**30:.2f} GiB of pinned memory but XLA's pinned pool "
+                f"stops at {limit / 2**30:.0f} GiB; set {PINNED_LIMIT_VAR}={wanted} before the process starts JAX "
+                f"(the CLI does it from --max-model-len), or lower max_model_len."
             )
         self.tp = tp
         self.device = tp.sharding(0, memory_kind="device")  # a fetched block: [Hkv, ...] on the GPUs

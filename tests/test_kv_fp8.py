@@ -1,0 +1,382 @@
+"""The fp8 KV cache (`kv_cache_dtype="fp8"`): the quantizer against float64 NumPy, the paged decode kernels over
+a float8 pool with scales (Pallas interpret mode and the jnp twins), and the engine (tiny Llama): fp8 offloaded
+equals fp8 in GPU memory, alone or batched, and with the page-choosing decode policies at full budget."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+import tiny_models
+from jax_offload import LLM, SamplingParams
+from jax_offload.kv import kv_cache_dtype as kvd
+from kernel_reference import assert_attention_close, decode_ref
+
+F8 = ml_dtypes.float8_e4m3fn
+F8_MAX = 448.0
+
+
+# ---- the quantizer -----------------------------------------------------------------------------------------------
+
+
+def np_scales(x: np.ndarray) -> np.ndarray:
+    """float64 [..., 1]: per row, the smallest power of two 2^k with max|x| / 2^k <= 448, found by search on that
+    definition (rows of zeros: nan, any scale does)."""
+    amax = np.abs(x.astype(np.float64)).max(-1, keepdims=True)
+    live = amax > 0
+    k = np.where(live, np.floor(np.log2(np.where(live, amax, 1.0) / F8_MAX)) - 3, 0.0)
+    while True:
+        too_small = live & (amax / 2.0**k > F8_MAX)
+        if not too_small.any():
+            break
+        k += too_small
+    assert np.all(~live | (amax / 2.0 ** (k - 1) > F8_MAX)), "not the smallest"  # the search started low enough
+    return np.where(live, 2.0**k, np.nan)
+
+
+def np_quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float64 reference: (float8_e4m3fn values, float64 scales [..., 1]); zero rows get scale 1 (values 0)."""
+    x = x.astype(np.float64)
+    scales = np_scales(x)
+    scales = np.where(np.isnan(scales), 1.0, scales)
+    return (x / scales).astype(F8), scales
+
+
+def _quantizer_inputs(seed: int, dtype) -> np.ndarray:
+    """[rows, 64] float32 NumPy values exactly representable in `dtype`: rows of several magnitudes, incl. an all-zero
+    row, 1e4 and 1e-6 rows, a row with one large outlier, and rows whose max sits on a power-of-two boundary."""
+    rng = np.random.default_rng(seed)
+    rows, d = 48, 64
+    x = rng.standard_normal((rows, d)) * 10.0 ** rng.uniform(-3, 3, (rows, 1))
+    x[0] = 0.0
+    x[1] = rng.standard_normal(d) * 1e4
+    x[2] = rng.standard_normal(d) * 1e-6
+    x[3, :] = 0.0
+    x[3, 7] = -1e-6  # one tiny non-zero element
+    x[4] = rng.standard_normal(d)
+    x[4, 5] = 448.0  # max exactly 448: scale 1
+    x[5] = rng.standard_normal(d) * 1e-5
+    x[5, 9] = -448.0 * 2.0**-20 * 1.0000001  # float32: just past 448 * 2^-20 (scale 2^-19); bfloat16: on it (2^-20)
+    x[6] = rng.standard_normal(d) * 1e-2
+    x[6, 0] = 3e3  # an outlier: the rest of the row falls into fp8's subnormals
+    x[7] = np.full(d, 224.0)  # the max at the bottom of [224, 448]
+    x[8] = rng.standard_normal(d) * 1e4
+    x[8, :10] = 0.0
+    return np.asarray(jnp.asarray(x.astype(np.float32), dtype).astype(jnp.float32))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_quantizer_matches_float64(dtype):
+    seed = 9000 + (dtype == "bfloat16")
+    where = f"seed {seed}, {dtype}"
+    x32 = _quantizer_inputs(seed, dtype)
+    x = jnp.asarray(x32, dtype)
+    got = kvd.quantize_fp8(x)
+    assert got.values.dtype == jnp.float8_e4m3fn and got.scales.dtype == jnp.float32, where
+    assert got.values.shape == x.shape and got.scales.shape == (*x.shape[:-1], 1), where
+    values, scales = np.asarray(got.values), np.asarray(got.scales, np.float64)
+    ref_values, ref_scales = np_quantize(x32)
+    live = np.abs(x32).max(-1) > 0
+    assert live.sum() == len(x32) - 1, where  # only row 0 is all zero
+    np.testing.assert_array_equal(scales[live], ref_scales[live], err_msg=f"{where}: scales")
+    # Rows of zeros: any positive power-of-two scale (a finite one), all values 0.
+    zero_scales = scales[~live, 0]
+    assert np.all((zero_scales > 0) & np.isfinite(zero_scales)), f"{where}: {zero_scales}"
+    assert np.all(np.frexp(zero_scales)[0] == 0.5), f"{where}: zero rows' scale {zero_scales} not a power of two"
+    assert np.all(values[~live].astype(np.float64) == 0.0), where
+    # The values: x / scale rounded to float8_e4m3fn (ml_dtypes from float64: round to nearest even).
+    np.testing.assert_array_equal(values[live].view(np.uint8), ref_values[live].view(np.uint8),
+                                  err_msg=f"{where}: float8 values (bits)")
+    assert np.all(np.abs(values.astype(np.float64)) <= F8_MAX), where  # never saturated to NaN
+    # Dequantize is exact: float64 values * scales, cast to the dtype, loses nothing.
+    exact = values.astype(np.float64) * scales
+    for out_dtype in ("float32", "bfloat16"):
+        deq = np.asarray(kvd.dequantize(got, out_dtype).astype(jnp.float32), np.float64)
+        np.testing.assert_array_equal(deq, exact, err_msg=f"{where}: dequantize to {out_dtype}")
+    # The round trip keeps x's dtype, and equals the exact dequantized values.
+    rt = kvd.round_trip("fp8", x)
+    assert rt.dtype == x.dtype, where
+    np.testing.assert_array_equal(np.asarray(rt.astype(jnp.float32), np.float64), exact, err_msg=where)
+    assert kvd.round_trip("auto", x) is x
+    # Relative error: at most half an fp8 step (2^-4 of |x|) where x / scale is a normal float8 (>= 2^-6), and
+    # within 2^-4 of the row's max everywhere.
+    err = np.abs(exact - x32)
+    normal = np.abs(x32) / np.where(live[:, None], scales, 1.0) >= 2.0**-6
+    assert np.all(err[normal] <= 2.0**-4 * np.abs(x32)[normal]), where
+    assert np.all(err <= 2.0**-4 * np.abs(x32).max(-1, keepdims=True)), where
+    assert normal[live].mean() > 0.5, where  # the bound above covers most elements
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_round_trip_is_idempotent(dtype):
+    seed = 9010 + (dtype == "bfloat16")
+    x = jnp.asarray(_quantizer_inputs(seed, dtype), dtype)
+    once = kvd.round_trip("fp8", x)
+    twice = kvd.round_trip("fp8", once)
+    np.testing.assert_array_equal(np.asarray(twice.astype(jnp.float32)), np.asarray(once.astype(jnp.float32)),
+                                  err_msg=f"seed {seed}, {dtype}")
+    # Also as the engine jits it.
+    jitted = jax.jit(lambda y: kvd.round_trip("fp8", y))
+    np.testing.assert_array_equal(np.asarray(jitted(once).astype(jnp.float32)),
+                                  np.asarray(once.astype(jnp.float32)), err_msg=f"seed {seed}, {dtype}, jit")
+
+
+def test_encode_and_sizes():
+    x = jnp.asarray(np.random.default_rng(9020).standard_normal((3, 5, 32)), jnp.float32)
+    auto = kvd.encode("auto", x, jnp.bfloat16)
+    assert auto.dtype == jnp.bfloat16 and auto.shape == x.shape
+    fp8 = kvd.encode("fp8", x, jnp.bfloat16)
+    assert isinstance(fp8, kvd.Fp8KV)
+    np.testing.assert_array_equal(np.asarray(kvd.dequantize(fp8, jnp.float32)), np.asarray(kvd.round_trip("fp8", x)))
+    assert kvd.bytes_per_vector("fp8", 128, jnp.bfloat16) == 132
+    assert kvd.bytes_per_vector("auto", 128, jnp.bfloat16) == 256
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int8' is unknown; valid: auto, fp8"):
+        kvd.check_kv_cache_dtype("int8")
+
+
+# ---- the paged decode kernels over a float8 pool -----------------------------------------------------------------
+
+# (B, Hq, Hkv, D, page_size, max_pages, seq_lens, q dtype, Pallas pool form). A partial tail page, an exact page
+# boundary, an empty sequence, a single key. Each Pallas form runs with one q dtype (interpret-mode compiles are
+# the cost); the jnp twins run both forms in both cases.
+KERNEL_CASES = {
+    "bf16_separate": (3, 4, 2, 64, 16, 5, [71, 0, 32], "bfloat16", "separate"),
+    "f32_combined": (2, 8, 2, 32, 16, 4, [1, 53], "float32", "combined"),
+}
+_OUT_OF_RANGE = (-1, 2**30)
+
+
+def _fp8_paged_inputs(seed, batch, hq, hkv, d, page_size, max_pages, seq_lens, dtype):
+    """q, a float8 K and V pool with float32 scales [num_pages, page_size, Hkv, 1] (NumPy), shuffled block tables
+    with poisoned padding entries; rows nobody owns hold NaN values and NaN scales."""
+    rng = np.random.default_rng(seed)
+    live = [-(-n // page_size) for n in seq_lens]
+    num_pages = sum(live) + 2
+    order = iter(rng.permutation(num_pages))
+    table = np.zeros((batch, max_pages), np.int64)
+    pools = []
+    for _ in range(2):
+        x = rng.standard_normal((num_pages, page_size, hkv, d)) * 2.0 ** rng.uniform(-3, 3, (num_pages, page_size,
+                                                                                            hkv, 1))
+        values, scales = np_quantize(x)
+        pools.append([values, scales.astype(np.float32), np.zeros(num_pages * page_size, bool).reshape(
+            num_pages, page_size)])
+    for b, n in enumerate(seq_lens):
+        for p in range(live[b]):
+            table[b, p] = next(order)
+            for _, _, owned in pools:
+                owned[table[b, p], :min(page_size, n - p * page_size)] = True
+        for p in range(live[b], max_pages):
+            table[b, p] = rng.choice([*_OUT_OF_RANGE, rng.integers(num_pages)])
+    for values, scales, owned in pools:
+        values[~owned] = np.nan
+        scales[~owned] = np.nan
+    q = jnp.asarray(rng.standard_normal((batch, hq, d)).astype(np.float32), dtype)
+    (kv, ks, _), (vv, vs, _) = pools
+    return q, kv, ks, vv, vs, table.astype(np.int32), np.asarray(seq_lens, np.int32)
+
+
+def _gather64(pool, table, seq_lens):
+    """[B, max_pages * page_size, Hkv, D] float64 in logical order; rows past seq_len are 0."""
+    _, page_size, hkv, d = pool.shape
+    batch, max_pages = table.shape
+    live = np.arange(max_pages)[None, :] < -(-seq_lens[:, None] // page_size)
+    out = pool[np.where(live, table, 0)].astype(np.float64).reshape(batch, max_pages * page_size, hkv, d)
+    out[np.arange(max_pages * page_size)[None, :] >= seq_lens[:, None]] = 0.0
+    return out
+
+
+def _reference64(q, kv, ks, vv, vs, table, lens):
+    k = kv.astype(np.float64) * ks
+    v = vv.astype(np.float64) * vs
+    return decode_ref(np.asarray(q.astype(jnp.float32)), _gather64(k, table, lens), _gather64(v, table, lens),
+                      kv_len=lens)
+
+
+def _dequantized(values, scales, dtype):
+    """The pool a dequantized cache in `dtype` holds (exact: float64 product, then cast)."""
+    return jnp.asarray((values.astype(np.float64) * scales).astype(np.float32), dtype)
+
+
+def _assert_bits_equal(a, b, what):
+    for x, y, name in zip(a, b, ("o", "lse", "l")):
+        np.testing.assert_array_equal(np.asarray(jnp.asarray(x).astype(jnp.float32)),
+                                      np.asarray(jnp.asarray(y).astype(jnp.float32)), err_msg=f"{what}: {name}")
+
+
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+def test_paged_kernels_over_fp8_pool(case):
+    """A float8 pool with scales, as separate K and V pools [num_pages, page, Hkv, D] or one K|V pool
+    [num_pages, 2, page, Hkv, D] (scales [num_pages, 2, page, Hkv, 1]): the Pallas kernel gives the bits of the
+    same kernel over the pool dequantized to q's dtype, and the float64 attention over the dequantized keys; so do
+    the jnp twins (within tolerance)."""
+    b, hq, hkv, d, page_size, max_pages, seq_lens, dtype, form = KERNEL_CASES[case]
+    seed = 9100 + list(KERNEL_CASES).index(case)
+    where = f"seed {seed}, {case}"
+    q, kv, ks, vv, vs, table, lens = _fp8_paged_inputs(seed, b, hq, hkv, d, page_size, max_pages, seq_lens, dtype)
+    ref_o, ref_lse = _reference64(q, kv, ks, vv, vs, table, lens)
+    tol = dict(tol=1e-5, lse_tol=1e-5) if dtype == "float32" else dict(tol=1e-2, lse_tol=1e-2)
+    k8, v8, kscale, vscale = (jnp.asarray(a) for a in (kv, vv, ks, vs))
+    kd, vd = _dequantized(kv, ks, dtype), _dequantized(vv, vs, dtype)
+    kv8, kv_scales = jnp.stack([k8, v8], axis=1), jnp.stack([kscale, vscale], axis=1)
+
+    if form == "separate":
+        fp8 = pk.paged_decode_attention_with_lse(q, k8, v8, table, lens, num_splits=2, k_scales=kscale,
+                                                 v_scales=vscale)
+        assert fp8[0].dtype == q.dtype and fp8[0].shape == (b, hq, d), where
+        dequant = pk.paged_decode_attention_with_lse(q, kd, vd, table, lens, num_splits=2)
+    else:
+        fp8 = pk.paged_decode_attention_kv_with_lse(q, kv8, table, lens, kv_scales, num_splits=2)
+        assert fp8[0].dtype == q.dtype and fp8[0].shape == (b, hq, d), where
+        dequant = pk.paged_decode_attention_kv_with_lse(q, jnp.stack([kd, vd], axis=1), table, lens, num_splits=2)
+    _assert_bits_equal(fp8, dequant, f"{where}: Pallas over the fp8 pool vs over the dequantized pool")
+    assert_attention_close(*fp8, ref_o, ref_lse, **tol)
+
+    xla = pk.paged_decode_attention_with_lse_xla(q, k8, v8, table, lens, k_scales=kscale, v_scales=vscale)
+    assert_attention_close(*xla, ref_o, ref_lse, **tol)
+    xla_kv = pk.paged_decode_attention_kv_with_lse_xla(q, kv8, table, lens, kv_scales)
+    assert_attention_close(*xla_kv, ref_o, ref_lse, **tol)
+
+
+def test_paged_decode_state_over_fp8_pool():
+    """The batch-invariant decode state over a float8 pool: the bits of the dequantized bfloat16 pool's."""
+    b, hq, hkv, d, page_size, max_pages, seq_lens, dtype, _ = KERNEL_CASES["bf16_separate"]
+    seed = 9150
+    q, kv, ks, vv, vs, table, lens = _fp8_paged_inputs(seed, b, hq, hkv, d, page_size, max_pages, seq_lens, dtype)
+    empty = pk.empty_state(b, 1, hq, d)
+    fp8 = pk.paged_decode_state(q, jnp.asarray(kv), jnp.asarray(vv), table, lens, empty, split_len=32,
+                                k_scales=jnp.asarray(ks), v_scales=jnp.asarray(vs))
+    dequant = pk.paged_decode_state(q, _dequantized(kv, ks, dtype), _dequantized(vv, vs, dtype), table, lens, empty,
+                                    split_len=32)
+    _assert_bits_equal(fp8, dequant, f"seed {seed}: decode state fp8 vs dequantized")
+    o, lse = pk.finish_state(fp8)
+    ref_o, ref_lse = _reference64(q, kv, ks, vv, vs, table, lens)
+    assert_attention_close(o[:, 0], lse[..., 0], ref_o, ref_lse, tol=1e-2, lse_tol=1e-2)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_bad_scales_are_rejected(impl):
+    fn = {"pallas": pk.paged_decode_attention_with_lse, "xla": pk.paged_decode_attention_with_lse_xla}[impl]
+    kv_fn = {"pallas": pk.paged_decode_attention_kv_with_lse, "xla": pk.paged_decode_attention_kv_with_lse_xla}[impl]
+    q = jnp.ones((2, 4, 32), jnp.bfloat16)
+    pages = jnp.ones((3, 16, 2, 32), jnp.float8_e4m3fn)
+    scales = jnp.ones((3, 16, 2, 1), jnp.float32)
+    table, lens = jnp.zeros((2, 2), jnp.int32), jnp.asarray([3, 20], jnp.int32)
+    with pytest.raises(ValueError, match="k_scales has shape .* and dtype bfloat16"):
+        fn(q, pages, pages, table, lens, k_scales=scales.astype(jnp.bfloat16), v_scales=scales)
+    with pytest.raises(ValueError, match=r"v_scales has shape \(3, 16, 2\)"):
+        fn(q, pages, pages, table, lens, k_scales=scales, v_scales=scales[..., 0])
+    with pytest.raises(ValueError, match=r"k_scales has shape \(3, 16, 2, 32\)"):
+        fn(q, pages, pages, table, lens, k_scales=jnp.ones((3, 16, 2, 32)), v_scales=scales)
+    with pytest.raises(ValueError, match="give both"):
+        fn(q, pages, pages, table, lens, k_scales=scales)
+    with pytest.raises(ValueError, match="k_pages has dtype bfloat16 with scales"):
+        fn(q, pages.astype(jnp.bfloat16), pages.astype(jnp.bfloat16), table, lens, k_scales=scales, v_scales=scales)
+    with pytest.raises(ValueError, match="allowed: one dtype"):  # a float8 pool without scales
+        fn(q, pages, pages, table, lens)
+    kv_pages = jnp.stack([pages, pages], axis=1)
+    kv_scales = jnp.stack([scales, scales], axis=1)
+    with pytest.raises(ValueError, match="kv_scales has shape|k_scales has shape"):
+        kv_fn(q, kv_pages, table, lens, kv_scales[:, :, :8])
+    with pytest.raises(ValueError, match="dtype bfloat16"):
+        kv_fn(q, kv_pages, table, lens, kv_scales.astype(jnp.bfloat16))
+    if impl == "pallas":
+        with pytest.raises(ValueError, match="k_scales has shape"):
+            pk.paged_decode_state(q, pages, pages, table, lens, pk.empty_state(2, 1, 4, 32),
+                                  k_scales=scales[:, :8], v_scales=scales)
+
+
+# ---- the engine ----------------------------------------------------------------------------------------------------
+
+MODEL_SEED, PROMPT_SEED = 9201, 9202
+PROMPT_LENGTHS = (5, 40, 100)
+MAX_LEN = 256
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+WHERE = f"model seed {MODEL_SEED}, prompt seed {PROMPT_SEED}"
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama3_fp8")
+    tiny_models.build("llama3", path, seed=MODEL_SEED)
+    rng = np.random.default_rng(PROMPT_SEED)
+    return path, [rng.integers(3, tiny_models.VOCAB, size=n).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def float32_in_gpu(llama):
+    """In-GPU fp8 float32: prefill logits and greedy tokens of each prompt, one at a time."""
+    path, prompts = llama
+    llm = LLM(path, dtype="float32", kv_cache_dtype="fp8", max_model_len=MAX_LEN)
+    return [llm.logits(p) for p in prompts], [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+
+
+# Chunked prefill here; layerwise prefill offloaded is in the bfloat16 test below (64-layerwise passed here too
+# until the suite needed the time).
+@pytest.mark.parametrize("block_size,num_ring_slots,prefill", [(16, 3, "chunked")])
+def test_fp8_offloaded_equals_in_gpu_float32(llama, float32_in_gpu, block_size, num_ring_slots, prefill):
+    path, prompts = llama
+    logits, tokens = float32_in_gpu
+    off = LLM(path, dtype="float32", kv_cache_dtype="fp8", max_model_len=MAX_LEN, offload=True,
+              block_size=block_size, num_ring_slots=num_ring_slots, prefill=prefill)
+    diff = max(float(np.abs(off.logits(p) - ref).max()) for p, ref in zip(prompts, logits))
+    print(f"\nfp8 float32, block {block_size} {prefill}: max |dlogit| offloaded vs in GPU memory {diff}")
+    assert diff <= 1e-5, f"{WHERE}, block {block_size} {prefill}: max |dlogit| {diff}"
+    got = [off.generate([p], GREEDY)[0].token_ids for p in prompts]
+    assert got == tokens, f"{WHERE}, block {block_size} {prefill}: greedy differs"
+
+
+def test_fp8_bfloat16_offloaded_and_batched_equal_one_at_a_time(llama):
+    path, prompts = llama
+    gpu = LLM(path, dtype="bfloat16", kv_cache_dtype="fp8", max_model_len=MAX_LEN, max_num_seqs=4)
+    alone = [gpu.generate([p], GREEDY)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in gpu.generate(prompts, GREEDY)] == alone, f"{WHERE}: in GPU memory, together"
+    off = LLM(path, dtype="bfloat16", kv_cache_dtype="fp8", max_model_len=MAX_LEN, offload=True, block_size=64,
+              prefill="layerwise")
+    assert [off.generate([p], GREEDY)[0].token_ids for p in prompts] == alone, f"{WHERE}: offloaded"
+    assert [o.token_ids for o in off.generate(prompts, GREEDY)] == alone, f"{WHERE}: offloaded, together"
+
+
+@pytest.fixture(scope="module")
+def full_decode_tokens(llama):
+    path, prompts = llama
+    full = LLM(path, dtype="float32", kv_cache_dtype="fp8", max_model_len=MAX_LEN, offload=True, block_size=32)
+    return [full.generate([p], GREEDY)[0].token_ids for p in prompts]
+
+
+# Quest reads its pages with the same `attend_rows` (only its scores differ, computed from the same fp8 keys);
+# "quest" passed here too until the suite needed the time.
+@pytest.mark.parametrize("policy", ["sketch"])
+def test_fp8_page_policies_at_full_budget_equal_full_decode(llama, full_decode_tokens, policy):
+    """A budget holding every page: the policy reads all of them, so the same greedy tokens as full decode (one
+    dense layer, so every K and V is computed by the same operations on both paths)."""
+    path, prompts = llama
+    llm = LLM(path, dtype="float32", kv_cache_dtype="fp8", max_model_len=MAX_LEN, offload=True, block_size=32,
+              decode_policy=policy, decode_budget=MAX_LEN, page_size=16, dense_layers=1)
+    got = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+    assert got == full_decode_tokens, f"{WHERE}, {policy}"
+
+
+# max |logit difference| fp8 vs auto (float32, in GPU memory, every prefill position) over the three prompts,
+# measured when this test was written: 0.2385 (RMS 0.035 to 0.044, logits' RMS 0.8; bfloat16 weights and cache vs
+# float32 differ by max 0.064 here). The bar is about three times it.
+FP8_SHIFT_BOUND = 0.75
+
+
+def test_fp8_changes_logits_by_a_bounded_amount(llama, float32_in_gpu):
+    path, prompts = llama
+    logits, _ = float32_in_gpu
+    auto = LLM(path, dtype="float32", max_model_len=MAX_LEN)
+    diff = max(float(np.abs(auto.logits(p) - ref).max()) for p, ref in zip(prompts, logits))
+    print(f"\nfp8 vs auto, float32: max |dlogit| {diff}")
+    assert diff > 0, f"{WHERE}: fp8 logits equal auto's; the KV cache is not quantized"
+    assert diff <= FP8_SHIFT_BOUND, f"{WHERE}: max |dlogit| {diff}"
+
+
+def test_unknown_kv_cache_dtype_is_one_clear_error(llama):
+    path, _ = llama
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int8' is unknown; valid: auto, fp8"):
+        LLM(path, kv_cache_dtype="int8")
