@@ -331,33 +331,28 @@ def test_fp8_offloaded_equals_in_gpu_float32(llama, float32_in_gpu, block_size, 
 
 def test_fp8_bfloat16_offloaded_and_batched_equal_one_at_a_time(llama):
     path, prompts = llama
+    prompts = prompts[::2]  # the shortest and the longest (all three until the suite needed the time)
     gpu = LLM(path, dtype="bfloat16", kv_cache_dtype="fp8", max_model_len=MAX_LEN, max_num_seqs=4)
     alone = [gpu.generate([p], GREEDY)[0].token_ids for p in prompts]
     assert [o.token_ids for o in gpu.generate(prompts, GREEDY)] == alone, f"{WHERE}: in GPU memory, together"
     off = LLM(path, dtype="bfloat16", kv_cache_dtype="fp8", max_model_len=MAX_LEN, offload=True, block_size=64,
               prefill="layerwise")
+    # Offloaded together (the offloaded batch engine attends each row as alone) passed too until the suite needed
+    # the time; tests/tp_check.py runs fp8 offloaded under tensor parallelism.
     assert [off.generate([p], GREEDY)[0].token_ids for p in prompts] == alone, f"{WHERE}: offloaded"
-    assert [o.token_ids for o in off.generate(prompts, GREEDY)] == alone, f"{WHERE}: offloaded, together"
-
-
-@pytest.fixture(scope="module")
-def full_decode_tokens(llama):
-    path, prompts = llama
-    full = LLM(path, dtype="float32", kv_cache_dtype="fp8", max_model_len=MAX_LEN, offload=True, block_size=32)
-    return [full.generate([p], GREEDY)[0].token_ids for p in prompts]
 
 
 # Quest reads its pages with the same `attend_rows` (only its scores differ, computed from the same fp8 keys);
 # "quest" passed here too until the suite needed the time.
 @pytest.mark.parametrize("policy", ["sketch"])
-def test_fp8_page_policies_at_full_budget_equal_full_decode(llama, full_decode_tokens, policy):
-    """A budget holding every page: the policy reads all of them, so the same greedy tokens as full decode (one
-    dense layer, so every K and V is computed by the same operations on both paths)."""
+def test_fp8_page_policies_at_full_budget_equal_full_decode(llama, float32_in_gpu, policy):
+    """A budget holding every page: the policy reads all of them, so the greedy tokens of full attention over the
+    same fp8 keys (in GPU memory; offloaded full decode gives those too, above)."""
     path, prompts = llama
     llm = LLM(path, dtype="float32", kv_cache_dtype="fp8", max_model_len=MAX_LEN, offload=True, block_size=32,
               decode_policy=policy, decode_budget=MAX_LEN, page_size=16, dense_layers=1)
     got = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
-    assert got == full_decode_tokens, f"{WHERE}, {policy}"
+    assert got == float32_in_gpu[1], f"{WHERE}, {policy}"
 
 
 # max |logit difference| fp8 vs auto (float32, in GPU memory, every prefill position) over the three prompts,

@@ -38,7 +38,7 @@ XATTN = dict(prefill_policy="xattention", xattn_threshold=0.5, xattn_stride=4, x
 # Quest and the sketch read 2 of the 80-token prompt's pages per KV head (the sink and one chosen) in their one
 # sparse layer.
 QUEST = dict(decode_policy="quest", decode_budget=32, page_size=16, dense_layers=1)
-SKETCH = dict(QUEST, decode_policy="sketch")
+SKETCH = dict(QUEST, decode_policy="sketch", kv_cache_dtype="fp8")  # the fp8 store and its pages split by heads too
 SPARSE_MODES = {"xattn_in_gpu": XATTN, "xattn_chunked": dict(MODES["chunked"], **XATTN),
                 "quest_chunked": dict(MODES["chunked"], **QUEST), "sketch_chunked": dict(MODES["chunked"], **SKETCH)}
 COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")

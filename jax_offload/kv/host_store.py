@@ -145,7 +145,7 @@ class HostKVStore:
         self._sharding = [tp.sharding(0 if p == "blocks" else 1, "device" if p == "gpu" else host_memory_kind)
                           for p in places]
         zeros = self._empty(self.block_shape, 0)
-        self._blocks: list[list] = []
+        self._blocks: list = []  # per layer: a list of blocks, or one buffer (each a stored KV array)
         for place, sharding in zip(places, self._sharding):
             if place != "blocks":
                 layer = self._empty((num_blocks, *self.block_shape), 1)
