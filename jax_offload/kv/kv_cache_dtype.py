@@ -44,7 +44,8 @@ def check_kv_cache_dtype(name: object) -> str:
 
 
 def quantize_fp8(x: jax.Array) -> Fp8KV:
-    """x [..., D] -> float8 values and the smallest power-of-two scale per row with max|x| / scale <= 448."""
+    """x [..., D] -> float8 values and the smallest power-of-two scale per row with max|x| / scale <= 448 (a row of
+    zeros gets 2^-9: any scale holds it)."""
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
     mantissa, exponent = jnp.frexp(amax)  # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
     # 448 = 0.875 * 2^9: amax <= 448 * 2^(exponent - 9) exactly when mantissa <= 0.875.
