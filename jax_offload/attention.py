@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from jax_offload.config import ModelConfig
 from jax_offload.kv.host_store import PAGE_UNIT, from_stored_layout, gather_rows, in_device_memory
-from jax_offload.kv.kv_cache_dtype import Fp8KV, dequantize
+from jax_offload.kv.kv_cache_dtype import Fp8KV, dequantize, values_of
 from jax_offload.models import decoder
 from jax_offload.models.params import LayerParams
 from jax_offload.precision import step_jit
@@ -234,11 +234,6 @@ def _split_block(block: jax.Array) -> tuple[jax.Array, jax.Array]:
     return block[0][None], block[1][None]
 
 
-def _stored_values(stored) -> jax.Array:
-    """The values of a stored KV array in either form (for its shape)."""
-    return stored.values if isinstance(stored, Fp8KV) else stored
-
-
 def _join_blocks(blocks: tuple, dtype) -> tuple[jax.Array, jax.Array]:
     """Consecutive blocks as the host store keeps them -> k, v [1, n * block_size, Hkv, D] in `dtype` (an fp8
     block dequantized in one pass over GPU memory, exactly): one kernel call covers the whole group."""
@@ -354,7 +349,7 @@ def _layer_blocks(buffer, dtype) -> tuple[jax.Array, jax.Array]:
 
 def _all_rows(buffer) -> jax.Array:
     """Every store row of a one-buffer layer [num_blocks, Hkv, units, ...], per KV head in key order -> [Hkv, n]."""
-    num_blocks, hkv, units = _stored_values(buffer).shape[:3]
+    num_blocks, hkv, units = values_of(buffer).shape[:3]
     unit = jnp.arange(num_blocks * units, dtype=jnp.int32)
     head = jnp.arange(hkv, dtype=jnp.int32)[:, None]
     return ((unit // units)[None] * hkv + head) * units + unit % units
@@ -411,7 +406,7 @@ def attend_rows(impl: str, q: jax.Array, buffer: jax.Array, rows: jax.Array, num
     paged kernel reads the rows straight from the buffer: from a pinned host buffer only they cross PCIe and
     nothing is gathered first. The jnp path (and Pallas interpret mode, which cannot read host memory) gathers
     the rows on the host and moves them first."""
-    values = _stored_values(buffer)
+    values = values_of(buffer)
     hkv, d = values.shape[1], values.shape[-1]
     if impl == "xla":
         pages = gather_rows(buffer, rows.reshape(-1), host, device)
@@ -532,7 +527,7 @@ def xattn_attend_blocks(
 ) -> AttentionState:
     """Continues the chunk's state over earlier host blocks (ids `block_ids`), visiting only the chosen tiles."""
     k, v = _join_blocks(blocks, q.dtype)
-    values = _stored_values(blocks[0])
+    values = values_of(blocks[0])
     cols = _mask_columns(mask, block_ids, values.shape[1] * values.shape[3], xattn.block)
     o, lse = xattn_attention(impl, xattn, q, k, v, cols, causal=False, out_dtype=jnp.float32, tp=tp)
     return pallas_kernels.merge_into_state(state, o, lse)

@@ -54,6 +54,11 @@ def quantize_fp8(x: jax.Array) -> Fp8KV:
     return Fp8KV((x.astype(jnp.float32) / scales).astype(FP8), scales)
 
 
+def values_of(stored) -> jax.Array:
+    """The values of a stored KV array in either form (for its shape and dtype)."""
+    return stored.values if isinstance(stored, Fp8KV) else stored
+
+
 def dequantize(stored, dtype) -> jax.Array:
     """A stored KV array (either form) -> values in `dtype` (exact for fp8 into bfloat16 or float32)."""
     if isinstance(stored, Fp8KV):

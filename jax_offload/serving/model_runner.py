@@ -155,7 +155,7 @@ def sample(logits: jax.Array, s: SamplingBatch, draws: str) -> jax.Array:
 def _write_kv(pool, slots: jax.Array, kv: jax.Array, kv_cache_dtype: str):
     """Writes kv [..., Hkv, D] (as the layer computed it) into one layer's pool at `slots` [...] (block *
     block_size + offset; -1 writes nothing), encoded as the pool stores it."""
-    values = pool.values if isinstance(pool, kv_format.Fp8KV) else pool
+    values = kv_format.values_of(pool)
     stored = kv_format.encode(kv_cache_dtype, kv.reshape(-1, *kv.shape[-2:]), values.dtype)
     index = jnp.where(slots >= 0, slots, values.shape[0] * values.shape[1]).reshape(-1)
 
