@@ -300,8 +300,7 @@ WHERE = f"model seed {MODEL_SEED}, prompt seed {PROMPT_SEED}"
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama3_fp8")
-    tiny_models.build("llama3", path, seed=MODEL_SEED)
+    path = tiny_models.build_in(tmp_path_factory, "llama3", MODEL_SEED)
     rng = np.random.default_rng(PROMPT_SEED)
     return path, [rng.integers(3, tiny_models.VOCAB, size=n).tolist() for n in PROMPT_LENGTHS]
 

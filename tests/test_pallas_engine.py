@@ -12,9 +12,7 @@ MODEL_SEED, PROMPT_SEED = 301, 302
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama3")
-    tiny_models.build("llama3", path, seed=MODEL_SEED)
-    return path
+    return tiny_models.build_in(tmp_path_factory, "llama3", MODEL_SEED)
 
 
 def test_pallas_engine_matches_jnp_engine(model_dir):

@@ -77,9 +77,7 @@ MODEL_SEED, PROMPT_SEED = 4301, 4302
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama3")
-    tiny_models.build("llama3", path, seed=MODEL_SEED)
-    return path
+    return tiny_models.build_in(tmp_path_factory, "llama3", MODEL_SEED)
 
 
 def test_reused_prefix_gives_the_same_tokens(tiny_llama):

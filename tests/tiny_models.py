@@ -66,6 +66,13 @@ def save_tokenizer(out_dir: Path) -> None:
     fast.save_pretrained(out_dir)
 
 
+def build_in(tmp_path_factory, variant: str, seed: int) -> Path:
+    """A fresh temporary directory holding the `variant` model built with `seed` (for module fixtures)."""
+    path = tmp_path_factory.mktemp(variant)
+    build(variant, path, seed=seed)
+    return path
+
+
 def build(variant: str, out_dir: Path, seed: int, max_shard_size: str | None = None) -> torch.nn.Module:
     """Builds and saves the model; returns the float32 PyTorch model in eval mode."""
     torch.manual_seed(seed)
