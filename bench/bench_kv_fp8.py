@@ -7,14 +7,16 @@
   batch    continuous batching with the KV in GPU memory: the pool's blocks (tokens, and sequences of
            --batch-prompt + --batch-tokens) for auto and fp8, and output tokens/s of --batch-seqs such requests
            (one warm-up run, then --repeats timed)
-  long     one --long-ctx prompt, fp8 KV offloaded: prefill (layerwise, XAttention at --long-threshold, or full
-           with --long-threshold 0), then --long-tokens decoded with full attention and with the sketch policy:
-           seconds, ms/token, peak GPU memory and pinned host bytes. Layerwise prefill holds one layer's
-           activations for the whole prompt (its MLP is not cut into token chunks yet): at 1M tokens of the 8B
-           shape that is past an H200's memory, so run the largest power of two that fits
+  long     one --long-ctx prompt, fp8 KV offloaded, for each of --long-policies (full, sketch): chunked prefill
+           in --long-block-size chunks (XAttention at a fixed --long-density of each query block's key blocks, or
+           full attention with --long-density 0), then --long-tokens decoded: seconds, ms/token, peak GPU memory
+           and pinned host bytes. Chunked, because layerwise prefill holds one layer's activations for the whole
+           prompt (at 1M tokens of the 8B shape, past an H200's memory) and its XAttention estimate would be
+           traced in thousands of query chunks
 
     python bench/bench_kv_fp8.py --phases decode --out $OUT/kv_fp8
-    python bench/bench_kv_fp8.py --phases batch,long --out $OUT/kv_fp8
+    python bench/bench_kv_fp8.py --phases batch --out $OUT/kv_fp8
+    python bench/bench_kv_fp8.py --phases long --long-policies full --out $OUT/kv_fp8
 
 Every phase writes <out>/kv_fp8_<phase>.json with the run's device, versions and date.
 """
@@ -144,32 +146,34 @@ def phase_long(a) -> dict:
     cfg = model_config(a.shape, a.num_layers)
     n = a.long_ctx
     # Llama-3.1's RoPE (factor 8 over an 8K original window: 128K positions), its factor scaled to cover the prompt.
-    window = n + a.long_tokens + a.block_size
+    window = n + a.long_tokens + a.long_block_size
     factor = max(cfg.rope.factor, cfg.rope.factor * window / cfg.max_position_embeddings)
     rope = dataclasses.replace(cfg.rope, factor=factor)
     cfg = dataclasses.replace(cfg, max_position_embeddings=window, rope=rope)
     params = random_params(cfg, jnp.bfloat16)
     rng = np.random.default_rng(0)
     ids = _prompt(rng, cfg, n)
-    xattn = (dict(prefill_policy="xattention", xattn_threshold=a.long_threshold, xattn_stride=8, xattn_block=128)
-             if a.long_threshold > 0 else {})
+    xattn = (dict(prefill_policy="xattention", xattn_density=a.long_density, xattn_stride=8, xattn_block=128)
+             if a.long_density > 0 else {})
     rows = []
-    for policy in ("full", "sketch"):
-        llm = LLM.from_params(cfg, params, dtype="bfloat16", offload=True, block_size=a.block_size,
-                              num_ring_slots=a.ring_slots, prefill="layerwise", max_model_len=n + a.long_tokens + 1,
+    for policy in a.long_policies:
+        llm = LLM.from_params(cfg, params, dtype="bfloat16", offload=True, block_size=a.long_block_size,
+                              num_ring_slots=a.ring_slots, prefill="chunked", max_model_len=n + a.long_tokens + 1,
                               kv_cache_dtype="fp8", **xattn, **_policy_options(policy, a))
         out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=a.long_tokens, ignore_eos=True))[0]
         row = {"policy": policy, "ctx": n, "prefill_s": out.prefill_seconds,
                "decode_ms": stats([s * 1e3 for s in out.decode_token_seconds[1:]]),
                "first_step_ms": out.decode_token_seconds[0] * 1e3 if out.decode_token_seconds else None,
                "prefill_density_mean": (float(np.mean(out.prefill_density)) if out.prefill_density else None),
+               "prefill_pcie_GB": llm._runner.last_prefill_pcie_bytes / 1e9,
                "pinned_host_GiB": llm._runner.store.host_bytes_held() / GiB, "gpu_memory": gpu_memory()}
         rows.append(row)
         print(json.dumps(row), flush=True)
+        (a.out / f"kv_fp8_long_{policy}.json").write_text(json.dumps({**run_metadata(), **row}, indent=1))
         del llm, out
         gc.collect()
-    return {"rows": rows, "rope": dataclasses.asdict(rope), "xattn_threshold": a.long_threshold,
-            "block_size": a.block_size}
+    return {"rows": rows, "rope": dataclasses.asdict(rope), "xattn_density": a.long_density,
+            "block_size": a.long_block_size}
 
 
 PHASES = {"decode": phase_decode, "batch": phase_batch, "long": phase_long}
@@ -194,13 +198,15 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--long-ctx", type=int, default=1 << 20)
     p.add_argument("--long-tokens", type=int, default=32)
-    p.add_argument("--long-threshold", type=float, default=0.9)
+    p.add_argument("--long-density", type=float, default=0.05)
+    p.add_argument("--long-block-size", type=int, default=16384)
+    p.add_argument("--long-policies", type=lambda s: s.split(","), default=["full", "sketch"])
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     if "long" in a.phases.split(","):
         # XLA reads its pinned-pool limit when the GPU backend starts: size it for the long prompt's fp8 store.
         cfg = model_config(a.shape, a.num_layers)
-        store = cfg.num_layers * (a.long_ctx + a.long_tokens + a.block_size) * 2 * cfg.num_kv_heads * (cfg.head_dim + 4)
+        store = cfg.num_layers * (a.long_ctx + a.long_tokens + a.long_block_size) * 2 * cfg.num_kv_heads * (cfg.head_dim + 4)
         os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(int(store / GiB) + 8))
     for name in a.phases.split(","):
         start = time.perf_counter()

@@ -236,7 +236,8 @@ def _split_block(block: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _join_blocks(blocks: tuple, dtype) -> tuple[jax.Array, jax.Array]:
     """Consecutive blocks as the host store keeps them -> k, v [1, n * block_size, Hkv, D] in `dtype` (an fp8
-    block dequantized in one pass over GPU memory, exactly): one kernel call covers the whole group."""
+    block, packed or not, dequantized in one pass over GPU memory, exactly): one kernel call covers the whole
+    group."""
     pages = jax.tree.map(lambda *b: jnp.concatenate(b, axis=1), *blocks) if len(blocks) > 1 else blocks[0]
     return _split_block(dequantize(from_stored_layout(pages), dtype))
 
@@ -527,7 +528,7 @@ def xattn_attend_blocks(
 ) -> AttentionState:
     """Continues the chunk's state over earlier host blocks (ids `block_ids`), visiting only the chosen tiles."""
     k, v = _join_blocks(blocks, q.dtype)
-    values = values_of(blocks[0])
+    values = values_of(blocks[0])  # axes 1 and 3 (units, PAGE_UNIT) are the same in every form, packed too
     cols = _mask_columns(mask, block_ids, values.shape[1] * values.shape[3], xattn.block)
     o, lse = xattn_attention(impl, xattn, q, k, v, cols, causal=False, out_dtype=jnp.float32, tp=tp)
     return pallas_kernels.merge_into_state(state, o, lse)

@@ -143,6 +143,9 @@ SKETCH_DEFAULTS = {"sketch_dtype": "int4"}
 # Options of XAttention prefill (offloaded or not), with their defaults. Threshold 0.95: on the default model 0.9
 # loses 6-7 NIAH points at 8K and 0.95 about 2 (bench/results/runs/h100_sketch_oracle/README.md).
 XATTN_DEFAULTS = {"xattn_threshold": 0.95, "xattn_stride": 8, "xattn_block": 128}
+# Instead of a threshold, a fixed density: this fraction of each query block's visible key blocks (the heaviest
+# by the estimate, sink and diagonal included), whatever the scores; the cost of a prefill is then known ahead.
+XATTN_DENSITY = "xattn_density"
 PREFILL_POLICIES = ("full", "xattention")
 
 
@@ -168,6 +171,7 @@ class EngineConfig:
     xattn_threshold: float | None = None
     xattn_stride: int | None = None
     xattn_block: int | None = None
+    xattn_density: float | None = None
     # Continuous batching (several prompts, KV in GPU memory): running requests at most, tokens per prefill step
     # (padding included), and the share of device memory the weights and the paged KV pool may fill.
     max_num_seqs: int = 256
@@ -186,6 +190,8 @@ class EngineConfig:
         """The XAttention prefill policy, or None for full prefill."""
         if self.prefill_policy != "xattention":
             return None
+        if self.xattn_density is not None:
+            return XAttention(stride=self.xattn_stride, block=self.xattn_block, top_fraction=self.xattn_density)
         return XAttention(self.xattn_threshold, self.xattn_stride, self.xattn_block)
 
     def validate(self, model: ModelConfig) -> "EngineConfig":
@@ -233,20 +239,30 @@ class EngineConfig:
     def _with_prefill_policy(self) -> "EngineConfig":
         if self.prefill_policy not in PREFILL_POLICIES:
             raise ValueError(f"prefill_policy {self.prefill_policy!r} is unknown; valid: {', '.join(PREFILL_POLICIES)}.")
-        given = [name for name in XATTN_DEFAULTS if getattr(self, name) is not None]
+        given = [name for name in (*XATTN_DEFAULTS, XATTN_DENSITY) if getattr(self, name) is not None]
         if self.prefill_policy != "xattention":
             if given:
                 raise ValueError(f"{_names_apply(given)} only with prefill_policy='xattention'.")
             return self
-        config = dataclasses.replace(self, **{n: d for n, d in XATTN_DEFAULTS.items() if getattr(self, n) is None})
+        density = self.xattn_density
+        if density is not None:
+            if self.xattn_threshold is not None:
+                raise ValueError("xattn_threshold and xattn_density each decide what XAttention keeps; give one.")
+            if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
+                raise ValueError(f"xattn_density must be a number in (0, 1], got {density!r}.")
+        defaults = {n: d for n, d in XATTN_DEFAULTS.items() if getattr(self, n) is None
+                    and not (n == "xattn_threshold" and density is not None)}
+        config = dataclasses.replace(self, **defaults)
         t, stride, block = config.xattn_threshold, config.xattn_stride, config.xattn_block
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1:
+        if density is not None:
+            config = dataclasses.replace(config, xattn_density=float(density))
+        elif isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1:
             raise ValueError(f"xattn_threshold must be a number in (0, 1], got {t!r}.")
         if not _int(block) or block < 16 or block & (block - 1):
             raise ValueError(f"xattn_block must be a power of two >= 16, got {block!r}.")
         if not _int(stride) or stride < 1 or stride & (stride - 1) or stride > block:
             raise ValueError(f"xattn_stride must be a power of two that divides xattn_block {block}, got {stride!r}.")
-        return dataclasses.replace(config, xattn_threshold=float(t))
+        return config if density is not None else dataclasses.replace(config, xattn_threshold=float(t))
 
     def _validate(self, model: ModelConfig) -> "EngineConfig":
         check_kv_cache_dtype(self.kv_cache_dtype)

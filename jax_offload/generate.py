@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--xattn-threshold", type=float, help="xattention: softmax mass each query block keeps (0.95)")
     p.add_argument("--xattn-stride", type=int, help="xattention: antidiagonal stride of the estimate (8)")
     p.add_argument("--xattn-block", type=int, help="xattention: tokens per selection block (128)")
+    p.add_argument("--xattn-density", type=float,
+                   help="xattention: instead of a threshold, this fraction of each query block's key blocks")
     p.add_argument("--max-num-seqs", type=int, default=256, help="several prompts: running requests at most (256)")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384,
                    help="several prompts: tokens per prefill step, padding included (16384)")
@@ -163,6 +165,7 @@ def _run(args: argparse.Namespace) -> int:
         xattn_threshold=args.xattn_threshold,
         xattn_stride=args.xattn_stride,
         xattn_block=args.xattn_block,
+        xattn_density=args.xattn_density,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,

@@ -137,6 +137,41 @@ def test_encode_and_sizes():
         kvd.check_kv_cache_dtype("int8")
 
 
+def test_packed_blocks_round_trip_bit_for_bit():
+    """`pack` then `unpack` gives back every bit (any float8 byte, scales of 0, -0, inf, subnormals), and a
+    "blocks" layer's packed block dequantizes to the bits of the same block kept as an `Fp8KV` ("gpu" layer)."""
+    from jax_offload.kv.host_store import HostKVStore
+    from jax_offload.tensor_parallel import TensorParallel
+
+    seed = 9030
+    where = f"seed {seed}"
+    rng = np.random.default_rng(seed)
+    values = rng.integers(0, 256, (3, 5, 64), dtype=np.uint8)
+    scales = rng.integers(0, 2**32, (3, 5, 1), dtype=np.uint32)
+    values[0, 0] = 0
+    scales[0, :4, 0] = [0, 0x80000000, 0x7F800000, 1]  # 0, -0, inf, the smallest subnormal
+    stored = kvd.Fp8KV(jnp.asarray(values.view(F8)), jnp.asarray(scales.view(np.float32)))
+    packed = kvd.pack(stored)
+    assert packed.dtype == jnp.uint8 and packed.shape == (3, 5, 68), where
+    back = kvd.unpack(packed)
+    np.testing.assert_array_equal(np.asarray(back.values).view(np.uint8), values, err_msg=where)
+    np.testing.assert_array_equal(np.asarray(back.scales).view(np.uint32), scales, err_msg=where)
+    auto = jnp.ones((2, 3), jnp.bfloat16)
+    assert kvd.pack(auto) is auto and kvd.unpack(auto) is auto and kvd.unpack(stored) is stored, where
+    # The store: one "blocks" layer, one "gpu" layer, the same block (rows of zeros, 1e-6 and 1e4 included).
+    kv = jnp.asarray(_quantizer_inputs(seed, "float32")[:32].reshape(2, 16, 1, 64))
+    store = HostKVStore(2, 1, 16, 1, 64, jnp.float32, TensorParallel.create(1), places=["blocks", "gpu"],
+                        kv_cache_dtype="fp8")
+    assert store.host_bytes_held() == store.host_bytes == store.block_bytes == 2 * 16 * 68, where
+    for layer in (0, 1):
+        store.write(layer, 0, kvd.round_trip("fp8", kv))
+    (block,), (pair,) = store.fetch([(0, 0)]), store.fetch([(1, 0)])
+    assert block.dtype == jnp.uint8 and isinstance(pair, kvd.Fp8KV), where
+    np.testing.assert_array_equal(np.asarray(kvd.dequantize(block, jnp.float32)).view(np.uint32),
+                                  np.asarray(kvd.dequantize(pair, jnp.float32)).view(np.uint32), err_msg=where)
+    np.testing.assert_array_equal(np.asarray(kvd.unpack(block).scales), np.asarray(pair.scales), err_msg=where)
+
+
 # ---- the paged decode kernels over a float8 pool -----------------------------------------------------------------
 
 # (B, Hq, Hkv, D, page_size, max_pages, seq_lens, q dtype, Pallas pool form). A partial tail page, an exact page

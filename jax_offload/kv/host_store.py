@@ -17,8 +17,10 @@ Each layer lives in one of three places:
 Under tensor parallelism every buffer is split on its KV-head axis over the mesh: each device's heads live in
 pinned memory attached to that device and cross only its own link.
 
-With kv_cache_dtype "fp8" a block (or a one-buffer layer) is an `Fp8KV` pair of buffers, float8 values and their
-scales [..., 1] in the same layout; every operation here maps over both (`jax.tree.map`).
+With kv_cache_dtype "fp8" a one-buffer layer is an `Fp8KV` pair of buffers, float8 values and their scales [..., 1]
+in the same layout, which the Pallas kernels read in place; every operation here maps over both (`jax.tree.map`).
+A "blocks" layer's block is one buffer, the pair packed per row as uint8 [..., D + 4] (`kv_cache_dtype.pack`), so
+it crosses PCIe as one copy; the reader unpacks it on the GPU as it dequantizes.
 """
 from __future__ import annotations
 
@@ -144,7 +146,7 @@ class HostKVStore:
         # A one-buffer layer ("gpu", "pages") is [num_blocks, Hkv, ...]: split on axis 1; a block on axis 0.
         self._sharding = [tp.sharding(0 if p == "blocks" else 1, "device" if p == "gpu" else host_memory_kind)
                           for p in places]
-        zeros = self._empty(self.block_shape, 0)
+        zeros = kv_format.pack(self._empty(self.block_shape, 0))
         self._blocks: list = []  # per layer: a list of blocks, or one buffer (each a stored KV array)
         for place, sharding in zip(places, self._sharding):
             if place != "blocks":
@@ -162,9 +164,8 @@ class HostKVStore:
     @staticmethod
     @functools.partial(jax.jit, static_argnums=(2, 3, 4), donate_argnums=(0,))
     def _write_block(old, kv: jax.Array, sharding, kv_cache_dtype: str, dtype):
-        new = to_stored_layout(kv_format.encode(kv_cache_dtype, kv, dtype))
-        return jax.tree.map(lambda old, new: jax.lax.dynamic_update_slice(
-            old, jax.device_put(new, sharding), (0,) * old.ndim), old, new)
+        new = kv_format.pack(to_stored_layout(kv_format.encode(kv_cache_dtype, kv, dtype)))
+        return jax.lax.dynamic_update_slice(old, jax.device_put(new, sharding), (0,) * old.ndim)
 
     @staticmethod
     @functools.partial(jax.jit, static_argnums=(3, 4, 5), donate_argnums=(0,))

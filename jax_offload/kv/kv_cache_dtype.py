@@ -3,7 +3,8 @@ power-of-two float32 scale per token, KV head and K|V (vLLM's option name and me
 
 A stored KV array is a pytree: a plain array for "auto", `Fp8KV(values [..., D], scales [..., 1])` for "fp8".
 Both leaves share every axis but the last, so code that reshapes, slices, gathers, moves or shards the cache on
-those axes treats either form with `jax.tree.map`.
+those axes treats either form with `jax.tree.map`. A host block streamed over PCIe packs the pair into one uint8
+array [..., D + 4] (`pack`), so it crosses as one copy; `dequantize` takes that form too.
 
 Quantization happens once, right after K and V are projected (`round_trip`): from there on every path (the
 chunk's own keys, the GPU tail, the host store, the paged pool) holds the same values. A power-of-two scale
@@ -59,8 +60,30 @@ def values_of(stored) -> jax.Array:
     return stored.values if isinstance(stored, Fp8KV) else stored
 
 
+def pack(stored: jax.Array | Fp8KV) -> jax.Array:
+    """Fp8KV(values [..., D], scales [..., 1]) -> one uint8 array [..., D + 4], each row's value bytes then its
+    scale's, so a block crosses PCIe as one copy rather than two; a plain array is returned as it is."""
+    if not isinstance(stored, Fp8KV):
+        return stored
+    values = jax.lax.bitcast_convert_type(stored.values, jnp.uint8)
+    scales = jax.lax.bitcast_convert_type(stored.scales[..., 0], jnp.uint8)  # float32 [...] -> uint8 [..., 4]
+    return jnp.concatenate([values, scales], axis=-1)
+
+
+def unpack(stored: jax.Array | Fp8KV) -> jax.Array | Fp8KV:
+    """`pack`'s uint8 [..., D + 4] -> Fp8KV(values [..., D], scales [..., 1]), bit for bit; a plain array or an
+    Fp8KV is returned as it is."""
+    if isinstance(stored, Fp8KV) or stored.dtype != jnp.uint8:
+        return stored
+    values = jax.lax.bitcast_convert_type(stored[..., :-4], FP8)
+    scales = jax.lax.bitcast_convert_type(stored[..., -4:], jnp.float32)[..., None]
+    return Fp8KV(values, scales)
+
+
 def dequantize(stored, dtype) -> jax.Array:
-    """A stored KV array (either form) -> values in `dtype` (exact for fp8 into bfloat16 or float32)."""
+    """A stored KV array (either form, packed or not) -> values in `dtype` (exact for fp8 into bfloat16 or
+    float32)."""
+    stored = unpack(stored)
     if isinstance(stored, Fp8KV):
         return (stored.values.astype(jnp.float32) * stored.scales).astype(dtype)
     return stored.astype(dtype)

@@ -1,0 +1,110 @@
+"""Which part of the fp8 KV cache costs NIAH accuracy on the real model, and what would win it back: SmolLM2-135M
+(bf16), the eight NIAH tasks at one length, 40 prompts each, greedy, in GPU memory, with K and V rounded at
+projection as a variant says (the cache itself stays bf16, which holds every variant's values exactly, so
+`fp8` here is the engine's fp8 cache bit for bit):
+
+  fp8      per-token power-of-two scale, K and V (the engine's format)
+  fp8_k    keys only;  fp8_v   values only
+  exact    per-token scale max|x| / 448 (not a power of two), K and V
+  sink16   fp8, but the first 16 positions (the attention sink) unrounded
+  smooth   fp8, keys less their per-channel mean over the prefill call (SageAttention's key smoothing; added back)
+  int8_k   keys int8 with a per-token scale max|x| / 127, values fp8;  int8   K and V int8
+
+    python bench/probes/probe_fp8_variants.py --model DIR --length 8192 --out $OUT/fp8_variants
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import run_metadata  # noqa: E402
+from eval_sparse import build_prompts, prompt_target, run_prompts, task_scores  # noqa: E402
+
+VARIANTS = ("fp8_k", "fp8_v", "sink16", "smooth", "exact", "fp8", "int8_k", "int8")
+
+
+def rounders(variant: str):
+    """(round keys, round values): functions of (x [B, T, Hkv, D], positions [B, T])."""
+    import jax.numpy as jnp
+
+    from jax_offload.kv.kv_cache_dtype import FP8, dequantize, quantize_fp8
+
+    def pow2(x, positions):
+        return dequantize(quantize_fp8(x), x.dtype)
+
+    def exact(x, positions):
+        amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
+        scale = jnp.where(amax > 0, amax / 448.0, 1.0)
+        return ((x.astype(jnp.float32) / scale).astype(FP8).astype(jnp.float32) * scale).astype(x.dtype)
+
+    def sink(x, positions):
+        return jnp.where((positions < 16)[..., None, None], x, pow2(x, positions))
+
+    def smooth(x, positions):
+        mean = jnp.mean(x.astype(jnp.float32), axis=1, keepdims=True)
+        return (mean + pow2(x.astype(jnp.float32) - mean, positions).astype(jnp.float32)).astype(x.dtype)
+
+    def int8(x, positions):
+        amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
+        scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+        return (jnp.round(x.astype(jnp.float32) / scale) * scale).astype(x.dtype)
+
+    def keep(x, positions):
+        return x
+
+    return {"fp8": (pow2, pow2), "fp8_k": (pow2, keep), "fp8_v": (keep, pow2), "exact": (exact, exact),
+            "sink16": (sink, sink), "smooth": (smooth, pow2), "int8_k": (int8, pow2), "int8": (int8, int8)}[variant]
+
+
+def patch_attention_inputs(variant: str) -> None:
+    """decoder.attention_inputs with the variant's rounding of K and V (the engine's own rounding off: "auto")."""
+    import jax
+
+    from jax_offload.models import decoder
+
+    original = decoder.__dict__.setdefault("_unpatched_attention_inputs", decoder.attention_inputs)
+    round_k, round_v = rounders(variant)
+
+    def attention_inputs(cfg, layer, x, positions, inv_freq):
+        q, k, v = original(cfg, layer, x, positions, inv_freq)
+        return q, round_k(k, positions), round_v(v, positions)
+
+    decoder.attention_inputs = attention_inputs
+    jax.clear_caches()  # the step functions traced the previous variant
+
+
+def main() -> None:
+    import gc
+
+    from jax_offload import LLM
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--length", type=int, default=8192)
+    p.add_argument("--samples", type=int, default=40)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    base = {"dtype": "bfloat16"}
+    target = prompt_target(a.model, base, a.length, 32)
+    prompts = build_prompts(a.model, {a.length: target}, a.samples, 42)[a.length]
+    for variant in a.variants.split(","):
+        patch_attention_inputs(variant)
+        llm = LLM(a.model, **base)
+        records = run_prompts(llm, prompts, 32, variant)
+        scores = task_scores(records)
+        result = {"variant": variant, "length": a.length, "scores": scores,
+                  "mean_score": sum(scores.values()) / len(scores), "records": records, **run_metadata()}
+        (a.out / f"fp8_variant_{a.length}_{variant}.json").write_text(json.dumps(result))
+        print(variant, round(result["mean_score"], 2), {t: round(s, 1) for t, s in scores.items()}, flush=True)
+        del llm
+        gc.collect()
+
+
+if __name__ == "__main__":
+    main()
