@@ -206,7 +206,8 @@ def main() -> None:
     if "long" in a.phases.split(","):
         # XLA reads its pinned-pool limit when the GPU backend starts: size it for the long prompt's fp8 store.
         cfg = model_config(a.shape, a.num_layers)
-        store = cfg.num_layers * (a.long_ctx + a.long_tokens + a.long_block_size) * 2 * cfg.num_kv_heads * (cfg.head_dim + 4)
+        tokens = a.long_ctx + a.long_tokens + a.long_block_size
+        store = cfg.num_layers * tokens * 2 * cfg.num_kv_heads * (cfg.head_dim + 4)
         os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(int(store / GiB) + 8))
     for name in a.phases.split(","):
         start = time.perf_counter()

@@ -183,6 +183,8 @@ class EngineConfig:
     batch_invariant: bool = False
     # Reuse the KV blocks of earlier prompts' equal prefixes (GPU pool of continuous batching; see `LLM`).
     enable_prefix_caching: bool = False
+    # GiB of pinned host memory that keep prefix-cache blocks evicted from the GPU pool, to copy back on a hit.
+    prefix_cache_host_gb: float = 0.0
     # How the KV cache stores K and V: "auto" (the model's dtype) or "fp8" (`kv.kv_cache_dtype`).
     kv_cache_dtype: str = "auto"
 
@@ -273,6 +275,12 @@ class EngineConfig:
         if self.enable_prefix_caching and self.offload:
             raise ValueError("enable_prefix_caching=True works with the KV cache in GPU memory so far; "
                              "use offload=False or enable_prefix_caching=False.")
+        gb = self.prefix_cache_host_gb
+        if isinstance(gb, bool) or not isinstance(gb, (int, float)) or gb < 0:
+            raise ValueError(f"prefix_cache_host_gb must be a number >= 0, got {gb!r}.")
+        if gb and not self.enable_prefix_caching:
+            raise ValueError(
+                "prefix_cache_host_gb keeps evicted prefix-cache blocks: it needs enable_prefix_caching=True.")
         n = self.tensor_parallel_size
         if not _int(n) or n < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {n!r}.")

@@ -53,7 +53,8 @@ class LLM:
 
     `enable_prefix_caching=True` (KV in GPU memory): the batch engine keeps prompts' full KV blocks keyed by their
     token prefix, and a prompt that starts like an earlier one reuses them and prefills only the rest
-    (`RequestOutput.num_cached_tokens`).
+    (`RequestOutput.num_cached_tokens`). `prefix_cache_host_gb` > 0: blocks the pool must reuse keep their KV in
+    that much pinned host memory and come back over PCIe on a later hit, instead of being recomputed.
     """
 
     def __init__(
@@ -83,6 +84,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         batch_invariant: bool = False,
         enable_prefix_caching: bool = False,
+        prefix_cache_host_gb: float = 0.0,
         kv_cache_dtype: str = "auto",
     ):
         from transformers import AutoTokenizer
@@ -101,6 +103,7 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
             batch_invariant=batch_invariant, enable_prefix_caching=enable_prefix_caching,
+            prefix_cache_host_gb=prefix_cache_host_gb,
             kv_cache_dtype=kv_cache_dtype,
         )
         options = options.validate(model_config)
@@ -249,7 +252,8 @@ class LLM:
                 self._batch_engine = BatchEngine.in_gpu(
                     self.model_config, self.params, self._inv_freq, self.dtype, self.attention_impl,
                     self.max_model_len, self.tokenizer, self.eos_token_ids, tp=self.tp,
-                    enable_prefix_caching=e.enable_prefix_caching, **shared)
+                    enable_prefix_caching=e.enable_prefix_caching,
+                    prefix_cache_host_bytes=int(e.prefix_cache_host_gb * 2**30), **shared)
         return self._batch_engine
 
     def chat(

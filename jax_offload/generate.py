@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "scale per token and KV head: half the memory and PCIe bytes)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="several prompts in GPU memory: reuse the KV of earlier prompts' equal prefixes (off)")
+    p.add_argument("--prefix-cache-host-gb", type=float, default=0.0,
+                   help="with prefix caching: GiB of pinned host memory keeping blocks evicted from the GPU pool (0)")
     return p
 
 
@@ -172,6 +174,7 @@ def _run(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         batch_invariant=args.batch_invariant,
         enable_prefix_caching=args.enable_prefix_caching,
+        prefix_cache_host_gb=args.prefix_cache_host_gb,
         kv_cache_dtype=args.kv_cache_dtype,
     )
     chat = not args.no_chat_template

@@ -1,8 +1,10 @@
-"""Prefix caching in the GPU pool: prompts that start alike reuse the KV blocks an earlier prefill computed.
+"""Prefix caching in the GPU pool: prompts that start alike reuse the KV blocks an earlier prefill computed; with a
+host tier, blocks the pool evicts keep their KV in host memory and come back on a later hit.
 
-The block manager's bookkeeping (keys chained over the tokens, reference counts, least-recently-freed eviction, no
-leak over 1,000 requests) is checked on its own; the engine's outputs with caching equal those without it
-(float32 greedy, tiny Llama), with the reused tokens reported.
+The block manager's bookkeeping (keys chained over the tokens, reference counts, least-recently-freed eviction, the
+host tier's copies, no leak over 1,000 requests) is checked on its own against a model of the pool's contents; the
+engine's outputs with caching equal those without it (float32 greedy, tiny Llama), with the reused tokens
+reported.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 
 import tiny_models
 from jax_offload import LLM, SamplingParams
-from jax_offload.serving.block_manager import BlockManager
+from jax_offload.serving.block_manager import BlockManager, HostHit
 from jax_offload.serving.sequence import Sequence
 
 
@@ -21,8 +23,34 @@ def _seq(index: int, ids: list[int]) -> Sequence:
     return Sequence(index, list(ids), SamplingParams(), np.zeros(2, np.uint32), len(ids) + 8)
 
 
-def _prefill(blocks: BlockManager, seq: Sequence) -> None:
-    blocks.allocate(seq, seq.num_tokens, blocks.cached_prefix(seq))
+class FakePool:
+    """What each pool block holds (the prompt prefix whose last block it is), and a host tier that copies it."""
+
+    def __init__(self, num_blocks: int):
+        self.content: list[tuple | None] = [None] * num_blocks
+        self.saves = self.loads = 0
+
+    def save(self, block: int):
+        self.saves += 1
+        return self.content[block]
+
+    def load(self, saved, block: int) -> None:
+        self.loads += 1
+        self.content[block] = saved
+
+
+def _prefill(blocks: BlockManager, seq: Sequence, pool: FakePool | None = None) -> None:
+    """Allocates with the cached prefix, checks the reused blocks hold that prefix, and "computes" the rest."""
+    cached = blocks.cached_prefix(seq)
+    blocks.allocate(seq, seq.num_tokens, cached)
+    size = blocks.block_size
+    if pool is not None:
+        for i, block in enumerate(seq.block_table):
+            prefix = tuple(seq.token_ids[:(i + 1) * size])
+            if i < len(cached):
+                assert pool.content[block] == prefix, (seq.index, i, block)
+            else:
+                pool.content[block] = prefix
     seq.num_cached = seq.num_tokens
     blocks.register(seq)
 
@@ -53,9 +81,33 @@ def test_blocks_are_shared_by_prefix_and_evicted_least_recently_freed():
     blocks.free(e)
 
 
-def test_no_block_leaks_over_a_thousand_requests():
+def test_host_tier_keeps_evicted_blocks_and_copies_them_back():
+    pool = FakePool(4)
+    blocks = BlockManager(4, 4, enable_prefix_caching=True, host_tier=pool, host_tier_blocks=2)
+    a = _seq(0, range(9))  # two full blocks and a partial one
+    _prefill(blocks, a, pool)
+    blocks.free(a)
+    b = _seq(1, [50 + i for i in range(16)])  # takes every block: a's two keyed blocks go to the host tier
+    _prefill(blocks, b, pool)
+    assert pool.saves == 2 and blocks.num_host_blocks == 2 and blocks.num_cached_blocks == 4
+    blocks.free(b)
+    again = _seq(2, list(range(8)) + [7, 7])
+    cached = blocks.cached_prefix(again)
+    assert all(isinstance(c, HostHit) for c in cached) and len(cached) == 2
+    _prefill(blocks, again, pool)  # checks the copied-back blocks hold a's prefix
+    assert pool.loads == 2 and again.num_cached_tokens == 8
+    # The two copies back evicted two of b's blocks, which found the host tier full of the copies being loaded
+    # (never dropped) and were lost; the third block evicted one more, which took the place of a's first block.
+    assert pool.saves == 3 and blocks.num_host_blocks == 2
+    assert blocks.cached_prefix(_seq(3, list(range(8)) + [1])) == again.block_table[:2]
+    blocks.free(again)
+
+
+@pytest.mark.parametrize("host_tier_blocks", [0, 6], ids=["pool", "host-tier"])
+def test_no_block_leaks_over_a_thousand_requests(host_tier_blocks):
     rng = random.Random(11)
-    blocks = BlockManager(64, 8, enable_prefix_caching=True)
+    pool = FakePool(64)
+    blocks = BlockManager(64, 8, enable_prefix_caching=True, host_tier=pool, host_tier_blocks=host_tier_blocks)
     prefixes = [[rng.randrange(100) for _ in range(rng.randrange(0, 40))] for _ in range(5)]
     live: list[Sequence] = []
     for i in range(1000):
@@ -63,13 +115,14 @@ def test_no_block_leaks_over_a_thousand_requests():
         seq = _seq(i, ids)
         while not blocks.can_allocate(seq.num_tokens, 0, blocks.cached_prefix(seq)):
             blocks.free(live.pop(0))
-        _prefill(blocks, seq)
+        _prefill(blocks, seq, pool)
         live.append(seq)
         if rng.random() < 0.5:
             blocks.free(live.pop(rng.randrange(len(live))))
     for seq in live:
         blocks.free(seq)
     assert blocks.num_used == 0 and blocks.num_free == 64, "seed 11"
+    assert blocks.num_host_blocks <= host_tier_blocks and (pool.loads > 0) == (host_tier_blocks > 0), "seed 11"
 
 
 MODEL_SEED, PROMPT_SEED = 4301, 4302
@@ -129,3 +182,33 @@ def test_preemption_keeps_outputs_with_shared_blocks(tiny_llama, swap_blocks):
     assert cached.stats.preemptions > 0 and sum(o.num_cached_tokens for o in outs) > 0, where
     assert (cached.stats.swap_outs > 0) == (swap_blocks > 0), where
     assert cached.blocks.num_used == 0 and cached.blocks.num_free == 14, where
+
+
+def test_prefix_comes_back_from_the_host_tier(tiny_llama):
+    """A pool of 12 blocks of 16 tokens: two unrelated prompts evict a system prompt's blocks, which the host tier
+    keeps; the next prompt on that system prompt copies them back and gives the tokens a plain engine gives."""
+    from jax_offload.serving.engine import BatchEngine
+
+    rng = np.random.default_rng(PROMPT_SEED + 2)
+    system = rng.integers(3, tiny_models.VOCAB, size=64).tolist()  # four full blocks
+    first, last = (system + rng.integers(3, tiny_models.VOCAB, size=n).tolist() for n in (5, 9))
+    others = [rng.integers(3, tiny_models.VOCAB, size=90).tolist() for _ in range(2)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=256)
+    kv_block = 2 * llm.model_config.num_layers * 16 * llm.model_config.num_kv_heads * llm.model_config.head_dim * 4
+
+    def engine(caching: bool) -> BatchEngine:
+        return BatchEngine.in_gpu(llm.model_config, llm.params, llm._inv_freq, llm.dtype, llm.attention_impl,
+                                  llm.max_model_len, block_size=16, num_blocks=12, max_num_seqs=2,
+                                  max_num_batched_tokens=512, enable_prefix_caching=caching,
+                                  prefix_cache_host_bytes=16 * kv_block if caching else 0)
+
+    plain, cached = engine(False), engine(True)
+    where = f"model seed {MODEL_SEED}, prompt seed {PROMPT_SEED + 2}"
+    for prompts in ([first], others, [last]):
+        if prompts == [last]:
+            hits = cached.blocks.cached_prefix(_seq(9, last))
+            assert len(hits) == 4 and all(isinstance(h, HostHit) for h in hits), where
+        outs = cached.generate(prompts, greedy)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts, greedy)], where
+    assert outs[0].num_cached_tokens == 64 and cached.blocks.num_used == 0, where

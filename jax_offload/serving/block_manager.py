@@ -6,22 +6,50 @@ a hash chained over every token id from the prompt's start to the block's end, s
 prefix. A new prompt takes the blocks whose keys match its own, in order, and prefills only what follows. Blocks
 are reference-counted; one no sequence holds stays cached in least-recently-freed order and is reused (its key
 dropped) only when no never-keyed block is free.
+
+With a host tier (`host_tier`, `host_tier_blocks` > 0) a keyed block is not lost when it is reused: its KV is first
+copied to host memory, kept under its key (least recently used dropped first), and a later prompt with that prefix
+copies it back into a fresh block instead of recomputing it. The copies are made the moment a block changes hands,
+so every later write to the pool is ordered after them.
 """
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from typing import Any, NamedTuple, Protocol
 
 from jax_offload.serving.sequence import Sequence
 
 
+class HostTier(Protocol):
+    """Where evicted blocks' KV goes and comes back from (the model runner)."""
+
+    def save(self, block: int) -> Any: ...  # a host copy of the block's KV
+
+    def load(self, saved: Any, block: int) -> None: ...  # writes a host copy into the block
+
+
+class HostHit(NamedTuple):
+    """A prefix block found in the host tier (`cached_prefix`): it needs a fresh pool block to be copied into."""
+
+    key: int
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 host_tier: HostTier | None = None, host_tier_blocks: int = 0):
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}.")
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}.")
+        if not isinstance(host_tier_blocks, int) or host_tier_blocks < 0:
+            raise ValueError(f"host_tier_blocks must be an integer >= 0, got {host_tier_blocks!r}.")
+        if host_tier_blocks and (host_tier is None or not enable_prefix_caching):
+            raise ValueError("A host tier holds prefix-cache blocks: it needs enable_prefix_caching and a host_tier.")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self._tier, self.host_tier_blocks = host_tier, host_tier_blocks
+        self._host: OrderedDict[int, Any] = OrderedDict()  # key -> host copy, least recently used first
+        self._loading: set[int] = set()  # keys of the host hits an allocation is copying back: never dropped
         self._free: deque[int] = deque(range(num_blocks))  # free and keyed by nothing
         self._cached: OrderedDict[int, None] = OrderedDict()  # free but keyed, least recently freed first
         self._refs = [0] * num_blocks
@@ -38,6 +66,11 @@ class BlockManager:
         """Blocks keyed by content, held or not."""
         return len(self._key_of)
 
+    @property
+    def num_host_blocks(self) -> int:
+        """Blocks' KV kept in the host tier."""
+        return len(self._host)
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -45,9 +78,10 @@ class BlockManager:
         """Blocks `seq` still needs before its next decode step writes the KV of its last token."""
         return max(self.blocks_for(seq.num_cached + 1) - len(seq.block_table), 0)
 
-    def cached_prefix(self, seq: Sequence) -> list[int]:
+    def cached_prefix(self, seq: Sequence) -> list[int | HostHit]:
         """The cached blocks holding the KV of the sequence's leading tokens, in order: full blocks only, and never
-        the block of its last token (whose logits the prefill must compute)."""
+        the block of its last token (whose logits the prefill must compute). A block in the pool is its id, one
+        only in the host tier a `HostHit`."""
         if not self.enable_prefix_caching:
             return []
         blocks, key = [], None
@@ -55,31 +89,38 @@ class BlockManager:
         for i in range((len(tokens) - 1) // self.block_size):
             key = _chain(key, tokens[i * self.block_size:(i + 1) * self.block_size])
             block = self._block_of.get(key)
-            if block is None:
+            if block is None and key not in self._host:
                 break
-            blocks.append(block)
+            blocks.append(HostHit(key) if block is None else block)
         return blocks
 
-    def _blocks_taken(self, num_tokens: int, cached: list[int]) -> int:
-        """Free blocks an allocation takes: new ones, and cached ones no sequence holds."""
-        return self.blocks_for(num_tokens) - len(cached) + sum(self._refs[b] == 0 for b in cached)
+    def _blocks_taken(self, num_tokens: int, cached: list[int | HostHit]) -> int:
+        """Free blocks an allocation takes: new ones (host hits too), and cached ones no sequence holds."""
+        in_pool = [b for b in cached if not isinstance(b, HostHit)]
+        return self.blocks_for(num_tokens) - len(in_pool) + sum(self._refs[b] == 0 for b in in_pool)
 
     def can_allocate(self, num_tokens: int, reserve: int = 0, cached: list[int] = ()) -> bool:
         """Whether `num_tokens` tokens fit, `reserve` blocks kept free, the first ones being the `cached` blocks
         (`cached_prefix`)."""
         return self.num_free - reserve >= self._blocks_taken(num_tokens, cached)
 
-    def allocate(self, seq: Sequence, num_tokens: int, cached: list[int] = ()) -> None:
+    def allocate(self, seq: Sequence, num_tokens: int, cached: list[int | HostHit] = ()) -> None:
         """Gives a sequence with no blocks enough of them for `num_tokens` tokens, the `cached` blocks of its prefix
-        (`cached_prefix`) first; `seq.num_cached` then counts their tokens."""
+        (`cached_prefix`) first, host hits copied back into fresh ones; `seq.num_cached` then counts their
+        tokens."""
         if seq.block_table:
             raise RuntimeError(f"Sequence {seq.index} already holds blocks {seq.block_table}.")
         if self._blocks_taken(num_tokens, cached) > self.num_free:
             raise RuntimeError(f"Sequence {seq.index} needs {self._blocks_taken(num_tokens, cached)} blocks but "
                                f"only {self.num_free} are free.")
+        # The pool's hits are held before any block is taken, so taking one cannot evict them.
         for block in cached:
-            self._hold(block)
-        seq.block_table = list(cached) + [self._take() for _ in range(self.blocks_for(num_tokens) - len(cached))]
+            if not isinstance(block, HostHit):
+                self._hold(block)
+        self._loading = {b.key for b in cached if isinstance(b, HostHit)}
+        seq.block_table = [self._load(b.key) if isinstance(b, HostHit) else b for b in cached]
+        self._loading = set()
+        seq.block_table += [self._take() for _ in range(self.blocks_for(num_tokens) - len(cached))]
         if cached:
             seq.num_cached = seq.num_cached_tokens = len(cached) * self.block_size
 
@@ -127,9 +168,33 @@ class BlockManager:
             block = self._free.popleft()
         else:  # evict the least recently freed cached block
             block, _ = self._cached.popitem(last=False)
-            del self._block_of[self._key_of.pop(block)]
+            key = self._key_of.pop(block)
+            del self._block_of[key]
+            self._keep_on_host(key, block)
         self._refs[block] = 1
         self.num_used += 1
+        return block
+
+    def _keep_on_host(self, key: int, block: int) -> None:
+        """Copies an evicted block's KV to the host tier (unless it is there already), making room by dropping the
+        least recently used copies that no allocation is loading."""
+        if not self.host_tier_blocks:
+            return
+        if key in self._host:
+            self._host.move_to_end(key)
+            return
+        droppable = [k for k in self._host if k not in self._loading]
+        while len(self._host) >= self.host_tier_blocks and droppable:
+            del self._host[droppable.pop(0)]
+        if len(self._host) < self.host_tier_blocks:
+            self._host[key] = self._tier.save(block)
+
+    def _load(self, key: int) -> int:
+        """A fresh block holding the host tier's copy of `key`, keyed by it (the host copy stays, still valid)."""
+        block = self._take()
+        self._tier.load(self._host[key], block)
+        self._host.move_to_end(key)
+        self._key_of[block], self._block_of[key] = key, block
         return block
 
 

@@ -83,13 +83,15 @@ class BatchEngine:
         swap_space_bytes: int | None = None,
         tp: TensorParallel | None = None,
         enable_prefix_caching: bool = False,
+        prefix_cache_host_bytes: int = 0,
     ) -> "BatchEngine":
         """`num_blocks` KV blocks of `block_size` tokens (default: what `gpu_memory_utilization` of the device
         memory JAX may use leaves after the weights); `swap_space_bytes` of host memory hold preempted requests'
         KV (default: half the free host memory, at most the pool's size); beyond it preempted requests are
         recomputed. `tp`: the mesh the (already placed) params are split over; the pool is split the same way (one
         device if None). `enable_prefix_caching`: prompts reuse the KV blocks of earlier prompts' equal prefixes
-        (`BlockManager`). The options `LLM` shares with this engine are checked by `EngineConfig`."""
+        (`BlockManager`); `prefix_cache_host_bytes` of pinned host memory keep the blocks it evicts. The options
+        `LLM` shares with this engine are checked by `EngineConfig`."""
         tp = tp or TensorParallel.create(1)
         if not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 16, got {block_size!r}.")
@@ -110,8 +112,13 @@ class BatchEngine:
             model_config, params, inv_freq, jnp.dtype(dtype), check_attention_impl(attention_impl), tp,
             num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             swap_space_bytes=swap_space_bytes)
-        return cls(runner, BlockManager(num_blocks, block_size, enable_prefix_caching), max_model_len, tokenizer,
-                   eos_token_ids,
+        _check_int("prefix_cache_host_bytes", prefix_cache_host_bytes, 0)
+        if prefix_cache_host_bytes > available_host_bytes():
+            raise ValueError(f"prefix_cache_host_bytes {prefix_cache_host_bytes} is more than the "
+                             f"{available_host_bytes()} bytes of free host memory.")
+        blocks = BlockManager(num_blocks, block_size, enable_prefix_caching, runner,
+                              prefix_cache_host_bytes // runner.block_bytes)
+        return cls(runner, blocks, max_model_len, tokenizer, eos_token_ids,
                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
 
     @classmethod

@@ -253,8 +253,9 @@ def _scatter_blocks(pools: tuple, blocks: jax.Array, kv) -> tuple:
 
 
 class ModelRunner:
-    """Owns the KV pool and runs steps over it; also the scheduler's `KVSwapper`. Under tensor parallelism the
-    pool is split on its KV-head axis, each device holding its heads' share of every block."""
+    """Owns the KV pool and runs steps over it; also the scheduler's `KVSwapper` and the block manager's
+    `HostTier`. Under tensor parallelism the pool is split on its KV-head axis, each device holding its heads'
+    share of every block."""
 
     def __init__(self, cfg: ModelConfig, params: ModelParams, inv_freq: jax.Array, dtype: jnp.dtype, impl: str,
                  tp: TensorParallel, *, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
@@ -414,6 +415,20 @@ class ModelRunner:
         self.v_pool = _scatter_blocks(self.v_pool, blocks, v)
         seq.host_kv = None
         self.host_bytes_used -= padded * self.block_bytes
+
+    # ---- HostTier: prefix-cache blocks evicted from the pool ----------------------------------------------------
+
+    def save(self, block: int):
+        """A host copy of one pool block's KV (every layer, K and V)."""
+        blocks = np.array([block], np.int32)
+        return jax.device_put((_gather_blocks(self.k_pool, blocks), _gather_blocks(self.v_pool, blocks)), self._host)
+
+    def load(self, saved, block: int) -> None:
+        """Writes a `save`d copy into pool block `block`."""
+        blocks = np.array([block], np.int32)
+        k, v = jax.device_put(saved, self._device)
+        self.k_pool = _scatter_blocks(self.k_pool, blocks, k)
+        self.v_pool = _scatter_blocks(self.v_pool, blocks, v)
 
     def drop(self, seq: Sequence) -> None:
         """Nothing to let go of: a sequence's pool blocks are all it holds, and the block manager frees them."""
