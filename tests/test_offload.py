@@ -60,7 +60,8 @@ def test_long_greedy_decode_crosses_blocks(model, prefill):
 def test_back_to_back_requests_leak_no_state(model):
     path, _, seed = model
     rng = np.random.default_rng(11)
-    prompts = [_ids(rng, int(n)) for n in rng.integers(1, 200, size=20)]
+    # 20 prompts until the suite needed the time (the host tier's tests; last passed at a1ffcf2).
+    prompts = [_ids(rng, int(n)) for n in rng.integers(1, 200, size=10)]
     kwargs = dict(dtype="float32", offload=True, block_size=16, num_ring_slots=2)
     shared = LLM(path, **kwargs)
     one_by_one = [shared.generate([p], GREEDY)[0].token_ids for p in prompts]
@@ -74,8 +75,9 @@ def test_back_to_back_requests_leak_no_state(model):
 
 
 def test_host_store_is_written_in_place(model):
-    """Blocks are written into the buffers allocated with the store: across 50 requests of random lengths
-    every block keeps its address, and pinned host memory stays what it was after the first request."""
+    """Blocks are written into the buffers allocated with the store: across 25 requests of random lengths every
+    block keeps its address, and pinned host memory stays what it was after the first request (50 requests until
+    the suite needed the time; last passed at a1ffcf2)."""
     path, _, seed = model
     llm = LLM(path, dtype="float32", offload=True, block_size=16, num_ring_slots=2, max_model_len=512)
     store = llm._runner.store
@@ -84,7 +86,7 @@ def test_host_store_is_written_in_place(model):
     llm.generate([_ids(rng, 100)], GREEDY)
     pinned_after_first = _pinned_host_bytes()
     assert store.host_bytes_held() == store.total_bytes
-    for n in rng.integers(1, 400, size=50):
+    for n in rng.integers(1, 400, size=25):
         llm.generate([_ids(rng, int(n))], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     assert store.buffer_addresses() == addresses, seed
     # Every live array in pinned host memory, not just the store's own accounting.

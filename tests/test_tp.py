@@ -40,10 +40,9 @@ def _cpu_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def device_runs(kind: str, model_dirs) -> list[dict]:
-    """The JSON lines of `tp_check.py KIND` (logits or serving) on 4 virtual CPU devices."""
+def _device_runs(model_dirs) -> list[dict]:
     proc = subprocess.run(
-        [sys.executable, str(HERE / "tp_check.py"), kind, str(PROMPT_SEED), *map(str, model_dirs.values())],
+        [sys.executable, str(HERE / "tp_check.py"), "devices", str(PROMPT_SEED), *map(str, model_dirs.values())],
         env=_cpu_env(XLA_FLAGS="--xla_force_host_platform_device_count=4"), capture_output=True, text=True,
         timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -51,9 +50,17 @@ def device_runs(kind: str, model_dirs) -> list[dict]:
 
 
 def test_tp_on_virtual_devices_equals_tp1(model_dirs):
-    """One test for the logits the virtual-device subprocess checks (it takes minutes): as separate tests, each
-    xdist worker would run it again. Batching and preemption: `test_tp_serving.py`, beside this one."""
-    rows = [r for r in device_runs("logits", model_dirs) if "mode" in r]
+    """One test for everything the virtual-device subprocess checks (it takes minutes): as separate tests, each
+    xdist worker would run it again."""
+    device_runs = _device_runs(model_dirs)
+    _check_logits_and_greedy_tokens(device_runs)
+    _check_batch_equals_one_at_a_time(device_runs)
+    _check_preemption(device_runs)
+    _check_only_all_reduce(device_runs)
+
+
+def _check_logits_and_greedy_tokens(device_runs):
+    rows = [r for r in device_runs if "mode" in r and "case" not in r]
     # 3 models x (TP=2: in GPU memory, chunked offload; TP=4: in GPU memory), and
     # at TP=2 XAttention prefill in GPU memory and chunked-offloaded, Quest decode and sketch decode.
     assert len(rows) == 3 * 3 + 4
@@ -61,6 +68,38 @@ def test_tp_on_virtual_devices_equals_tp1(model_dirs):
         case = f"{r['model']} (model seed {MODELS[r['model']]}), TP={r['size']}, {r['mode']}, prompt seed {PROMPT_SEED}"
         assert r["max_diff"] <= TOLERANCE, f"{case}: logits differ from TP=1 by {r['max_diff']}"
         assert r["tokens"] == r["ref_tokens"], f"{case}: greedy tokens differ from TP=1"
+
+
+def _check_batch_equals_one_at_a_time(device_runs):
+    """Several prompts at TP=2 run together (continuous batching), over the split paged pool in GPU memory and
+    over the split host store offloaded."""
+    rows = [r for r in device_runs if r.get("case") == "batched"]
+    assert len(rows) == 2 * len(MODELS)
+    for r in rows:
+        case = (f"{r['model']} (model seed {MODELS[r['model']]}), TP=2, {r['mode']}, 4 prompts together, prompt seed "
+                f"{PROMPT_SEED}+i")
+        assert r["tokens"] == r["ref_tokens"], f"{case}: greedy tokens differ from TP=1 one at a time"
+        assert r["largest_batch"] == 4, case
+
+
+def _check_preemption(device_runs):
+    """At TP=2 in GPU memory a 20-block pool forces preemption: each device's share of a request's blocks goes to
+    host memory and back, or with no swap space the request is recomputed; the tokens are TP=1's."""
+    (r,) = [r for r in device_runs if r.get("case") == "preempted"]
+    for name, counter in (("swap", "swap_outs"), ("recompute", "recomputes")):
+        case = f"{r['model']} (model seed {MODELS[r['model']]}), TP=2, {name}, prompt seed {PROMPT_SEED}+i"
+        assert r[name][counter] > 0, f"{case}: no request was preempted that way"
+        assert r[name]["tokens"] == r["ref_tokens"], f"{case}: greedy tokens differ from TP=1 one at a time"
+
+
+def _check_only_all_reduce(device_runs):
+    """XLA's collectives are the two all-reduces of the row-parallel wo and w_down per layer; attention is local."""
+    steps = next(r["steps"] for r in device_runs if r.get("case") == "collectives")
+    layer_ends = {"all-reduce": 2, "all-gather": 0, "all-to-all": 0, "collective-permute": 0, "reduce-scatter": 0}
+    for name in ("prefill_layer_in_device", "decode_layer_in_device", "chunk_end"):
+        assert steps[name] == layer_ends, name
+    for name in ("chunk_begin", "attend_blocks"):
+        assert sum(steps[name].values()) == 0, f"{name}: {steps[name]}"
 
 
 def _free_port() -> int:

@@ -2,14 +2,11 @@
 jax.distributed, only when it starts); `test_tp.py` launches them and checks what they print.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \
-        python tests/tp_check.py logits SEED MODEL_DIR...
+        python tests/tp_check.py devices SEED MODEL_DIR...
 prints one JSON line per (model, size, mode): float32 logits of a fresh random prompt and greedy tokens under
-tensor parallelism, beside TP=1 in GPU memory computed in this same process;
-
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \
-        python tests/tp_check.py serving SEED MODEL_DIR...
-per model, the greedy tokens of several prompts run together at TP=2 (in GPU memory and offloaded) beside TP=1
-one at a time, a preempted run's, then the collectives of the compiled layer steps.
+tensor parallelism, beside TP=1 in GPU memory computed in this same process; then, per model, the greedy tokens of
+several prompts run together offloaded at TP=2 beside TP=1 one at a time; then the collectives of the compiled
+layer steps.
 
     JAX_PLATFORMS=cpu python tests/tp_check.py process PORT PROCESS_ID SEED MODEL_DIR OUT.json
 is one of two processes joined by jax.distributed (one CPU device each) running TP=2; process 0 writes its
@@ -59,7 +56,7 @@ def _run(model: str, ids: list[int], **options) -> tuple[np.ndarray, list[int]]:
     return llm.logits(ids), llm.generate([ids], greedy)[0].token_ids
 
 
-def logits(seed: int, models: list[str]) -> None:
+def devices(seed: int, models: list[str]) -> None:
     for model in models:
         ids = _prompt(seed)
         ref_logits, ref_tokens = _run(model, ids)
@@ -77,9 +74,6 @@ def logits(seed: int, models: list[str]) -> None:
         logits, tokens = _run(model, ids, tensor_parallel_size=2, **options)
         _emit(model=Path(model).name, size=2, mode=mode, max_diff=float(np.abs(logits - ref_logits).max()),
               tokens=tokens, ref_tokens=ref_tokens)
-
-
-def serving(seed: int, models: list[str]) -> None:
     for model in models:
         for mode in ("in_gpu", "chunked"):
             _emit(case="batched", model=Path(model).name, mode=mode, **_batched(model, seed, mode))
@@ -168,7 +162,7 @@ def _emit(**row) -> None:
 
 if __name__ == "__main__":
     kind, args = sys.argv[1], sys.argv[2:]
-    if kind in ("logits", "serving"):
-        {"logits": logits, "serving": serving}[kind](int(args[0]), args[1:])
+    if kind == "devices":
+        devices(int(args[0]), args[1:])
     else:
         process(int(args[0]), int(args[1]), int(args[2]), args[3], args[4])

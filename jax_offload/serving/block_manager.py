@@ -99,7 +99,7 @@ class BlockManager:
         in_pool = [b for b in cached if not isinstance(b, HostHit)]
         return self.blocks_for(num_tokens) - len(in_pool) + sum(self._refs[b] == 0 for b in in_pool)
 
-    def can_allocate(self, num_tokens: int, reserve: int = 0, cached: list[int] = ()) -> bool:
+    def can_allocate(self, num_tokens: int, reserve: int = 0, cached: list[int | HostHit] = ()) -> bool:
         """Whether `num_tokens` tokens fit, `reserve` blocks kept free, the first ones being the `cached` blocks
         (`cached_prefix`)."""
         return self.num_free - reserve >= self._blocks_taken(num_tokens, cached)
