@@ -246,25 +246,25 @@ class EngineConfig:
             if given:
                 raise ValueError(f"{_names_apply(given)} only with prefill_policy='xattention'.")
             return self
+        defaults = {n: d for n, d in XATTN_DEFAULTS.items() if getattr(self, n) is None}
         density = self.xattn_density
-        if density is not None:
+        if density is not None:  # the density decides instead of a threshold
             if self.xattn_threshold is not None:
                 raise ValueError("xattn_threshold and xattn_density each decide what XAttention keeps; give one.")
             if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
                 raise ValueError(f"xattn_density must be a number in (0, 1], got {density!r}.")
-        defaults = {n: d for n, d in XATTN_DEFAULTS.items() if getattr(self, n) is None
-                    and not (n == "xattn_threshold" and density is not None)}
+            del defaults["xattn_threshold"]
         config = dataclasses.replace(self, **defaults)
         t, stride, block = config.xattn_threshold, config.xattn_stride, config.xattn_block
-        if density is not None:
-            config = dataclasses.replace(config, xattn_density=float(density))
-        elif isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1:
+        if density is None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1):
             raise ValueError(f"xattn_threshold must be a number in (0, 1], got {t!r}.")
         if not _int(block) or block < 16 or block & (block - 1):
             raise ValueError(f"xattn_block must be a power of two >= 16, got {block!r}.")
         if not _int(stride) or stride < 1 or stride & (stride - 1) or stride > block:
             raise ValueError(f"xattn_stride must be a power of two that divides xattn_block {block}, got {stride!r}.")
-        return config if density is not None else dataclasses.replace(config, xattn_threshold=float(t))
+        if density is not None:
+            return dataclasses.replace(config, xattn_density=float(density))
+        return dataclasses.replace(config, xattn_threshold=float(t))
 
     def _validate(self, model: ModelConfig) -> "EngineConfig":
         check_kv_cache_dtype(self.kv_cache_dtype)
