@@ -183,11 +183,13 @@ class BlockManager:
         if key in self._host:
             self._host.move_to_end(key)
             return
-        droppable = [k for k in self._host if k not in self._loading]
-        while len(self._host) >= self.host_tier_blocks and droppable:
-            del self._host[droppable.pop(0)]
-        if len(self._host) < self.host_tier_blocks:
-            self._host[key] = self._tier.save(block)
+        while len(self._host) >= self.host_tier_blocks:
+            # The least recently used copy, past the few being loaded: found in a step or two, not a scan.
+            oldest = next((k for k in self._host if k not in self._loading), None)
+            if oldest is None:
+                return
+            del self._host[oldest]
+        self._host[key] = self._tier.save(block)
 
     def _load(self, key: int) -> int:
         """A fresh block holding the host tier's copy of `key`, keyed by it (the host copy stays, still valid)."""

@@ -401,8 +401,7 @@ class ModelRunner:
         n, padded = self._swap_blocks(seq)
         blocks = np.zeros(padded, np.int32)  # padding reads block 0; those rows are never written back
         blocks[:n] = seq.block_table[:n]
-        kv = (_gather_blocks(self.k_pool, blocks), _gather_blocks(self.v_pool, blocks))
-        seq.host_kv = jax.device_put(kv, self._host)
+        seq.host_kv = self._copy_to_host(blocks)
         self.host_bytes_used += padded * self.block_bytes
 
     def swap_in(self, seq: Sequence) -> None:
@@ -410,25 +409,29 @@ class ModelRunner:
         n, padded = self._swap_blocks(seq)
         blocks = np.full(padded, self.num_blocks, np.int32)  # out of range: padding rows are dropped
         blocks[:n] = seq.block_table[:n]
-        k, v = jax.device_put(seq.host_kv, self._device)
-        self.k_pool = _scatter_blocks(self.k_pool, blocks, k)
-        self.v_pool = _scatter_blocks(self.v_pool, blocks, v)
+        self._copy_from_host(seq.host_kv, blocks)
         seq.host_kv = None
         self.host_bytes_used -= padded * self.block_bytes
+
+    def _copy_to_host(self, blocks: np.ndarray):
+        """A host copy (K, V) of the pool blocks `blocks`, every layer."""
+        return jax.device_put((_gather_blocks(self.k_pool, blocks), _gather_blocks(self.v_pool, blocks)), self._host)
+
+    def _copy_from_host(self, kv, blocks: np.ndarray) -> None:
+        """Writes a `_copy_to_host` copy into the pool blocks `blocks` (out-of-range ids write nothing)."""
+        k, v = jax.device_put(kv, self._device)
+        self.k_pool = _scatter_blocks(self.k_pool, blocks, k)
+        self.v_pool = _scatter_blocks(self.v_pool, blocks, v)
 
     # ---- HostTier: prefix-cache blocks evicted from the pool ----------------------------------------------------
 
     def save(self, block: int):
         """A host copy of one pool block's KV (every layer, K and V)."""
-        blocks = np.array([block], np.int32)
-        return jax.device_put((_gather_blocks(self.k_pool, blocks), _gather_blocks(self.v_pool, blocks)), self._host)
+        return self._copy_to_host(np.array([block], np.int32))
 
     def load(self, saved, block: int) -> None:
         """Writes a `save`d copy into pool block `block`."""
-        blocks = np.array([block], np.int32)
-        k, v = jax.device_put(saved, self._device)
-        self.k_pool = _scatter_blocks(self.k_pool, blocks, k)
-        self.v_pool = _scatter_blocks(self.v_pool, blocks, v)
+        self._copy_from_host(saved, np.array([block], np.int32))
 
     def drop(self, seq: Sequence) -> None:
         """Nothing to let go of: a sequence's pool blocks are all it holds, and the block manager frees them."""
