@@ -1,12 +1,12 @@
-"""fp8 KV cache against the model-dtype cache on one GPU: Llama-3.1-8B shape, random bf16 weights.
+"""8-bit KV caches (fp8, int8) against the model-dtype cache on one GPU: Llama-3.1-8B shape, random bf16 weights.
 
-  decode   offloaded decode at --ctx for each of --policies (full, quest, sketch), kv_cache_dtype auto then fp8
+  decode   offloaded decode at --ctx for each of --policies (full, quest, sketch), each of --kv-dtypes (auto first)
            in the same process: prefill seconds, ms/token (median, min, max of every step after a warm-up), the
            bytes a step moves over PCIe, and the PCIe floor of full decode (the host blocks' bytes / the measured
            host->GPU bandwidth)
-  batch    continuous batching with the KV in GPU memory: the pool's blocks (tokens, and sequences of
-           --batch-prompt + --batch-tokens) for auto and fp8, and output tokens/s of --batch-seqs such requests
-           (one warm-up run, then --repeats timed)
+  batch    continuous batching with the KV in GPU memory, the pool sized by --gpu-memory-utilization: the pool's
+           blocks (tokens, and sequences of --batch-prompt + --batch-tokens) for each of --kv-dtypes, and output
+           tokens/s of --batch-seqs such requests (one warm-up run, then --repeats timed)
   long     one --long-ctx prompt, fp8 KV offloaded, for each of --long-policies (full, sketch): chunked prefill
            in --long-block-size chunks (XAttention at a fixed --long-density of each query block's key blocks, or
            full attention with --long-density 0), then --long-tokens decoded: seconds, ms/token, peak GPU memory
@@ -15,10 +15,12 @@
            traced in thousands of query chunks
 
     python bench/bench_kv_fp8.py --phases decode --out $OUT/kv_fp8
-    python bench/bench_kv_fp8.py --phases batch --out $OUT/kv_fp8
+    python bench/bench_kv_fp8.py --phases batch --gpu-memory-utilization 0.2 --batch-seqs 96 --batch-prompt 1024 \
+        --batch-tokens 128 --out $OUT/kv_fp8   # a pool that holds about half the requests in bf16
     python bench/bench_kv_fp8.py --phases long --long-policies full --out $OUT/kv_fp8
 
-Every phase writes <out>/kv_fp8_<phase>.json with the run's device, versions and date.
+Every phase writes <out>/kv_fp8_<phase>.json with the run's device, versions and date, and each row as it finishes
+(<out>/kv_fp8_<phase>_<...>.json: a run stopped by a time limit keeps them).
 """
 from __future__ import annotations
 
@@ -36,7 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import GiB, gpu_memory, h2d_bandwidth, model_config, random_params, run_metadata, stats  # noqa: E402
 
-KV_DTYPES = ("auto", "fp8")
 
 
 def _prompt(rng, cfg, n: int) -> list[int]:
@@ -64,7 +65,7 @@ def phase_decode(a) -> dict:
     bandwidth = h2d_bandwidth()
     rows = []
     for policy in a.policies:
-        for kv in KV_DTYPES:
+        for kv in a.kv_dtypes:
             llm = LLM.from_params(cfg, params, dtype="bfloat16", offload=True, block_size=bs,
                                   num_ring_slots=a.ring_slots,
                                   max_model_len=min(max(n, 2 * group_size(a.ring_slots) * bs) + a.decode_tokens + bs,
@@ -88,13 +89,15 @@ def phase_decode(a) -> dict:
                 row["pcie_floor_ms"] = runner.last_decode_pcie_bytes / bandwidth["median"] * 1e3
             rows.append(row)
             print(json.dumps(row), flush=True)
+            (a.out / f"kv_fp8_decode_{policy}_{kv}.json").write_text(json.dumps({**run_metadata(), **row}, indent=1))
             del llm, runner, out
             gc.collect()
     ratios = {}
     for policy in a.policies:
         by = {r["kv_cache_dtype"]: r for r in rows if r["policy"] == policy}
-        ratios[policy] = by["fp8"]["decode_ms"]["median"] / by["auto"]["decode_ms"]["median"]
-    return {"rows": rows, "fp8_over_auto": ratios, "h2d_bandwidth": bandwidth, "block_size": bs,
+        ratios[policy] = {kv: by[kv]["decode_ms"]["median"] / by["auto"]["decode_ms"]["median"]
+                          for kv in a.kv_dtypes if kv != "auto"}
+    return {"rows": rows, "over_auto": ratios, "h2d_bandwidth": bandwidth, "block_size": bs,
             "ring_slots": a.ring_slots, "budget": a.budget}
 
 
@@ -112,9 +115,10 @@ def phase_batch(a) -> dict:
     sampling = SamplingParams(temperature=0.0, max_tokens=a.batch_tokens, ignore_eos=True)
     seq_len = a.batch_prompt + a.batch_tokens
     rows = []
-    for kv in KV_DTYPES:
+    for kv in a.kv_dtypes:
         llm = LLM.from_params(cfg, params, dtype="bfloat16", max_model_len=seq_len + 1, kv_cache_dtype=kv,
-                              max_num_seqs=a.batch_seqs, max_num_batched_tokens=a.max_num_batched_tokens)
+                              max_num_seqs=a.batch_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                              gpu_memory_utilization=a.gpu_memory_utilization)
         engine = llm._batch()
         blocks, block_size = engine.runner.num_blocks, engine.runner.block_size
         llm.generate(prompts[: max(1, a.batch_seqs // 8)], sampling)  # warm-up: compiles the steps
@@ -130,11 +134,14 @@ def phase_batch(a) -> dict:
                "output_tok_per_s": stats([tokens / s for s in seconds]), "gpu_memory": gpu_memory()}
         rows.append(row)
         print(json.dumps(row), flush=True)
+        (a.out / f"kv_fp8_batch_{kv}.json").write_text(json.dumps({**run_metadata(), **row}, indent=1))
         del llm, engine
         gc.collect()
         jax.clear_caches()
+    by = {r["kv_cache_dtype"]: r["output_tok_per_s"]["median"] for r in rows}
     return {"rows": rows, "batch_seqs": a.batch_seqs, "prompt_tokens": a.batch_prompt,
-            "output_tokens_each": a.batch_tokens}
+            "output_tokens_each": a.batch_tokens, "gpu_memory_utilization": a.gpu_memory_utilization,
+            "tok_per_s_over_auto": {kv: by[kv] / by["auto"] for kv in by if kv != "auto"}}
 
 
 def phase_long(a) -> dict:
@@ -192,6 +199,8 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=4096)
     p.add_argument("--decode-tokens", type=int, default=12)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--kv-dtypes", type=lambda s: s.split(","), default=["auto", "fp8", "int8"])
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--batch-seqs", type=int, default=256)
     p.add_argument("--batch-prompt", type=int, default=4096)
     p.add_argument("--batch-tokens", type=int, default=256)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from jax_offload.config import ModelConfig
 from jax_offload.kv.host_store import PAGE_UNIT, from_stored_layout, gather_rows, in_device_memory
-from jax_offload.kv.kv_cache_dtype import Fp8KV, dequantize, values_of
+from jax_offload.kv.kv_cache_dtype import QuantizedKV, dequantize, values_of
 from jax_offload.models import decoder
 from jax_offload.models.params import LayerParams
 from jax_offload.precision import step_jit
@@ -70,10 +70,11 @@ def paged_decode_attention(impl: str, q, k_pages, v_pages, tables, seq_lens, tp:
     """Decode attention of q [B, Hq, D] over a paged pool [num_blocks, block_size, Hkv, D] (block tables [B, n],
     lengths [B]) -> o [B, Hq, D], each device over its heads. Batch-invariant (Pallas only): o float32 from the
     fixed DECODE_SPLIT splits folded in key order, the bits of the offloaded decode (`decode_state`); otherwise o
-    in q's dtype from splits sized to the batch. An fp8 pool (`Fp8KV` pages) is dequantized in the kernel."""
+    in q's dtype from splits sized to the batch. An fp8 or int8 pool (`QuantizedKV` pages) is dequantized in the
+    kernel."""
     def pool(k_pages, v_pages):
         """(k, v, scale keywords) of a pool in either form."""
-        if isinstance(k_pages, Fp8KV):
+        if isinstance(k_pages, QuantizedKV):
             return k_pages.values, v_pages.values, dict(k_scales=k_pages.scales, v_scales=v_pages.scales)
         return k_pages, v_pages, {}
 
@@ -235,7 +236,7 @@ def _split_block(block: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _join_blocks(blocks: tuple, dtype) -> tuple[jax.Array, jax.Array]:
-    """Consecutive blocks as the host store keeps them -> k, v [1, n * block_size, Hkv, D] in `dtype` (an fp8
+    """Consecutive blocks as the host store keeps them -> k, v [1, n * block_size, Hkv, D] in `dtype` (an 8-bit
     block, packed or not, dequantized in one pass over GPU memory, exactly): one kernel call covers the whole
     group."""
     pages = jax.tree.map(lambda *b: jnp.concatenate(b, axis=1), *blocks) if len(blocks) > 1 else blocks[0]
@@ -418,7 +419,7 @@ def attend_rows(impl: str, q: jax.Array, buffer: jax.Array, rows: jax.Array, num
     else:
         pool = jax.tree.map(lambda p: p[:, :, :, None], gather_rows(buffer, rows.reshape(-1), host, device))
         tables = jnp.arange(rows.size, dtype=jnp.int32).reshape(rows.shape)
-    pool, scales = (pool.values, dict(kv_scales=pool.scales)) if isinstance(pool, Fp8KV) else (pool, {})
+    pool, scales = (pool.values, dict(kv_scales=pool.scales)) if isinstance(pool, QuantizedKV) else (pool, {})
     hq = q.shape[2]
     o, lse = pallas_kernels.paged_decode_attention_kv_with_lse(
         q.reshape(hkv, hq // hkv, d), pool, tables, jnp.full((hkv,), num_keys, jnp.int32), out_dtype=jnp.float32,

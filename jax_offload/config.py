@@ -185,7 +185,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     # GiB of pinned host memory that keep prefix-cache blocks evicted from the GPU pool, to copy back on a hit.
     prefix_cache_host_gb: float = 0.0
-    # How the KV cache stores K and V: "auto" (the model's dtype) or "fp8" (`kv.kv_cache_dtype`).
+    # How the KV cache stores K and V: "auto" (the model's dtype), "fp8" or "int8" (`kv.kv_cache_dtype`).
     kv_cache_dtype: str = "auto"
 
     def xattention(self) -> XAttention | None:

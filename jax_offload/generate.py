@@ -60,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
                    help="a request's tokens independent of the requests run with it (GPU, one device; costs speed)")
     p.add_argument("--kv-cache-dtype", default="auto",
-                   help="how the KV cache stores K and V: auto (the model's dtype) or fp8 (float8_e4m3fn with a "
-                        "scale per token and KV head: half the memory and PCIe bytes)")
+                   help="how the KV cache stores K and V: auto (the model's dtype), fp8 (float8_e4m3fn) or int8, "
+                        "the last two with a scale per token and KV head: half the memory and PCIe bytes")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="several prompts in GPU memory: reuse the KV of earlier prompts' equal prefixes (off)")
     p.add_argument("--prefix-cache-host-gb", type=float, default=0.0,

@@ -183,9 +183,9 @@ def finish_online_softmax(acc, m_i, l_i):
 
 
 def load_kv_rows(ref, scale_ref, rows, ok, dtype):
-    """Rows of a K or V tile in `dtype`: as stored, or (with `scale_ref`, one float32 scale per row) float8 values
-    times their scales, computed in float32 and rounded to `dtype` (exact for the power-of-two scales of an fp8
-    KV cache: the bits a dequantized bfloat16 cache holds). Rows where `ok` is False read as 0."""
+    """Rows of a K or V tile in `dtype`: as stored, or (with `scale_ref`, one float32 scale per row) float8 or int8
+    values times their scales, computed in float32 and rounded to `dtype` (exact for the power-of-two scales of an
+    8-bit KV cache: the bits a dequantized bfloat16 cache holds). Rows where `ok` is False read as 0."""
     if scale_ref is None:
         return load_rows(ref, rows, ok)
     if ok is None:

@@ -9,8 +9,8 @@ so the pages are never gathered in memory. The per-split states are merged in fl
 `paged_decode_attention_with_lse_xla` is the jnp twin (gathers the pages, then runs
 `decode_attention_with_lse_xla`).
 
-A float8_e4m3fn pool (the fp8 KV cache) comes with float32 scales, one per key or value vector, in the pool's
-layout with a last axis of 1; the kernels dequantize each tile in registers (`_common.load_kv_rows`).
+A float8_e4m3fn or int8 pool (the fp8 or int8 KV cache) comes with float32 scales, one per key or value vector,
+in the pool's layout with a last axis of 1; the kernels dequantize each tile in registers (`_common.load_kv_rows`).
 
 `paged_decode_attention_kv_with_lse` reads one pool that keeps a page's keys and values side by side,
 [num_pages, 2, page_size, Hkv, D] (the offloaded store's page layout): Quest's decode reads the pages it chose
@@ -69,7 +69,7 @@ from pallas_kernels.state import AttentionState, check_state
 def _paged_decode_kernel(seqlen_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
                          scale_log2: float, page_size: int, page_stride: int, v_offset: int,
                          block_k: int, split_len: int, num_programs: int, group: int, precision):
-    # refs: (o, lse), or (k scales, v scales, o, lse) for a float8 pool.
+    # refs: (o, lse), or (k scales, v scales, o, lse) for an 8-bit pool.
     k_scale_ref, v_scale_ref = refs[:-2] or (None, None)
     o_ref, lse_ref = refs[-2:]
     seq_len = seqlen_ref[()]
@@ -122,7 +122,7 @@ def _paged_decode_parts(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, *
     k_rows, v_rows [rows, Hkv, D]: page p's keys are rows p * page_stride + [0, page_size) of k_rows, its values
     the same rows + v_offset of v_rows (page_stride = page_size for separate pools; a combined pool is passed as
     both, with page_stride = 2 * page_size and v_offset = page_size). scale_rows: None, or the float32 scales
-    (k, v) [rows, Hkv] of float8 rows, indexed as the rows are."""
+    (k, v) [rows, Hkv] of 8-bit rows, indexed as the rows are."""
     batch, hq, d = q.shape
     _, hkv, _ = k_rows.shape
     max_pages = block_tables.shape[1]
@@ -266,7 +266,7 @@ def _check_paged_args(q, k_pages, v_pages, block_tables, seq_lens, k_scales=None
     if page_size < MIN_BLOCK or page_size & (page_size - 1):
         raise ValueError(f"page_size={page_size}; allowed: a power of two >= {MIN_BLOCK}")
     if (k_scales is None) != (v_scales is None):
-        raise ValueError("k_scales and v_scales: give both (a float8 pool) or neither")
+        raise ValueError("k_scales and v_scales: give both (an 8-bit pool) or neither")
     if k_scales is not None:
         _check_scales(k_pages, k_scales, v_pages, v_scales)
     elif q.dtype != k_pages.dtype or k_pages.dtype != v_pages.dtype:
@@ -312,7 +312,7 @@ def paged_decode_attention_with_lse(q: jax.Array, k_pages: jax.Array, v_pages: j
         pipeline stage must fit in shared memory).
       num_splits: page splits (static); default gives ~128 programs on a GPU and 4 splits in
         interpret mode; capped at max_pages. num_warps, num_stages: Triton launch params.
-      k_scales, v_scales: None, or (a float8_e4m3fn pool) float32 [num_pages, page_size, Hkv, 1], one scale per
+      k_scales, v_scales: None, or (a float8_e4m3fn or int8 pool) float32 [num_pages, page_size, Hkv, 1], one scale per
         key and value vector: the kernel computes values * scale in float32 and rounds it to q's dtype in
         registers before the dot products.
 
@@ -333,7 +333,7 @@ def paged_decode_attention_kv_with_lse(q: jax.Array, kv_pages: jax.Array, block_
                                        **options) -> tuple[jax.Array, jax.Array]:
     """`paged_decode_attention_with_lse` over one pool kv_pages [num_pages, 2, page_size, Hkv, D]
     whose page p holds its keys at [p, 0] and its values at [p, 1]; same arguments and results
-    (a float8 pool's scales as kv_scales [num_pages, 2, page_size, Hkv, 1]).
+    (an 8-bit pool's scales as kv_scales [num_pages, 2, page_size, Hkv, 1]).
 
     The pool may live in pinned host memory (memory kind "pinned_host") when the call runs on a
     GPU inside `jax.jit`: the kernel then reads only the pages its block tables name, over PCIe,
@@ -359,8 +359,8 @@ def _check_kv_pool(kv_pages) -> None:
 
 def _check_scales(k_pages, k_scales, v_pages, v_scales) -> None:
     for name, pages, scales in (("k", k_pages, k_scales), ("v", v_pages, v_scales)):
-        if pages.dtype != jnp.float8_e4m3fn:
-            raise ValueError(f"{name}_pages has dtype {pages.dtype} with scales; allowed: float8_e4m3fn")
+        if pages.dtype not in (jnp.float8_e4m3fn, jnp.int8):
+            raise ValueError(f"{name}_pages has dtype {pages.dtype} with scales; allowed: float8_e4m3fn, int8")
         if scales.shape != (*pages.shape[:-1], 1) or scales.dtype != jnp.float32:
             raise ValueError(f"{name}_scales has shape {scales.shape} and dtype {scales.dtype}; allowed: float32 "
                              f"{(*pages.shape[:-1], 1)}")
@@ -417,7 +417,7 @@ def paged_decode_attention_with_lse_xla(q: jax.Array, k_pages: jax.Array, v_page
     """jnp twin of `paged_decode_attention_with_lse` (exact float32; `interpret` ignored).
 
     Gathers each sequence's pages into a contiguous [B, max_pages * page_size, Hkv, D] cache
-    (dequantized as the kernel does, for a float8 pool) and runs `decode_attention_with_lse_xla` with
+    (dequantized as the kernel does, for an 8-bit pool) and runs `decode_attention_with_lse_xla` with
     kv_len = seq_lens.
     """
     del interpret

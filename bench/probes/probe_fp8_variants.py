@@ -9,6 +9,10 @@ projection as a variant says (the cache itself stays bf16, which holds every var
   sink16   fp8, but the first 16 positions (the attention sink) unrounded
   smooth   fp8, keys less their per-channel mean over the prefill call (SageAttention's key smoothing; added back)
   int8_k   keys int8 with a per-token scale max|x| / 127, values fp8;  int8   K and V int8
+  rot_k    fp8, q and k rotated by a randomised Hadamard matrix H S / sqrt(D) first (FlashAttention-3's incoherent
+           processing, QuaRot: large channels spread over all D, so e4m3's relative error averages over q.k)
+  rot      the same for q, k and v, the attention output rotated back (measured as a build of the engine)
+  bf16     nothing rounded: the same-process peer
 
     python bench/probes/probe_fp8_variants.py --model DIR --length 8192 --out $OUT/fp8_variants
 """
@@ -24,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import run_metadata  # noqa: E402
 from eval_sparse import build_prompts, prompt_target, run_prompts, task_scores  # noqa: E402
 
-VARIANTS = ("fp8_k", "fp8_v", "sink16", "smooth", "exact", "fp8", "int8_k", "int8")
+VARIANTS = ("fp8_k", "fp8_v", "sink16", "smooth", "exact", "fp8", "int8_k", "int8", "rot_k", "rot", "bf16")
 
 
 def rounders(variant: str):
@@ -57,7 +61,30 @@ def rounders(variant: str):
         return x
 
     return {"fp8": (pow2, pow2), "fp8_k": (pow2, keep), "fp8_v": (keep, pow2), "exact": (exact, exact),
-            "sink16": (sink, sink), "smooth": (smooth, pow2), "int8_k": (int8, pow2), "int8": (int8, int8)}[variant]
+            "sink16": (sink, sink), "smooth": (smooth, pow2), "int8_k": (int8, pow2), "int8": (int8, int8),
+            "rot_k": (pow2, pow2), "rot": (pow2, pow2), "bf16": (keep, keep)}[variant]
+
+
+def hadamard(x):
+    """x [..., D] @ H / sqrt(D), H the Sylvester Hadamard matrix (symmetric), by the butterfly; float32."""
+    import jax.numpy as jnp
+
+    d = x.shape[-1]
+    x = x.astype(jnp.float32)
+    h = 1
+    while h < d:
+        pairs = x.reshape(*x.shape[:-1], d // (2 * h), 2, h)
+        x = jnp.stack([pairs[..., 0, :] + pairs[..., 1, :], pairs[..., 0, :] - pairs[..., 1, :]], -2).reshape(
+            *x.shape[:-1], d)
+        h *= 2
+    return x / d**0.5
+
+
+def signs(d: int):
+    """The rotation's fixed random signs S (float32 +-1 [d])."""
+    import numpy as np
+
+    return np.where(np.random.default_rng(d).random(d) < 0.5, -1.0, 1.0).astype(np.float32)
 
 
 def patch_attention_inputs(variant: str) -> None:
@@ -67,13 +94,28 @@ def patch_attention_inputs(variant: str) -> None:
     from jax_offload.models import decoder
 
     original = decoder.__dict__.setdefault("_unpatched_attention_inputs", decoder.attention_inputs)
+    original_output = decoder.__dict__.setdefault("_unpatched_output", decoder.attention_output_and_mlp)
     round_k, round_v = rounders(variant)
+    rotated = {"rot_k": "qk", "rot": "qkv"}.get(variant, "")
+
+    def rotate(x):  # x @ S H / sqrt(D), an orthogonal matrix: q.k is unchanged
+        return hadamard(x.astype("float32") * signs(x.shape[-1])).astype(x.dtype)
 
     def attention_inputs(cfg, layer, x, positions, inv_freq):
         q, k, v = original(cfg, layer, x, positions, inv_freq)
+        if rotated:
+            q, k = rotate(q), rotate(k)
+        if rotated == "qkv":
+            v = rotate(v)
         return q, round_k(k, positions), round_v(v, positions)
 
+    def attention_output_and_mlp(cfg, layer, x, attn):
+        if rotated == "qkv":  # the transpose, H S / sqrt(D), undoes the rotation of v
+            attn = hadamard(attn) * signs(attn.shape[-1])
+        return original_output(cfg, layer, x, attn)
+
     decoder.attention_inputs = attention_inputs
+    decoder.attention_output_and_mlp = attention_output_and_mlp
     jax.clear_caches()  # the step functions traced the previous variant
 
 

@@ -17,9 +17,10 @@ Each layer lives in one of three places:
 Under tensor parallelism every buffer is split on its KV-head axis over the mesh: each device's heads live in
 pinned memory attached to that device and cross only its own link.
 
-With kv_cache_dtype "fp8" a one-buffer layer is an `Fp8KV` pair of buffers, float8 values and their scales [..., 1]
-in the same layout, which the Pallas kernels read in place; every operation here maps over both (`jax.tree.map`).
-A "blocks" layer's block is one buffer, the pair packed per row as uint8 [..., D + 4] (`kv_cache_dtype.pack`), so
+With kv_cache_dtype "fp8" or "int8" a one-buffer layer is a `QuantizedKV` pair of buffers, 8-bit values and their
+scales [..., 1] in the same layout, which the Pallas kernels read in place; every operation here maps over both
+(`jax.tree.map`). A "blocks" layer's block is one buffer, the pair packed per row as bytes [..., D + 4]
+(`kv_cache_dtype.pack`), so
 it crosses PCIe as one copy; the reader unpacks it on the GPU as it dequantizes.
 """
 from __future__ import annotations
@@ -129,7 +130,7 @@ class HostKVStore:
             raise ValueError(
                 f"The host KV store needs {self.host_bytes / 2**30:.2f} GiB for {num_blocks} blocks x "
                 f"{num_layers - places.count('gpu')} layers but only {available / 2**30:.2f} GiB of host memory is "
-                "available; lower max_model_len" + (" or use kv_cache_dtype='fp8'." if kv_cache_dtype == "auto"
+                "available; lower max_model_len" + (" or use kv_cache_dtype='int8'." if kv_cache_dtype == "auto"
                                                     else ".")
             )
         limit = pinned_limit_bytes() if host_memory_kind == "pinned_host" else None

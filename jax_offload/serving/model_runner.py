@@ -1,8 +1,8 @@
 """The model over a paged KV pool: batched prefill of packed prompts, one compiled decode step for the whole
 model and batch (sampling included), and the host swap of preempted sequences' blocks.
 
-The pool is a tuple over layers of [num_blocks, block_size, Hkv, D] arrays for K and one for V (with an fp8 KV
-cache, `Fp8KV` pairs of float8 values and their scales, dequantized inside the decode kernel), all donated to
+The pool is a tuple over layers of [num_blocks, block_size, Hkv, D] arrays for K and one for V (with an fp8 or
+int8 KV cache, `QuantizedKV` pairs of 8-bit values and their scales, dequantized inside the decode kernel), all donated to
 every step, so each layer's pages reach the attention kernel as a whole buffer: slicing a layer out of one
 stacked array would copy it, and one array over all layers would pass 2^31 elements (int32 offsets in the
 kernel) at real sizes. A block id means the same block in every layer.
