@@ -190,18 +190,29 @@ class HostKVStore:
 
     def fetch(self, keys: Sequence[tuple[int, int]]) -> list[jax.Array]:
         """Starts moving the blocks `keys` [(layer, index), ...] to the GPU (asynchronously); blocks of a "gpu"
-        or "pages" layer must be consecutive. Reading a block that holds no live data is a bug."""
+        or "pages" layer must be of one layer, and each run of consecutive ones is read as one slice (XAttention's
+        chunked prefill fetches the blocks it chose, with gaps). Reading a block that holds no live data is a
+        bug."""
         for layer, index in keys:
             if not self._written[layer, index]:
                 raise RuntimeError(f"Block {index} of layer {layer} holds no live KV (never written, or forgotten).")
         layer = keys[0][0]
         if self.places[layer] == "blocks":
             return jax.device_put([self._blocks[l][i] for l, i in keys], self.device)
-        first = keys[0][1]
-        if [k for k in keys] != [(layer, first + j) for j in range(len(keys))]:
-            raise RuntimeError(f"Blocks {keys} of a one-buffer layer must be consecutive blocks of one layer.")
-        group = self._read_consecutive(self._blocks[layer], np.int32(first), len(keys), self.tp.sharding(1, "device"))
-        return [jax.tree.map(lambda g: g[j], group) for j in range(len(keys))]
+        if any(l != layer for l, _ in keys):
+            raise RuntimeError(f"Blocks {keys} of a one-buffer layer must be blocks of one layer.")
+        runs = [[keys[0][1]]]
+        for _, index in keys[1:]:
+            if index == runs[-1][-1] + 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        blocks = []
+        for run in runs:
+            group = self._read_consecutive(self._blocks[layer], np.int32(run[0]), len(run),
+                                           self.tp.sharding(1, "device"))
+            blocks += [jax.tree.map(lambda g: g[j], group) for j in range(len(run))]
+        return blocks
 
     @staticmethod
     @functools.partial(jax.jit, static_argnums=(2, 3))
