@@ -83,8 +83,10 @@ def test_reference_reproduces_the_engine_and_keeps_every_key_when_told(tmp_path,
     monkeypatch.setitem(tiny_models.COMMON, "num_hidden_layers", 3)
     model, out, report = tmp_path / "model", tmp_path / "out", tmp_path / "report"
     tiny_models.build("qwen2", model, seed=813)
-    configs = ("full,quest512,qsum512,qhead512,qfine512,sketch4b512,sketch8b512,sketch4c512,quest32,qoracle32,qsum32,"
-               "qhead32,qfine32,sketch4b32,sketch8b32,sketch4c32,quest32+dense3,xoracle1.0,xattn0.5,xoracle0.5+qoracle32")
+    # The research rules qsum, qhead, qfine, sketch8b and sketch4c (each at 512: full's tokens; at 32: they run) passed
+    # here too until the suite needed the time (last at 49f4870); their code paths are the kept rules' with another
+    # page score.
+    configs = "full,quest512,sketch4b512,quest32,qoracle32,sketch4b32,quest32+dense3,xoracle1.0,xattn0.5,xoracle0.5+qoracle32"
     assert eval_oracle.main(["--model", str(model), "--lengths", "300", "--samples", "1", "--max-tokens", "6",
                              "--configs", configs, "--out", str(out)]) == 0
     results = {c: json.loads((out / f"sparse_niah_300_{c.replace('+', '-')}.json").read_text())
@@ -102,10 +104,9 @@ def test_reference_reproduces_the_engine_and_keeps_every_key_when_told(tmp_path,
     assert ids["sketch4b32"] == [list(o.token_ids) for o in sketch_llm.generate(
         [p.prompt_ids for p in prompts], SamplingParams(temperature=0.0, max_tokens=6))]
     assert ids["quest512"] == ids["full"] and ids["xoracle1.0"] == ids["full"]
-    for c in ("qsum512", "qhead512", "qfine512", "sketch4b512", "sketch8b512", "sketch4c512"):  # qhead: 16 pages per query head, all 16 stored
-        assert ids[c] == ids["full"], c
+    assert ids["sketch4b512"] == ids["full"]
     assert ids["quest32+dense3"] == ids["full"]  # every layer of the 3 dense
-    for c in ("quest32", "qoracle32", "qsum32", "qhead32", "qfine32", "sketch4b32", "sketch8b32", "sketch4c32"):
+    for c in ("quest32", "qoracle32", "sketch4b32"):
         assert all(len(x) > 0 for x in ids[c]) and results[c]["options"]["decode_budget"] == 32
     for c in ("xattn0.5", "xoracle0.5+qoracle32"):
         density = [r["prefill_density"] for r in results[c]["records"]]

@@ -94,8 +94,8 @@ def test_with_quest_decode(model_dir, prompt):
 
 def test_sparse_chunks_with_a_page_policy(model_dir, prompt, monkeypatch):
     """A page policy keeps its sparse layers as one buffer each; a chunk's chosen earlier blocks come with gaps and
-    are read run by run (the H200's 512K run stopped here once): the chunks' logits and the greedy tokens equal
-    those of the same prefill with blocks kept one by one (full decode; sketch at full budget reads every page)."""
+    are read run by run (the H200's 512K run stopped here once): the chunks' logits equal those of the same
+    prefill with blocks kept one by one."""
     from jax_offload.kv.host_store import HostKVStore
 
     fetched = []
@@ -103,14 +103,12 @@ def test_sparse_chunks_with_a_page_policy(model_dir, prompt, monkeypatch):
     monkeypatch.setattr(HostKVStore, "fetch", lambda self, keys: fetched.append(
         (self.places[keys[0][0]], [i for _, i in keys])) or fetch(self, keys))
     sparse = dict(XATTN, xattn_density=0.3, offload=True, block_size=16, num_ring_slots=8, prefill="chunked")
-    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     blocks = LLM(model_dir, dtype="float32", **sparse)
     pages = LLM(model_dir, dtype="float32", decode_policy="sketch", decode_budget=1024, page_size=16,
                 dense_layers=1, **sparse)
     where = f"model seed {MODEL_SEED}, prompt seed {PROMPT_SEED}"
     diff = np.abs(pages.logits(prompt) - blocks.logits(prompt)).max()
     assert diff <= 1e-5, f"{where}: max |dlogit| {diff}"
-    assert pages.generate([prompt], greedy)[0].token_ids == blocks.generate([prompt], greedy)[0].token_ids, where
     gaps = [ids for place, ids in fetched if place == "pages" and np.any(np.diff(ids) > 1)]
     assert gaps, f"{where}: no chunk chose blocks with a gap; the test does not reach the case"
 
