@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "Segments"]
 
 if TYPE_CHECKING:
     from jax_offload.engine import LLM
     from jax_offload.outputs import RequestOutput
+    from jax_offload.blend import Segments
     from jax_offload.sampling import SamplingParams
 
 
@@ -17,6 +18,10 @@ def __getattr__(name: str):
         from jax_offload import engine
 
         return getattr(engine, name)
+    if name == "Segments":
+        from jax_offload.blend import Segments
+
+        return Segments
     if name == "SamplingParams":
         from jax_offload.sampling import SamplingParams
 

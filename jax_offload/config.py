@@ -187,6 +187,8 @@ class EngineConfig:
     prefix_cache_host_gb: float = 0.0
     # How the KV cache stores K and V: "auto" (the model's dtype), "fp8" or "int8" (`kv.kv_cache_dtype`).
     kv_cache_dtype: str = "auto"
+    # CacheBlend: the share of a reused segment's tokens recomputed from layer 1 on (`blend`).
+    blend_recompute_ratio: float = 0.15
 
     def xattention(self) -> XAttention | None:
         """The XAttention prefill policy, or None for full prefill."""
@@ -275,6 +277,9 @@ class EngineConfig:
         if self.enable_prefix_caching and self.offload:
             raise ValueError("enable_prefix_caching=True works with the KV cache in GPU memory so far; "
                              "use offload=False or enable_prefix_caching=False.")
+        r = self.blend_recompute_ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
+            raise ValueError(f"blend_recompute_ratio must be a number in [0, 1], got {r!r}.")
         gb = self.prefix_cache_host_gb
         if isinstance(gb, bool) or not isinstance(gb, (int, float)) or gb < 0:
             raise ValueError(f"prefix_cache_host_gb must be a number >= 0, got {gb!r}.")

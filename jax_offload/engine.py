@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from convert.safetensors_loader import load_params
 from jax_offload.attention import check_attention_impl, default_attention_impl, embed_tokens
+from jax_offload.blend import BlendRunner, Segments, SegmentStore
 from jax_offload.config import EngineConfig, ModelConfig
 from jax_offload.device_runner import DeviceRunner, pad_ids
 from jax_offload.models import decoder
@@ -27,7 +28,7 @@ from jax_offload.sampling import SamplingParams, sample_token
 from jax_offload.serving.engine import BatchEngine
 from jax_offload.tensor_parallel import TensorParallel, check_devices, sharded_model_config, to_host
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | Segments
 PROGRESS_MIN_TOKENS = 4096  # shorter prompts prefill too fast for a progress bar to help
 
 
@@ -56,6 +57,10 @@ class LLM:
     token prefix, and a prompt that starts like an earlier one reuses them and prefills only the rest
     (`RequestOutput.num_cached_tokens`). `prefix_cache_host_gb` > 0: blocks the pool must reuse keep their KV in
     that much pinned host memory and come back over PCIe on a later hit, instead of being recomputed.
+
+    `Segments([...])` prompts (CacheBlend, `blend`; with prefix caching and a host tier, KV in GPU memory): each
+    part's KV is computed alone once, kept in that host tier by its tokens, and reused wherever the part comes
+    back; `blend_recompute_ratio` of a reused part's tokens are recomputed in context.
     """
 
     def __init__(
@@ -87,6 +92,7 @@ class LLM:
         enable_prefix_caching: bool = False,
         prefix_cache_host_gb: float = 0.0,
         kv_cache_dtype: str = "auto",
+        blend_recompute_ratio: float = 0.15,
     ):
         from transformers import AutoTokenizer
 
@@ -105,7 +111,7 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
             batch_invariant=batch_invariant, enable_prefix_caching=enable_prefix_caching,
             prefix_cache_host_gb=prefix_cache_host_gb,
-            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_dtype=kv_cache_dtype, blend_recompute_ratio=blend_recompute_ratio,
         )
         options = options.validate(model_config)
         check_attention_impl(attention_impl or default_attention_impl())
@@ -165,6 +171,7 @@ class LLM:
             self._runner = DeviceRunner(model_config, params, self._inv_freq, self.dtype, self.attention_impl, tp,
                                         engine.xattention())
         self._batch_engine: BatchEngine | None = None
+        self._blend: BlendRunner | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -209,7 +216,7 @@ class LLM:
         """Generates for each prompt (raw text or token ids), outputs in prompt order; `params` is one
         SamplingParams for all or one per prompt; `on_text(i, delta)` streams prompt i's new text; `progress`
         shows a bar (requests done and output tokens/s when batching, else tokens/s of a long prefill)."""
-        if isinstance(prompts, str) or (
+        if isinstance(prompts, (str, Segments)) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], (int, np.integer))
         ):
             prompts = [prompts]
@@ -218,14 +225,45 @@ class LLM:
             params = list(params)
             if len(params) != len(prompts):
                 raise ValueError(f"Got {len(params)} SamplingParams for {len(prompts)} prompts; give one, or one each.")
+        each = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+        if any(isinstance(p, Segments) for p in prompts):  # one request at a time (`_blend_runner`)
+            return [self._run_request(*self._prompt_and_prefill(p), s, None if on_text is None else (
+                lambda d, i=i: on_text(i, d)), progress) for i, (p, s) in enumerate(zip(prompts, each))]
         encoded = [self.encode(p) for p in prompts]
         if self._batches() and (len(encoded) > 1 or self._single_prompt_batches()):
             return self._batch().generate(encoded, params, on_text, progress)
-        each = [params] * len(encoded) if isinstance(params, SamplingParams) else params
         return [
-            self._run_request(ids, p, None if on_text is None else (lambda d, i=i: on_text(i, d)), progress)
+            self._run_request(ids, None, p, None if on_text is None else (lambda d, i=i: on_text(i, d)), progress)
             for i, (ids, p) in enumerate(zip(encoded, each))
         ]
+
+    def _prompt_and_prefill(self, prompt: Prompt):
+        """(token ids, prefill or None) of one prompt: a `Segments` prompt prefills by CacheBlend."""
+        if not isinstance(prompt, Segments):
+            return self.encode(prompt), None
+        parts = [self.encode(part) for part in prompt.parts]
+        ids = self.encode([t for part in parts for t in part])
+        blend = self._blend_runner()
+
+        def prefill(total_len: int) -> tuple[jax.Array, int, int]:
+            hidden, k, v, cached = blend.prefill(parts, total_len)
+            self._runner.adopt(k, v)
+            return hidden, len(ids) - 1, cached
+
+        return ids, prefill
+
+    def _blend_runner(self) -> BlendRunner:
+        e = self.engine_config
+        if e.offload or self.tp.size > 1 or e.prefill_policy != "full" or not e.enable_prefix_caching \
+                or not e.prefix_cache_host_gb:
+            raise ValueError(
+                "Segments prompts run with the KV cache in GPU memory on one device, full prefill, "
+                "enable_prefix_caching=True and prefix_cache_host_gb > 0 (where their KV is kept).")
+        if self._blend is None:
+            tag = f"{self.model_config}|{self.dtype}|{e.kv_cache_dtype}"
+            self._blend = BlendRunner(self.model_config, self.params, self._inv_freq, self.dtype,
+                                      SegmentStore(int(e.prefix_cache_host_gb * 2**30)), e.blend_recompute_ratio, tag)
+        return self._blend
 
     def _batches(self) -> bool:
         """Whether several prompts run together: full attention in prefill and decode (Quest and XAttention run
@@ -299,8 +337,11 @@ class LLM:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def _run_request(
-        self, ids: list[int], params: SamplingParams, on_text: Callable[[str], None] | None, progress: bool = False
+        self, ids: list[int], prefill: Callable[[int], tuple[jax.Array, int, int]] | None, params: SamplingParams,
+        on_text: Callable[[str], None] | None, progress: bool = False
     ) -> RequestOutput:
+        """One request: `prefill(total_len)` -> (hidden states, position of their first row, prompt tokens
+        reused), or the runner's own prefill."""
         cfg = self.model_config
         total_len = min(len(ids) + params.max_tokens, self.max_model_len)
         seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (2**31))
@@ -316,7 +357,11 @@ class LLM:
         text, finish_reason = "", "length"
         try:
             start = time.perf_counter()
-            hidden, first_position = self._prefill(ids, total_len, progress)
+            if prefill is None:
+                hidden, first_position = self._prefill(ids, total_len, progress)
+                cached = 0
+            else:
+                hidden, first_position, cached = prefill(total_len)
             logit_row = _last_logits(cfg, self.params, hidden, np.int32(len(ids) - 1 - first_position))
             token = int(to_host(sample_token(logit_row, *knobs, jax.random.fold_in(key, 0))))
             prefill_s = time.perf_counter() - start
@@ -353,7 +398,7 @@ class LLM:
                 text = self._decode_text(generated)
         finally:
             self._runner.finish()
-        return RequestOutput(ids, text, generated, finish_reason, prefill_s, decode_s, step_seconds, density)
+        return RequestOutput(ids, text, generated, finish_reason, prefill_s, decode_s, step_seconds, density, cached)
 
     def _prefill_density(self) -> list[float] | None:
         if self.engine_config.prefill_policy != "xattention":

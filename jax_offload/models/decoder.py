@@ -59,11 +59,8 @@ def embed(params: ModelParams, token_ids: jax.Array) -> jax.Array:
     return jnp.take(params.embed, token_ids, axis=0)
 
 
-def attention_inputs(
-    cfg: ModelConfig, layer: LayerParams, x: jax.Array, positions: jax.Array, inv_freq: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x [B, T, hidden], positions [B, T] -> q [B, T, Hq, D], k and v [B, T, Hkv, D] (as the KV cache will hold
-    them)."""
+def project_qkv(cfg: ModelConfig, layer: LayerParams, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [B, T, hidden] -> q [B, T, Hq, D], k and v [B, T, Hkv, D] before RoPE (normed, projected)."""
     b, t, _ = x.shape
     h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
     qkv = _project(h, layer.wqkv, layer.batch_invariant)
@@ -76,9 +73,27 @@ def attention_inputs(
     if layer.q_norm is not None:
         q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+    return q, k, v
+
+
+def stored_kv(layer: LayerParams, k: jax.Array, v: jax.Array, positions: jax.Array, inv_freq: jax.Array
+              ) -> tuple[jax.Array, jax.Array]:
+    """Keys before RoPE and values [B, T, Hkv, D] of tokens at `positions` [B, T] -> as the KV cache holds them
+    (keys rotated for those positions, both rounded to the cache's format). A segment's keys kept before RoPE
+    land at any position with the bits a fresh computation gives them there."""
+    cos, sin = cos_sin(inv_freq, positions, k.dtype)
+    return round_trip(layer.kv_cache_dtype, apply_rope(k, cos, sin)), round_trip(layer.kv_cache_dtype, v)
+
+
+def attention_inputs(
+    cfg: ModelConfig, layer: LayerParams, x: jax.Array, positions: jax.Array, inv_freq: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [B, T, hidden], positions [B, T] -> q [B, T, Hq, D], k and v [B, T, Hkv, D] (as the KV cache will hold
+    them)."""
+    q, k, v = project_qkv(cfg, layer, x)
     cos, sin = cos_sin(inv_freq, positions, x.dtype)
-    kv_dtype = layer.kv_cache_dtype
-    return apply_rope(q, cos, sin), round_trip(kv_dtype, apply_rope(k, cos, sin)), round_trip(kv_dtype, v)
+    k, v = stored_kv(layer, k, v, positions, inv_freq)
+    return apply_rope(q, cos, sin), k, v
 
 
 def attention_output_and_mlp(cfg: ModelConfig, layer: LayerParams, x: jax.Array, attn: jax.Array) -> jax.Array:

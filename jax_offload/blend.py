@@ -1,0 +1,238 @@
+"""CacheBlend (Yao et al., 2024, arXiv 2405.16444) for prompts made of segments that come back in any order:
+retrieved documents, a system prompt, a question.
+
+A prompt given as `Segments([system, doc_a, doc_b, question])` is prefilled from each segment's KV computed alone
+(from position 0) the first time its tokens were seen and kept in pinned host memory, keyed by a hash of its
+tokens (`SegmentStore`). Keys are kept before RoPE, so placing a segment at a new offset rotates them exactly as
+a fresh computation there would. Reused KV lacks the attention to the segments before it; CacheBlend fixes the
+tokens where that matters most: layer 0 is computed for every token (its K and V depend only on the token, so
+they equal the kept ones), and at layer 1 the reused tokens whose fresh values differ most from the kept ones
+(squared difference summed over heads and channels, the seed's `choose_recompute`) are chosen, a
+`blend_recompute_ratio` share of them; from layer 1 on only the chosen tokens and the last segment (the question,
+always computed) are run through the layers, their fresh K and V replacing the kept ones, the rest reused. Ratio 1
+recomputes every token: full prefill. Ratio 0 reuses every kept segment.
+
+Attention here is a dense masked softmax in float32 (the chosen tokens sit at scattered positions), one request at
+a time with the KV cache in GPU memory; decode then runs on the ordinary one-request path.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_offload.attention import embed_tokens
+from jax_offload.buckets import cache_bucket, prompt_bucket
+from jax_offload.config import ModelConfig
+from jax_offload.models import decoder
+from jax_offload.models.params import LayerParams, ModelParams
+from jax_offload.precision import step_jit
+
+
+class Segments:
+    """A prompt in parts (texts or token-id lists) whose KV may be reused wherever each part appears again; the
+    last part is always computed."""
+
+    def __init__(self, parts: Sequence[str | Sequence[int]]):
+        if isinstance(parts, str) or not parts:
+            raise ValueError("Segments takes a non-empty list of parts (texts or token-id lists).")
+        self.parts = list(parts)
+
+    def __repr__(self) -> str:
+        return f"Segments({len(self.parts)} parts)"
+
+
+@dataclasses.dataclass
+class SegmentKV:
+    """One segment computed alone: per layer, its keys before RoPE and its values [1, n, Hkv, D]."""
+
+    keys: list[jax.Array]
+    values: list[jax.Array]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in (*self.keys, *self.values))
+
+
+class SegmentStore:
+    """Segments' KV in pinned host memory (where the device has it), least recently used dropped past
+    `capacity_bytes`; a segment larger than the whole store is not kept."""
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = capacity_bytes
+        self._entries: collections.OrderedDict[str, SegmentKV] = collections.OrderedDict()
+        self.bytes_held = 0
+
+    def get(self, key: str) -> SegmentKV | None:
+        kv = self._entries.get(key)
+        if kv is not None:
+            self._entries.move_to_end(key)
+        return kv
+
+    def put(self, key: str, kv: SegmentKV) -> None:
+        if key in self._entries or kv.nbytes > self.capacity_bytes:
+            return
+        while self.bytes_held + kv.nbytes > self.capacity_bytes:
+            _, dropped = self._entries.popitem(last=False)
+            self.bytes_held -= dropped.nbytes
+        self._entries[key] = SegmentKV(*(list(map(_to_host, xs)) for xs in (kv.keys, kv.values)))
+        self.bytes_held += kv.nbytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _to_host(x: jax.Array) -> jax.Array:
+    kinds = next(iter(x.sharding.device_set)).addressable_memories()
+    if any(m.kind == "pinned_host" for m in kinds):
+        return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
+    return x
+
+
+def _to_device(x: jax.Array) -> jax.Array:
+    return jax.device_put(x, x.sharding.with_memory_kind("device"))
+
+
+def segment_key(model_tag: str, token_ids: Sequence[int]) -> str:
+    """A segment's key: its tokens and what its KV depends on besides (model, dtype, KV format)."""
+    return hashlib.sha256(json.dumps([model_tag, [int(t) for t in token_ids]]).encode()).hexdigest()
+
+
+def choose_recompute(v_fresh: jax.Array, v_kept: jax.Array, reused: jax.Array, count: jax.Array) -> jax.Array:
+    """bool [T]: the `count` reused tokens whose fresh values v_fresh [T, Hkv, D] differ most from the kept ones
+    (squared difference summed over heads and channels; ties to the earlier token), and every token not reused
+    (`reused` bool [T] False)."""
+    diff = v_fresh.astype(jnp.float32) - v_kept.astype(jnp.float32)
+    deviation = jnp.where(reused, jnp.sum(diff * diff, axis=(-2, -1)), -jnp.inf)
+    rank = jnp.argsort(jnp.argsort(-deviation, stable=True), stable=True)
+    return ~reused | (rank < count)
+
+
+def _attend(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_len: jax.Array
+            ) -> jax.Array:
+    """Causal attention of queries q [1, S, Hq, D] at positions q_pos [S] over the cache's first kv_len keys
+    k, v [1, T, Hkv, D] -> o float32 [1, S, Hq, D]."""
+    s_len, hq, d = q.shape[1], q.shape[2], q.shape[3]
+    hkv, t = k.shape[2], k.shape[1]
+    qg = q[0].astype(jnp.float32).reshape(s_len, hkv, hq // hkv, d)
+    scores = jnp.einsum("shgd,thd->hgst", qg, k[0].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    key_pos = jnp.arange(t, dtype=jnp.int32)
+    visible = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < kv_len)
+    scores = jnp.where(visible, scores / math.sqrt(d), -jnp.inf)
+    p = jax.nn.softmax(scores, axis=-1)
+    o = jnp.einsum("hgst,thd->shgd", p, v[0].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return o.reshape(1, s_len, hq, d)
+
+
+@functools.partial(step_jit, static_argnums=(0,), donate_argnums=(5, 6))
+def _blend_layer(cfg: ModelConfig, layer: LayerParams, x: jax.Array, rows: jax.Array, row_ok: jax.Array,
+                 k_cache: jax.Array, v_cache: jax.Array, inv_freq: jax.Array, kv_len: jax.Array):
+    """One layer over the computed tokens x [1, S, hidden] at positions `rows` [S] (`row_ok` False: padding):
+    their fresh K and V replace the cache's rows [1, T, Hkv, D], then they attend over the cache. Returns
+    (x out, k_cache, v_cache, their keys before RoPE, their values)."""
+    _, k_pre, v_raw = decoder.project_qkv(cfg, layer, x)
+    q, k, v = decoder.attention_inputs(cfg, layer, x, rows[None], inv_freq)
+    slots = jnp.where(row_ok, rows, k_cache.shape[1])  # padding rows write past the end: dropped
+    k_cache = k_cache.at[0, slots].set(k[0].astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[0, slots].set(v[0].astype(v_cache.dtype), mode="drop")
+    o = _attend(cfg, q, k_cache, v_cache, rows, kv_len)
+    return decoder.attention_output_and_mlp(cfg, layer, x, o), k_cache, v_cache, k_pre, v_raw
+
+
+@functools.partial(step_jit, static_argnums=(0,))
+def _fresh_values(cfg: ModelConfig, layer: LayerParams, x: jax.Array) -> jax.Array:
+    return decoder.project_qkv(cfg, layer, x)[2]
+
+
+@jax.jit
+def _kept_cache(layer: LayerParams, k_pre: jax.Array, v: jax.Array, inv_freq: jax.Array):
+    """The kept keys (before RoPE) and values [1, T, Hkv, D] of tokens 0..T-1 as the cache holds them."""
+    positions = jnp.arange(k_pre.shape[1], dtype=jnp.int32)[None]
+    return decoder.stored_kv(layer, k_pre, v, positions, inv_freq)
+
+
+class BlendRunner:
+    """Prefills `Segments` prompts (module docstring) into the one-request KV cache of a `DeviceRunner`."""
+
+    def __init__(self, cfg: ModelConfig, params: ModelParams, inv_freq: jax.Array, dtype: jnp.dtype,
+                 store: SegmentStore, ratio: float, model_tag: str):
+        self.cfg, self.params, self.inv_freq, self.dtype = cfg, params, inv_freq, dtype
+        self.store, self.ratio, self.model_tag = store, ratio, model_tag
+
+    def _run(self, ids: list[int], kept: list[tuple[jax.Array, jax.Array]] | None, reused: np.ndarray,
+             cache_len: int) -> tuple[jax.Array, int, list[jax.Array], list[jax.Array], SegmentKV]:
+        """The layers over tokens `ids` (positions 0..), kept KV per layer (None: compute every token), `reused`
+        bool [T]. Returns (the last token's hidden state [1, 1, hidden], its row, the caches, the computed
+        tokens' KV before RoPE per layer: all tokens' when `kept` is None)."""
+        cfg, n = self.cfg, len(ids)
+        width = prompt_bucket(n)
+        padded = np.zeros((1, width), np.int32)
+        padded[0, :n] = ids
+        x = embed_tokens(self.params.embed, padded)
+        rows = np.arange(width, dtype=np.int32)
+        row_ok = rows < n
+        kv_len = np.int32(n)
+        shape = (1, cache_len, cfg.num_kv_heads, cfg.head_dim)
+        k_caches, v_caches, keys, values = [], [], [], []
+        count = math.ceil(self.ratio * int(reused.sum()))
+        for i, layer in enumerate(self.params.layers):
+            if kept is None or i == 0:
+                k_cache, v_cache = jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
+            else:
+                k_cache, v_cache = (jnp.pad(c, ((0, 0), (0, cache_len - c.shape[1]), (0, 0), (0, 0)))
+                                    for c in _kept_cache(layer, *kept[i], self.inv_freq))
+            if kept is not None and i == 1:  # the choice: fresh values of every token against the kept ones
+                v_fresh = _fresh_values(cfg, layer, x)[0, :n]
+                chosen = np.asarray(choose_recompute(v_fresh, kept[i][1][0, :n], jnp.asarray(reused[:n]),
+                                                     jnp.int32(count)))
+                picked = np.flatnonzero(chosen).astype(np.int32)
+                size = prompt_bucket(len(picked))
+                rows = np.zeros(size, np.int32)
+                rows[: len(picked)] = picked
+                row_ok = np.arange(size) < len(picked)
+                x = jnp.take(x, jnp.asarray(rows), axis=1)
+            x, k_cache, v_cache, k_pre, v_raw = _blend_layer(cfg, layer, x, jnp.asarray(rows), jnp.asarray(row_ok),
+                                                             k_cache, v_cache, self.inv_freq, kv_len)
+            k_caches.append(k_cache)
+            v_caches.append(v_cache)
+            keys.append(k_pre[:, :n])
+            values.append(v_raw[:, :n])
+        last = int(np.flatnonzero(rows == n - 1)[0])
+        return x[:, last:last + 1], last, k_caches, v_caches, SegmentKV(keys, values)
+
+    def prefill(self, parts: list[list[int]], total_len: int
+                ) -> tuple[jax.Array, list[jax.Array], list[jax.Array], int]:
+        """Segments' token ids -> (the last token's hidden state [1, 1, hidden], K and V caches per layer of
+        cache_bucket(total_len) tokens, prompt tokens whose KV came from the store)."""
+        cfg = self.cfg
+        ids = [t for part in parts for t in part]
+        kept_parts, cached = [], 0
+        for part in parts[:-1]:
+            key = segment_key(self.model_tag, part)
+            kv = self.store.get(key)
+            if kv is None:
+                kv = self._run(part, None, np.zeros(len(part), bool), cache_bucket(len(part)))[4]
+                self.store.put(key, kv)
+            else:
+                cached += len(part)
+            kept_parts.append(kv)
+        cache_len = max(cache_bucket(total_len), prompt_bucket(len(ids)))
+        reused = np.zeros(len(ids), bool)
+        reused[: len(ids) - len(parts[-1])] = True
+        kept = None
+        if kept_parts:
+            tail = len(parts[-1])
+            zeros = jnp.zeros((1, tail, cfg.num_kv_heads, cfg.head_dim), self.dtype)
+            kept = [tuple(jnp.concatenate([_to_device(getattr(kv, what)[i]) for kv in kept_parts] + [zeros], axis=1)
+                          for what in ("keys", "values"))
+                    for i in range(cfg.num_layers)]
+        hidden, _, k_caches, v_caches, _ = self._run(ids, kept, reused, cache_len)
+        return hidden, k_caches, v_caches, cached

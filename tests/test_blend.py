@@ -1,0 +1,98 @@
+"""CacheBlend (`Segments` prompts, `jax_offload.blend`): the token choice against float64 NumPy, the segment store's
+LRU, and the engine (tiny Llama, float32): recomputing every token is full prefill, a reused true prefix is
+exact, reuse is counted and really happens, and the options' errors."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tiny_models
+from jax_offload import LLM, SamplingParams, Segments
+from jax_offload.blend import SegmentKV, SegmentStore, choose_recompute
+from jax_offload.models import decoder
+
+
+def test_choose_recompute_matches_float64():
+    seed = 9400
+    rng = np.random.default_rng(seed)
+    t, hkv, d = 40, 2, 8
+    fresh, kept = rng.standard_normal((2, t, hkv, d)).astype(np.float32)
+    kept[5] = fresh[5]  # no deviation at all
+    reused = np.ones(t, bool)
+    reused[-6:] = False  # the question
+    for count in (0, 1, 7, 34):
+        got = np.asarray(choose_recompute(jnp.asarray(fresh), jnp.asarray(kept), jnp.asarray(reused),
+                                          jnp.int32(count)))
+        deviation = ((fresh.astype(np.float64) - kept) ** 2).sum((1, 2))
+        order = sorted(np.flatnonzero(reused), key=lambda i: (-deviation[i], i))
+        want = ~reused
+        want[order[:count]] = True
+        np.testing.assert_array_equal(got, want, err_msg=f"seed {seed}, count {count}")
+
+
+def test_segment_store_drops_the_least_recently_used():
+    def kv(n):
+        return SegmentKV([jnp.zeros((1, n, 1, 4), jnp.float32)], [jnp.zeros((1, n, 1, 4), jnp.float32)])
+
+    store = SegmentStore(capacity_bytes=3 * 32 * 10)  # three 10-token segments (32 bytes a token)
+    for key in "abc":
+        store.put(key, kv(10))
+    assert store.get("a") is not None  # a is now the most recent: b goes first
+    store.put("d", kv(10))
+    assert store.get("b") is None and all(store.get(k) is not None for k in "acd")
+    store.put("huge", kv(40))  # larger than the whole store: not kept, nothing dropped for it
+    assert store.get("huge") is None and len(store) == 3 and store.bytes_held == 3 * 320
+
+
+MODEL_SEED, PROMPT_SEED = 9401, 9402
+OPTIONS = dict(dtype="float32", max_model_len=256, enable_prefix_caching=True, prefix_cache_host_gb=0.01)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+WHERE = f"model seed {MODEL_SEED}, prompt seed {PROMPT_SEED}"
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    path = tiny_models.build_in(tmp_path_factory, "llama3", MODEL_SEED)
+    rng = np.random.default_rng(PROMPT_SEED)
+    system, doc_a, doc_b, question = (rng.integers(3, tiny_models.VOCAB, size=n).tolist() for n in (20, 50, 37, 9))
+    return path, system, doc_a, doc_b, question
+
+
+def _last_logits(llm: LLM, segments: list[list[int]]) -> np.ndarray:
+    hidden, *_ = llm._blend_runner().prefill(segments, sum(map(len, segments)) + 1)
+    return np.asarray(decoder.logits(llm.model_config, llm.params, hidden))[0, 0]
+
+
+def test_ratio_one_is_full_prefill_and_reuse_is_counted(parts):
+    path, system, doc_a, doc_b, question = parts
+    llm = LLM(path, blend_recompute_ratio=1.0, **OPTIONS)
+    for order in ([system, doc_a, doc_b, question], [system, doc_b, doc_a, question]):
+        ids = [t for part in order for t in part]
+        diff = np.abs(_last_logits(llm, order) - llm.logits(ids)[-1]).max()
+        assert diff <= 1e-5, f"{WHERE}: max |dlogit| {diff}"
+        out = llm.generate(Segments(order), GREEDY)[0]
+        assert out.token_ids == llm.generate([ids], GREEDY)[0].token_ids, WHERE
+        assert out.num_cached_tokens == len(ids) - len(question), WHERE  # every segment kept by the first call
+
+
+def test_reuse_places_kept_segments_exactly(parts):
+    """Ratio 0 reuses every kept segment: a system prompt computed alone is exactly what the full prompt holds
+    there (a true prefix), so the logits are full prefill's; a document after it lacks its attention to the
+    system prompt, so they are not."""
+    path, system, doc_a, _, question = parts
+    llm = LLM(path, blend_recompute_ratio=0.0, **OPTIONS)
+    diff = np.abs(_last_logits(llm, [system, question]) - llm.logits(system + question)[-1]).max()
+    assert diff <= 1e-5, f"{WHERE}: max |dlogit| {diff}"
+    reused = np.abs(_last_logits(llm, [system, doc_a, question]) - llm.logits(system + doc_a + question)[-1]).max()
+    assert reused > 1e-3, f"{WHERE}: the reused document changed nothing ({reused})"
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(dtype="float32"), "enable_prefix_caching=True and prefix_cache_host_gb > 0"),
+    (dict(OPTIONS, blend_recompute_ratio=1.5), r"blend_recompute_ratio must be a number in \[0, 1\]"),
+])
+def test_bad_blend_options(parts, options, message):
+    path, system, _, _, question = parts
+    with pytest.raises(ValueError, match=message):
+        LLM(path, **options).generate(Segments([system, question]), GREEDY)
