@@ -12,8 +12,9 @@ they equal the kept ones), and at layer 1 the reused tokens whose fresh values d
 always computed) are run through the layers, their fresh K and V replacing the kept ones, the rest reused. Ratio 1
 recomputes every token: full prefill. Ratio 0 reuses every kept segment.
 
-Attention here is a dense masked softmax in float32 (the chosen tokens sit at scattered positions), one request at
-a time with the KV cache in GPU memory; decode then runs on the ordinary one-request path.
+Layers that compute every token use the prefill attention kernel; the chosen tokens, at scattered positions, attend
+by a masked softmax over the cache in query chunks, float32 statistics. One request at a time with the KV cache
+in GPU memory; decode then runs on the ordinary one-request path.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_offload.attention import embed_tokens
+from jax_offload.attention import embed_tokens, prefill_attention
 from jax_offload.buckets import cache_bucket, prompt_bucket
 from jax_offload.config import ModelConfig
 from jax_offload.models import decoder
@@ -52,10 +53,13 @@ class Segments:
 
 @dataclasses.dataclass
 class SegmentKV:
-    """One segment computed alone: per layer, its keys before RoPE and its values [1, n, Hkv, D]."""
+    """One segment of `length` tokens computed alone: per layer, its keys before RoPE and its values
+    [1, W, Hkv, D], W its length bucket (rows past `length` are padding), so that segments of any length take
+    the same few shapes (and compiled programs)."""
 
     keys: list[jax.Array]
     values: list[jax.Array]
+    length: int
 
     @property
     def nbytes(self) -> int:
@@ -83,7 +87,7 @@ class SegmentStore:
         while self.bytes_held + kv.nbytes > self.capacity_bytes:
             _, dropped = self._entries.popitem(last=False)
             self.bytes_held -= dropped.nbytes
-        self._entries[key] = SegmentKV(*(list(map(_to_host, xs)) for xs in (kv.keys, kv.values)))
+        self._entries[key] = SegmentKV(*(list(map(_to_host, xs)) for xs in (kv.keys, kv.values)), kv.length)
         self.bytes_held += kv.nbytes
 
     def __len__(self) -> int:
@@ -106,72 +110,104 @@ def segment_key(model_tag: str, token_ids: Sequence[int]) -> str:
     return hashlib.sha256(json.dumps([model_tag, [int(t) for t in token_ids]]).encode()).hexdigest()
 
 
-def choose_recompute(v_fresh: jax.Array, v_kept: jax.Array, reused: jax.Array, count: jax.Array) -> jax.Array:
-    """bool [T]: the `count` reused tokens whose fresh values v_fresh [T, Hkv, D] differ most from the kept ones
-    (squared difference summed over heads and channels; ties to the earlier token), and every token not reused
-    (`reused` bool [T] False)."""
+def choose_recompute(v_fresh: jax.Array, v_kept: jax.Array, reused: jax.Array, always: jax.Array,
+                     count: jax.Array) -> jax.Array:
+    """bool [T]: the `count` reused tokens (`reused` bool [T]) whose fresh values v_fresh [T, Hkv, D] differ most
+    from the kept ones (squared difference summed over heads and channels; ties to the earlier token), and the
+    tokens computed anyway (`always` bool [T]: the question)."""
     diff = v_fresh.astype(jnp.float32) - v_kept.astype(jnp.float32)
     deviation = jnp.where(reused, jnp.sum(diff * diff, axis=(-2, -1)), -jnp.inf)
     rank = jnp.argsort(jnp.argsort(-deviation, stable=True), stable=True)
-    return ~reused | (rank < count)
+    return always | (reused & (rank < count))
 
 
-def _attend(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_len: jax.Array
-            ) -> jax.Array:
+QUERY_CHUNK = 512  # chosen queries attended at once: the scores of a chunk are [Hq, 512, T] float32
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_len: jax.Array) -> jax.Array:
     """Causal attention of queries q [1, S, Hq, D] at positions q_pos [S] over the cache's first kv_len keys
-    k, v [1, T, Hkv, D] -> o float32 [1, S, Hq, D]."""
+    k, v [1, T, Hkv, D] -> o float32 [1, S, Hq, D]: products in the inputs' dtype with float32 accumulation (as
+    the kernels), softmax in float32, QUERY_CHUNK queries at a time."""
     s_len, hq, d = q.shape[1], q.shape[2], q.shape[3]
     hkv, t = k.shape[2], k.shape[1]
-    qg = q[0].astype(jnp.float32).reshape(s_len, hkv, hq // hkv, d)
-    scores = jnp.einsum("shgd,thd->hgst", qg, k[0].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    chunk = min(QUERY_CHUNK, s_len)
+    n = -(-s_len // chunk)
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    qs = jnp.pad(q[0], ((0, n * chunk - s_len), (0, 0), (0, 0))).reshape(n, chunk, hkv, hq // hkv, d)
+    pos = jnp.pad(q_pos, (0, n * chunk - s_len)).reshape(n, chunk)
     key_pos = jnp.arange(t, dtype=jnp.int32)
-    visible = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < kv_len)
-    scores = jnp.where(visible, scores / math.sqrt(d), -jnp.inf)
-    p = jax.nn.softmax(scores, axis=-1)
-    o = jnp.einsum("hgst,thd->shgd", p, v[0].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-    return o.reshape(1, s_len, hq, d)
+
+    def one(args):
+        qc, pc = args
+        scores = jnp.einsum("shgd,thd->hgst", qc, k[0], precision=precision, preferred_element_type=jnp.float32)
+        visible = (key_pos[None, :] <= pc[:, None]) & (key_pos[None, :] < kv_len)
+        p = jax.nn.softmax(jnp.where(visible, scores / math.sqrt(d), -jnp.inf), axis=-1)
+        return jnp.einsum("hgst,thd->shgd", p.astype(v.dtype), v[0], precision=precision,
+                          preferred_element_type=jnp.float32)
+
+    o = jax.lax.map(one, (qs, pos)).reshape(n * chunk, hq, d)[:s_len]
+    return o[None]
 
 
-@functools.partial(step_jit, static_argnums=(0,), donate_argnums=(5, 6))
-def _blend_layer(cfg: ModelConfig, layer: LayerParams, x: jax.Array, rows: jax.Array, row_ok: jax.Array,
-                 k_cache: jax.Array, v_cache: jax.Array, inv_freq: jax.Array, kv_len: jax.Array):
+@functools.partial(step_jit, static_argnums=(0, 1, 2), donate_argnums=(7, 8))
+def _blend_layer(cfg: ModelConfig, impl: str, every_token: bool, layer: LayerParams, x: jax.Array, rows: jax.Array,
+                 row_ok: jax.Array, k_cache: jax.Array, v_cache: jax.Array, inv_freq: jax.Array, kv_len: jax.Array):
     """One layer over the computed tokens x [1, S, hidden] at positions `rows` [S] (`row_ok` False: padding):
-    their fresh K and V replace the cache's rows [1, T, Hkv, D], then they attend over the cache. Returns
-    (x out, k_cache, v_cache, their keys before RoPE, their values)."""
+    their fresh K and V replace the cache's rows [1, T, Hkv, D], then they attend over the cache (`every_token`:
+    rows are 0..S-1, all computed: the prefill kernel over their own K and V). Returns (x out, k_cache, v_cache,
+    their keys before RoPE, their values)."""
     _, k_pre, v_raw = decoder.project_qkv(cfg, layer, x)
     q, k, v = decoder.attention_inputs(cfg, layer, x, rows[None], inv_freq)
     slots = jnp.where(row_ok, rows, k_cache.shape[1])  # padding rows write past the end: dropped
     k_cache = k_cache.at[0, slots].set(k[0].astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[0, slots].set(v[0].astype(v_cache.dtype), mode="drop")
-    o = _attend(cfg, q, k_cache, v_cache, rows, kv_len)
+    if every_token:
+        o, _ = prefill_attention(impl, q, k, v, causal=True, kv_len=kv_len, out_dtype=jnp.float32)
+    else:
+        o = _attend(q, k_cache, v_cache, rows, kv_len)
     return decoder.attention_output_and_mlp(cfg, layer, x, o), k_cache, v_cache, k_pre, v_raw
 
 
 @functools.partial(step_jit, static_argnums=(0,))
-def _fresh_values(cfg: ModelConfig, layer: LayerParams, x: jax.Array) -> jax.Array:
-    return decoder.project_qkv(cfg, layer, x)[2]
+def _choose(cfg: ModelConfig, layer: LayerParams, x: jax.Array, v_kept: jax.Array, reused: jax.Array,
+            always: jax.Array, count: jax.Array) -> jax.Array:
+    """`choose_recompute` from the layer's fresh values of x [1, W, hidden] against the kept ones [1, W, ...]."""
+    return choose_recompute(decoder.project_qkv(cfg, layer, x)[2][0], v_kept[0], reused, always, count)
 
 
-@jax.jit
-def _kept_cache(layer: LayerParams, k_pre: jax.Array, v: jax.Array, inv_freq: jax.Array):
-    """The kept keys (before RoPE) and values [1, T, Hkv, D] of tokens 0..T-1 as the cache holds them."""
+@functools.partial(jax.jit, static_argnums=(2,))
+def _assemble(parts: tuple[jax.Array, ...], offsets: jax.Array, width: int) -> jax.Array:
+    """Segments' padded rows [1, W_i, Hkv, D] placed at `offsets` -> [1, width, Hkv, D]: each written after the
+    one before, so the next segment overwrites a segment's padding (rows no segment holds are never read as kept:
+    the question is computed, the rest is past the prompt)."""
+    out = jnp.zeros((1, width + max(p.shape[1] for p in parts), *parts[0].shape[2:]), parts[0].dtype)
+    for i, part in enumerate(parts):
+        out = jax.lax.dynamic_update_slice(out, part, (0, offsets[i], 0, 0))
+    return out[:, :width]
+
+
+@functools.partial(jax.jit, static_argnums=(4,))
+def _kept_cache(layer: LayerParams, k_pre: jax.Array, v: jax.Array, inv_freq: jax.Array, cache_len: int):
+    """The kept keys (before RoPE) and values [1, W, Hkv, D] of tokens 0..W-1 as the cache holds them, padded to
+    cache_len rows."""
     positions = jnp.arange(k_pre.shape[1], dtype=jnp.int32)[None]
-    return decoder.stored_kv(layer, k_pre, v, positions, inv_freq)
+    pad = ((0, 0), (0, cache_len - k_pre.shape[1]), (0, 0), (0, 0))
+    return tuple(jnp.pad(c, pad) for c in decoder.stored_kv(layer, k_pre, v, positions, inv_freq))
 
 
 class BlendRunner:
     """Prefills `Segments` prompts (module docstring) into the one-request KV cache of a `DeviceRunner`."""
 
-    def __init__(self, cfg: ModelConfig, params: ModelParams, inv_freq: jax.Array, dtype: jnp.dtype,
+    def __init__(self, cfg: ModelConfig, params: ModelParams, inv_freq: jax.Array, dtype: jnp.dtype, impl: str,
                  store: SegmentStore, ratio: float, model_tag: str):
-        self.cfg, self.params, self.inv_freq, self.dtype = cfg, params, inv_freq, dtype
+        self.cfg, self.params, self.inv_freq, self.dtype, self.impl = cfg, params, inv_freq, dtype, impl
         self.store, self.ratio, self.model_tag = store, ratio, model_tag
 
     def _run(self, ids: list[int], kept: list[tuple[jax.Array, jax.Array]] | None, reused: np.ndarray,
-             cache_len: int) -> tuple[jax.Array, int, list[jax.Array], list[jax.Array], SegmentKV]:
-        """The layers over tokens `ids` (positions 0..), kept KV per layer (None: compute every token), `reused`
-        bool [T]. Returns (the last token's hidden state [1, 1, hidden], its row, the caches, the computed
-        tokens' KV before RoPE per layer: all tokens' when `kept` is None)."""
+             cache_len: int) -> tuple[jax.Array, list[jax.Array], list[jax.Array], SegmentKV]:
+        """The layers over tokens `ids` (positions 0..), kept KV per layer [1, W, Hkv, D] (None: compute every
+        token), `reused` bool [W]. Returns (the last token's hidden state [1, 1, hidden], the caches, the tokens'
+        keys before RoPE and values per layer: every token's when `kept` is None)."""
         cfg, n = self.cfg, len(ids)
         width = prompt_bucket(n)
         padded = np.zeros((1, width), np.int32)
@@ -179,60 +215,60 @@ class BlendRunner:
         x = embed_tokens(self.params.embed, padded)
         rows = np.arange(width, dtype=np.int32)
         row_ok = rows < n
+        always = row_ok & ~reused
         kv_len = np.int32(n)
         shape = (1, cache_len, cfg.num_kv_heads, cfg.head_dim)
         k_caches, v_caches, keys, values = [], [], [], []
-        count = math.ceil(self.ratio * int(reused.sum()))
+        count = np.int32(math.ceil(self.ratio * int(reused.sum())))
+        every_token = True
         for i, layer in enumerate(self.params.layers):
             if kept is None or i == 0:
                 k_cache, v_cache = jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
             else:
-                k_cache, v_cache = (jnp.pad(c, ((0, 0), (0, cache_len - c.shape[1]), (0, 0), (0, 0)))
-                                    for c in _kept_cache(layer, *kept[i], self.inv_freq))
+                k_cache, v_cache = _kept_cache(layer, *kept[i], self.inv_freq, cache_len)
             if kept is not None and i == 1:  # the choice: fresh values of every token against the kept ones
-                v_fresh = _fresh_values(cfg, layer, x)[0, :n]
-                chosen = np.asarray(choose_recompute(v_fresh, kept[i][1][0, :n], jnp.asarray(reused[:n]),
-                                                     jnp.int32(count)))
+                chosen = np.asarray(_choose(cfg, layer, x, kept[i][1], reused, always, count))
                 picked = np.flatnonzero(chosen).astype(np.int32)
                 size = prompt_bucket(len(picked))
                 rows = np.zeros(size, np.int32)
                 rows[: len(picked)] = picked
                 row_ok = np.arange(size) < len(picked)
                 x = jnp.take(x, jnp.asarray(rows), axis=1)
-            x, k_cache, v_cache, k_pre, v_raw = _blend_layer(cfg, layer, x, jnp.asarray(rows), jnp.asarray(row_ok),
-                                                             k_cache, v_cache, self.inv_freq, kv_len)
+                every_token = False
+            x, k_cache, v_cache, k_pre, v_raw = _blend_layer(
+                cfg, self.impl, every_token, layer, x, jnp.asarray(rows), jnp.asarray(row_ok), k_cache, v_cache,
+                self.inv_freq, kv_len)
             k_caches.append(k_cache)
             v_caches.append(v_cache)
-            keys.append(k_pre[:, :n])
-            values.append(v_raw[:, :n])
-        last = int(np.flatnonzero(rows == n - 1)[0])
-        return x[:, last:last + 1], last, k_caches, v_caches, SegmentKV(keys, values)
+            keys.append(k_pre)
+            values.append(v_raw)
+        last = np.int32(np.flatnonzero(rows == n - 1)[0])
+        return jax.lax.dynamic_slice_in_dim(x, last, 1, axis=1), k_caches, v_caches, SegmentKV(keys, values, n)
 
     def prefill(self, parts: list[list[int]], total_len: int
                 ) -> tuple[jax.Array, list[jax.Array], list[jax.Array], int]:
         """Segments' token ids -> (the last token's hidden state [1, 1, hidden], K and V caches per layer of
         cache_bucket(total_len) tokens, prompt tokens whose KV came from the store)."""
-        cfg = self.cfg
         ids = [t for part in parts for t in part]
         kept_parts, cached = [], 0
         for part in parts[:-1]:
             key = segment_key(self.model_tag, part)
             kv = self.store.get(key)
             if kv is None:
-                kv = self._run(part, None, np.zeros(len(part), bool), cache_bucket(len(part)))[4]
+                kv = self._run(part, None, np.zeros(prompt_bucket(len(part)), bool), cache_bucket(len(part)))[3]
                 self.store.put(key, kv)
             else:
                 cached += len(part)
             kept_parts.append(kv)
         cache_len = max(cache_bucket(total_len), prompt_bucket(len(ids)))
-        reused = np.zeros(len(ids), bool)
+        width = prompt_bucket(len(ids))
+        reused = np.zeros(width, bool)
         reused[: len(ids) - len(parts[-1])] = True
         kept = None
         if kept_parts:
-            tail = len(parts[-1])
-            zeros = jnp.zeros((1, tail, cfg.num_kv_heads, cfg.head_dim), self.dtype)
-            kept = [tuple(jnp.concatenate([_to_device(getattr(kv, what)[i]) for kv in kept_parts] + [zeros], axis=1)
+            offsets = jnp.asarray(np.cumsum([0] + [kv.length for kv in kept_parts[:-1]]), jnp.int32)
+            kept = [tuple(_assemble(tuple(_to_device(getattr(kv, what)[i]) for kv in kept_parts), offsets, width)
                           for what in ("keys", "values"))
-                    for i in range(cfg.num_layers)]
-        hidden, _, k_caches, v_caches, _ = self._run(ids, kept, reused, cache_len)
+                    for i in range(self.cfg.num_layers)]
+        hidden, k_caches, v_caches, _ = self._run(ids, kept, reused, cache_len)
         return hidden, k_caches, v_caches, cached

@@ -261,7 +261,7 @@ class LLM:
                 "enable_prefix_caching=True and prefix_cache_host_gb > 0 (where their KV is kept).")
         if self._blend is None:
             tag = f"{self.model_config}|{self.dtype}|{e.kv_cache_dtype}"
-            self._blend = BlendRunner(self.model_config, self.params, self._inv_freq, self.dtype,
+            self._blend = BlendRunner(self.model_config, self.params, self._inv_freq, self.dtype, self.attention_impl,
                                       SegmentStore(int(e.prefix_cache_host_gb * 2**30)), e.blend_recompute_ratio, tag)
         return self._blend
 

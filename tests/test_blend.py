@@ -20,20 +20,22 @@ def test_choose_recompute_matches_float64():
     fresh, kept = rng.standard_normal((2, t, hkv, d)).astype(np.float32)
     kept[5] = fresh[5]  # no deviation at all
     reused = np.ones(t, bool)
-    reused[-6:] = False  # the question
-    for count in (0, 1, 7, 34):
+    reused[-10:] = False
+    always = np.zeros(t, bool)
+    always[-10:-4] = True  # the question; the last 4 rows are padding
+    for count in (0, 1, 7, 30, 34):
         got = np.asarray(choose_recompute(jnp.asarray(fresh), jnp.asarray(kept), jnp.asarray(reused),
-                                          jnp.int32(count)))
+                                          jnp.asarray(always), jnp.int32(count)))
         deviation = ((fresh.astype(np.float64) - kept) ** 2).sum((1, 2))
         order = sorted(np.flatnonzero(reused), key=lambda i: (-deviation[i], i))
-        want = ~reused
+        want = always.copy()
         want[order[:count]] = True
         np.testing.assert_array_equal(got, want, err_msg=f"seed {seed}, count {count}")
 
 
 def test_segment_store_drops_the_least_recently_used():
     def kv(n):
-        return SegmentKV([jnp.zeros((1, n, 1, 4), jnp.float32)], [jnp.zeros((1, n, 1, 4), jnp.float32)])
+        return SegmentKV([jnp.zeros((1, n, 1, 4), jnp.float32)], [jnp.zeros((1, n, 1, 4), jnp.float32)], n)
 
     store = SegmentStore(capacity_bytes=3 * 32 * 10)  # three 10-token segments (32 bytes a token)
     for key in "abc":
