@@ -198,6 +198,12 @@ class LLM:
             )
         return ids
 
+    def chat_segments(self, parts: Sequence[str]) -> Segments:
+        """One user message given in parts, as `Segments`: the chat template's head (a true prefix, reused as it
+        is), the parts, the template's tail after the last part (computed with it)."""
+        head, tail = template_ends(self.tokenizer)
+        return Segments([head, *parts[:-1], parts[-1] + tail] if head else [*parts[:-1], parts[-1] + tail])
+
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
@@ -405,6 +411,18 @@ class LLM:
             return None
         counts = to_host(jnp.stack(self._runner.prefill_block_counts)).astype(np.float64)
         return list(counts[:, 0] / np.maximum(counts[:, 1], 1))
+
+
+def template_ends(tokenizer) -> tuple[str, str]:
+    """The chat template's text before and after one user message (the assistant's turn opened); no template:
+    ("", "\n")."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return "", "\n"
+    mark = "\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False,
+                                         add_generation_prompt=True)
+    head, tail = text.split(mark)
+    return head, tail
 
 
 @functools.partial(step_jit, static_argnums=0)

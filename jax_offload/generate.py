@@ -20,7 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path,
-                     help="a .jsonl file: one prompt per line (a JSON string, or an object with a 'prompt' string), "
+                     help="a .jsonl file: one prompt per line (a JSON string, or an object with a 'prompt' string or "
+                          "a 'segments' list of strings: parts whose KV is reused where they come back, CacheBlend), "
                           "run together; any other file: its whole text is one prompt")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -66,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="several prompts in GPU memory: reuse the KV of earlier prompts' equal prefixes (off)")
     p.add_argument("--prefix-cache-host-gb", type=float, default=0.0,
                    help="with prefix caching: GiB of pinned host memory keeping blocks evicted from the GPU pool (0)")
+    p.add_argument("--blend-recompute-ratio", type=float, default=0.15,
+                   help="'segments' prompts (CacheBlend): share of a reused part's tokens recomputed (0.15)")
     return p
 
 
@@ -90,8 +93,9 @@ def _make_room_for_pinned_kv(model_dir: Path, args: argparse.Namespace) -> None:
         os.environ[PINNED_LIMIT_VAR] = str(int(gib) + 4)
 
 
-def read_prompts(path: Path) -> list[str]:
-    """The prompts of a --prompt-file: one per line of a .jsonl file, else the file's whole text."""
+def read_prompts(path: Path) -> list[str | list[str]]:
+    """The prompts of a --prompt-file: one per line of a .jsonl file (a list of strings for a line with
+    "segments"), else the file's whole text."""
     text = path.read_text()
     if path.suffix != ".jsonl":
         return [text]
@@ -103,10 +107,11 @@ def read_prompts(path: Path) -> list[str]:
             item = json.loads(line)
         except json.JSONDecodeError as err:
             raise ValueError(f"{path} line {number} is not valid JSON ({err}).") from None
-        prompt = item.get("prompt") if isinstance(item, dict) else item
-        if not isinstance(prompt, str):
-            raise ValueError(f"{path} line {number} must be a JSON string or an object with a 'prompt' string, "
-                             f"got {line.strip()[:60]!r}.")
+        prompt = item.get("segments", item.get("prompt")) if isinstance(item, dict) else item
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                            and all(isinstance(part, str) for part in prompt))):
+            raise ValueError(f"{path} line {number} must be a JSON string or an object with a 'prompt' string or a "
+                             f"'segments' list of strings, got {line.strip()[:60]!r}.")
         prompts.append(prompt)
     if not prompts:
         raise ValueError(f"{path} holds no prompts; write one JSON string per line.")
@@ -137,13 +142,13 @@ def _run(args: argparse.Namespace) -> int:
         prompts = [args.prompt]
     else:
         raise ValueError("give a prompt with --prompt TEXT or --prompt-file PATH")
-    empty = [i for i, p in enumerate(prompts) if not p.strip()]
+    empty = [i for i, p in enumerate(prompts) if not all(part.strip() for part in ([p] if isinstance(p, str) else p))]
     if empty:
         raise ValueError("the prompt is empty" if len(prompts) == 1 else f"prompt {empty[0] + 1} is empty")
 
     import jax
 
-    from jax_offload import LLM
+    from jax_offload import LLM, Segments
     from jax_offload.default_model import ensure_default_model
 
     model_dir = args.model if args.model is not None else ensure_default_model(quiet=args.json)
@@ -176,9 +181,16 @@ def _run(args: argparse.Namespace) -> int:
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_cache_host_gb=args.prefix_cache_host_gb,
         kv_cache_dtype=args.kv_cache_dtype,
+        blend_recompute_ratio=args.blend_recompute_ratio,
     )
     chat = not args.no_chat_template
-    ids = [llm.apply_chat_template([{"role": "user", "content": p}]) if chat else llm.encode(p) for p in prompts]
+
+    def prepared(p):
+        if not isinstance(p, str):
+            return llm.chat_segments(p) if chat else Segments(p)
+        return llm.apply_chat_template([{"role": "user", "content": p}]) if chat else llm.encode(p)
+
+    ids = [prepared(p) for p in prompts]
     if len(ids) == 1 and not args.json:
         out = llm.generate(ids, params, on_text=lambda _, delta: print(delta, end="", flush=True), progress=True)[0]
         print(
@@ -208,6 +220,7 @@ def _as_json(index: int, out) -> dict:
         "decode_seconds": round(out.decode_seconds, 4),
         "decode_tokens_per_second": round(out.decode_tokens_per_second, 1),
         "prefill_density": out.prefill_density,
+        "num_cached_tokens": out.num_cached_tokens,
     }
 
 

@@ -69,13 +69,13 @@ def _last_logits(llm: LLM, segments: list[list[int]]) -> np.ndarray:
 def test_ratio_one_is_full_prefill_and_reuse_is_counted(parts):
     path, system, doc_a, doc_b, question = parts
     llm = LLM(path, blend_recompute_ratio=1.0, **OPTIONS)
-    for order in ([system, doc_a, doc_b, question], [system, doc_b, doc_a, question]):
-        ids = [t for part in order for t in part]
-        diff = np.abs(_last_logits(llm, order) - llm.logits(ids)[-1]).max()
-        assert diff <= 1e-5, f"{WHERE}: max |dlogit| {diff}"
-        out = llm.generate(Segments(order), GREEDY)[0]
-        assert out.token_ids == llm.generate([ids], GREEDY)[0].token_ids, WHERE
-        assert out.num_cached_tokens == len(ids) - len(question), WHERE  # every segment kept by the first call
+    order = [system, doc_a, doc_b, question]  # the documents in the other order: test_cli_segments_lines
+    ids = [t for part in order for t in part]
+    diff = np.abs(_last_logits(llm, order) - llm.logits(ids)[-1]).max()
+    assert diff <= 1e-5, f"{WHERE}: max |dlogit| {diff}"
+    out = llm.generate(Segments(order), GREEDY)[0]
+    assert out.token_ids == llm.generate([ids], GREEDY)[0].token_ids, WHERE
+    assert out.num_cached_tokens == len(ids) - len(question), WHERE  # every segment kept by the call before
 
 
 def test_reuse_places_kept_segments_exactly(parts):
@@ -98,3 +98,27 @@ def test_bad_blend_options(parts, options, message):
     path, system, _, _, question = parts
     with pytest.raises(ValueError, match=message):
         LLM(path, **options).generate(Segments([system, question]), GREEDY)
+
+
+def test_cli_segments_lines(parts, tmp_path, capsys):
+    """`--prompt-file` lines with "segments": the second, its documents in the other order, reuses both (at ratio 1
+    its tokens are full prefill's)."""
+    import json
+
+    from jax_offload import generate as generate_cli
+
+    path, system, doc_a, doc_b, question = parts
+    words = lambda ids: " ".join(tiny_models.WORDS[i - 3] for i in ids) + " "
+    lines = [{"segments": [words(doc_a), words(doc_b), words(question)]},
+             {"segments": [words(doc_b), words(doc_a), words(question)]}]
+    prompts = tmp_path / "segments.jsonl"
+    prompts.write_text("\n".join(map(json.dumps, lines)) + "\n")
+    argv = ["--model", str(path), "--prompt-file", str(prompts), "--json", "--no-chat-template", "--max-tokens", "4",
+            "--dtype", "float32", "--max-model-len", "256", "--enable-prefix-caching", "--prefix-cache-host-gb", "0.01",
+            "--blend-recompute-ratio", "1"]
+    assert generate_cli.main(argv) == 0
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [o["num_cached_tokens"] for o in out] == [0, len(doc_a) + len(doc_b)], WHERE
+    full = LLM(path, dtype="float32", max_model_len=256).generate(
+        [doc_b + doc_a + question], SamplingParams(temperature=0.0, max_tokens=4))[0]
+    assert out[1]["token_ids"] == full.token_ids, WHERE

@@ -16,10 +16,10 @@ import random
 import re
 import string
 
+from jax_offload.engine import template_ends
 from jax_offload.eval.ruler import _essay_sentences, _fresh
 
 INSTRUCTION = "Read the documents below and answer the question about them.\n\n"
-MARK = "\x00"
 
 
 @dataclasses.dataclass
@@ -47,7 +47,7 @@ def make_qa_set(tokenizer, num_questions: int = 200, num_docs: int = 60, docs_pe
             sentences.insert(slot, f"One of the special magic numbers for {key} is: {value}.")
         docs.append(" ".join(sentences))
         facts.append(pairs)
-    head, tail = _template(tokenizer)
+    head, tail = template_ends(tokenizer)
     encode = lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"])
     doc_ids = [encode(f"Document: {d}\n\n") for d in docs]
     head_ids = encode(head + INSTRUCTION)
@@ -59,16 +59,6 @@ def make_qa_set(tokenizer, num_questions: int = 200, num_docs: int = 60, docs_pe
                f"The special magic number for {key} mentioned in the documents is")
         questions.append(Question(i, shown, key, answer, [head_ids, *(doc_ids[d] for d in shown), encode(ask)]))
     return docs, questions
-
-
-def _template(tokenizer) -> tuple[str, str]:
-    """The chat template's text before and after a user message (and the assistant's turn start)."""
-    if getattr(tokenizer, "chat_template", None) is None:
-        return "", "\n"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": MARK}], tokenize=False,
-                                         add_generation_prompt=True)
-    head, tail = text.split(MARK)
-    return head, tail
 
 
 def normalize(text: str) -> str:
