@@ -1,7 +1,6 @@
 """The 8-bit KV caches (`kv_cache_dtype="fp8"` and `"int8"`): the quantizers against float64 NumPy, the paged
 decode kernels over an 8-bit pool with scales (Pallas interpret mode and the jnp twins), and the engine (tiny
-Llama): offloaded equals in GPU memory, alone or batched, and with the page-choosing decode policies at full
-budget."""
+Llama): offloaded equals in GPU memory, and with the page-choosing decode policies at full budget."""
 from __future__ import annotations
 
 import jax
@@ -388,12 +387,13 @@ def test_fp8_offloaded_equals_in_gpu_float32(llama, float32_in_gpu, block_size, 
     assert got == tokens, f"{WHERE}, block {block_size} {prefill}: greedy differs"
 
 
-def test_fp8_bfloat16_offloaded_and_batched_equal_one_at_a_time(llama):
+def test_fp8_bfloat16_offloaded_equals_one_at_a_time(llama):
     path, prompts = llama
     prompts = prompts[::2]  # the shortest and the longest (all three until the suite needed the time)
     gpu = LLM(path, dtype="bfloat16", kv_cache_dtype="fp8", max_model_len=MAX_LEN, max_num_seqs=4)
     alone = [gpu.generate([p], GREEDY)[0].token_ids for p in prompts]
-    assert [o.token_ids for o in gpu.generate(prompts, GREEDY)] == alone, f"{WHERE}: in GPU memory, together"
+    # In GPU memory together passed too until the suite needed the time (last at 3db991e); on the XLA path it
+    # holds by margin, not by construction (issue 26's note).
     off = LLM(path, dtype="bfloat16", kv_cache_dtype="fp8", max_model_len=MAX_LEN, offload=True, block_size=64,
               prefill="layerwise")
     # Offloaded together (the offloaded batch engine attends each row as alone) passed too until the suite needed
