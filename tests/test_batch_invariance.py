@@ -5,7 +5,8 @@ launch config; decode attention over a paged pool, folded in fixed splits, gives
 alone and the bits of the offloaded decode's contiguous pieces. Engine (CPU, XLA's kernels, tiny Llama in
 bfloat16): prompts of 5..700 tokens alone, together, and offloaded give the same greedy and seeded tokens
 (chunked offloaded prefill equals in-GPU in tests/test_offload_bf16.py); on XLA's path "together" holds for these
-prompts by margin, not by construction (its decode attention differs in the last bits between batch sizes).
+prompts by margin, not by construction: on the CPU one prompt runs the one-request path and several the batch
+engine, whose decode attention outputs differ in their last bits.
 (On the GPU the same holds for the Llama-3.1-8B shape with `batch_invariant=True`:
 bench/results/runs/h200_batch_invariance/.)
 """
@@ -97,6 +98,5 @@ def test_alone_together_offloaded_give_the_same_tokens(tiny_llama, sampling):
         return
     off = LLM(path, dtype="bfloat16", max_model_len=1024, offload=True, block_size=256, prefill="layerwise")
     assert [off.generate([p], sampling)[0].token_ids for p in prompts] == alone, f"{where}, offloaded"
-    # Offloaded together passed too until the suite needed the time (last at 3db991e). On the XLA path these
-    # tokens agree by margin, not by construction: decode attention outputs differ in their last bits between
-    # batch 1 and 2 (issue 26's note).
+    # Offloaded together passed too until the suite needed the time (last at 3db991e). On the CPU these tokens
+    # agree by margin, not by construction: alone is the one-request path, together the batch engine (issue 26).

@@ -392,8 +392,8 @@ def test_fp8_bfloat16_offloaded_equals_one_at_a_time(llama):
     prompts = prompts[::2]  # the shortest and the longest (all three until the suite needed the time)
     gpu = LLM(path, dtype="bfloat16", kv_cache_dtype="fp8", max_model_len=MAX_LEN, max_num_seqs=4)
     alone = [gpu.generate([p], GREEDY)[0].token_ids for p in prompts]
-    # In GPU memory together passed too until the suite needed the time (last at 3db991e); on the XLA path it
-    # holds by margin, not by construction (issue 26's note).
+    # In GPU memory together passed too until the suite needed the time (last at 3db991e); on the CPU it holds by
+    # margin, not by construction: alone is the one-request path, together the batch engine (issue 26).
     off = LLM(path, dtype="bfloat16", kv_cache_dtype="fp8", max_model_len=MAX_LEN, offload=True, block_size=64,
               prefill="layerwise")
     # Offloaded together (the offloaded batch engine attends each row as alone) passed too until the suite needed
