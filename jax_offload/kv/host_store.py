@@ -20,8 +20,7 @@ pinned memory attached to that device and cross only its own link.
 With kv_cache_dtype "fp8" or "int8" a one-buffer layer is a `QuantizedKV` pair of buffers, 8-bit values and their
 scales [..., 1] in the same layout, which the Pallas kernels read in place; every operation here maps over both
 (`jax.tree.map`). A "blocks" layer's block is one buffer, the pair packed per row as bytes [..., D + 4]
-(`kv_cache_dtype.pack`), so
-it crosses PCIe as one copy; the reader unpacks it on the GPU as it dequantizes.
+(`kv_cache_dtype.pack`), so it crosses PCIe as one copy; the reader unpacks it on the GPU as it dequantizes.
 """
 from __future__ import annotations
 
