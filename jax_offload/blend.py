@@ -35,7 +35,9 @@ from jax_offload.buckets import cache_bucket, prompt_bucket
 from jax_offload.config import ModelConfig
 from jax_offload.models import decoder
 from jax_offload.models.params import LayerParams, ModelParams
+from jax_offload.models.rope import cos_sin
 from jax_offload.precision import step_jit
+from jax_offload.tensor_parallel import host_memory_kind
 
 
 class Segments:
@@ -67,7 +69,7 @@ class SegmentKV:
 
 
 class SegmentStore:
-    """Segments' KV in pinned host memory (where the device has it), least recently used dropped past
+    """Segments' KV in host memory (pinned where the device has it), least recently used dropped past
     `capacity_bytes`; a segment larger than the whole store is not kept."""
 
     def __init__(self, capacity_bytes: int):
@@ -95,10 +97,7 @@ class SegmentStore:
 
 
 def _to_host(x: jax.Array) -> jax.Array:
-    kinds = next(iter(x.sharding.device_set)).addressable_memories()
-    if any(m.kind == "pinned_host" for m in kinds):
-        return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
-    return x
+    return jax.device_put(x, x.sharding.with_memory_kind(host_memory_kind()))
 
 
 def _to_device(x: jax.Array) -> jax.Array:
@@ -156,8 +155,8 @@ def _blend_layer(cfg: ModelConfig, impl: str, every_token: bool, layer: LayerPar
     their fresh K and V replace the cache's rows [1, T, Hkv, D], then they attend over the cache (`every_token`:
     rows are 0..S-1, all computed: the prefill kernel over their own K and V). Returns (x out, k_cache, v_cache,
     their keys before RoPE, their values)."""
-    _, k_pre, v_raw = decoder.project_qkv(cfg, layer, x)
-    q, k, v = decoder.attention_inputs(cfg, layer, x, rows[None], inv_freq)
+    q, k_pre, v_raw = decoder.project_qkv(cfg, layer, x)
+    q, k, v = decoder.place_qkv(layer, q, k_pre, v_raw, rows[None], inv_freq)
     slots = jnp.where(row_ok, rows, k_cache.shape[1])  # padding rows write past the end: dropped
     k_cache = k_cache.at[0, slots].set(k[0].astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[0, slots].set(v[0].astype(v_cache.dtype), mode="drop")
@@ -190,9 +189,9 @@ def _assemble(parts: tuple[jax.Array, ...], offsets: jax.Array, width: int) -> j
 def _kept_cache(layer: LayerParams, k_pre: jax.Array, v: jax.Array, inv_freq: jax.Array, cache_len: int):
     """The kept keys (before RoPE) and values [1, W, Hkv, D] of tokens 0..W-1 as the cache holds them, padded to
     cache_len rows."""
-    positions = jnp.arange(k_pre.shape[1], dtype=jnp.int32)[None]
+    cos, sin = cos_sin(inv_freq, jnp.arange(k_pre.shape[1], dtype=jnp.int32)[None], k_pre.dtype)
     pad = ((0, 0), (0, cache_len - k_pre.shape[1]), (0, 0), (0, 0))
-    return tuple(jnp.pad(c, pad) for c in decoder.stored_kv(layer, k_pre, v, positions, inv_freq))
+    return tuple(jnp.pad(c, pad) for c in decoder.stored_kv(layer, k_pre, v, cos, sin))
 
 
 class BlendRunner:

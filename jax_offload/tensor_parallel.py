@@ -103,6 +103,12 @@ def _zeros_maker(shape, dtype, sharding) -> Callable[[], jax.Array]:
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
+def host_memory_kind() -> str:
+    """Where host copies of device arrays live: pinned memory where the device has it (it crosses PCIe fastest)."""
+    kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+    return "pinned_host" if "pinned_host" in kinds else "unpinned_host"
+
+
 def to_host(x: jax.Array) -> np.ndarray:
     """A replicated (or single-device) array as NumPy, also when other processes hold copies of it."""
     if x.is_fully_addressable:

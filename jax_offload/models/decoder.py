@@ -76,13 +76,19 @@ def project_qkv(cfg: ModelConfig, layer: LayerParams, x: jax.Array) -> tuple[jax
     return q, k, v
 
 
-def stored_kv(layer: LayerParams, k: jax.Array, v: jax.Array, positions: jax.Array, inv_freq: jax.Array
+def stored_kv(layer: LayerParams, k: jax.Array, v: jax.Array, cos: jax.Array, sin: jax.Array
               ) -> tuple[jax.Array, jax.Array]:
-    """Keys before RoPE and values [B, T, Hkv, D] of tokens at `positions` [B, T] -> as the KV cache holds them
-    (keys rotated for those positions, both rounded to the cache's format). A segment's keys kept before RoPE
-    land at any position with the bits a fresh computation gives them there."""
-    cos, sin = cos_sin(inv_freq, positions, k.dtype)
+    """Keys before RoPE and values [B, T, Hkv, D] -> as the KV cache holds them (keys rotated by `cos_sin` of
+    their positions, both rounded to the cache's format). Keys kept before RoPE (a CacheBlend segment) land at
+    any position with the bits a fresh computation gives them there."""
     return round_trip(layer.kv_cache_dtype, apply_rope(k, cos, sin)), round_trip(layer.kv_cache_dtype, v)
+
+
+def place_qkv(layer: LayerParams, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+              inv_freq: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`project_qkv`'s q, k, v of tokens at `positions` [B, T] -> q rotated, k and v as the KV cache holds them."""
+    cos, sin = cos_sin(inv_freq, positions, q.dtype)
+    return apply_rope(q, cos, sin), *stored_kv(layer, k, v, cos, sin)
 
 
 def attention_inputs(
@@ -90,10 +96,7 @@ def attention_inputs(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [B, T, hidden], positions [B, T] -> q [B, T, Hq, D], k and v [B, T, Hkv, D] (as the KV cache will hold
     them)."""
-    q, k, v = project_qkv(cfg, layer, x)
-    cos, sin = cos_sin(inv_freq, positions, x.dtype)
-    k, v = stored_kv(layer, k, v, positions, inv_freq)
-    return apply_rope(q, cos, sin), k, v
+    return place_qkv(layer, *project_qkv(cfg, layer, x), positions, inv_freq)
 
 
 def attention_output_and_mlp(cfg: ModelConfig, layer: LayerParams, x: jax.Array, attn: jax.Array) -> jax.Array:

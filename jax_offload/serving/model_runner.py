@@ -2,8 +2,8 @@
 model and batch (sampling included), and the host swap of preempted sequences' blocks.
 
 The pool is a tuple over layers of [num_blocks, block_size, Hkv, D] arrays for K and one for V (with an fp8 or
-int8 KV cache, `QuantizedKV` pairs of 8-bit values and their scales, dequantized inside the decode kernel), all donated to
-every step, so each layer's pages reach the attention kernel as a whole buffer: slicing a layer out of one
+int8 KV cache, `QuantizedKV` pairs of 8-bit values and their scales, dequantized inside the decode kernel), all
+donated to every step, so each layer's pages reach the attention kernel as a whole buffer: slicing a layer out of one
 stacked array would copy it, and one array over all layers would pass 2^31 elements (int32 offsets in the
 kernel) at real sizes. A block id means the same block in every layer.
 
@@ -39,7 +39,7 @@ from jax_offload.models.params import LayerParams, ModelParams
 from jax_offload.precision import step_jit
 from jax_offload.sampling import sample_token
 from jax_offload.serving.sequence import Sequence
-from jax_offload.tensor_parallel import TensorParallel
+from jax_offload.tensor_parallel import TensorParallel, host_memory_kind
 from pallas_kernels import DECODE_SPLIT
 
 
@@ -273,9 +273,8 @@ class ModelRunner:
         self.k_pool = tuple(empty_pool() for _ in range(cfg.num_layers))
         self.v_pool = tuple(empty_pool() for _ in range(cfg.num_layers))
         self.block_bytes = kv_block_bytes(cfg, dtype, block_size, params.kv_cache_dtype)
-        kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
         # Swapped blocks [layers, n, block_size, Hkv, D]: each device's heads to and from its own host memory.
-        self._host = tp.sharding(3, "pinned_host" if "pinned_host" in kinds else "unpinned_host")
+        self._host = tp.sharding(3, host_memory_kind())
         self._device = tp.sharding(3, "device")
         self.swap_space_bytes, self.host_bytes_used = swap_space_bytes, 0
 
