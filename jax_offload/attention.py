@@ -96,20 +96,22 @@ def paged_decode_attention(impl: str, q, k_pages, v_pages, tables, seq_lens, tp:
     return _local(tp, local, (1, HEADS, HEADS, None, None), 1)(q, k_pages, v_pages, tables, seq_lens)
 
 
-def prefill_attention(impl: str, q, k, v, *, causal: bool, q_offset=0, kv_len=None, kv_start=None, out_dtype=None,
-                      tp: TensorParallel | None = None):
+def prefill_attention(impl: str, q, k, v, *, causal: bool, q_offset=0, kv_len=None, kv_start=None, q_positions=None,
+                      out_dtype=None, tp: TensorParallel | None = None):
     """Attention with LSE of a query chunk [B, T, Hq, D] over keys [B, S, Hkv, D]; o in `out_dtype`
     (default q's dtype; float32 for a partial state that will be merged). `kv_start` [B, T]: each query's first
-    visible key (packed sequences)."""
+    visible key (packed sequences); `q_positions` [B, T]: the queries' positions, ascending (queries picked from
+    a longer sequence), instead of q_offset + row."""
     fn = pallas_kernels.attention_with_lse if impl == "pallas" else pallas_kernels.attention_with_lse_xla
-    starts = () if kv_start is None else (kv_start,)
+    names = [name for name, x in (("kv_start", kv_start), ("q_positions", q_positions)) if x is not None]
+    rows = [x for x in (kv_start, q_positions) if x is not None]
 
-    def local(q, k, v, q_offset, kv_len, *starts):
-        return fn(q, k, v, causal=causal, q_offset=q_offset, kv_len=kv_len, kv_start=starts[0] if starts else None,
-                  out_dtype=out_dtype)
+    def local(q, k, v, q_offset, kv_len, *rows):
+        return fn(q, k, v, causal=causal, q_offset=q_offset, kv_len=kv_len, out_dtype=out_dtype,
+                  **dict(zip(names, rows)))
 
-    in_axes = (HEADS, HEADS, HEADS, None, None) + (None,) * len(starts)
-    return _local(tp, local, in_axes, (HEADS, LSE_HEADS))(q, k, v, q_offset, kv_len, *starts)
+    in_axes = (HEADS, HEADS, HEADS, None, None) + (None,) * len(rows)
+    return _local(tp, local, in_axes, (HEADS, LSE_HEADS))(q, k, v, q_offset, kv_len, *rows)
 
 
 def xattn_select(impl: str, xattn: XAttention, q, k, *, q_offset, kv_len, tp: TensorParallel | None = None):

@@ -12,8 +12,8 @@ they equal the kept ones), and at layer 1 the reused tokens whose fresh values d
 always computed) are run through the layers, their fresh K and V replacing the kept ones, the rest reused. Ratio 1
 recomputes every token: full prefill. Ratio 0 reuses every kept segment.
 
-Layers that compute every token use the prefill attention kernel; the chosen tokens, at scattered positions, attend
-by a masked softmax over the cache in query chunks, float32 statistics. One request at a time with the KV cache
+Attention is the prefill kernel: over the tokens' own K and V in the layers that compute every token, over the
+whole cache from the chosen tokens' positions (`q_positions`) in the others. One request at a time with the KV cache
 in GPU memory; decode then runs on the ordinary one-request path.
 """
 from __future__ import annotations
@@ -120,34 +120,6 @@ def choose_recompute(v_fresh: jax.Array, v_kept: jax.Array, reused: jax.Array, a
     return always | (reused & (rank < count))
 
 
-QUERY_CHUNK = 512  # chosen queries attended at once: the scores of a chunk are [Hq, 512, T] float32
-
-
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_len: jax.Array) -> jax.Array:
-    """Causal attention of queries q [1, S, Hq, D] at positions q_pos [S] over the cache's first kv_len keys
-    k, v [1, T, Hkv, D] -> o float32 [1, S, Hq, D]: products in the inputs' dtype with float32 accumulation (as
-    the kernels), softmax in float32, QUERY_CHUNK queries at a time."""
-    s_len, hq, d = q.shape[1], q.shape[2], q.shape[3]
-    hkv, t = k.shape[2], k.shape[1]
-    chunk = min(QUERY_CHUNK, s_len)
-    n = -(-s_len // chunk)
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    qs = jnp.pad(q[0], ((0, n * chunk - s_len), (0, 0), (0, 0))).reshape(n, chunk, hkv, hq // hkv, d)
-    pos = jnp.pad(q_pos, (0, n * chunk - s_len)).reshape(n, chunk)
-    key_pos = jnp.arange(t, dtype=jnp.int32)
-
-    def one(args):
-        qc, pc = args
-        scores = jnp.einsum("shgd,thd->hgst", qc, k[0], precision=precision, preferred_element_type=jnp.float32)
-        visible = (key_pos[None, :] <= pc[:, None]) & (key_pos[None, :] < kv_len)
-        p = jax.nn.softmax(jnp.where(visible, scores / math.sqrt(d), -jnp.inf), axis=-1)
-        return jnp.einsum("hgst,thd->shgd", p.astype(v.dtype), v[0], precision=precision,
-                          preferred_element_type=jnp.float32)
-
-    o = jax.lax.map(one, (qs, pos)).reshape(n * chunk, hq, d)[:s_len]
-    return o[None]
-
-
 @functools.partial(step_jit, static_argnums=(0, 1, 2), donate_argnums=(7, 8))
 def _blend_layer(cfg: ModelConfig, impl: str, every_token: bool, layer: LayerParams, x: jax.Array, rows: jax.Array,
                  row_ok: jax.Array, k_cache: jax.Array, v_cache: jax.Array, inv_freq: jax.Array, kv_len: jax.Array):
@@ -163,7 +135,8 @@ def _blend_layer(cfg: ModelConfig, impl: str, every_token: bool, layer: LayerPar
     if every_token:
         o, _ = prefill_attention(impl, q, k, v, causal=True, kv_len=kv_len, out_dtype=jnp.float32)
     else:
-        o = _attend(q, k_cache, v_cache, rows, kv_len)
+        o, _ = prefill_attention(impl, q, k_cache, v_cache, causal=True, kv_len=kv_len, q_positions=rows[None],
+                                 out_dtype=jnp.float32)
     return decoder.attention_output_and_mlp(cfg, layer, x, o), k_cache, v_cache, k_pre, v_raw
 
 
@@ -229,7 +202,7 @@ class BlendRunner:
                 chosen = np.asarray(_choose(cfg, layer, x, kept[i][1], reused, always, count))
                 picked = np.flatnonzero(chosen).astype(np.int32)
                 size = prompt_bucket(len(picked))
-                rows = np.zeros(size, np.int32)
+                rows = np.full(size, picked[-1], np.int32)  # padding rows: the last position, ascending
                 rows[: len(picked)] = picked
                 row_ok = np.arange(size) < len(picked)
                 x = jnp.take(x, jnp.asarray(rows), axis=1)

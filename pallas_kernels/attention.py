@@ -6,8 +6,9 @@ where interpret mode is too slow (whole models on the CPU).
 
 Semantics shared by both:
   q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D]; query head h reads KV head h // (Hq // Hkv).
-  Query i sits at absolute position q_offset + i; key j at position j.
-  Key j is visible to query i iff kv_start[i] <= j < kv_len and (not causal or j <= q_offset + i);
+  Query i sits at absolute position q_offset + i, or q_positions[i] when given (queries picked from a longer
+  sequence, ascending); key j at position j.
+  Key j is visible to query i iff kv_start[i] <= j < kv_len and (not causal or j <= position of query i);
   kv_start (optional, per query row) packs several sequences into one row of the batch: each query
   then sees only the keys of its own sequence.
   o [B, Tq, Hq, D] in q.dtype, or in `out_dtype` when given (float32 keeps a partial state
@@ -60,11 +61,12 @@ def default_attention_config(dtype) -> dict[str, int]:
 
 def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *refs, causal: bool,
                       scale_log2: float, block_q: int, block_k: int, tq: int, num_q_blocks: int,
-                      precision, starts: bool, resume: bool, finish: bool):
+                      precision, positions: bool, starts: bool, resume: bool, finish: bool):
+    state_and_out_refs = refs
+    if positions:
+        pos_ref, *state_and_out_refs = state_and_out_refs
     if starts:
-        start_ref, *state_and_out_refs = refs
-    else:
-        state_and_out_refs = refs
+        start_ref, *state_and_out_refs = state_and_out_refs
     if resume:
         acc0_ref, m0_ref, l0_ref, *out_refs = state_and_out_refs
     else:
@@ -84,7 +86,14 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *refs, causal: b
 
     # Keys [0, hi) may be visible to some row of this block; blocks below n_full are visible
     # to every row, so they skip all masking.
-    if causal:
+    if positions:  # padding rows see no key
+        row_pos = plgpu.load(pos_ref.at[row_slice], mask=row_ok, other=-1)
+    else:
+        row_pos = q_offset + rows
+    if causal and positions:
+        hi = jnp.clip(jnp.max(row_pos) + 1, 0, kv_len)
+        n_full = fdiv(jnp.clip(jnp.min(jnp.where(row_ok, row_pos, hi)) + 1, 0, kv_len), block_k)
+    elif causal:
         last_row = jnp.minimum(row0 + block_q, tq) - 1
         hi = jnp.clip(q_offset + last_row + 1, 0, kv_len)
         n_full = fdiv(jnp.clip(q_offset + row0 + 1, 0, kv_len), block_k)
@@ -116,7 +125,7 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *refs, causal: b
         if masked:
             vis = col_ok[None, :]
             if causal:
-                vis = vis & (cols[None, :] <= (q_offset + rows)[:, None])
+                vis = vis & (cols[None, :] <= row_pos[:, None])
             if starts:
                 vis = vis & (cols[None, :] >= start_rows[:, None])
             s = jnp.where(vis, s, NEG_INF)
@@ -145,7 +154,7 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *refs, causal: b
                         mask=row_ok[:, None] if x.ndim == 2 else row_ok)
 
 
-def _attention_pallas(q, k, v, q_offset, kv_len, kv_start, state, *, causal, sm_scale, out_dtype, finish,
+def _attention_pallas(q, k, v, q_offset, kv_len, q_positions, kv_start, state, *, causal, sm_scale, out_dtype, finish,
                       interpret, block_q, block_k, num_warps, num_stages):
     batch, tq, hq, d = q.shape
     _, tk, hkv, _ = k.shape
@@ -154,7 +163,7 @@ def _attention_pallas(q, k, v, q_offset, kv_len, kv_start, state, *, causal, sm_
     kernel = functools.partial(
         _attention_kernel, causal=causal, scale_log2=sm_scale * LOG2E, block_q=block_q,
         block_k=block_k, tq=tq, num_q_blocks=num_q_blocks, precision=dot_precision(q.dtype),
-        starts=kv_start is not None, resume=state is not None, finish=finish)
+        positions=q_positions is not None, starts=kv_start is not None, resume=state is not None, finish=finish)
     scalar = pl.BlockSpec((None,), lambda i, bh: (bh // hq,))
     q_spec = pl.BlockSpec((None, tq, None, d), lambda i, bh: (bh // hq, 0, bh % hq, 0))
     kv_spec = pl.BlockSpec((None, tk, None, d), lambda i, bh: (bh // hq, 0, (bh % hq) // group, 0))
@@ -166,19 +175,20 @@ def _attention_pallas(q, k, v, q_offset, kv_len, kv_start, state, *, causal, sm_
     else:
         out_specs = [q_spec, lse_spec, lse_spec]
         out_shape = [jax.ShapeDtypeStruct(q.shape, jnp.float32), rows_f32, rows_f32]
-    start_specs, start_args = ([pl.BlockSpec((None, tq), lambda i, bh: (bh // hq, 0))], (kv_start,)
-                               ) if kv_start is not None else ([], ())
+    row_spec = pl.BlockSpec((None, tq), lambda i, bh: (bh // hq, 0))
+    per_row_args = tuple(x for x in (q_positions, kv_start) if x is not None)
+    row_specs = [row_spec] * len(per_row_args)
     state_specs, state_args = ([q_spec, lse_spec, lse_spec], tuple(state)) if state is not None else ([], ())
     out = pl.pallas_call(
         kernel,
         grid=(num_q_blocks, batch * hq),
-        in_specs=[scalar, scalar, q_spec, kv_spec, kv_spec] + start_specs + state_specs,
+        in_specs=[scalar, scalar, q_spec, kv_spec, kv_spec] + row_specs + state_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="attention_with_lse" if finish else "attention_state",
-    )(q_offset, kv_len, q, k, v, *start_args, *state_args)
+    )(q_offset, kv_len, q, k, v, *per_row_args, *state_args)
     return tuple(out) if finish else AttentionState(*out)
 
 
@@ -195,7 +205,7 @@ def _check_pallas_head_dim(d: int) -> None:
 
 
 def _launch(q, k, v, state, *, causal, q_offset, kv_len, sm_scale, out_dtype, finish, interpret,
-            block_q, block_k, num_warps, num_stages, kv_start=None):
+            block_q, block_k, num_warps, num_stages, kv_start=None, q_positions=None):
     batch, tq, hq, tk, hkv, d = check_attention_shapes(q, k, v, 4)
     _check_pallas_head_dim(d)
     if state is not None:
@@ -204,7 +214,8 @@ def _launch(q, k, v, state, *, causal, q_offset, kv_len, sm_scale, out_dtype, fi
     q_offset = per_batch(q_offset, batch, "q_offset")
     kv_len = jnp.clip(per_batch(tk if kv_len is None else kv_len, batch, "kv_len"), 0, tk)
     return _attention_pallas(
-        q, k, v, q_offset, kv_len, per_row(kv_start, batch, tq), state, causal=bool(causal),
+        q, k, v, q_offset, kv_len, per_row(q_positions, batch, tq, "q_positions"), per_row(kv_start, batch, tq),
+        state, causal=bool(causal),
         sm_scale=check_sm_scale(sm_scale, d), out_dtype=check_out_dtype(out_dtype, q.dtype),
         finish=finish, interpret=resolve_interpret(interpret),
         block_q=fit_block(block_q or cfg["block_q"], tq), block_k=fit_block(block_k or cfg["block_k"], tk),
@@ -212,7 +223,8 @@ def _launch(q, k, v, state, *, causal, q_offset, kv_len, sm_scale, out_dtype, fi
 
 
 def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
-                       q_offset=0, kv_len=None, kv_start: jax.Array | None = None, sm_scale: float | None = None,
+                       q_offset=0, kv_len=None, kv_start: jax.Array | None = None,
+                       q_positions: jax.Array | None = None, sm_scale: float | None = None,
                        out_dtype=None, state: AttentionState | None = None,
                        interpret: bool | None = None, block_q: int | None = None,
                        block_k: int | None = None, num_warps: int | None = None,
@@ -228,6 +240,9 @@ def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool
       kv_start: int32 [B, Tq] or None; query i sees no key j < kv_start[b, i]. Sequences packed one
         after another into a row give each query its sequence's first position, so no query sees
         another sequence. Key blocks below a query block's smallest start are never loaded.
+      q_positions: int32 [B, Tq] or None; the queries' positions, replacing q_offset + i: queries
+        picked from a longer sequence (ascending, so that each query block skips the key blocks past
+        its last query). Padding rows may take any position.
       sm_scale: score scale, default 1/sqrt(D). Static.
       out_dtype: dtype of o, default q.dtype. Static. float32 returns the kernel's float32
         accumulator unrounded, for states that will be merged.
@@ -244,11 +259,12 @@ def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool
     """
     return _launch(q, k, v, state, causal=causal, q_offset=q_offset, kv_len=kv_len, sm_scale=sm_scale,
                    out_dtype=out_dtype, finish=True, interpret=interpret, block_q=block_q, block_k=block_k,
-                   num_warps=num_warps, num_stages=num_stages, kv_start=kv_start)
+                   num_warps=num_warps, num_stages=num_stages, kv_start=kv_start, q_positions=q_positions)
 
 
 def attention_state(q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState | None = None, *,
                     causal: bool = False, q_offset=0, kv_len=None, kv_start: jax.Array | None = None,
+                    q_positions: jax.Array | None = None,
                     sm_scale: float | None = None,
                     interpret: bool | None = None, block_q: int | None = None, block_k: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None) -> AttentionState:
@@ -259,7 +275,7 @@ def attention_state(q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionSt
     """
     return _launch(q, k, v, state, causal=causal, q_offset=q_offset, kv_len=kv_len, sm_scale=sm_scale,
                    out_dtype=None, finish=False, interpret=interpret, block_q=block_q, block_k=block_k,
-                   num_warps=num_warps, num_stages=num_stages, kv_start=kv_start)
+                   num_warps=num_warps, num_stages=num_stages, kv_start=kv_start, q_positions=q_positions)
 
 
 # The jnp twin. It continues an online softmax (`AttentionState`) in steps of _GRANULE keys at absolute
@@ -273,7 +289,7 @@ _GRANULE = 16
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale_log2"))
-def _attention_state_xla(q, k, v, state, q_offset, kv_len, kv_start, *, causal, scale_log2):
+def _attention_state_xla(q, k, v, state, q_offset, kv_len, q_positions, kv_start, *, causal, scale_log2):
     batch, tq, hq, d = q.shape
     _, tk, hkv, _ = k.shape
     group = hq // hkv
@@ -298,13 +314,21 @@ def _attention_state_xla(q, k, v, state, q_offset, kv_len, kv_start, *, causal, 
     starts = None if kv_start is None else jnp.moveaxis(jnp.pad(
         kv_start, ((0, 0), (0, nq * rows - tq)), constant_values=tk).reshape(batch, nq, rows), 1, 0)
     bcast = (slice(None), None, None, None)  # per-batch scalar -> [B, 1, 1, 1]
+    # [nq, B, 1, 1, rows]; padded rows see no key.
+    positions = None if q_positions is None else jnp.moveaxis(jnp.pad(
+        q_positions, ((0, 0), (0, nq * rows - tq)), constant_values=-1).reshape(batch, nq, 1, 1, rows), 1, 0)
 
     def query_tile(args):
-        qi, acc, m, l, i, start = args
-        row_pos = q_offset[bcast] + i * rows + jnp.arange(rows, dtype=jnp.int32)  # [B, 1, 1, rows]
+        qi, acc, m, l, i, start, pos = args
+        if pos is None:
+            row_pos = q_offset[bcast] + i * rows + jnp.arange(rows, dtype=jnp.int32)  # [B, 1, 1, rows]
+        else:
+            row_pos = pos
         # Keys [lo, hi) may be visible to some row of this tile; other key tiles are skipped.
         hi = kv_len
-        if causal:
+        if causal and pos is not None:
+            hi = jnp.minimum(hi, jnp.max(pos, axis=(1, 2, 3)) + 1)
+        elif causal:
             hi = jnp.minimum(hi, q_offset + jnp.minimum((i + 1) * rows, tq))
         n_tiles = jnp.clip(-(-jnp.max(hi) // _TWIN_KEYS), 0, nk)
         first = 0 if start is None else jnp.clip(jnp.min(start) // _TWIN_KEYS, 0, n_tiles)
@@ -336,7 +360,7 @@ def _attention_state_xla(q, k, v, state, q_offset, kv_len, kv_start, *, causal, 
 
         return lax.fori_loop(first, n_tiles, key_tile, (acc, m, l))
 
-    acc, m, l = lax.map(query_tile, (qt, acc0, m0, l0, jnp.arange(nq, dtype=jnp.int32), starts))
+    acc, m, l = lax.map(query_tile, (qt, acc0, m0, l0, jnp.arange(nq, dtype=jnp.int32), starts, positions))
 
     def untile(x):  # inverse of query_tiles
         x = jnp.moveaxis(x, (0, 2, 3), (1, 3, 4))
@@ -347,7 +371,7 @@ def _attention_state_xla(q, k, v, state, q_offset, kv_len, kv_start, *, causal, 
 
 def attention_state_xla(q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState | None = None, *,
                         causal: bool = False, q_offset=0, kv_len=None, kv_start: jax.Array | None = None,
-                        sm_scale: float | None = None) -> AttentionState:
+                        q_positions: jax.Array | None = None, sm_scale: float | None = None) -> AttentionState:
     """Continues `state` (None: no key seen yet) over the keys k, v: the jnp twin's resumable form.
 
     Same arguments and visibility as `attention_with_lse`; keys of this call sit at positions 0..Tk-1,
@@ -361,13 +385,14 @@ def attention_state_xla(q: jax.Array, k: jax.Array, v: jax.Array, state: Attenti
     check_state(state, batch, tq, hq, d)
     q_offset = per_batch(q_offset, batch, "q_offset")
     kv_len = jnp.clip(per_batch(tk if kv_len is None else kv_len, batch, "kv_len"), 0, tk)
-    return _attention_state_xla(q, k, v, state, q_offset, kv_len, per_row(kv_start, batch, tq),
+    return _attention_state_xla(q, k, v, state, q_offset, kv_len, per_row(q_positions, batch, tq, "q_positions"),
+                                per_row(kv_start, batch, tq),
                                 causal=bool(causal), scale_log2=check_sm_scale(sm_scale, d) * LOG2E)
 
 
 def attention_with_lse_xla(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
                            q_offset=0, kv_len=None, kv_start: jax.Array | None = None,
-                           sm_scale: float | None = None,
+                           q_positions: jax.Array | None = None, sm_scale: float | None = None,
                            out_dtype=None, state: AttentionState | None = None,
                            interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """jnp twin of `attention_with_lse` (same arguments and results; `interpret` is ignored).
@@ -380,5 +405,6 @@ def attention_with_lse_xla(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: 
     del interpret
     out_dtype = check_out_dtype(out_dtype, q.dtype)
     o, lse = finish_state(attention_state_xla(q, k, v, state, causal=causal, q_offset=q_offset,
-                                              kv_len=kv_len, kv_start=kv_start, sm_scale=sm_scale))
+                                              kv_len=kv_len, kv_start=kv_start, q_positions=q_positions,
+                                              sm_scale=sm_scale))
     return o.astype(out_dtype), lse

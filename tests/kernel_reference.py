@@ -9,9 +9,11 @@ def per_batch(value, batch: int) -> np.ndarray:
     return np.broadcast_to(np.asarray(value, dtype=np.int64), (batch,))
 
 
-def attention_ref(q, k, v, *, causal=False, q_offset=0, kv_len=None, kv_start=None, sm_scale=None):
+def attention_ref(q, k, v, *, causal=False, q_offset=0, kv_len=None, kv_start=None, q_positions=None,
+                  sm_scale=None):
     """o [B, Tq, Hq, D] and lse [B, Hq, Tq] in float64; rows with no visible key: o=0, lse=-inf.
-    kv_start [B, Tq]: query i sees no key j < kv_start[b, i]."""
+    kv_start [B, Tq]: query i sees no key j < kv_start[b, i]; q_positions [B, Tq]: query i's position
+    (default q_offset + i)."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     batch, tq, hq, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
@@ -22,7 +24,7 @@ def attention_ref(q, k, v, *, causal=False, q_offset=0, kv_len=None, kv_start=No
     o = np.zeros((batch, tq, hq, d))
     lse = np.full((batch, hq, tq), -np.inf)
     for b in range(batch):
-        rows = q_offset[b] + np.arange(tq)[:, None]
+        rows = (q_offset[b] + np.arange(tq) if q_positions is None else np.asarray(q_positions)[b])[:, None]
         cols = np.arange(tk)[None, :]
         vis = cols < kv_len[b]
         if causal:

@@ -114,6 +114,24 @@ def test_xla_twin_packed_sequence_gives_the_bits_of_its_own_call():
     np.testing.assert_array_equal(np.asarray(lse[..., span]), np.asarray(alone_lse))
 
 
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_picked_query_positions_match_float64(impl):
+    """q_positions: queries picked from a longer sequence (CacheBlend's recomputed tokens), ascending with gaps,
+    each seeing the keys up to its own position; small Pallas blocks, so query blocks skip key blocks past their
+    last query and mask only the straddled ones."""
+    seed = 4200 + (impl == "xla")
+    rng = np.random.default_rng(seed)
+    b, tq, tk, hq, hkv, d = 2, 45, 150, 4, 1, 64
+    kv_len = [150, 97]
+    positions = np.stack([np.sort(rng.choice(n, tq, replace=False)) for n in kv_len]).astype(np.int32)
+    (q, k, v), (qn, kn, vn) = _inputs(seed, (b, tq, hq, d), (b, tk, hkv, d), "float32")
+    ref_o, ref_lse = attention_ref(qn, kn, vn, causal=True, kv_len=kv_len, q_positions=positions)
+    blocks = dict(block_q=16, block_k=16) if impl == "pallas" else {}
+    o, lse = PREFILL[impl](q, k, v, causal=True, kv_len=jnp.asarray(kv_len, jnp.int32),
+                           q_positions=jnp.asarray(positions), **blocks)
+    assert_attention_close(o, lse, ref_o, ref_lse, tol=1e-5, lse_tol=1e-5)
+
+
 def test_rejects_bad_kv_start():
     q = jnp.ones((1, 8, 2, 64))
     with pytest.raises(ValueError, match=r"kv_start has shape \(8,\); allowed: \(1, 8\)"):
