@@ -274,9 +274,10 @@ class EngineConfig:
             raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}.")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}.")
-        if self.enable_prefix_caching and self.offload:
-            raise ValueError("enable_prefix_caching=True works with the KV cache in GPU memory so far; "
-                             "use offload=False or enable_prefix_caching=False.")
+        if self.enable_prefix_caching and self.offload and (self.decode_policy, self.prefill_policy) != ("full", "full"):
+            raise ValueError(
+                f"enable_prefix_caching=True with offload=True needs decode_policy 'full' and prefill_policy 'full' "
+                f"(sparse policies run one request at a time), got {self.decode_policy!r} and {self.prefill_policy!r}.")
         r = self.blend_recompute_ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
             raise ValueError(f"blend_recompute_ratio must be a number in [0, 1], got {r!r}.")
@@ -286,6 +287,9 @@ class EngineConfig:
         if gb and not self.enable_prefix_caching:
             raise ValueError(
                 "prefix_cache_host_gb keeps evicted prefix-cache blocks: it needs enable_prefix_caching=True.")
+        if gb and self.offload:
+            raise ValueError("prefix_cache_host_gb keeps blocks evicted from the GPU pool; an offloaded KV cache "
+                             f"keeps its prefixes in its host store already: leave it 0, got {gb!r}.")
         n = self.tensor_parallel_size
         if not _int(n) or n < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {n!r}.")

@@ -53,10 +53,11 @@ class LLM:
     (int8 keeps NIAH accuracy on the default model where fp8 loses at 8K: README). They are rounded once, as they
     are projected, so offloaded and in-GPU runs read the same keys. "auto" keeps the model's dtype.
 
-    `enable_prefix_caching=True` (KV in GPU memory): the batch engine keeps prompts' full KV blocks keyed by their
-    token prefix, and a prompt that starts like an earlier one reuses them and prefills only the rest
-    (`RequestOutput.num_cached_tokens`). `prefix_cache_host_gb` > 0: blocks the pool must reuse keep their KV in
-    that much pinned host memory and come back over PCIe on a later hit, instead of being recomputed.
+    `enable_prefix_caching=True`: every prompt runs on the batch engine, which keeps prompts' full KV blocks (in the
+    GPU pool, or offloaded in the host store) keyed by their token prefix, and a prompt that starts like an earlier
+    one reuses them and prefills only the rest (`RequestOutput.num_cached_tokens`). `prefix_cache_host_gb` > 0 (KV
+    in GPU memory): blocks the pool must reuse keep their KV in that much pinned host memory and come back over
+    PCIe on a later hit, instead of being recomputed.
 
     `Segments([...])` prompts (CacheBlend, `blend`; with prefix caching and a host tier, KV in GPU memory): each
     part's KV is computed alone once, kept in that host tier by its tokens, and reused wherever the part comes
@@ -282,8 +283,10 @@ class LLM:
         decode is one compiled step for the whole model, where the per-request path dispatches a call per layer
         and token (H200, 8B at 8K: 4.8 vs 9.3 ms per token), and a prompt longer than a prefill step is prefilled
         in chunks. The per-request path keeps the XLA twins (CPU), whose paged step grows with the pool's size
-        (smoke model: 0.3 ms with 3 blocks, 29 ms with 768)."""
-        return not self.engine_config.offload and self.attention_impl == "pallas"
+        (smoke model: 0.3 ms with 3 blocks, 29 ms with 768). With prefix caching every prompt runs there, where
+        the cached blocks are."""
+        e = self.engine_config
+        return (not e.offload and self.attention_impl == "pallas") or e.enable_prefix_caching
 
     def _batch(self) -> BatchEngine:
         if self._batch_engine is None:
@@ -292,7 +295,8 @@ class LLM:
                           gpu_memory_utilization=e.gpu_memory_utilization)
             if e.offload:
                 self._batch_engine = BatchEngine.offloaded(self._runner, self.max_model_len, self.tokenizer,
-                                                           self.eos_token_ids, **shared)
+                                                           self.eos_token_ids,
+                                                           enable_prefix_caching=e.enable_prefix_caching, **shared)
             else:
                 self._batch_engine = BatchEngine.in_gpu(
                     self.model_config, self.params, self._inv_freq, self.dtype, self.attention_impl,
@@ -318,6 +322,8 @@ class LLM:
         if last is not None and not 1 <= last <= len(ids):
             raise ValueError(f"last must be between 1 and the prompt length {len(ids)}, got {last!r}.")
         start = 0 if last is None else len(ids) - last
+        if self.engine_config.offload and self._batch_engine is not None:
+            self._batch_engine.blocks.forget_cached()  # the one-request prefill below writes over the store
         try:
             hidden, first = self._prefill(ids, len(ids), keep_all=last is None)
             if first > start:  # the runner kept too few rows: run again keeping them all

@@ -140,30 +140,38 @@ class OffloadRunner:
         progress: Callable[[float], None] | None = None,
         keep_all: bool = False,
         blocks: Sequence[int] | None = None,
+        cached_blocks: int = 0,
     ) -> tuple[jax.Array, int]:
         """ids [1, T] prompt padded by `padded_length` -> (final hidden states [1, T', hidden], position of
         their first row). Chunked prefill keeps only the last chunk's rows unless `keep_all`, so GPU memory
         does not grow with the prompt. `progress(tokens)` is told how much is done as work completes. `blocks`
-        is the request's block table (default: the store's blocks 0, 1, ...; full attention only)."""
+        is the request's block table (default: the store's blocks 0, 1, ...; full attention only), whose first
+        `cached_blocks` already hold the prompt's KV (a cached prefix): prefill then runs chunk by chunk after
+        them, as chunked prefill would."""
         if blocks is not None:
             if set(self.store.places) != {"blocks"}:
                 raise ValueError("A block table needs every layer's blocks in the host store (decode_policy 'full').")
             if len(blocks) < prompt_len // self.block_size:
                 raise ValueError(f"A block table of {len(blocks)} blocks cannot hold a {prompt_len}-token prompt.")
+        if cached_blocks and (blocks is None or self.xattn is not None or cached_blocks * self.block_size >= prompt_len):
+            raise ValueError(f"cached_blocks {cached_blocks} needs a block table, full attention and a prompt longer "
+                             f"than them ({prompt_len} tokens).")
         self._blocks = range(self.store.num_blocks) if blocks is None else list(blocks)
-        self._written = [0] * self.cfg.num_layers
+        self._written = [cached_blocks] * self.cfg.num_layers
         self._tails = [None] * self.cfg.num_layers
         self.last_prefill_pcie_bytes = 0
         self.prefill_block_counts = [jnp.zeros(2, jnp.int32)] * self.cfg.num_layers
-        if self.mode == "chunked":
-            out = self._prefill_chunked(ids, prompt_len, progress, keep_all)
+        if self.mode == "chunked" or cached_blocks:
+            ids = ids[:, : round_up(prompt_len, self.block_size)]  # layerwise pads further
+            out = self._prefill_chunked(ids, prompt_len, progress, keep_all, cached_blocks)
         else:
             out = self._prefill_layerwise(embed_tokens(self.params.embed, ids), prompt_len, progress), 0
         self._tail_len = prompt_len % self.block_size
         self._tails = [self._empty_tail() if t is None else t for t in self._tails]
         return out
 
-    def _prefill_chunked(self, ids: np.ndarray, prompt_len: int, progress, keep_all: bool) -> tuple[jax.Array, int]:
+    def _prefill_chunked(self, ids: np.ndarray, prompt_len: int, progress, keep_all: bool,
+                         first_chunk: int = 0) -> tuple[jax.Array, int]:
         bs, layers = self.block_size, self.params.layers
         outputs = []
         num_chunks = ids.shape[1] // bs
@@ -171,7 +179,7 @@ class OffloadRunner:
         if self.xattn is not None:
             self._keys = self.tp.zeros((1, self.store.num_blocks * bs, self.cfg.num_kv_heads, self.cfg.head_dim),
                                        self.dtype, 2)
-        for c in range(num_chunks):
+        for c in range(first_chunk, num_chunks):
             chunk_len = min(bs, prompt_len - c * bs)
             h = embed_tokens(self.params.embed, ids[:, c * bs : (c + 1) * bs])
             if self.xattn is None:
@@ -191,7 +199,7 @@ class OffloadRunner:
         done.close()
         self._keys = None
         if keep_all:
-            return jnp.concatenate(outputs, axis=1), 0
+            return jnp.concatenate(outputs, axis=1), first_chunk * bs
         return outputs[0], (num_chunks - 1) * bs
 
     def _host_layers(self) -> int:

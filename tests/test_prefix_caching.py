@@ -1,5 +1,6 @@
-"""Prefix caching in the GPU pool: prompts that start alike reuse the KV blocks an earlier prefill computed; with a
-host tier, blocks the pool evicts keep their KV in host memory and come back on a later hit.
+"""Prefix caching: prompts that start alike reuse the KV blocks an earlier prefill computed, in the GPU pool (with a
+host tier, blocks the pool evicts keep their KV in host memory and come back on a later hit) or offloaded in the
+host store.
 
 The block manager's bookkeeping (keys chained over the tokens, reference counts, least-recently-freed eviction, the
 host tier's copies, no leak over 1,000 requests) is checked on its own against a model of the pool's contents; the
@@ -212,3 +213,32 @@ def test_prefix_comes_back_from_the_host_tier(tiny_llama):
         outs = cached.generate(prompts, greedy)
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts, greedy)], where
     assert outs[0].num_cached_tokens == 64 and cached.blocks.num_used == 0, where
+
+
+@pytest.mark.parametrize("prefill", ["chunked", "layerwise"])
+def test_offloaded_store_reuses_prefixes(tiny_llama, prefill):
+    """Offloaded, 16-token blocks in a host store of 10: prompts on two shared prefixes reuse their stored blocks
+    (also across calls), requests are preempted (recomputed) while others hold shared blocks, and the tokens are
+    a plain offloaded engine's (float32 greedy; a layerwise prefill after a cached prefix runs chunk by chunk)."""
+    rng = np.random.default_rng(PROMPT_SEED + 3)
+    prefixes = [rng.integers(3, tiny_models.VOCAB, size=n).tolist() for n in (40, 70)]
+    prompts = [prefixes[i % 2] + rng.integers(3, tiny_models.VOCAB, size=int(n)).tolist()
+               for i, n in enumerate(rng.integers(1, 30, 6))]
+    params = [SamplingParams(temperature=0.0, max_tokens=int(m), ignore_eos=True) for m in rng.integers(8, 40, 6)]
+    options = dict(dtype="float32", max_model_len=160, offload=True, block_size=16, num_ring_slots=4,
+                   prefill=prefill, max_num_seqs=4)
+    plain, cached = LLM(tiny_llama, **options), LLM(tiny_llama, enable_prefix_caching=True, **options)
+    where = f"model seed {MODEL_SEED}, prompt seed {PROMPT_SEED + 3}, prefill {prefill}"
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    first = cached.generate(prompts[:2], params[:2])
+    outs = cached.generate(prompts, params)
+    engine = cached._batch_engine
+    where += f", {engine.stats}"
+    assert [o.token_ids for o in first + outs] == want[:2] + want, where
+    # The first call's prompts come back whole: every full block but the last token's is reused.
+    assert [o.num_cached_tokens for o in outs[:2]] == [(len(p) - 1) // 16 * 16 for p in prompts[:2]], where
+    assert sum(o.num_cached_tokens for o in outs[2:]) > 0 and engine.stats.preemptions > 0, where
+    assert engine.blocks.num_used == 0 and engine.blocks.num_cached_blocks > 0, where
+    # The one-request path writes over the store: the cached blocks are let go first.
+    cached.logits(prompts[0], last=1)
+    assert engine.blocks.num_cached_blocks == 0, where

@@ -71,6 +71,18 @@ class BlockManager:
         """Blocks' KV kept in the host tier."""
         return len(self._host)
 
+    def is_cached(self, block: int) -> bool:
+        """Whether the block is keyed by content: its KV outlives the sequences that hold it."""
+        return block in self._key_of
+
+    def forget_cached(self) -> None:
+        """Drops the keys of every cached block no sequence holds (their KV is about to be overwritten by
+        something the manager does not see); the host tier's copies stay valid."""
+        for block in self._cached:
+            del self._block_of[self._key_of.pop(block)]
+            self._free.append(block)
+        self._cached.clear()
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -132,11 +132,13 @@ class BatchEngine:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 16384,
         gpu_memory_utilization: float = 0.9,
+        enable_prefix_caching: bool = False,
     ) -> "BatchEngine":
         """Requests share the host store of the offloaded engine's `runner` (its blocks: max_model_len tokens in
         all) and each running one holds a GPU tail slot (a block of every layer); as many slots as
         `gpu_memory_utilization` of the device memory leaves, at most max_num_seqs, bound how many run at
-        once."""
+        once. `enable_prefix_caching`: prompts reuse the stored blocks of earlier prompts' equal prefixes, kept in
+        the store until their blocks are needed (`BlockManager`)."""
         cfg, dtype = runner.cfg, runner.dtype
         slots = default_num_blocks(cfg, dtype, runner.block_size, max_num_seqs, runner.block_size,
                                    max_num_batched_tokens, gpu_memory_utilization)
@@ -144,7 +146,8 @@ class BatchEngine:
             raise ValueError(
                 f"gpu_memory_utilization {gpu_memory_utilization} leaves no GPU memory for a request's tail blocks; "
                 "raise it or lower block_size.")
-        return cls(OffloadModelRunner(runner, slots), BlockManager(runner.store.num_blocks, runner.block_size),
+        blocks = BlockManager(runner.store.num_blocks, runner.block_size, enable_prefix_caching)
+        return cls(OffloadModelRunner(runner, slots, blocks.is_cached), blocks,
                    max_model_len, tokenizer, eos_token_ids, max_num_seqs=slots,
                    max_num_batched_tokens=max_num_batched_tokens)
 

@@ -7,11 +7,13 @@ the sequence's blocks) and takes its tails over. A decode step runs the layer's 
 call; each request's host blocks then stream through the ring group by group and are attended row by row with
 the one-request step, so a request's attention does not depend on its neighbours; the tails are attended for
 the whole batch in one call. KV never has to leave the GPU for a preemption (it is already on the host): a
-preempted sequence gives its blocks back and is recomputed.
+preempted sequence gives its blocks back and is recomputed. With prefix caching a prompt's leading full blocks may
+be an earlier prompt's, still in the store: its prefill starts after them, chunk by chunk.
 """
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -40,9 +42,10 @@ class OffloadModelRunner:
     """Runs prefill and decode steps of several requests whose KV lives in `runner`'s host store; the scheduler's
     `KVSwapper` as well (it never swaps: preempted sequences are recomputed)."""
 
-    def __init__(self, runner: OffloadRunner, num_slots: int):
-        """`num_slots` tail slots: the most sequences that run at once."""
-        self.runner, self.store = runner, runner.store
+    def __init__(self, runner: OffloadRunner, num_slots: int, is_cached: Callable[[int], bool] = lambda block: False):
+        """`num_slots` tail slots: the most sequences that run at once. `is_cached(block)`: whether a block's KV
+        outlives its sequence (prefix caching keeps it for later prompts)."""
+        self.runner, self.store, self.is_cached = runner, runner.store, is_cached
         self.cfg, self.params, self.block_size = runner.cfg, runner.params, runner.block_size
         self.buckets = batch_buckets(num_slots)
         shape = (num_slots, 2, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
@@ -62,15 +65,16 @@ class OffloadModelRunner:
         return len(lengths) * self.runner.padded_length(max(lengths))
 
     def prefill(self, seqs: list[Sequence]) -> list[int]:
-        """Runs every token of each sequence (none cached yet), one sequence after another, and samples the
-        next one."""
+        """Runs each sequence's tokens after its cached prefix (`num_cached`, whole blocks), one sequence after
+        another, and samples the next one."""
         return [self._prefill_one(seq) for seq in seqs]
 
     def _prefill_one(self, seq: Sequence) -> int:
         ids = seq.token_ids
         padded = pad_ids(ids, self.runner.padded_length(len(ids)))
         try:
-            hidden, first = self.runner.prefill(padded, len(ids), seq.max_len, blocks=seq.block_table)
+            hidden, first = self.runner.prefill(padded, len(ids), seq.max_len, blocks=seq.block_table,
+                                                cached_blocks=seq.num_cached // self.block_size)
         finally:  # the runner lets go of the request either way; its blocks are the sequence's, dropped with it
             tails = self.runner.hand_over()
         slot = self._free_slots.pop()
@@ -128,8 +132,8 @@ class OffloadModelRunner:
         raise RuntimeError("An offloaded KV cache is already in host memory; preempted sequences are recomputed.")
 
     def drop(self, seq: Sequence) -> None:
-        """Forgets the sequence's stored blocks and frees its tail slot."""
-        self.store.forget(seq.block_table)
+        """Forgets the sequence's stored blocks (but those prefix caching keeps) and frees its tail slot."""
+        self.store.forget([b for b in seq.block_table if not self.is_cached(b)])
         slot = self._slot.pop(seq.index, None)
         if slot is not None:
             self._free_slots.append(slot)

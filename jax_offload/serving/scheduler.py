@@ -123,11 +123,12 @@ class Scheduler:
             # Without chunks one sequence alone may exceed the budget; otherwise no prompt could be longer than it.
             if batch and self.prefill_tokens(lengths + [seq.num_tokens]) > self.max_num_batched_tokens:
                 break
-            # A cached prefix: the rest of the prompt runs as chunks after it (the chunk step reads earlier KV).
-            cached = self.blocks.cached_prefix(seq) if self.chunked_prefill else []
+            # A cached prefix: in GPU memory the rest of the prompt runs as chunks after it (the chunk step reads
+            # earlier KV); offloaded, the runner's prefill starts after it.
+            cached = self.blocks.cached_prefix(seq)
             if not self.blocks.can_allocate(seq.num_tokens, reserve, cached):
                 break
-            if cached:
+            if cached and self.chunked_prefill:
                 if batch:
                     break
                 self.waiting.popleft()
@@ -140,7 +141,7 @@ class Scheduler:
                 self.chunking = seq
                 return self._next_chunk(seq)
             self.waiting.popleft()
-            self.blocks.allocate(seq, seq.num_tokens)
+            self.blocks.allocate(seq, seq.num_tokens, cached)
             batch.append(seq)
             lengths.append(seq.num_tokens)
         for seq in batch:
