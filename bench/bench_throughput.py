@@ -43,10 +43,10 @@ PHASES = ("ours", "hf", "batch1", "offload")
 BATCH1_SHAPE = "llama-3.1-8b"
 
 
-def workload(args) -> tuple[list[list[int]], list[int]]:
-    """nano-vllm's bench.py draws: prompts of randint(100, 1024) ids in [0, 10000], then max_tokens
+def workload(args, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's bench.py draws (with seed 0): prompts of randint(100, 1024) ids in [0, 10000], then max_tokens
     randint(100, 1024) each (smaller with --shape smoke)."""
-    random.seed(0)
+    random.seed(seed)
     lo, hi, vocab = (8, 48, 1000) if args.shape == "smoke" else (100, 1024, 10000)
     prompts = [[random.randint(0, vocab) for _ in range(random.randint(lo, hi))] for _ in range(args.num_seqs)]
     max_tokens = [random.randint(lo, hi) for _ in range(args.num_seqs)]
@@ -87,16 +87,22 @@ def phase_ours(args) -> dict:
     params = random_params(cfg, jax.numpy.bfloat16)
     jax.block_until_ready(params)
     bw = read_bandwidth(2 * GiB if args.shape != "smoke" else 2**24)
-    prompts, max_tokens = workload(args)
+    # --distinct-runs: every run draws its own prompts (seed = run number), so that prefix caching finds nothing
+    # an earlier run computed, and the two settings do the same work.
+    draws = [workload(args, i if args.distinct_runs else 0) for i in range(args.runs + 1)]
+    prompts, max_tokens = draws[0]
     sps = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m, seed=i) for i, m in enumerate(max_tokens)]
-    llm = LLM.from_params(cfg, params, dtype="bfloat16", max_model_len=max(map(len, prompts)) + max(max_tokens) + 1,
+    longest = max(len(p) + m for ps, ms in draws for p, m in zip(ps, ms))
+    llm = LLM.from_params(cfg, params, dtype="bfloat16", max_model_len=longest + 1,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          gpu_memory_utilization=args.gpu_memory_utilization, batch_invariant=args.batch_invariant)
+                          gpu_memory_utilization=args.gpu_memory_utilization, batch_invariant=args.batch_invariant,
+                          enable_prefix_caching=args.enable_prefix_caching)
     t = time.perf_counter()
     llm.generate(prompts, sps)
     warm_s = time.perf_counter() - t
     seconds, tokens = [], 0
-    for _ in range(args.runs):
+    for prompts, max_tokens in draws[1:]:
+        sps = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m, seed=i) for i, m in enumerate(max_tokens)]
         t = time.perf_counter()
         outs = llm.generate(prompts, sps)
         seconds.append(time.perf_counter() - t)
@@ -123,6 +129,8 @@ def phase_ours(args) -> dict:
         "decode_step_floor_ratio": stats(ratios),
         "decode_step_floor_ratio_large_batch": stats(full) if full else None,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enable_prefix_caching": args.enable_prefix_caching, "distinct_runs": args.distinct_runs,
+        "cached_tokens_last_run": sum(o.num_cached_tokens for o in outs),
     }
 
 
@@ -277,6 +285,7 @@ def run_phase(args) -> None:
     # A smaller workload (--num-seqs) gets its own file, compared only with the peer's run of the same one.
     count = f"_n{args.num_seqs}" if args.run_phase in ("ours", "hf") and args.num_seqs != 256 else ""
     mode = "_batch_invariant" if args.batch_invariant and args.run_phase != "hf" else ""
+    mode += "_distinct" * args.distinct_runs + "_prefix_caching" * args.enable_prefix_caching
     path = Path(args.out) / f"phase_{args.run_phase}_{args.shape}{count}{mode}.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
@@ -376,6 +385,10 @@ def main() -> None:
     p.add_argument("--offload-tokens", type=int, default=32)
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
                    help="the engine's batch-invariant mode (default off, as the engine's)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                   help="phase ours: the engine's prefix caching")
+    p.add_argument("--distinct-runs", action=argparse.BooleanOptionalAction, default=False,
+                   help="phase ours: each run draws its own prompts (seed = run number) instead of repeating seed 0's")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results/runs/throughput"))
     p.add_argument("--report", type=Path, nargs="+", metavar="DIR",
                    help="write throughput.md from the phase files in these folders (later ones replace earlier)")
@@ -399,6 +412,8 @@ def main() -> None:
                  ("runs", "hf_runs", "num_seqs", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
                   "batch1_context", "offload_context", "offload_requests", "offload_tokens")]
         extra.append("--batch-invariant" if args.batch_invariant else "--no-batch-invariant")
+    extra += ["--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
+              "--distinct-runs" if args.distinct_runs else "--no-distinct-runs"]
     for phase in phases:
         for shape in shapes if phase not in ("batch1", "offload") else shapes[-1:]:
             t = time.perf_counter()
