@@ -4,7 +4,8 @@ Llama-3.1-8B shape, random bf16 weights, KV offloaded at --ctx tokens (the store
 step reads them whatever they hold, so no prefill is needed), full decode, for each ring depth in --rings. Per
 step: wall ms, and the host's time split into waiting (`block_until_ready` in the ring, i.e. the GPU or the links
 are behind), starting transfers (`HostKVStore.fetch`) and the rest (Python and dispatching the layer programs).
-If the host never waits, the step is as long as its dispatch, whatever the links could do.
+If the host never waits, the step is as long as its dispatch, whatever the links could do. With --pages, also
+full attention with every layer's pages read in place by the paged kernel (no ring, three calls a layer).
 
     python bench/probes/probe_tp_decode.py --out $OUT/tp_decode
 """
@@ -40,15 +41,18 @@ class Clock:
         return run
 
 
-def measure(cfg, params, tp, ctx: int, block_size: int, ring: int, steps: int, clock: Clock) -> dict:
+def measure(cfg, params, tp, ctx: int, block_size: int, ring: int, steps: int, clock: Clock, policy: str) -> dict:
     import jax
     import numpy as np
 
     from jax_offload import LLM
     from jax_offload.attention import embed_tokens
 
+    # "pages": every layer one pinned buffer whose pages the paged kernel reads in place over PCIe (zero copy), Quest
+    # with a budget past the context choosing every page: full attention without the ring.
+    pages = dict(decode_policy="quest", decode_budget=ctx + block_size, dense_layers=0) if policy == "pages" else {}
     llm = LLM.from_params(cfg, params, dtype="bfloat16", tensor_parallel_size=tp.size, max_model_len=ctx + block_size,
-                          offload=True, block_size=block_size, num_ring_slots=ring, prefill="chunked")
+                          offload=True, block_size=block_size, num_ring_slots=ring, prefill="chunked", **pages)
     runner = llm._runner
     blocks = ctx // block_size
     runner.store.mark_written(blocks)
@@ -73,7 +77,7 @@ def measure(cfg, params, tp, ctx: int, block_size: int, ring: int, steps: int, c
     pcie = blocks * runner.store.block_bytes * cfg.num_layers // tp.size
     del llm, runner
     gc.collect()  # the store's pinned buffers go before the next one is made
-    return {"tp": tp.size, "ring": ring, "decode_ms": stats(walls), "host_wait_ms": stats(waits),
+    return {"tp": tp.size, "policy": policy, "ring": ring, "decode_ms": stats(walls), "host_wait_ms": stats(waits),
             "host_fetch_ms": stats(fetches), "host_other_ms": stats(rest), "pcie_bytes_per_device": pcie,
             "groups_per_step": cfg.num_layers * -(-blocks // max(1, ring // 2))}
 
@@ -82,7 +86,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ctx", type=int, default=126976)
     p.add_argument("--block-size", type=int, default=4096)
-    p.add_argument("--rings", default="4,16,64")
+    p.add_argument("--rings", default="4,16,64", help="ring depths of full decode through the ring")
+    p.add_argument("--pages", action="store_true", help="also every page read in place (see `measure`)")
     p.add_argument("--tps", default="1,2")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--shape", default="llama-3.1-8b")
@@ -108,8 +113,9 @@ def main() -> int:
         tp = TensorParallel.create(size)
         params = random_params(cfg, jax.numpy.bfloat16, tp=tp)
         result[f"links_tp{size}"] = link_bandwidth(tp, 2**30)
-        for ring in [int(r) for r in a.rings.split(",")]:
-            row = measure(cfg, params, tp, a.ctx, a.block_size, ring, a.steps, clock)
+        runs = [("full", int(r)) for r in a.rings.split(",")] + ([("pages", 4)] if a.pages else [])
+        for policy, ring in runs:
+            row = measure(cfg, params, tp, a.ctx, a.block_size, ring, a.steps, clock, policy)
             row["floor_ms"] = row["pcie_bytes_per_device"] / result[f"links_tp{size}"]["together_per_link_Bps"][
                 "median"] * 1e3
             result["rows"].append(row)
