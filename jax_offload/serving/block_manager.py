@@ -2,8 +2,8 @@
 earlier prompts kept by content.
 
 Prefix caching (vLLM's automatic prefix caching): a block whose `block_size` tokens a prefill computed is keyed by
-a hash chained over every token id from the prompt's start to the block's end, so a key names a block's whole
-prefix. A new prompt takes the blocks whose keys match its own, in order, and prefills only what follows. Blocks
+a SHA-256 chained over every token id from the prompt's start to the block's end, seeded with the engine's
+`cache_tag` (model, dtype, KV dtype), so a key names a block's whole prefix and what computed it. A new prompt takes the blocks whose keys match its own, in order, and prefills only what follows. Blocks
 are reference-counted; one no sequence holds stays cached in least-recently-freed order and is reused (its key
 dropped) only when no never-keyed block is free.
 
@@ -14,8 +14,11 @@ so every later write to the pool is ordered after them.
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict, deque
 from typing import Any, NamedTuple, Protocol
+
+import numpy as np
 
 from jax_offload.serving.sequence import Sequence
 
@@ -31,12 +34,17 @@ class HostTier(Protocol):
 class HostHit(NamedTuple):
     """A prefix block found in the host tier (`cached_prefix`): it needs a fresh pool block to be copied into."""
 
-    key: int
+    key: bytes
+
+
+def cache_tag(*identity: object) -> bytes:
+    """The root of a pool's block keys: what computes the KV (the model config, dtype, KV dtype)."""
+    return hashlib.sha256("|".join(map(str, identity)).encode()).digest()
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 host_tier: HostTier | None = None, host_tier_blocks: int = 0):
+                 host_tier: HostTier | None = None, host_tier_blocks: int = 0, tag: bytes = b""):
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}.")
         if not isinstance(block_size, int) or block_size < 1:
@@ -46,15 +54,15 @@ class BlockManager:
         if host_tier_blocks and (host_tier is None or not enable_prefix_caching):
             raise ValueError("A host tier holds prefix-cache blocks: it needs enable_prefix_caching and a host_tier.")
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.enable_prefix_caching, self._tag = enable_prefix_caching, tag
         self._tier, self.host_tier_blocks = host_tier, host_tier_blocks
-        self._host: OrderedDict[int, Any] = OrderedDict()  # key -> host copy, least recently used first
-        self._loading: set[int] = set()  # keys of the host hits an allocation is copying back: never dropped
+        self._host: OrderedDict[bytes, Any] = OrderedDict()  # key -> host copy, least recently used first
+        self._loading: set[bytes] = set()  # keys of the host hits an allocation is copying back: never dropped
         self._free: deque[int] = deque(range(num_blocks))  # free and keyed by nothing
         self._cached: OrderedDict[int, None] = OrderedDict()  # free but keyed, least recently freed first
         self._refs = [0] * num_blocks
-        self._key_of: dict[int, int] = {}
-        self._block_of: dict[int, int] = {}
+        self._key_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
         self.num_used = 0
 
     @property
@@ -96,7 +104,7 @@ class BlockManager:
         only in the host tier a `HostHit`."""
         if not self.enable_prefix_caching:
             return []
-        blocks, key = [], None
+        blocks, key = [], self._tag
         tokens = seq.token_ids
         for i in range((len(tokens) - 1) // self.block_size):
             key = _chain(key, tokens[i * self.block_size:(i + 1) * self.block_size])
@@ -140,7 +148,7 @@ class BlockManager:
         """Keys the sequence's full blocks whose KV is computed, so later prompts can reuse them."""
         if not self.enable_prefix_caching:
             return
-        key = None
+        key = self._tag
         tokens = seq.prompt_ids + seq.output_ids
         for i in range(min(seq.num_cached, len(tokens)) // self.block_size):
             key = _chain(key, tokens[i * self.block_size:(i + 1) * self.block_size])
@@ -187,7 +195,7 @@ class BlockManager:
         self.num_used += 1
         return block
 
-    def _keep_on_host(self, key: int, block: int) -> None:
+    def _keep_on_host(self, key: bytes, block: int) -> None:
         """Copies an evicted block's KV to the host tier (unless it is there already), making room by dropping the
         least recently used copies that no allocation is loading."""
         if not self.host_tier_blocks:
@@ -203,7 +211,7 @@ class BlockManager:
             del self._host[oldest]
         self._host[key] = self._tier.save(block)
 
-    def _load(self, key: int) -> int:
+    def _load(self, key: bytes) -> int:
         """A fresh block holding the host tier's copy of `key`, keyed by it (the host copy stays, still valid)."""
         block = self._take()
         self._tier.load(self._host[key], block)
@@ -212,6 +220,6 @@ class BlockManager:
         return block
 
 
-def _chain(previous: int | None, tokens: list[int]) -> int:
-    """The key of a block: its tokens and the key of the block before it."""
-    return hash((previous, tuple(tokens)))
+def _chain(previous: bytes, tokens: list[int]) -> bytes:
+    """The key of a block: its tokens and the key of the block before it (the tag for the first)."""
+    return hashlib.sha256(previous + np.asarray(tokens, np.int64).tobytes()).digest()

@@ -16,7 +16,7 @@ from jax_offload.models.params import ModelParams
 from jax_offload.offload_runner import OffloadRunner
 from jax_offload.outputs import RequestOutput, first_stop
 from jax_offload.sampling import SamplingParams
-from jax_offload.serving.block_manager import BlockManager
+from jax_offload.serving.block_manager import BlockManager, cache_tag
 from jax_offload.serving.model_runner import ModelRunner, default_num_blocks, kv_block_bytes
 from jax_offload.serving.offload_model_runner import OffloadModelRunner
 from jax_offload.serving.scheduler import Scheduler, Step
@@ -117,7 +117,8 @@ class BatchEngine:
             raise ValueError(f"prefix_cache_host_bytes {prefix_cache_host_bytes} is more than the "
                              f"{available_host_bytes()} bytes of free host memory.")
         blocks = BlockManager(num_blocks, block_size, enable_prefix_caching, runner,
-                              prefix_cache_host_bytes // runner.block_bytes)
+                              prefix_cache_host_bytes // runner.block_bytes,
+                              cache_tag(model_config, jnp.dtype(dtype), params.kv_cache_dtype))
         return cls(runner, blocks, max_model_len, tokenizer, eos_token_ids,
                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
 
@@ -146,7 +147,8 @@ class BatchEngine:
             raise ValueError(
                 f"gpu_memory_utilization {gpu_memory_utilization} leaves no GPU memory for a request's tail blocks; "
                 "raise it or lower block_size.")
-        blocks = BlockManager(runner.store.num_blocks, runner.block_size, enable_prefix_caching)
+        blocks = BlockManager(runner.store.num_blocks, runner.block_size, enable_prefix_caching,
+                              tag=cache_tag(cfg, jnp.dtype(dtype), runner.store.kv_cache_dtype))
         return cls(OffloadModelRunner(runner, slots, blocks.is_cached), blocks,
                    max_model_len, tokenizer, eos_token_ids, max_num_seqs=slots,
                    max_num_batched_tokens=max_num_batched_tokens)
