@@ -44,15 +44,20 @@ def test_pallas_batch_engine_matches_jnp_one_at_a_time(model_dir):
 def test_one_prompt_runs_on_the_batch_engine(model_dir):
     """With the Pallas kernels, one prompt decodes on the batch engine (one compiled step for the whole model) with
     the per-request path's greedy tokens, a prompt longer than a prefill step (70 tokens, budget 64) after a
-    prefill in two chunks, the second through the Pallas kernels over the first's keys in the pool."""
+    prefill in two chunks, the second through the Pallas kernels over the first's keys in the pool; with a short
+    prompt beside it, each chunk's step also decodes the short one's next token."""
     rng = np.random.default_rng(PROMPT_SEED + 2)
     short, long = (rng.integers(3, tiny_models.VOCAB, size=n).tolist() for n in (29, 70))
     where = f"model seed {MODEL_SEED}, prompt seed {PROMPT_SEED + 2}"
     greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     reference = LLM(model_dir, dtype="float32", attention_impl="xla")
     llm = LLM(model_dir, dtype="float32", attention_impl="pallas", max_num_seqs=2, max_num_batched_tokens=64)
-    assert llm.generate(long, greedy)[0].token_ids == reference.generate(long, greedy)[0].token_ids, where
+    want = [reference.generate(p, greedy)[0].token_ids for p in (short, long)]
+    assert llm.generate(long, greedy)[0].token_ids == want[1], where
     engine = llm._batch_engine
-    assert engine is not None and [kind for kind, *_ in engine.step_log[:2]] == ["prefill", "prefill"], where
-    assert llm.generate(short, greedy)[0].token_ids == reference.generate(short, greedy)[0].token_ids, where
+    assert engine is not None and [kind for kind, *_ in engine.step_log[:2]] == ["chunk", "chunk"], where
+    assert llm.generate(short, greedy)[0].token_ids == want[0], where
     assert engine.step_log[0][:2] == ("prefill", 1), "one short prompt skipped the batch engine"
+    # Together: the short prompt decodes in the steps of the long one's chunks (one program a layer for both).
+    assert [o.token_ids for o in llm.generate([short, long], greedy)] == want, where
+    assert [n for kind, n, *_ in engine.step_log if kind == "chunk"] == [2, 2], where

@@ -58,7 +58,8 @@ class BatchEngine:
         # at a time in blocks anyway.
         self.scheduler = Scheduler(blocks, runner, max_num_seqs, max_num_batched_tokens, runner.prefill_tokens,
                                    chunked_prefill=isinstance(runner, ModelRunner))
-        # (kind, batch size, KV tokens read, seconds) of every step of the last `generate` call.
+        # (kind, sequences computed, KV tokens read, seconds) of every step of the last `generate` call; kind
+        # "prefill" (whole prompts), "chunk" (one prompt's chunk and a token of each running sequence), "decode".
         self.step_log: list[tuple[str, int, int, float]] = []
         # Decode steps of the last `generate` call dispatched before the previous step's tokens were read.
         self.overlapped_steps = 0
@@ -183,7 +184,9 @@ class BatchEngine:
                 continue
             step = self.scheduler.schedule()
             start = time.perf_counter()
-            kv_tokens = sum(seq.num_tokens for seq in step.seqs)  # what the step reads, before it adds a token
+            # KV tokens the step reads, before it adds a token.
+            kv_tokens = (step.chunk[1] if step.chunk else sum(seq.num_tokens for seq in step.seqs)) \
+                + sum(seq.num_tokens for seq in step.decodes)
             if step.kind == "decode" and isinstance(self.runner, ModelRunner):
                 # Dispatch this step first, then read the previous one's tokens while the device computes.
                 tokens = self.runner.decode_async(step.seqs, (pending[0].seqs, pending[1]) if pending else None)
@@ -199,14 +202,16 @@ class BatchEngine:
                 continue
             if step.chunk is not None:
                 (seq,), (begin, end) = step.seqs, step.chunk
-                tokens = self.runner.prefill_chunk(seq, begin, end)
+                tokens = self.runner.prefill_chunk(seq, begin, end, step.decodes)
                 seq.num_cached = end
                 self.blocks.register(seq)
-                if not tokens:  # a chunk before the last: its time counts towards the first token's
-                    seconds = time.perf_counter() - start
-                    seq.prefill_seconds += seconds
-                    self.step_log.append((step.kind, 1, end, seconds))
-                    continue
+                for running in step.decodes:
+                    running.num_cached = running.num_tokens
+                if end < seq.num_tokens:  # a chunk before the last: its time counts towards the first token's
+                    seq.prefill_seconds += time.perf_counter() - start
+                drawn = [*step.decodes, seq] if end == seq.num_tokens else step.decodes
+                self._took(Step("chunk", drawn), tokens, start, kv_tokens, on_text, rows=1 + len(step.decodes))
+                continue
             else:
                 run = self.runner.prefill if step.kind == "prefill" else self.runner.decode
                 tokens = run(step.seqs)
@@ -239,11 +244,13 @@ class BatchEngine:
         # read: the time it added.
         self._took(step, values, max(start, self._last_read), kv_tokens, on_text)
 
-    def _took(self, step: Step, tokens: list[int], start: float, kv_tokens: int, on_text) -> None:
-        """Takes a step's sampled tokens: timing, the sequences' outputs, the progress bar."""
+    def _took(self, step: Step, tokens: list[int], start: float, kv_tokens: int, on_text, rows: int | None = None
+              ) -> None:
+        """Takes a step's sampled tokens (one for each of step.seqs): timing, the sequences' outputs, the progress
+        bar. The step log counts `rows` sequences computed (default: those with a token)."""
         seconds = time.perf_counter() - start
         self._last_read = time.perf_counter()
-        self.step_log.append((step.kind, len(step.seqs), kv_tokens, seconds))
+        self.step_log.append((step.kind, len(step.seqs) if rows is None else rows, kv_tokens, seconds))
         taken = finished = 0
         for seq, token in zip(step.seqs, tokens):
             if seq.finish_reason is not None:

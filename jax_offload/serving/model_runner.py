@@ -201,6 +201,31 @@ def _chunk_layer(cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, 
     return decoder.attention_output_and_mlp(cfg, layer, x, o), k_pool, v_pool
 
 
+@functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",), donate_argnums=(4, 5))
+def _mixed_layer(cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                 inv_freq: jax.Array, positions: jax.Array, slots: jax.Array, starts: jax.Array | None,
+                 prefix_blocks: jax.Array | None, prefix_len: jax.Array, chunk_len: jax.Array, tables: jax.Array,
+                 seq_lens: jax.Array, tp: TensorParallel | None = None):
+    """One layer over a chunk of one prompt (the first T rows of x [1, T + B, hidden]) and the new token of each of B
+    running sequences (the last B rows; block tables [B, n], lengths [B] counting the token, 0 for padding): the
+    projections and the MLP run over every row at once, each part's attention as its own step runs it: the chunk
+    as `_prefill_layer` runs a prompt's first chunk (`prefix_blocks` None, `starts` its rows' first keys) or as
+    `_chunk_layer` runs a later one, the tokens as `_decode_step` runs them. `positions`, `slots` [1, T + B]."""
+    t = positions.shape[1] - seq_lens.shape[0]
+    q, k, v = split_qkv(cfg, tp, layer, x, positions, inv_freq)
+    if prefix_blocks is not None:  # read before the writes, as `_chunk_layer` reads it
+        k_prefix, v_prefix = (_pool_prefix(pool, prefix_blocks, x.dtype) for pool in (k_pool, v_pool))
+    k_pool = _write_kv(k_pool, slots, k, layer.kv_cache_dtype)
+    v_pool = _write_kv(v_pool, slots, v, layer.kv_cache_dtype)
+    if prefix_blocks is None:
+        o_chunk, _ = prefill_attention(impl, q[:, :t], k[:, :t], v[:, :t], causal=True, kv_start=starts, tp=tp)
+    else:
+        o_chunk = chunk_attention(impl, q[:, :t], k[:, :t], v[:, :t], k_prefix, v_prefix, prefix_len, chunk_len, tp=tp)
+    o_tokens = paged_decode_attention(impl, q[0, t:], k_pool, v_pool, tables, seq_lens, tp, layer.batch_invariant)
+    o = jnp.concatenate([o_chunk.astype(x.dtype), o_tokens.astype(x.dtype)[None]], axis=1)
+    return decoder.attention_output_and_mlp(cfg, layer, x, o), k_pool, v_pool
+
+
 @functools.partial(step_jit, static_argnums=(0, 5))
 def sample_last(cfg: ModelConfig, params: ModelParams, hidden: jax.Array, index: jax.Array,
                 sampling: SamplingBatch, draws: str) -> jax.Array:
@@ -295,22 +320,9 @@ class ModelRunner:
     def _prefill_packed(self, seqs: list[Sequence], counts: list[int], size: int) -> tuple[jax.Array, np.ndarray]:
         """Runs the first counts[i] tokens of each sequence packed into one row: the hidden states and the row
         index of each sequence's last token ([size], padded)."""
-        begins = np.cumsum([0] + [packed_length(n) for n in counts])
-        length = prefill_bucket(int(begins[-1]))
-        ids = np.zeros((1, length), np.int32)
-        positions = np.zeros((1, length), np.int32)
-        # A prompt's alignment gap takes its start and the trailing padding starts where it begins: their queries
-        # are dropped, and no start past the next prompt's means fewer masked key blocks in the kernel.
-        starts = np.full((1, length), begins[-1], np.int32)
-        slots = np.full((1, length), -1, np.int32)
+        ids, positions, starts, slots, rows = self._packed_inputs(seqs, counts)
         last = np.zeros(size, np.int32)
-        for row, (seq, n, begin) in enumerate(zip(seqs, counts, begins)):
-            pos = np.arange(n)
-            span = slice(begin, begin + n)
-            ids[0, span], positions[0, span], starts[0, begin:begins[row + 1]] = seq.token_ids[:n], pos, begin
-            slots[0, span] = np.asarray(seq.block_table, np.int32)[pos // self.block_size] * self.block_size \
-                + pos % self.block_size
-            last[row] = begin + n - 1
+        last[: len(rows)] = rows
         x = embed_tokens(self.params.embed, ids)
         k_out, v_out = [], []
         for layer, k_pages, v_pages in zip(self.params.layers, self.k_pool, self.v_pool):
@@ -321,43 +333,122 @@ class ModelRunner:
         self.k_pool, self.v_pool = tuple(k_out), tuple(v_out)
         return x, last
 
-    def prefill_chunk(self, seq: Sequence, start: int, end: int) -> list[int]:
-        """Runs the sequence's tokens [start, end), the earlier ones already in the pool; samples the next token
-        after the last chunk ([] after the others)."""
+    def _packed_inputs(self, seqs: list[Sequence], counts: list[int]):
+        """(ids, positions, first visible keys, pool slots) [1, L] of the first counts[i] tokens of each sequence
+        packed into one row, and each sequence's last row."""
+        begins = np.cumsum([0] + [packed_length(n) for n in counts])
+        length = prefill_bucket(int(begins[-1]))
+        ids = np.zeros((1, length), np.int32)
+        positions = np.zeros((1, length), np.int32)
+        # A prompt's alignment gap takes its start and the trailing padding starts where it begins: their queries
+        # are dropped, and no start past the next prompt's means fewer masked key blocks in the kernel.
+        starts = np.full((1, length), begins[-1], np.int32)
+        slots = np.full((1, length), -1, np.int32)
+        for row, (seq, n, begin) in enumerate(zip(seqs, counts, begins)):
+            pos = np.arange(n)
+            span = slice(begin, begin + n)
+            ids[0, span], positions[0, span], starts[0, begin:begins[row + 1]] = seq.token_ids[:n], pos, begin
+            slots[0, span] = self._slots(seq, pos)
+        return ids, positions, starts, slots, [int(b + n - 1) for b, n in zip(begins, counts)]
+
+    def _slots(self, seq: Sequence, positions: np.ndarray) -> np.ndarray:
+        """Pool slots (block * block_size + offset) of the sequence's tokens at `positions`."""
+        return np.asarray(seq.block_table, np.int32)[positions // self.block_size] * self.block_size \
+            + positions % self.block_size
+
+    def prefill_chunk(self, seq: Sequence, start: int, end: int, decodes: list[Sequence] = ()) -> list[int]:
+        """Runs the sequence's tokens [start, end), the earlier ones already in the pool, and with them the last
+        token of each of `decodes` (running sequences whose last tokens are read); -> the tokens drawn: one for
+        each of `decodes`, then the prompt's next token after its last chunk."""
+        final = end == seq.num_tokens
+        if decodes:
+            return self._chunk_with_decodes(seq, start, end, decodes, final)
         if start == 0:  # nothing in the pool yet: the first chunk is a prompt of its own
             x, last = self._prefill_packed([seq], [end], 1)
         else:
             x = self._prefill_after(seq, start, end)
             last = np.asarray([end - start - 1], np.int32)
-        if end < seq.num_tokens:
+        if not final:
             return []
         tokens = sample_last(self.cfg, self.params, x, last, *sampling_batch([seq], 1))
         return np.asarray(tokens)[:1].tolist()
 
-    def _prefill_after(self, seq: Sequence, start: int, end: int) -> jax.Array:
-        """Runs the sequence's tokens [start > 0, end) over its first `start` tokens' KV in the pool."""
+    def _after_inputs(self, seq: Sequence, start: int, end: int):
+        """(ids, positions, pool slots) [1, L] of the sequence's tokens [start > 0, end), and the pool blocks of its
+        first `start` tokens, their count padded to a power of two (block 0 fills the rest): few shapes to
+        compile."""
         n, bs = end - start, self.block_size
         length = prefill_bucket(n)
         ids = np.zeros((1, length), np.int32)
         ids[0, :n] = seq.token_ids[start:end]
         positions = (start + np.arange(length, dtype=np.int32))[None]
-        table = np.asarray(seq.block_table, np.int32)
         slots = np.full((1, length), -1, np.int32)
-        slots[0, :n] = table[positions[0, :n] // bs] * bs + positions[0, :n] % bs
-        # The prefix's block count padded to a power of two (block 0 fills the rest): few shapes to compile.
+        slots[0, :n] = self._slots(seq, positions[0, :n])
         num_prefix = -(-start // bs)
         prefix_blocks = np.zeros(1 << (num_prefix - 1).bit_length(), np.int32)
-        prefix_blocks[:num_prefix] = table[:num_prefix]
+        prefix_blocks[:num_prefix] = seq.block_table[:num_prefix]
+        return ids, positions, slots, prefix_blocks
+
+    def _prefill_after(self, seq: Sequence, start: int, end: int) -> jax.Array:
+        """Runs the sequence's tokens [start > 0, end) over its first `start` tokens' KV in the pool."""
+        ids, positions, slots, prefix_blocks = self._after_inputs(seq, start, end)
         x = embed_tokens(self.params.embed, ids)
         k_out, v_out = [], []
         for layer, k_pages, v_pages in zip(self.params.layers, self.k_pool, self.v_pool):
             x, k_pages, v_pages = _chunk_layer(self.cfg, self.impl, layer, x, k_pages, v_pages, self.inv_freq,
-                                               positions, prefix_blocks, np.int32(start), slots, np.int32(n),
-                                               tp=self.tp)
+                                               positions, prefix_blocks, np.int32(start), slots,
+                                               np.int32(end - start), tp=self.tp)
             k_out.append(k_pages)
             v_out.append(v_pages)
         self.k_pool, self.v_pool = tuple(k_out), tuple(v_out)
         return x
+
+    def _chunk_with_decodes(self, seq: Sequence, start: int, end: int, decodes: list[Sequence], final: bool
+                            ) -> list[int]:
+        """`prefill_chunk` with decode rows: one program a layer over the chunk's rows and the tokens' rows."""
+        if start == 0:
+            ids, positions, starts, slots, (last,) = self._packed_inputs([seq], [end])
+            prefix_blocks = None
+        else:
+            ids, positions, slots, prefix_blocks = self._after_inputs(seq, start, end)
+            starts, last = None, end - start - 1
+        size = self.batch_size(len(decodes))
+        tokens, seq_lens, tables = self._decode_inputs(decodes, size)
+        token_positions = np.maximum(seq_lens - 1, 0)
+        token_slots = np.full(size, -1, np.int32)
+        for row, running in enumerate(decodes):
+            token_slots[row] = self._slots(running, token_positions[row])
+        t = ids.shape[1]
+        x = embed_tokens(self.params.embed, np.concatenate([ids, tokens[None]], axis=1))
+        positions = np.concatenate([positions, token_positions[None]], axis=1)
+        slots = np.concatenate([slots, token_slots[None]], axis=1)
+        k_out, v_out = [], []
+        for layer, k_pages, v_pages in zip(self.params.layers, self.k_pool, self.v_pool):
+            x, k_pages, v_pages = _mixed_layer(self.cfg, self.impl, layer, x, k_pages, v_pages, self.inv_freq,
+                                               positions, slots, starts, prefix_blocks, np.int32(start),
+                                               np.int32(end - start), tables, seq_lens, tp=self.tp)
+            k_out.append(k_pages)
+            v_out.append(v_pages)
+        self.k_pool, self.v_pool = tuple(k_out), tuple(v_out)
+        drawn = [*decodes, seq] if final else list(decodes)
+        rows = np.zeros(self.batch_size(len(drawn)), np.int32)
+        rows[: len(decodes)] = t + np.arange(len(decodes))
+        if final:
+            rows[len(decodes)] = last
+        out = sample_last(self.cfg, self.params, x, rows, *sampling_batch(drawn, len(rows)))
+        return np.asarray(out)[: len(drawn)].tolist()
+
+    def _decode_inputs(self, seqs: list[Sequence], size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(last tokens (0 where still on the device), lengths with them, block tables) [size, ...] of a decode
+        step, padded with empty rows."""
+        tokens = np.zeros(size, np.int32)
+        seq_lens = np.zeros(size, np.int32)
+        tables = np.zeros((size, self.max_blocks_per_seq), np.int32)
+        for row, seq in enumerate(seqs):
+            tokens[row] = 0 if seq.num_pending else seq.last_token
+            seq_lens[row] = seq.num_cached + 1
+            tables[row, : len(seq.block_table)] = seq.block_table
+        return tokens, seq_lens, tables
 
     def decode_async(self, seqs: list[Sequence], previous: tuple[list[Sequence], jax.Array] | None = None
                      ) -> jax.Array:
@@ -365,18 +456,12 @@ class ModelRunner:
         bucket] stay on the device. A sequence whose last token is still pending takes it from `previous` (the
         sequences and the result of the step that drew it)."""
         size = self.batch_size(len(seqs))
-        tokens = np.zeros(size, np.int32)
+        tokens, seq_lens, tables = self._decode_inputs(seqs, size)
         rows = np.full(size, -1, np.int32)
-        seq_lens = np.zeros(size, np.int32)
-        tables = np.zeros((size, self.max_blocks_per_seq), np.int32)
         previous_row = {id(seq): row for row, seq in enumerate(previous[0])} if previous else {}
         for row, seq in enumerate(seqs):
             if seq.num_pending:
                 rows[row] = previous_row[id(seq)]
-            else:
-                tokens[row] = seq.last_token
-            seq_lens[row] = seq.num_cached + 1
-            tables[row, : len(seq.block_table)] = seq.block_table
         if previous:
             tokens = _feed_tokens(previous[1], rows, tokens)
         out, self.k_pool, self.v_pool = _decode_step(

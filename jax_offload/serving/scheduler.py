@@ -1,6 +1,6 @@
-"""Which sequences run in the next step: a prefill of newly admitted prompts (or the next chunk of one prompt
-longer than a step), or one decode token for every running sequence, preempting the newest ones when the KV pool
-runs out of blocks."""
+"""Which sequences run in the next step: a prefill of newly admitted prompts, the next chunk of one prompt longer
+than a step together with one decode token of every running sequence, or that decode token alone, preempting the
+newest ones when the KV pool runs out of blocks."""
 from __future__ import annotations
 
 import bisect
@@ -32,6 +32,8 @@ class Step:
     seqs: list[Sequence]
     # A prefill of one sequence's tokens [start, end) only, the earlier ones already in the pool; None: whole prompts.
     chunk: tuple[int, int] | None = None
+    # With a chunk: the running sequences that decode a token in the same step.
+    decodes: list[Sequence] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -49,8 +51,10 @@ class Scheduler:
     is spent is its KV dropped and recomputed by a later prefill.
 
     With `chunked_prefill`, a prompt longer than one step's token budget is admitted alone and prefilled in
-    chunks (each as large as the budget allows), a decode step of the running sequences between two chunks, so
-    their next tokens wait for one chunk, not the whole prompt; nothing else is admitted meanwhile."""
+    chunks (each as large as the budget allows), every step of a chunk also decoding a token of each running
+    sequence (vLLM's chunked prefill), so their tokens keep coming while the prompt is prefilled; nothing else is
+    admitted meanwhile. The decode tokens ride beside the chunk: the budget bounds the chunk alone, so a chunk's
+    bounds never depend on what else runs."""
 
     def __init__(
         self,
@@ -70,7 +74,6 @@ class Scheduler:
         room = max(max_num_batched_tokens, prefill_tokens([1]))
         self.max_chunk = _largest(lambda n: prefill_tokens([n]) <= room, room)
         self.chunking: Sequence | None = None  # the sequence whose prompt is being prefilled chunk by chunk
-        self._decode_next = False  # whether the running sequences decode before the next chunk
         self.waiting: deque[Sequence] = deque()
         # Both oldest first (by index): the newest running sequence is preempted first, the oldest swapped one
         # comes back first.
@@ -92,11 +95,6 @@ class Scheduler:
 
     def schedule(self) -> Step:
         if self.chunking is not None:
-            if self._decode_next and self.running:
-                self._decode_next = False
-                scheduled = self._make_room_for_decode()
-                if scheduled:
-                    return Step("decode", scheduled)
             return self._next_chunk(self.chunking)
         if self.swapped or self.waiting:
             step = self._admit()
@@ -149,14 +147,15 @@ class Scheduler:
         return Step("prefill", batch) if batch else None
 
     def _next_chunk(self, seq: Sequence) -> Step:
-        """The prefill step of the sequence's next chunk; after its last chunk the sequence runs."""
+        """The prefill step of the sequence's next chunk with a decode token of each running sequence; after its
+        last chunk the sequence runs."""
         start = seq.num_cached
         end = min(start + self.max_chunk, seq.num_tokens)
-        self._decode_next = True
+        decodes = self._make_room_for_decode()
         if end == seq.num_tokens:
             self.chunking = None
             self._run(seq)
-        return Step("prefill", [seq], (start, end))
+        return Step("prefill", [seq], (start, end), decodes)
 
     def _make_room_for_decode(self) -> list[Sequence]:
         # Runs once per decode step over every running sequence: one block-count query per sequence.
