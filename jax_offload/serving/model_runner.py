@@ -12,7 +12,8 @@ and runs the causal kernel with each query's first visible key at its prompt's s
 and no compute goes to padding them to a common length. The row is padded to a length bucket, so a few programs
 serve every step; the scheduler's token budget counts that padded row, what is really computed. A prompt longer
 than the budget is prefilled chunk by chunk: each chunk attends to the prompt's keys already in the pool (its
-blocks gathered per layer, a copy far smaller than the chunk's compute) and then causally to its own.
+blocks gathered per layer, a copy far smaller than the chunk's compute) and then causally to its own; the running
+sequences' next tokens ride in the same step, as rows after the chunk's (`_mixed_layer`).
 """
 from __future__ import annotations
 
