@@ -164,7 +164,7 @@ class LLM:
         self.model_config, self.engine_config, self.params, self.tokenizer = model_config, engine, params, tokenizer
         self.dtype = jnp.dtype(engine.dtype)
         self.eos_token_ids = frozenset(int(i) for i in eos_ids)
-        self._inv_freq = jnp.asarray(inverse_frequencies(model_config.rope, model_config.head_dim))
+        self._inv_freq = tp.replicate(jnp.asarray(inverse_frequencies(model_config.rope, model_config.head_dim)))
         if engine.offload:
             self._runner = OffloadRunner(model_config, params, self._inv_freq, self.dtype, self.attention_impl, engine,
                                          tp)

@@ -185,11 +185,12 @@ class OffloadRunner:
             if self.xattn is None:
                 groups, ring = self._stream([range(c)] * len(layers))
                 self.last_prefill_pcie_bytes += c * self._host_layers() * self.store.block_bytes
+            start, length = self.tp.replicate((np.int32(c * bs), np.int32(chunk_len)))
             for l, layer in enumerate(layers):
-                q, kv, state = chunk_begin(self.cfg, layer, h, self.inv_freq, np.int32(c * bs), tp=self.tp)
+                q, kv, state = chunk_begin(self.cfg, layer, h, self.inv_freq, start, tp=self.tp)
                 if self.xattn is None:
                     state = self.attend_groups(ring, groups[l], q, state)
-                    h = chunk_end(self.cfg, self.impl, layer, h, q, kv, np.int32(chunk_len), state, tp=self.tp)
+                    h = chunk_end(self.cfg, self.impl, layer, h, q, kv, length, state, tp=self.tp)
                 else:
                     h = self._xattn_chunk_layer(l, layer, h, q, kv, state, c, chunk_len)
                 self._keep_block(l, c, kv, chunk_len)
@@ -265,10 +266,11 @@ class OffloadRunner:
         moved = sum(len(b) for b in streamed) * store.block_bytes
         # Every layer holds the same blocks. The step's scalars go to the GPU once, not once per layer's call.
         written = self._written[0]
-        pos, tail_len = jax.device_put([np.int32(position), np.int32(self._tail_len)])
+        pos, tail_len = jax.device_put([np.int32(position), np.int32(self._tail_len)], self.tp.sharding(None))
         if self.pages is not None:
             pages = written * (self.block_size // self.page_size)
-            num_keys, num_pages = jax.device_put([np.int32(written * self.block_size), np.int32(pages)])
+            num_keys, num_pages = jax.device_put([np.int32(written * self.block_size), np.int32(pages)],
+                                                 self.tp.sharding(None))
             candidates = self.pages.candidates(pages, self.budget_pages)
         for l, layer in enumerate(layers):
             if store.places[l] == "gpu":

@@ -82,6 +82,14 @@ class TensorParallel:
             return jnp.zeros(shape, dtype)
         return _zeros_maker(tuple(shape), jnp.dtype(dtype), self.sharding(head_axis))()
 
+    def replicate(self, tree: Any) -> Any:
+        """`tree`'s arrays (NumPy or JAX) copied to every device in one batched transfer, for the inputs of a step
+        compiled over the mesh: given as they are (host arrays, or arrays on one device), each would be copied to
+        the devices on the host's slow path at every call. The identity on one device."""
+        if self.size == 1:
+            return tree
+        return jax.device_put(tree, self.sharding(None))
+
     def constrain(self, tree: Any, head_axis: int | Any | None) -> Any:
         """Inside jit: pins `tree` (or each leaf, with a matching pytree of axes) to be split on its head axis."""
         if self.size == 1:

@@ -5,7 +5,10 @@ step reads them whatever they hold, so no prefill is needed), full decode, for e
 step: wall ms, and the host's time split into waiting (`block_until_ready` in the ring, i.e. the GPU or the links
 are behind), starting transfers (`HostKVStore.fetch`) and the rest (Python and dispatching the layer programs).
 If the host never waits, the step is as long as its dispatch, whatever the links could do. With --pages, also
-full attention with every layer's pages read in place by the paged kernel (no ring, three calls a layer).
+full attention with every layer's pages read in place by the paged kernel (no ring, three calls a layer). With
+--trace, one more step of each configuration runs under JAX's profiler (no Python tracer): its Perfetto trace is
+kept as trace_tp<N>_<policy><ring>.json.gz, and summarised per track (each device's streams, the host's threads):
+events, busy ms (the union of their intervals) and the longest kinds of event, in trace_summary.json.
 
     python bench/probes/probe_tp_decode.py --out $OUT/tp_decode
 """
@@ -13,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
+import shutil
 import sys
 import time
 import types
@@ -41,7 +46,36 @@ class Clock:
         return run
 
 
-def measure(cfg, params, tp, ctx: int, block_size: int, ring: int, steps: int, clock: Clock, policy: str) -> dict:
+def summarise_trace(path: Path) -> dict:
+    """Per track of a Perfetto JSON trace ("process / thread"): events, busy ms, span ms, the 5 longest names."""
+    events = json.load(gzip.open(path))["traceEvents"]
+    names = {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name"):
+            names[(e["pid"], e.get("tid") if e["name"] == "thread_name" else None)] = e["args"]["name"]
+    tracks: dict = {}
+    for e in events:
+        if e.get("ph") == "X":
+            tracks.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e.get("dur", 0), e["name"]))
+    out = {}
+    for (pid, tid), spans in tracks.items():
+        spans.sort()
+        busy, end = 0.0, float("-inf")
+        for lo, hi, _ in spans:  # the union of the intervals
+            busy += max(0.0, hi - max(lo, end))
+            end = max(end, hi)
+        by_name: dict = {}
+        for lo, hi, name in spans:
+            by_name[name] = by_name.get(name, 0.0) + (hi - lo) / 1e3
+        top = sorted(by_name.items(), key=lambda kv: -kv[1])[:5]
+        out[f"{names.get((pid, None), pid)} / {names.get((pid, tid), tid)}"] = {
+            "events": len(spans), "busy_ms": busy / 1e3, "span_ms": (spans[-1][1] - spans[0][0]) / 1e3,
+            "longest_ms": dict(top)}
+    return out
+
+
+def measure(cfg, params, tp, ctx: int, block_size: int, ring: int, steps: int, clock: Clock, policy: str,
+            trace: Path | None = None) -> dict:
     import jax
     import numpy as np
 
@@ -72,12 +106,24 @@ def measure(cfg, params, tp, ctx: int, block_size: int, ring: int, steps: int, c
             walls.append(wall * 1e3)
             waits.append((clock.wait + wall - dispatched) * 1e3)
             fetches.append(clock.fetch * 1e3)
+    summary = None
+    if trace is not None:
+        options = jax.profiler.ProfileOptions()
+        options.python_tracer_level = 0
+        folder = trace.with_suffix("")
+        with jax.profiler.trace(folder, create_perfetto_trace=True, profiler_options=options):
+            jax.block_until_ready(runner.decode(x, blocks * block_size + steps + 1))
+        found = sorted(folder.rglob("perfetto_trace.json.gz"))
+        if found:
+            shutil.copy(found[-1], trace)
+            summary = summarise_trace(trace)
+        shutil.rmtree(folder, ignore_errors=True)
     runner.finish()
     rest = [w - a - f for w, a, f in zip(walls, waits, fetches)]
     pcie = blocks * runner.store.block_bytes * cfg.num_layers // tp.size
     del llm, runner
     gc.collect()  # the store's pinned buffers go before the next one is made
-    return {"tp": tp.size, "policy": policy, "ring": ring, "decode_ms": stats(walls), "host_wait_ms": stats(waits),
+    return {"tp": tp.size, "policy": policy, "ring": ring, "trace_summary": summary, "decode_ms": stats(walls), "host_wait_ms": stats(waits),
             "host_fetch_ms": stats(fetches), "host_other_ms": stats(rest), "pcie_bytes_per_device": pcie,
             "groups_per_step": cfg.num_layers * -(-blocks // max(1, ring // 2))}
 
@@ -88,6 +134,7 @@ def main() -> int:
     p.add_argument("--block-size", type=int, default=4096)
     p.add_argument("--rings", default="4,16,64", help="ring depths of full decode through the ring")
     p.add_argument("--pages", action="store_true", help="also every page read in place (see `measure`)")
+    p.add_argument("--trace", action="store_true", help="one step of each configuration under the profiler")
     p.add_argument("--tps", default="1,2")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--shape", default="llama-3.1-8b")
@@ -115,7 +162,8 @@ def main() -> int:
         result[f"links_tp{size}"] = link_bandwidth(tp, 2**30)
         runs = [("full", int(r)) for r in a.rings.split(",")] + ([("pages", 4)] if a.pages else [])
         for policy, ring in runs:
-            row = measure(cfg, params, tp, a.ctx, a.block_size, ring, a.steps, clock, policy)
+            trace = a.out / f"trace_tp{size}_{policy}{ring}.json.gz" if a.trace else None
+            row = measure(cfg, params, tp, a.ctx, a.block_size, ring, a.steps, clock, policy, trace)
             row["floor_ms"] = row["pcie_bytes_per_device"] / result[f"links_tp{size}"]["together_per_link_Bps"][
                 "median"] * 1e3
             result["rows"].append(row)

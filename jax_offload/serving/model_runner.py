@@ -315,7 +315,7 @@ class ModelRunner:
         """Runs every token of each sequence (none cached yet), packed into one row, and samples the next one."""
         size = self.batch_size(len(seqs))
         x, last = self._prefill_packed(seqs, [s.num_tokens for s in seqs], size)
-        tokens = sample_last(self.cfg, self.params, x, last, *sampling_batch(seqs, size))
+        tokens = sample_last(self.cfg, self.params, x, self.tp.replicate(last), *self._sampling(seqs, size))
         return np.asarray(tokens)[: len(seqs)].tolist()
 
     def _prefill_packed(self, seqs: list[Sequence], counts: list[int], size: int) -> tuple[jax.Array, np.ndarray]:
@@ -324,6 +324,7 @@ class ModelRunner:
         ids, positions, starts, slots, rows = self._packed_inputs(seqs, counts)
         last = np.zeros(size, np.int32)
         last[: len(rows)] = rows
+        ids, positions, starts, slots = self.tp.replicate((ids, positions, starts, slots))
         x = embed_tokens(self.params.embed, ids)
         k_out, v_out = [], []
         for layer, k_pages, v_pages in zip(self.params.layers, self.k_pool, self.v_pool):
@@ -352,6 +353,11 @@ class ModelRunner:
             slots[0, span] = self._slots(seq, pos)
         return ids, positions, starts, slots, [int(b + n - 1) for b, n in zip(begins, counts)]
 
+    def _sampling(self, seqs: list[Sequence], size: int) -> tuple[SamplingBatch, str]:
+        """`sampling_batch` on the devices that run the step."""
+        batch, draws = sampling_batch(seqs, size)
+        return self.tp.replicate(batch), draws
+
     def _slots(self, seq: Sequence, positions: np.ndarray) -> np.ndarray:
         """Pool slots (block * block_size + offset) of the sequence's tokens at `positions`."""
         return np.asarray(seq.block_table, np.int32)[positions // self.block_size] * self.block_size \
@@ -371,7 +377,7 @@ class ModelRunner:
             last = np.asarray([end - start - 1], np.int32)
         if not final:
             return []
-        tokens = sample_last(self.cfg, self.params, x, last, *sampling_batch([seq], 1))
+        tokens = sample_last(self.cfg, self.params, x, self.tp.replicate(last), *self._sampling([seq], 1))
         return np.asarray(tokens)[:1].tolist()
 
     def _after_inputs(self, seq: Sequence, start: int, end: int):
@@ -392,13 +398,13 @@ class ModelRunner:
 
     def _prefill_after(self, seq: Sequence, start: int, end: int) -> jax.Array:
         """Runs the sequence's tokens [start > 0, end) over its first `start` tokens' KV in the pool."""
-        ids, positions, slots, prefix_blocks = self._after_inputs(seq, start, end)
+        ids, positions, slots, prefix_blocks, prefix_len, chunk_len = self.tp.replicate(
+            (*self._after_inputs(seq, start, end), np.int32(start), np.int32(end - start)))
         x = embed_tokens(self.params.embed, ids)
         k_out, v_out = [], []
         for layer, k_pages, v_pages in zip(self.params.layers, self.k_pool, self.v_pool):
             x, k_pages, v_pages = _chunk_layer(self.cfg, self.impl, layer, x, k_pages, v_pages, self.inv_freq,
-                                               positions, prefix_blocks, np.int32(start), slots,
-                                               np.int32(end - start), tp=self.tp)
+                                               positions, prefix_blocks, prefix_len, slots, chunk_len, tp=self.tp)
             k_out.append(k_pages)
             v_out.append(v_pages)
         self.k_pool, self.v_pool = tuple(k_out), tuple(v_out)
@@ -420,14 +426,16 @@ class ModelRunner:
         for row, running in enumerate(decodes):
             token_slots[row] = self._slots(running, token_positions[row])
         t = ids.shape[1]
-        x = embed_tokens(self.params.embed, np.concatenate([ids, tokens[None]], axis=1))
-        positions = np.concatenate([positions, token_positions[None]], axis=1)
-        slots = np.concatenate([slots, token_slots[None]], axis=1)
+        ids, positions, slots, starts, prefix_blocks, prefix_len, chunk_len, tables, seq_lens = self.tp.replicate((
+            np.concatenate([ids, tokens[None]], axis=1), np.concatenate([positions, token_positions[None]], axis=1),
+            np.concatenate([slots, token_slots[None]], axis=1), starts, prefix_blocks, np.int32(start),
+            np.int32(end - start), tables, seq_lens))
+        x = embed_tokens(self.params.embed, ids)
         k_out, v_out = [], []
         for layer, k_pages, v_pages in zip(self.params.layers, self.k_pool, self.v_pool):
             x, k_pages, v_pages = _mixed_layer(self.cfg, self.impl, layer, x, k_pages, v_pages, self.inv_freq,
-                                               positions, slots, starts, prefix_blocks, np.int32(start),
-                                               np.int32(end - start), tables, seq_lens, tp=self.tp)
+                                               positions, slots, starts, prefix_blocks, prefix_len, chunk_len,
+                                               tables, seq_lens, tp=self.tp)
             k_out.append(k_pages)
             v_out.append(v_pages)
         self.k_pool, self.v_pool = tuple(k_out), tuple(v_out)
@@ -436,7 +444,7 @@ class ModelRunner:
         rows[: len(decodes)] = t + np.arange(len(decodes))
         if final:
             rows[len(decodes)] = last
-        out = sample_last(self.cfg, self.params, x, rows, *sampling_batch(drawn, len(rows)))
+        out = sample_last(self.cfg, self.params, x, self.tp.replicate(rows), *self._sampling(drawn, len(rows)))
         return np.asarray(out)[: len(drawn)].tolist()
 
     def _decode_inputs(self, seqs: list[Sequence], size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -463,11 +471,12 @@ class ModelRunner:
         for row, seq in enumerate(seqs):
             if seq.num_pending:
                 rows[row] = previous_row[id(seq)]
+        tokens, rows, seq_lens, tables = self.tp.replicate((tokens, rows, seq_lens, tables))
         if previous:
             tokens = _feed_tokens(previous[1], rows, tokens)
         out, self.k_pool, self.v_pool = _decode_step(
             self.cfg, self.impl, self.params, self.k_pool, self.v_pool, self.inv_freq, tokens, seq_lens, tables,
-            *sampling_batch(seqs, size), tp=self.tp)
+            *self._sampling(seqs, size), tp=self.tp)
         return out
 
     # ---- KVSwapper --------------------------------------------------------------------------------------------
