@@ -305,8 +305,8 @@ def test_scheduler_interleaves_chunks_with_decodes():
             seq.num_cached = step.chunk[1] if step.chunk and seq in step.seqs else seq.num_tokens
             if seq.num_cached == seq.num_tokens:
                 seq.output_ids.append(7)
-    assert plan == [("prefill", [0], None, []), ("prefill", [1], (0, 64), [0]), ("prefill", [1], (64, 128), [0]),
-                    ("prefill", [1], (128, 150), [0]), ("prefill", [2], None, []), ("decode", [0, 1, 2], None, []),
+    assert plan == [("prefill", [0], None, []), ("chunk", [1], (0, 64), [0]), ("chunk", [1], (64, 128), [0]),
+                    ("chunk", [1], (128, 150), [0]), ("prefill", [2], None, []), ("decode", [0, 1, 2], None, []),
                     ("decode", [0, 1, 2], None, []), ("decode", [0, 1, 2], None, [])]
 
 

@@ -200,7 +200,7 @@ class BatchEngine:
                     self._read(*pending, on_text)
                 pending = (step, tokens, start, kv_tokens)
                 continue
-            if step.chunk is not None:
+            if step.kind == "chunk":
                 (seq,), (begin, end) = step.seqs, step.chunk
                 tokens = self.runner.prefill_chunk(seq, begin, end, step.decodes)
                 seq.num_cached = end
@@ -212,13 +212,12 @@ class BatchEngine:
                 drawn = [*step.decodes, seq] if end == seq.num_tokens else step.decodes
                 self._took(Step("chunk", drawn), tokens, start, kv_tokens, on_text, rows=1 + len(step.decodes))
                 continue
-            else:
-                run = self.runner.prefill if step.kind == "prefill" else self.runner.decode
-                tokens = run(step.seqs)
-                for seq in step.seqs:
-                    seq.num_cached = seq.num_tokens
-                    if step.kind == "prefill":
-                        self.blocks.register(seq)
+            run = self.runner.prefill if step.kind == "prefill" else self.runner.decode
+            tokens = run(step.seqs)
+            for seq in step.seqs:
+                seq.num_cached = seq.num_tokens
+                if step.kind == "prefill":
+                    self.blocks.register(seq)
             self._took(step, tokens, start, kv_tokens, on_text)
         self._bar.close()
         if self.blocks.num_used or self.runner.host_bytes_used:

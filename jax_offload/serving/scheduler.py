@@ -28,11 +28,11 @@ class KVSwapper(Protocol):
 
 @dataclasses.dataclass
 class Step:
-    kind: str  # "prefill" or "decode"
+    kind: str  # "prefill" (whole prompts), "chunk" (part of one prompt) or "decode"
     seqs: list[Sequence]
-    # A prefill of one sequence's tokens [start, end) only, the earlier ones already in the pool; None: whole prompts.
+    # A chunk: the prompt's tokens [start, end), the earlier ones already in the pool.
     chunk: tuple[int, int] | None = None
-    # With a chunk: the running sequences that decode a token in the same step.
+    # A chunk: the running sequences that decode a token in the same step.
     decodes: list[Sequence] = dataclasses.field(default_factory=list)
 
 
@@ -155,7 +155,7 @@ class Scheduler:
         if end == seq.num_tokens:
             self.chunking = None
             self._run(seq)
-        return Step("prefill", [seq], (start, end), decodes)
+        return Step("chunk", [seq], (start, end), decodes)
 
     def _make_room_for_decode(self) -> list[Sequence]:
         # Runs once per decode step over every running sequence: one block-count query per sequence.
