@@ -416,18 +416,25 @@ def paged_decode_attention_with_lse_xla(q: jax.Array, k_pages: jax.Array, v_page
                                         v_scales: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """jnp twin of `paged_decode_attention_with_lse` (exact float32; `interpret` ignored).
 
-    Gathers each sequence's pages into a contiguous [B, max_pages * page_size, Hkv, D] cache
-    (dequantized as the kernel does, for an 8-bit pool) and runs `decode_attention_with_lse_xla` with
-    kv_len = seq_lens.
+    For each sequence in turn (`lax.map`), gathers its pages into a contiguous [1, max_pages * page_size, Hkv, D]
+    cache (dequantized as the kernel does, for an 8-bit pool) and runs `decode_attention_with_lse_xla` with
+    kv_len = its seq_len. One sequence at a time, every sequence's arithmetic has the same shapes whatever the
+    batch: XLA's CPU dots choose their algorithm by shape, and a batched one changed a sequence's bits with the
+    batch size (tiny Qwen3 in bfloat16, batch 8 against 4).
     """
     del interpret
     block_tables, seq_lens = _check_paged_args(q, k_pages, v_pages, block_tables, seq_lens, k_scales, v_scales)
-    k, v = _gather_pages(k_pages, v_pages, block_tables, seq_lens)
-    if k_scales is not None:
-        ks, vs = _gather_pages(k_scales, v_scales, block_tables, seq_lens)
-        k, v = ((x.astype(jnp.float32) * sc).astype(q.dtype) for x, sc in ((k, ks), (v, vs)))
-    return decode_attention_with_lse_xla(q, k, v, kv_len=seq_lens, sm_scale=sm_scale,
-                                         out_dtype=out_dtype)
+
+    def one(row):
+        q_row, table, length = (x[None] for x in row)
+        k, v = _gather_pages(k_pages, v_pages, table, length)
+        if k_scales is not None:
+            ks, vs = _gather_pages(k_scales, v_scales, table, length)
+            k, v = ((x.astype(jnp.float32) * sc).astype(q.dtype) for x, sc in ((k, ks), (v, vs)))
+        o, lse = decode_attention_with_lse_xla(q_row, k, v, kv_len=length, sm_scale=sm_scale, out_dtype=out_dtype)
+        return o[0], lse[0]
+
+    return lax.map(one, (q, block_tables, seq_lens))
 
 
 def paged_decode_attention_kv_with_lse_xla(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
