@@ -13,7 +13,7 @@ and no compute goes to padding them to a common length. The row is padded to a l
 serve every step; the scheduler's token budget counts that padded row, what is really computed. A prompt longer
 than the budget is prefilled chunk by chunk: each chunk attends to the prompt's keys already in the pool (its
 blocks gathered per layer, a copy far smaller than the chunk's compute) and then causally to its own; the running
-sequences' next tokens ride in the same step, as rows after the chunk's (`_mixed_layer`).
+sequences' next tokens ride in the same step, as rows after the chunk's (`_chunk_layer`).
 """
 from __future__ import annotations
 
@@ -189,29 +189,16 @@ def _prefill_layer(cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array
 
 @functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",), donate_argnums=(4, 5))
 def _chunk_layer(cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
-                 inv_freq: jax.Array, positions: jax.Array, prefix_blocks: jax.Array, prefix_len: jax.Array,
-                 slots: jax.Array, chunk_len: jax.Array, tp: TensorParallel | None = None):
-    """One layer over a chunk x [1, T, hidden] of one sequence's prompt at `positions`, whose first prefix_len
-    tokens are in the pool's blocks `prefix_blocks` (ids past them are padding: read, then masked); writes the
-    chunk's K, V at `slots` (-1: padding)."""
-    q, k, v = split_qkv(cfg, tp, layer, x, positions, inv_freq)
-    k_prefix, v_prefix = (_pool_prefix(pool, prefix_blocks, x.dtype) for pool in (k_pool, v_pool))
-    o = chunk_attention(impl, q, k, v, k_prefix, v_prefix, prefix_len, chunk_len, tp=tp)
-    k_pool = _write_kv(k_pool, slots, k, layer.kv_cache_dtype)
-    v_pool = _write_kv(v_pool, slots, v, layer.kv_cache_dtype)
-    return decoder.attention_output_and_mlp(cfg, layer, x, o), k_pool, v_pool
-
-
-@functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",), donate_argnums=(4, 5))
-def _mixed_layer(cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                  inv_freq: jax.Array, positions: jax.Array, slots: jax.Array, starts: jax.Array | None,
                  prefix_blocks: jax.Array | None, prefix_len: jax.Array, chunk_len: jax.Array, tables: jax.Array,
                  seq_lens: jax.Array, tp: TensorParallel | None = None):
     """One layer over a chunk of one prompt (the first T rows of x [1, T + B, hidden]) and the new token of each of B
     running sequences (the last B rows; block tables [B, n], lengths [B] counting the token, 0 for padding): the
-    projections and the MLP run over every row at once, each part's attention as its own step runs it: the chunk
-    as `_prefill_layer` runs a prompt's first chunk (`prefix_blocks` None, `starts` its rows' first keys) or as
-    `_chunk_layer` runs a later one, the tokens as `_decode_step` runs them. `positions`, `slots` [1, T + B]."""
+    projections and the MLP run over every row at once, each part's attention as its own step would run it. The
+    chunk: a prompt's first (`prefix_blocks` None) as `_prefill_layer` runs a prompt (`starts`: its rows' first
+    keys), a later one over the prompt's first prefix_len tokens in the pool's `prefix_blocks` (ids past them are
+    padding: read, then masked) and then causally over its own chunk_len; the tokens as `_decode_step` runs them.
+    `positions`, `slots` [1, T + B] (slot -1: nothing written)."""
     t = positions.shape[1] - seq_lens.shape[0]
     q, k, v = split_qkv(cfg, tp, layer, x, positions, inv_freq)
     if prefix_blocks is not None:  # read before the writes, as `_chunk_layer` reads it
@@ -365,20 +352,46 @@ class ModelRunner:
 
     def prefill_chunk(self, seq: Sequence, start: int, end: int, decodes: list[Sequence] = ()) -> list[int]:
         """Runs the sequence's tokens [start, end), the earlier ones already in the pool, and with them the last
-        token of each of `decodes` (running sequences whose last tokens are read); -> the tokens drawn: one for
-        each of `decodes`, then the prompt's next token after its last chunk."""
-        final = end == seq.num_tokens
-        if decodes:
-            return self._chunk_with_decodes(seq, start, end, decodes, final)
-        if start == 0:  # nothing in the pool yet: the first chunk is a prompt of its own
-            x, last = self._prefill_packed([seq], [end], 1)
+        token of each of `decodes` (running sequences whose last tokens are read), one program a layer for both;
+        -> the tokens drawn: one for each of `decodes`, then the prompt's next token after its last chunk."""
+        if start == 0:  # nothing in the pool yet: the chunk is packed as a prompt of its own
+            ids, positions, starts, slots, (last,) = self._packed_inputs([seq], [end])
+            prefix_blocks = None
         else:
-            x = self._prefill_after(seq, start, end)
-            last = np.asarray([end - start - 1], np.int32)
-        if not final:
+            ids, positions, slots, prefix_blocks = self._after_inputs(seq, start, end)
+            starts, last = None, end - start - 1
+        # The tokens' rows and the draws padded to the largest batch: a chunk's step compiles once for any number
+        # of running sequences (the padding rows cost little beside a chunk's).
+        size = self.buckets[-1]
+        tokens, seq_lens, tables = self._decode_inputs(decodes, size)
+        token_positions = np.maximum(seq_lens - 1, 0)
+        token_slots = np.full(size, -1, np.int32)
+        for row, running in enumerate(decodes):
+            token_slots[row] = self._slots(running, token_positions[row])
+        t = ids.shape[1]
+        ids, positions, slots, starts, prefix_blocks, prefix_len, chunk_len, tables, seq_lens = self.tp.replicate((
+            np.concatenate([ids, tokens[None]], axis=1), np.concatenate([positions, token_positions[None]], axis=1),
+            np.concatenate([slots, token_slots[None]], axis=1), starts, prefix_blocks, np.int32(start),
+            np.int32(end - start), tables, seq_lens))
+        x = embed_tokens(self.params.embed, ids)
+        k_out, v_out = [], []
+        for layer, k_pages, v_pages in zip(self.params.layers, self.k_pool, self.v_pool):
+            x, k_pages, v_pages = _chunk_layer(self.cfg, self.impl, layer, x, k_pages, v_pages, self.inv_freq,
+                                               positions, slots, starts, prefix_blocks, prefix_len, chunk_len,
+                                               tables, seq_lens, tp=self.tp)
+            k_out.append(k_pages)
+            v_out.append(v_pages)
+        self.k_pool, self.v_pool = tuple(k_out), tuple(v_out)
+        final = end == seq.num_tokens
+        drawn = [*decodes, seq] if final else list(decodes)
+        if not drawn:
             return []
-        tokens = sample_last(self.cfg, self.params, x, self.tp.replicate(last), *self._sampling([seq], 1))
-        return np.asarray(tokens)[:1].tolist()
+        rows = np.zeros(size, np.int32)
+        rows[: len(decodes)] = t + np.arange(len(decodes))
+        if final:
+            rows[len(decodes)] = last
+        out = sample_last(self.cfg, self.params, x, self.tp.replicate(rows), *self._sampling(drawn, size))
+        return np.asarray(out)[: len(drawn)].tolist()
 
     def _after_inputs(self, seq: Sequence, start: int, end: int):
         """(ids, positions, pool slots) [1, L] of the sequence's tokens [start > 0, end), and the pool blocks of its
@@ -395,57 +408,6 @@ class ModelRunner:
         prefix_blocks = np.zeros(1 << (num_prefix - 1).bit_length(), np.int32)
         prefix_blocks[:num_prefix] = seq.block_table[:num_prefix]
         return ids, positions, slots, prefix_blocks
-
-    def _prefill_after(self, seq: Sequence, start: int, end: int) -> jax.Array:
-        """Runs the sequence's tokens [start > 0, end) over its first `start` tokens' KV in the pool."""
-        ids, positions, slots, prefix_blocks, prefix_len, chunk_len = self.tp.replicate(
-            (*self._after_inputs(seq, start, end), np.int32(start), np.int32(end - start)))
-        x = embed_tokens(self.params.embed, ids)
-        k_out, v_out = [], []
-        for layer, k_pages, v_pages in zip(self.params.layers, self.k_pool, self.v_pool):
-            x, k_pages, v_pages = _chunk_layer(self.cfg, self.impl, layer, x, k_pages, v_pages, self.inv_freq,
-                                               positions, prefix_blocks, prefix_len, slots, chunk_len, tp=self.tp)
-            k_out.append(k_pages)
-            v_out.append(v_pages)
-        self.k_pool, self.v_pool = tuple(k_out), tuple(v_out)
-        return x
-
-    def _chunk_with_decodes(self, seq: Sequence, start: int, end: int, decodes: list[Sequence], final: bool
-                            ) -> list[int]:
-        """`prefill_chunk` with decode rows: one program a layer over the chunk's rows and the tokens' rows."""
-        if start == 0:
-            ids, positions, starts, slots, (last,) = self._packed_inputs([seq], [end])
-            prefix_blocks = None
-        else:
-            ids, positions, slots, prefix_blocks = self._after_inputs(seq, start, end)
-            starts, last = None, end - start - 1
-        size = self.batch_size(len(decodes))
-        tokens, seq_lens, tables = self._decode_inputs(decodes, size)
-        token_positions = np.maximum(seq_lens - 1, 0)
-        token_slots = np.full(size, -1, np.int32)
-        for row, running in enumerate(decodes):
-            token_slots[row] = self._slots(running, token_positions[row])
-        t = ids.shape[1]
-        ids, positions, slots, starts, prefix_blocks, prefix_len, chunk_len, tables, seq_lens = self.tp.replicate((
-            np.concatenate([ids, tokens[None]], axis=1), np.concatenate([positions, token_positions[None]], axis=1),
-            np.concatenate([slots, token_slots[None]], axis=1), starts, prefix_blocks, np.int32(start),
-            np.int32(end - start), tables, seq_lens))
-        x = embed_tokens(self.params.embed, ids)
-        k_out, v_out = [], []
-        for layer, k_pages, v_pages in zip(self.params.layers, self.k_pool, self.v_pool):
-            x, k_pages, v_pages = _mixed_layer(self.cfg, self.impl, layer, x, k_pages, v_pages, self.inv_freq,
-                                               positions, slots, starts, prefix_blocks, prefix_len, chunk_len,
-                                               tables, seq_lens, tp=self.tp)
-            k_out.append(k_pages)
-            v_out.append(v_pages)
-        self.k_pool, self.v_pool = tuple(k_out), tuple(v_out)
-        drawn = [*decodes, seq] if final else list(decodes)
-        rows = np.zeros(self.batch_size(len(drawn)), np.int32)
-        rows[: len(decodes)] = t + np.arange(len(decodes))
-        if final:
-            rows[len(decodes)] = last
-        out = sample_last(self.cfg, self.params, x, self.tp.replicate(rows), *self._sampling(drawn, len(rows)))
-        return np.asarray(out)[: len(drawn)].tolist()
 
     def _decode_inputs(self, seqs: list[Sequence], size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(last tokens (0 where still on the device), lengths with them, block tables) [size, ...] of a decode
