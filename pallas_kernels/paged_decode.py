@@ -420,19 +420,28 @@ def paged_decode_attention_with_lse_xla(q: jax.Array, k_pages: jax.Array, v_page
     cache (dequantized as the kernel does, for an 8-bit pool) and runs `decode_attention_with_lse_xla` with
     kv_len = its seq_len. One sequence at a time, every sequence's arithmetic has the same shapes whatever the
     batch: XLA's CPU dots choose their algorithm by shape, and a batched one changed a sequence's bits with the
-    batch size (tiny Qwen3 in bfloat16, batch 8 against 4).
+    batch size (tiny Qwen3 in bfloat16, batch 8 against 4). A padding row (seq_len 0) is skipped: o = 0 and
+    lse = NEG_INF, as attention over no key gives.
     """
     del interpret
     block_tables, seq_lens = _check_paged_args(q, k_pages, v_pages, block_tables, seq_lens, k_scales, v_scales)
 
-    def one(row):
-        q_row, table, length = (x[None] for x in row)
+    out_dtype = q.dtype if out_dtype is None else out_dtype
+
+    def attend(q_row, table, length):
         k, v = _gather_pages(k_pages, v_pages, table, length)
         if k_scales is not None:
             ks, vs = _gather_pages(k_scales, v_scales, table, length)
             k, v = ((x.astype(jnp.float32) * sc).astype(q.dtype) for x, sc in ((k, ks), (v, vs)))
         o, lse = decode_attention_with_lse_xla(q_row, k, v, kv_len=length, sm_scale=sm_scale, out_dtype=out_dtype)
         return o[0], lse[0]
+
+    def nothing(q_row, table, length):
+        return jnp.zeros(q_row.shape[1:], out_dtype), jnp.full(q_row.shape[1:2], NEG_INF, jnp.float32)
+
+    def one(row):
+        q_row, table, length = (x[None] for x in row)
+        return lax.cond(length[0] > 0, attend, nothing, q_row, table, length)
 
     return lax.map(one, (q, block_tables, seq_lens))
 
