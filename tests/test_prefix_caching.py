@@ -144,7 +144,7 @@ def test_reused_prefix_gives_the_same_tokens(tiny_llama):
         return system + rng.integers(3, tiny_models.VOCAB, size=n).tolist()
 
     first, second = [ask(20), ask(7)], [ask(33), ask(90), rng.integers(3, tiny_models.VOCAB, size=50).tolist()]
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     where = f"model seed {MODEL_SEED}, prompt seed {PROMPT_SEED}"
     plain = LLM(tiny_llama, dtype="bfloat16", max_model_len=1024, max_num_seqs=4)
     cached = LLM(tiny_llama, dtype="bfloat16", max_model_len=1024, max_num_seqs=4, enable_prefix_caching=True)
