@@ -132,10 +132,11 @@ def _rope_from_dict(raw: dict) -> RopeConfig:
     )
 
 
-# Options that only mean something when the KV cache is offloaded, with their defaults there. 16 ring slots: a decode
-# step dispatches a call and starts transfers per group of slots / 2 blocks, and with 4 slots that host work, not
-# PCIe, set the pace (8B shape at 128K: 1.06x -> 1.00x the PCIe floor on an H200, 350 -> 315 ms on an H100, and at
-# tensor parallel size 2 341 -> 206 ms; bench/results/runs/h100x2_tp_decode); the slots cost a few hundred MiB at most.
+# Options that only mean something when the KV cache is offloaded, with their defaults there. 16 ring slots: a
+# decode step dispatches a call and starts transfers per group of slots / 2 blocks, and with 4 slots that host work,
+# not PCIe, set the pace (8B shape at 128K: 1.06x -> 1.00x the PCIe floor on an H200 in two calls; 350 -> 315 ms on
+# an H100, and 341 -> 206 ms at tensor parallel size 2: bench/results/runs/h100x2_tp_decode); the slots cost a few
+# hundred MiB at most.
 OFFLOAD_DEFAULTS = {"block_size": 1024, "num_ring_slots": 16, "prefill": "chunked", "decode_policy": "full"}
 # Options of the page-choosing decode policies (sketch and Quest), with their defaults.
 PAGE_POLICY_DEFAULTS = {"decode_budget": 4096, "page_size": 16, "dense_layers": 2}

@@ -201,7 +201,7 @@ def _chunk_layer(cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, 
     `positions`, `slots` [1, T + B] (slot -1: nothing written)."""
     t = positions.shape[1] - seq_lens.shape[0]
     q, k, v = split_qkv(cfg, tp, layer, x, positions, inv_freq)
-    if prefix_blocks is not None:  # read before the writes, as `_chunk_layer` reads it
+    if prefix_blocks is not None:  # the prefix as earlier steps left it, read before this step writes
         k_prefix, v_prefix = (_pool_prefix(pool, prefix_blocks, x.dtype) for pool in (k_pool, v_pool))
     k_pool = _write_kv(k_pool, slots, k, layer.kv_cache_dtype)
     v_pool = _write_kv(v_pool, slots, v, layer.kv_cache_dtype)
