@@ -21,8 +21,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import hashlib
-import json
 import math
 from collections.abc import Sequence
 
@@ -37,6 +35,7 @@ from jax_offload.models import decoder
 from jax_offload.models.params import LayerParams, ModelParams
 from jax_offload.models.rope import cos_sin
 from jax_offload.precision import step_jit
+from jax_offload.serving.block_manager import chained_key
 from jax_offload.tensor_parallel import host_memory_kind
 
 
@@ -74,16 +73,16 @@ class SegmentStore:
 
     def __init__(self, capacity_bytes: int):
         self.capacity_bytes = capacity_bytes
-        self._entries: collections.OrderedDict[str, SegmentKV] = collections.OrderedDict()
+        self._entries: collections.OrderedDict[bytes, SegmentKV] = collections.OrderedDict()
         self.bytes_held = 0
 
-    def get(self, key: str) -> SegmentKV | None:
+    def get(self, key: bytes) -> SegmentKV | None:
         kv = self._entries.get(key)
         if kv is not None:
             self._entries.move_to_end(key)
         return kv
 
-    def put(self, key: str, kv: SegmentKV) -> None:
+    def put(self, key: bytes, kv: SegmentKV) -> None:
         if key in self._entries or kv.nbytes > self.capacity_bytes:
             return
         while self.bytes_held + kv.nbytes > self.capacity_bytes:
@@ -102,11 +101,6 @@ def _to_host(x: jax.Array) -> jax.Array:
 
 def _to_device(x: jax.Array) -> jax.Array:
     return jax.device_put(x, x.sharding.with_memory_kind("device"))
-
-
-def segment_key(model_tag: str, token_ids: Sequence[int]) -> str:
-    """A segment's key: its tokens and what its KV depends on besides (model, dtype, KV format)."""
-    return hashlib.sha256(json.dumps([model_tag, [int(t) for t in token_ids]]).encode()).hexdigest()
 
 
 def choose_recompute(v_fresh: jax.Array, v_kept: jax.Array, reused: jax.Array, always: jax.Array,
@@ -171,9 +165,9 @@ class BlendRunner:
     """Prefills `Segments` prompts (module docstring) into the one-request KV cache of a `DeviceRunner`."""
 
     def __init__(self, cfg: ModelConfig, params: ModelParams, inv_freq: jax.Array, dtype: jnp.dtype, impl: str,
-                 store: SegmentStore, ratio: float, model_tag: str):
+                 store: SegmentStore, ratio: float, tag: bytes):
         self.cfg, self.params, self.inv_freq, self.dtype, self.impl = cfg, params, inv_freq, dtype, impl
-        self.store, self.ratio, self.model_tag = store, ratio, model_tag
+        self.store, self.ratio, self.tag = store, ratio, tag
 
     def _run(self, ids: list[int], kept: list[tuple[jax.Array, jax.Array]] | None, reused: np.ndarray,
              cache_len: int) -> tuple[jax.Array, list[jax.Array], list[jax.Array], SegmentKV]:
@@ -224,7 +218,7 @@ class BlendRunner:
         ids = [t for part in parts for t in part]
         kept_parts, cached = [], 0
         for part in parts[:-1]:
-            key = segment_key(self.model_tag, part)
+            key = chained_key(self.tag, part)
             kv = self.store.get(key)
             if kv is None:
                 kv = self._run(part, None, np.zeros(prompt_bucket(len(part)), bool), cache_bucket(len(part)))[3]

@@ -25,6 +25,7 @@ from jax_offload.offload_runner import OffloadRunner
 from jax_offload.outputs import RequestOutput, first_stop
 from jax_offload.precision import step_jit
 from jax_offload.sampling import SamplingParams, sample_token
+from jax_offload.serving.block_manager import cache_tag
 from jax_offload.serving.engine import BatchEngine
 from jax_offload.tensor_parallel import TensorParallel, check_devices, sharded_model_config, to_host
 
@@ -267,9 +268,9 @@ class LLM:
                 "Segments prompts run with the KV cache in GPU memory on one device, full prefill, "
                 "enable_prefix_caching=True and prefix_cache_host_gb > 0 (where their KV is kept).")
         if self._blend is None:
-            tag = f"{self.model_config}|{self.dtype}|{e.kv_cache_dtype}"
             self._blend = BlendRunner(self.model_config, self.params, self._inv_freq, self.dtype, self.attention_impl,
-                                      SegmentStore(int(e.prefix_cache_host_gb * 2**30)), e.blend_recompute_ratio, tag)
+                                      SegmentStore(int(e.prefix_cache_host_gb * 2**30)), e.blend_recompute_ratio,
+                                      cache_tag(self.model_config, self.dtype, e.kv_cache_dtype))
         return self._blend
 
     def _batches(self) -> bool:

@@ -425,8 +425,7 @@ def paged_decode_attention_with_lse_xla(q: jax.Array, k_pages: jax.Array, v_page
     """
     del interpret
     block_tables, seq_lens = _check_paged_args(q, k_pages, v_pages, block_tables, seq_lens, k_scales, v_scales)
-
-    out_dtype = q.dtype if out_dtype is None else out_dtype
+    out_dtype = check_out_dtype(out_dtype, q.dtype)
 
     def attend(q_row, table, length):
         k, v = _gather_pages(k_pages, v_pages, table, length)

@@ -3,8 +3,8 @@ earlier prompts kept by content.
 
 Prefix caching (vLLM's automatic prefix caching): a block whose `block_size` tokens a prefill computed is keyed by
 a SHA-256 chained over every token id from the prompt's start to the block's end, seeded with the engine's
-`cache_tag` (model, dtype, KV dtype), so a key names a block's whole prefix and what computed it. A new prompt takes the blocks whose keys match its own, in order, and prefills only what follows. Blocks
-are reference-counted; one no sequence holds stays cached in least-recently-freed order and is reused (its key
+`cache_tag` (model, dtype, KV dtype), so a key names a block's whole prefix and what computed it. A new prompt
+takes the blocks whose keys match its own, in order, and prefills only what follows. Blocks are reference-counted; one no sequence holds stays cached in least-recently-freed order and is reused (its key
 dropped) only when no never-keyed block is free.
 
 With a host tier (`host_tier`, `host_tier_blocks` > 0) a keyed block is not lost when it is reused: its KV is first
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
+from collections.abc import Sequence as Seq
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -107,7 +108,7 @@ class BlockManager:
         blocks, key = [], self._tag
         tokens = seq.token_ids
         for i in range((len(tokens) - 1) // self.block_size):
-            key = _chain(key, tokens[i * self.block_size:(i + 1) * self.block_size])
+            key = chained_key(key, tokens[i * self.block_size:(i + 1) * self.block_size])
             block = self._block_of.get(key)
             if block is None and key not in self._host:
                 break
@@ -151,7 +152,7 @@ class BlockManager:
         key = self._tag
         tokens = seq.prompt_ids + seq.output_ids
         for i in range(min(seq.num_cached, len(tokens)) // self.block_size):
-            key = _chain(key, tokens[i * self.block_size:(i + 1) * self.block_size])
+            key = chained_key(key, tokens[i * self.block_size:(i + 1) * self.block_size])
             block = seq.block_table[i]
             if block not in self._key_of and key not in self._block_of:
                 self._key_of[block], self._block_of[key] = key, block
@@ -220,6 +221,7 @@ class BlockManager:
         return block
 
 
-def _chain(previous: bytes, tokens: list[int]) -> bytes:
-    """The key of a block: its tokens and the key of the block before it (the tag for the first)."""
+def chained_key(previous: bytes, tokens: Seq[int]) -> bytes:
+    """The key of tokens after the key `previous`: a block's after the block before it (the tag for the first), a
+    CacheBlend segment's after its engine's tag."""
     return hashlib.sha256(previous + np.asarray(tokens, np.int64).tobytes()).digest()
