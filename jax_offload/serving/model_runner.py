@@ -86,7 +86,9 @@ def default_num_blocks(cfg: ModelConfig, dtype: jnp.dtype, block_size: int, max_
     if "bytes_limit" in stats:
         itemsize = jnp.dtype(dtype).itemsize
         qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        activations = max_num_batched_tokens * (6 * cfg.hidden_size + 2 * qkv + 4 * cfg.intermediate_size) * itemsize
+        # A chunk step carries a decode row per running sequence (padded to the largest batch) beside the chunk.
+        rows = max_num_batched_tokens + batch_buckets(max_num_seqs)[-1]
+        activations = rows * (6 * cfg.hidden_size + 2 * qkv + 4 * cfg.intermediate_size) * itemsize
         logits = 4 * max_num_seqs * cfg.vocab_size * 4  # float32 logits, scaled copy, noise, sort
         prefix = 2 * max_model_len * cfg.num_kv_heads * cfg.head_dim * itemsize  # one layer's, gathered for a chunk
         # Batch-invariant decode: every 256-key split's float32 (o, lse) of one layer.
