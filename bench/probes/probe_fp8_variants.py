@@ -12,6 +12,8 @@ projection as a variant says (the cache itself stays bf16, which holds every var
   rot_k    fp8, q and k rotated by a randomised Hadamard matrix H S / sqrt(D) first (FlashAttention-3's incoherent
            processing, QuaRot: large channels spread over all D, so e4m3's relative error averages over q.k)
   rot      the same for q, k and v, the attention output rotated back (measured as a build of the engine)
+  out2_k, out4_k   fp8, but each key vector's 2 / 4 largest |channels| kept in bf16 and the scale set by the rest
+           (KVQuant's dense-and-sparse split: the few channels that carry a logit are not rounded)
   bf16     nothing rounded: the same-process peer
 
     python bench/probes/probe_fp8_variants.py --model DIR --length 8192 --out $OUT/fp8_variants
@@ -28,17 +30,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import run_metadata  # noqa: E402
 from eval_sparse import build_prompts, prompt_target, run_prompts, task_scores  # noqa: E402
 
-VARIANTS = ("fp8_k", "fp8_v", "sink16", "smooth", "exact", "fp8", "int8_k", "int8", "rot_k", "rot", "bf16")
+VARIANTS = ("fp8_k", "fp8_v", "sink16", "smooth", "exact", "fp8", "int8_k", "int8", "rot_k", "rot", "out2_k", "out4_k",
+            "bf16")
 
 
 def rounders(variant: str):
     """(round keys, round values): functions of (x [B, T, Hkv, D], positions [B, T])."""
+    import jax
     import jax.numpy as jnp
 
-    from jax_offload.kv.kv_cache_dtype import FP8, dequantize, quantize_fp8
+    from jax_offload.kv.kv_cache_dtype import FP8, round_trip
 
     def pow2(x, positions):
-        return dequantize(quantize_fp8(x), x.dtype)
+        return round_trip("fp8", x)
 
     def exact(x, positions):
         amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
@@ -60,9 +64,17 @@ def rounders(variant: str):
     def keep(x, positions):
         return x
 
+    def outliers(n):
+        def split(x, positions):
+            size = jnp.abs(x.astype(jnp.float32))
+            kept = size >= jax.lax.top_k(size, n)[0][..., -1:]
+            return jnp.where(kept, x, pow2(jnp.where(kept, 0, x), positions))
+        return split
+
     return {"fp8": (pow2, pow2), "fp8_k": (pow2, keep), "fp8_v": (keep, pow2), "exact": (exact, exact),
             "sink16": (sink, sink), "smooth": (smooth, pow2), "int8_k": (int8, pow2), "int8": (int8, int8),
-            "rot_k": (pow2, pow2), "rot": (pow2, pow2), "bf16": (keep, keep)}[variant]
+            "rot_k": (pow2, pow2), "rot": (pow2, pow2), "out2_k": (outliers(2), pow2),
+            "out4_k": (outliers(4), pow2), "bf16": (keep, keep)}[variant]
 
 
 def hadamard(x):

@@ -1,51 +1,84 @@
-"""Probe: does a request's bfloat16 output depend on how the engine ran it? Llama-3.1-8B shape, random bf16
-weights, greedy 64 tokens, 16 prompts of 100..20K tokens: each alone (in GPU memory, the batch engine with one
-request), all together (continuous batching), and offloaded one at a time (block 4096, a multiple of the 256-key
-decode split); with the engine's batch-invariant mode (default) and without it.
-  PYTHONPATH=. python bench/probes/probe_path_invariance.py   (writes JSON to $PROBE_OUT, or prints it)
+"""Probe: does a request's bfloat16 output depend on how the engine ran it? Greedy 64 tokens for 16 prompts of
+mixed lengths: each alone (in GPU memory, the batch engine with one request), all together (continuous batching,
+prompts past max_num_batched_tokens in chunk steps shared with the others' decodes), and offloaded one at a time
+(a block size that is a multiple of the 256-key decode split), with the engine's batch-invariant mode and,
+with `--modes invariant,default`, without it.
+
+Model: the Llama-3.1-8B shape with random bf16 weights (prompts of 100..20K random tokens, block 4096), or with
+`--model DIR` a real model (SmolLM2's 8,192 positions: 100..8,100 tokens, block 1024).
+
+  python bench/probes/probe_path_invariance.py --out probe_path_invariance.json [--model DIR] [--modes invariant]
 """
+import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
-import numpy as np  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 from common import model_config, random_params, run_metadata  # noqa: E402
 from jax_offload import LLM, SamplingParams  # noqa: E402
+from jax_offload.config import ModelConfig  # noqa: E402
 
-cfg = model_config("llama-3.1-8b")
-params = random_params(cfg, jnp.bfloat16, seed=3)
-rng = np.random.default_rng(77)
-lengths = [100, 517, 1030, 2222, 4100, 8000, 12001, 20000, 333, 777, 1500, 3000, 5555, 6000, 9999, 16000]
-prompts = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in lengths]
-sp = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-out = {"meta": run_metadata(), "shape": "llama-3.1-8b random bf16 seed 3", "lengths": lengths, "tokens": 64}
+SHAPE_LENGTHS = [100, 517, 1030, 2222, 4100, 8000, 12001, 20000, 333, 777, 1500, 3000, 5555, 6000, 9999, 16000]
+REAL_LENGTHS = [100, 517, 1030, 2222, 4100, 8000, 6001, 8100, 333, 777, 1500, 3000, 5555, 6000, 7001, 7600]
+TOKENS = 64
 
 
-def first_diff(a, b):
+def first_diff(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
-def compare(got, alone):
+def compare(got: list[list[int]], alone: list[list[int]]) -> dict:
     return {"identical": sum(a == b for a, b in zip(got, alone)), "of": len(alone),
             "first_divergence": [first_diff(a, b) for a, b in zip(got, alone)]}
 
 
-for invariant in (True, False):
-    gpu = LLM.from_params(cfg, params, max_model_len=32768, gpu_memory_utilization=0.5, batch_invariant=invariant)
-    alone = [list(gpu.generate([p], sp)[0].token_ids) for p in prompts]
-    together = [list(o.token_ids) for o in gpu.generate(prompts, sp)]
-    del gpu
-    result = {"together_vs_alone": compare(together, alone)}
-    if invariant:
-        off = LLM.from_params(cfg, params, max_model_len=32768, offload=True, block_size=4096, num_ring_slots=4)
-        offloaded = [list(off.generate([p], sp)[0].token_ids) for p in prompts]
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, help="a Hugging Face model directory (default: the 8B shape, random)")
+    p.add_argument("--modes", default="invariant,default", help="invariant, default, or both (comma-separated)")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or set(modes) - {"invariant", "default"}:
+        raise SystemExit(f"--modes {args.modes!r}: give invariant, default or both")
+
+    if args.model is None:
+        cfg = model_config("llama-3.1-8b")
+        params = random_params(cfg, jnp.bfloat16, seed=3)
+        lengths, block, max_len, vocab = SHAPE_LENGTHS, 4096, 32768, cfg.vocab_size
+        make = lambda **kw: LLM.from_params(cfg, params, max_model_len=max_len, **kw)  # noqa: E731
+        model = "llama-3.1-8b random bf16 seed 3"
+    else:
+        lengths, block, max_len = REAL_LENGTHS, 1024, 8192
+        make = lambda **kw: LLM(args.model, dtype="bfloat16", max_model_len=max_len, **kw)  # noqa: E731
+        vocab = ModelConfig.from_hf(args.model).vocab_size
+        model = f"{args.model.name} bf16"
+    rng = np.random.default_rng(77)
+    prompts = [rng.integers(0, vocab, size=n).tolist() for n in lengths]
+    sp = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+    out = {"meta": run_metadata(), "model": model, "lengths": lengths, "tokens": TOKENS, "offload_block": block}
+
+    for mode in modes:
+        invariant = mode == "invariant"
+        gpu = make(gpu_memory_utilization=0.5, batch_invariant=invariant)
+        alone = [list(gpu.generate([q], sp)[0].token_ids) for q in prompts]
+        together = [list(o.token_ids) for o in gpu.generate(prompts, sp)]
+        del gpu
+        off = make(offload=True, block_size=block, batch_invariant=invariant)
+        offloaded = [list(off.generate([q], sp)[0].token_ids) for q in prompts]
         del off
-        result["offloaded_vs_alone"] = compare(offloaded, alone)
-    out["batch_invariant" if invariant else "not_invariant"] = result
-    print(invariant, json.dumps(result), flush=True)
-text = json.dumps(out, indent=1)
-if os.environ.get("PROBE_OUT"):
-    open(os.environ["PROBE_OUT"], "w").write(text)
+        result = {"together_vs_alone": compare(together, alone), "offloaded_vs_alone": compare(offloaded, alone)}
+        out["batch_invariant" if invariant else "not_invariant"] = result
+        print(mode, json.dumps(result), flush=True)
+        args.out.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
