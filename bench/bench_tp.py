@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     GiB, SHAPES, copy_rate, fmt, model_config, random_params, run_metadata, run_phases, stats,
 )
+from jax_offload.config import OFFLOAD_DEFAULTS  # noqa: E402
 
 PHASES = ("bandwidth", "offload", "in_gpu", "big", "load")
 DEFAULT_PHASES = "bandwidth,offload:1,offload:2,in_gpu:1,in_gpu:2,big:2,load:1,load:2"
@@ -368,7 +369,7 @@ def main() -> None:
     p.add_argument("--big-ctx", type=int, default=131072)
     p.add_argument("--big-tokens", type=int, default=32)
     p.add_argument("--block-size", type=int, default=4096)
-    p.add_argument("--ring-slots", type=int, default=4)
+    p.add_argument("--ring-slots", type=int, default=OFFLOAD_DEFAULTS["num_ring_slots"], help="the engine's default")
     p.add_argument("--decode-tokens", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--bandwidth-MiB", type=int, default=1024)
