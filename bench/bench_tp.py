@@ -118,7 +118,9 @@ class Run:
             out = self.generate(llm, n, tokens)
             prefill.append(out.prefill_seconds)
             steps += [s * 1e3 for s in out.decode_token_seconds]
-        return {"prefill_s": stats(prefill), "decode_ms": stats(steps) if steps else None}
+        # The steps themselves too: where a spread comes from (which run, which step) is part of the result.
+        return {"prefill_s": stats(prefill), "decode_ms": stats(steps) if steps else None,
+                "decode_steps_ms": [round(s, 3) for s in steps]}
 
     def warm_offload(self, llm) -> None:
         """Compiles every chunked-prefill and decode shape at short prompts: the last group of blocks has 1 .. half
