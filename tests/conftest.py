@@ -12,16 +12,20 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 # The two xdist workers build the same tiny models and compile many of the same programs: one compilation cache
 # for the run (made by the controller, fresh each run, removed at its end) lets a worker load what the other
-# compiled.
+# compiled. Every program goes in: compiling dominates the suite, and most programs compile in under 0.5 s.
 CACHE_VAR = "JAX_OFFLOAD_TEST_COMPILE_CACHE"
 if os.environ.get(CACHE_VAR):
     jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_VAR])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 def pytest_configure(config):
     if not hasattr(config, "workerinput") and config.getoption("numprocesses", None) and CACHE_VAR not in os.environ:
         config.made_compile_cache = os.environ[CACHE_VAR] = tempfile.mkdtemp(prefix="jax_offload_tests_")
+    # With --dist loadfile, pytest-xdist (>= 3.6) hands files out by their number of tests, most first, which put
+    # the tensor-parallel file (7 tests, the longest) in the middle of the run; the order below is kept instead.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_unconfigure(config):
@@ -31,7 +35,23 @@ def pytest_unconfigure(config):
         del os.environ[CACHE_VAR]
 
 
+# Seconds each file took on the 2-core machine under `make test` (2026-11-25, after the trims of that day), for the
+# order in which xdist hands the files out: longest first, so the two workers end close together. A file not
+# listed counts as short.
+FILE_SECONDS = {
+    "test_tp.py": 190, "test_batching.py": 160, "test_offload.py": 100, "test_real_model.py": 75,
+    "test_offload_bf16.py": 70, "test_kv_fp8.py": 70, "test_kernels_attention.py": 65, "test_quest.py": 60,
+    "test_models.py": 60, "test_batch_invariance.py": 55, "test_prefix_caching.py": 55, "test_pallas_engine.py": 45,
+    "test_gguf_convert.py": 42, "test_eval_oracle.py": 42, "test_xattention.py": 38, "test_default_model.py": 30,
+    "test_errors.py": 19, "test_sketch.py": 19, "test_blend.py": 18, "test_kernels_paged_decode.py": 16,
+    "test_kernels_block_sparse.py": 14, "test_kernels_xattn.py": 14, "test_kernels_merge.py": 7,
+    "test_eval_sparse.py": 5, "test_niah.py": 4,
+}
+
+
 def pytest_collection_modifyitems(items):
-    """The virtual-device tensor-parallel check runs a subprocess for about two minutes: started first, it runs
-    beside the other tests instead of after them (xdist hands tests out in this order)."""
-    items.sort(key=lambda item: item.name != "test_tp_on_virtual_devices_equals_tp1")
+    """Files longest first (see FILE_SECONDS), a file's tests in their own order, except that the virtual-device
+    tensor-parallel check, a subprocess of about two minutes, starts the run: it runs beside the other tests
+    instead of after them (xdist hands tests out in this order)."""
+    items.sort(key=lambda item: (item.name != "test_tp_on_virtual_devices_equals_tp1",
+                                 -FILE_SECONDS.get(item.path.name, 1)))

@@ -21,14 +21,20 @@ GREEDY_64 = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 # Every pair of (block size, ring slots, prefill) values meets in one of these four (all eight combinations
 # passed when this test ran them all, commit 63fba59; four keep the suite fast).
 CONFIGS = [(16, 1, "chunked"), (16, 3, "layerwise"), (64, 1, "layerwise"), (64, 3, "chunked")]
+# Each model runs two of them, both block sizes and both prefill modes, and every config runs on some model (all
+# four on every model until the suite needed the time; last passed at 0cf451f): the offloaded engine rounds where
+# the in-GPU engine does through the same model code whatever the model.
+CASES = [("llama3", *CONFIGS[0]), ("llama3", *CONFIGS[2]), ("qwen2", *CONFIGS[1]), ("qwen2", *CONFIGS[3]),
+         ("qwen3", *CONFIGS[0]), ("qwen3", *CONFIGS[2])]
 # max |logit difference| offloaded vs in-GPU over these prompts and all eight configs, measured with the
 # engine before partial states stayed float32 and excess precision was turned off (commit ad70287, this
 # file run there): the bar is a quarter of it. Greedy outputs then matched on 0 to 5 of the 10 prompts.
 BEFORE = {"llama3": 0.0625, "qwen2": 0.046875, "qwen3": 0.0546875}
 
 
-@pytest.fixture(scope="module", params=list(MODEL_SEEDS))
+@pytest.fixture(scope="module")
 def reference(request, tmp_path_factory):
+    """The in-GPU logits and greedy tokens of the variant the test names (built once per variant)."""
     variant, seed = request.param, MODEL_SEEDS[request.param]
     path = tmp_path_factory.mktemp(variant)
     tiny_models.build(variant, path, seed=seed)
@@ -41,7 +47,7 @@ def reference(request, tmp_path_factory):
     return variant, seed, path, prompts, logits, tokens
 
 
-@pytest.mark.parametrize("block_size,num_ring_slots,prefill", CONFIGS)
+@pytest.mark.parametrize("reference,block_size,num_ring_slots,prefill", CASES, indirect=["reference"])
 def test_bf16_offload_equals_in_gpu(reference, block_size, num_ring_slots, prefill, record_property):
     variant, seed, path, prompts, logits, tokens = reference
     offload = LLM(path, dtype="bfloat16", offload=True, block_size=block_size, num_ring_slots=num_ring_slots,

@@ -188,7 +188,7 @@ def test_preemption_keeps_outputs_with_shared_blocks(tiny_llama, swap_blocks):
 
 
 def test_prefix_comes_back_from_the_host_tier(tiny_llama):
-    """A pool of 12 blocks of 16 tokens: two unrelated prompts evict a system prompt's blocks, which the host tier
+    """A pool of 14 blocks of 16 tokens: two unrelated prompts evict a system prompt's blocks, which the host tier
     keeps; the next prompt on that system prompt copies them back and gives the tokens a plain engine gives."""
     from jax_offload.serving.engine import BatchEngine
 
@@ -202,7 +202,7 @@ def test_prefix_comes_back_from_the_host_tier(tiny_llama):
 
     def engine(caching: bool) -> BatchEngine:
         return BatchEngine.in_gpu(llm.model_config, llm.params, llm._inv_freq, llm.dtype, llm.attention_impl,
-                                  llm.max_model_len, block_size=16, num_blocks=12, max_num_seqs=2,
+                                  llm.max_model_len, block_size=16, num_blocks=14, max_num_seqs=2,
                                   max_num_batched_tokens=512, enable_prefix_caching=caching,
                                   prefix_cache_host_bytes=16 * kv_block if caching else 0)
 
