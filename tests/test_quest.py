@@ -114,7 +114,10 @@ def test_budget_past_max_model_len_reads_every_page(model_dir, policy="quest"):
     assert diff <= 1e-5, f"model seed {MODEL_SEED}, prompt seed 505: {diff}"
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+# Quest's page scores have no Pallas kernel: its Pallas path is the sketch's paged kernel reading each KV head's
+# chosen rows (`attend_rows`), so "quest" (passed here too until the suite needed the time; last at 07ab582) adds
+# nothing the sketch does not run.
+@pytest.mark.parametrize("policy", ["sketch"])
 def test_pallas_path_equals_jnp_path(model_dir, policy):
     """With a budget below the context (pages skipped), the policy through the Pallas kernels (the sketch's scores,
     and the paged kernel reading each KV head's chosen rows as one K|V pool, on a GPU straight from pinned memory)

@@ -13,10 +13,10 @@ from jax_offload import LLM, SamplingParams
 from jax_offload.default_model import ensure_default_model
 from jax_offload.eval.ruler import make_samples, score_string_match_all
 
-# "Write a haiku about the sea." too until the suite needed the time (the host tier's tests; last passed at a1ffcf2).
+# "Write a haiku about the sea." too until the suite needed the time (the host tier's tests; last passed at a1ffcf2),
+# and "Explain in two sentences why the sky is blue." (last passed at 0cf451f): each prompt runs the same path.
 PROMPTS = [
     "What is the capital of France?",
-    "Explain in two sentences why the sky is blue.",
 ]
 
 

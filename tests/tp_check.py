@@ -74,8 +74,9 @@ def devices(seed: int, models: list[str]) -> None:
         logits, tokens = _run(model, ids, tensor_parallel_size=2, **options)
         _emit(model=Path(model).name, size=2, mode=mode, max_diff=float(np.abs(logits - ref_logits).max()),
               tokens=tokens, ref_tokens=ref_tokens)
+    # The second model (Qwen3) batched in GPU memory is the preempted case below (until 07ab582 here too).
     for model in models:
-        for mode in ("in_gpu", "chunked"):
+        for mode in ("in_gpu", "chunked") if model != models[1] else ("chunked",):
             _emit(case="batched", model=Path(model).name, mode=mode, **_batched(model, seed, mode))
     _emit(case="preempted", model=Path(models[1]).name, **_preempted(models[1], seed))
     _emit(case="collectives", steps=_collectives(models[0]))
