@@ -1,0 +1,469 @@
+"""Hopper flash-attention forward in Pallas's Mosaic GPU backend (TMA, wgmma, warp specialisation).
+
+The dense-prefill subset of `attention_with_lse` (pallas_kernels/attention.py), same semantics:
+  q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D] (bfloat16 or float16); query head h reads KV head h // (Hq // Hkv).
+  Query i sits at key position q_offset + i (q_offset per batch row, default Tk - Tq); key j is visible to it
+  iff j < kv_len (per batch row, default Tk) and, when causal, j <= q_offset + i.
+  o [B, Tq, Hq, D] in out_dtype (default float32, the unrounded accumulator), lse [B, Hq, Tq] float32 in
+  natural log. A row that sees no key gets o = 0 and lse = -inf.
+
+Algorithm (FlashAttention-3 layout, one CTA = 3 warpgroups):
+  * A CTA owns 2 * block_q query rows of one (batch, q head). Warpgroups 0 and 1 ("consumers") take
+    block_q rows each; warpgroup 2 (the "producer") only issues TMA copies of K and V blocks into a ring
+    of `max_concurrent_steps` shared-memory slots, waiting on per-slot "consumed" barriers before reuse.
+  * Each consumer keeps its Q tile in shared memory and, per KV block: S = Q K^T (wgmma, float32
+    accumulator), online softmax in float32 registers, O += P V (wgmma, P rounded to the input dtype).
+  * Softmax in base 2 with the scale folded into one constant c = sm_scale * log2(e) applied to the
+    float32 scores: m = max_j(s_j) * c, p_j = 2^(s_j * c - m) (one FMA per element), l = sum_j p_j.
+    Then sum_j e^(s_j * sm_scale) = 2^m * l, so the natural LSE is m * ln(2) + ln(l). q is never
+    pre-scaled (no extra bf16 rounding), exactly as our Triton kernel.
+  * The two consumers take turns on the tensor cores through a two-party "schedule" barrier: while one
+    runs its softmax the other's wgmma runs (FA3's ping-pong).
+  * Causal: key blocks past the CTA's last query are never loaded (the loop bound comes from the query
+    tile). Blocks wholly visible to every row of a warpgroup run without any mask; only blocks that
+    straddle the diagonal or kv_len build the (iota) mask. Both consumers run the same number of
+    steps (the CTA's bound), so the barrier protocol needs no epilogue; the lower warpgroup's extra
+    steps are fully masked and cost at most ceil(block_q / block_kv) blocks.
+
+Limits (`is_supported` says whether a call fits; the caller falls back to Triton otherwise): a Hopper
+GPU (sm_90), D in {64, 128}, Tq a multiple of 2 * block_q, Tk a multiple of block_kv, block_q and
+block_kv multiples of 64. Written against jax 0.11.2's `jax.experimental.pallas.mosaic_gpu`.
+
+Why JAX's own `ops/gpu/attention_mgpu.py` cannot be used as is: its shared-memory scratch for Q/O, K and
+V is hard-coded float16 (so bfloat16 inputs fail at the TMA copy or the wgmma), it applies no softmax
+scale, returns a base-2 LSE, writes O in the input dtype and knows neither q_offset nor kv_len.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # Importing runs no GPU code; a jax without Mosaic GPU only makes `is_supported` say False.
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover
+    plgpu = None
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+NEG_INF = float("-inf")
+# Shared memory per block on sm_90 (H100/H200), opt-in maximum.
+SMEM_LIMIT = 227 * 1024
+_SMEM_ALIGN = 1024  # Mosaic GPU aligns every shared-memory buffer to 1 KiB.
+_COMPUTE_WGS = 2
+# Registers per thread: the consumers take what the producer gives back (FA3 split; 232 + 232 + 40 with
+# 128 threads per warpgroup stays within the 64K-register file).
+_CONSUMER_REGS = 232
+_PRODUCER_REGS = 40
+
+DEFAULT_CONFIG = dict(block_q=64, block_kv=128, max_concurrent_steps=2)
+
+
+def _semantics(name: str):
+    # jax 0.11 made Warpgroup the default lowering; 0.10 defaulted to Lane. Always pass one explicitly.
+    return {"lane": plgpu.LoweringSemantics.Lane, "warpgroup": plgpu.LoweringSemantics.Warpgroup}[name]
+
+
+def _interpret_params():
+    """Mosaic GPU's CPU interpreter (simulates warpgroups, barriers, TMA and wgmma): a test vehicle only.
+    Public as plgpu.InterpretGPUParams from jax 0.11; private in 0.10."""
+    params = getattr(plgpu, "InterpretGPUParams", None)
+    if params is None:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+    return params()
+
+
+def _align(n: int) -> int:
+    return -(-n // _SMEM_ALIGN) * _SMEM_ALIGN
+
+
+def smem_bytes(block_q: int, block_kv: int, steps: int, head_dim: int, in_itemsize: int = 2,
+               out_itemsize: int | None = 4, alias_out: bool = False) -> int:
+    """Shared memory the kernel allocates, as Mosaic GPU counts it (buffers 1 KiB aligned) less the barriers
+    (8 bytes each). out_itemsize None: O has the input dtype and goes out through Q's buffer."""
+    q = _align(_COMPUTE_WGS * block_q * head_dim * in_itemsize)
+    kv = _align(steps * block_kv * head_dim * in_itemsize)
+    lse = _align(_COMPUTE_WGS * block_q * 4)
+    o = 0 if out_itemsize is None else _align(_COMPUTE_WGS * block_q * head_dim * out_itemsize)
+    if alias_out:  # O shares memory with Q and K, which are dead by the time O is written
+        return max(q + kv, o) + kv + lse
+    return q + 2 * kv + o + lse
+
+
+def _check_blocks(tq: int, tk: int, d: int, block_q: int, block_kv: int, steps: int) -> str | None:
+    if d not in (64, 128):
+        return f"head_dim={d}; allowed: 64 or 128"
+    if block_q % 64 or block_kv % 64 or block_q <= 0 or block_kv <= 0:
+        return f"block_q={block_q}, block_kv={block_kv}; allowed: multiples of 64"
+    if steps < 1:
+        return f"max_concurrent_steps={steps}; allowed: >= 1"
+    if tq % (2 * block_q):
+        return f"Tq={tq} is not a multiple of 2 * block_q = {2 * block_q}"
+    if tk % block_kv:
+        return f"Tk={tk} is not a multiple of block_kv={block_kv}"
+    return None
+
+
+def is_supported(q, k, v, *, block_q: int | None = None, block_kv: int | None = None,
+                 max_concurrent_steps: int | None = None, out_dtype=jnp.float32) -> bool:
+    """True when `attention_with_lse_mgpu` can run this call here: a Hopper (sm_90) GPU is the default
+    device, Mosaic GPU imports, bf16/f16 inputs of rank 4 with Hq % Hkv == 0, D in {64, 128}, Tq a multiple
+    of 2 * block_q, Tk a multiple of block_kv, and the tiles fit in shared memory."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return False
+    if dev.platform != "gpu" or not str(getattr(dev, "compute_capability", "")).startswith("9."):
+        return False
+    if plgpu is None:
+        return False
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.dtype != k.dtype or k.dtype != v.dtype:
+        return False
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return False
+    b, tq, hq, d = q.shape
+    kb, tk, hkv, kd = k.shape
+    if kb != b or kd != d or hkv == 0 or hq % hkv:
+        return False
+    cfg = _resolve_config(tk, block_q, block_kv, max_concurrent_steps)
+    if _check_blocks(tq, tk, d, cfg["block_q"], cfg["block_kv"], cfg["max_concurrent_steps"]):
+        return False
+    return _plan_smem(cfg, d, q.dtype, out_dtype)[1] <= SMEM_LIMIT
+
+
+def _resolve_config(tk, block_q, block_kv, steps) -> dict[str, int]:
+    block_q = block_q or DEFAULT_CONFIG["block_q"]
+    block_kv = block_kv or DEFAULT_CONFIG["block_kv"]
+    steps = steps or DEFAULT_CONFIG["max_concurrent_steps"]
+    # More slots than KV blocks would only hold copies nobody waits for.
+    steps = max(1, min(steps, tk // block_kv if block_kv else 1))
+    return dict(block_q=block_q, block_kv=block_kv, max_concurrent_steps=steps)
+
+
+def _plan_smem(cfg, d, in_dtype, out_dtype) -> tuple[bool, int]:
+    """(alias O with Q/K?, bytes): alias only when the plain layout does not fit."""
+    separate_o = jnp.dtype(out_dtype) != jnp.dtype(in_dtype)
+    args = (cfg["block_q"], cfg["block_kv"], cfg["max_concurrent_steps"], d, jnp.dtype(in_dtype).itemsize,
+            jnp.dtype(out_dtype).itemsize if separate_o else None)
+    plain = smem_bytes(*args)
+    if plain <= SMEM_LIMIT or not separate_o:
+        return False, plain
+    return True, smem_bytes(*args, alias_out=True)
+
+
+def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, smem, k_ready, v_ready,
+                      q_ready, k_free, v_free, schedule, *, block_q, block_kv, steps, group, causal,
+                      scale_log2, num_q_tiles, alias_out, separate_o, interpret):
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    if interpret:  # jax 0.10's CPU interpreter has no layout_cast; layouts mean nothing there
+        layout_cast = lambda x, layout: x  # noqa: E731
+    else:
+        layout_cast = plgpu.layout_cast
+
+    def iota(dim):  # int32 [block_q, block_kv] index along `dim`, born in the layout of the scores
+        return layout_cast(lax.broadcasted_iota(jnp.int32, (block_q, block_kv), dim), wgmma_layout)
+    head_dim = q_ref.shape[-1]
+    in_dtype = q_ref.dtype
+
+    if alias_out:  # RefUnion((q, k), (o,)): O reuses the memory of Q and K
+        ((q_smem, k_smem), (o_smem,)), v_smem, lse_smem = smem
+    else:
+        q_smem, k_smem, v_smem, o_smem, lse_smem = smem
+    if not separate_o:
+        o_smem = q_smem  # same dtype: each consumer writes O over its own (finished) Q tile
+
+    batch = lax.axis_index("batch")
+    q_head = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    tile = lax.axis_index("q_seq")
+    if causal:  # the last query tiles see the most keys: launch them first to shorten the tail
+        tile = num_q_tiles - 1 - tile
+    tile_rows = 2 * block_q
+    q_offset = qoff_ref[batch]
+    kv_len = kvlen_ref[batch]  # clamped to [0, Tk] by the wrapper
+
+    # KV blocks [0, num_steps) are visible to some row of this CTA; the producer loads exactly these
+    # and both consumers step through all of them (same count keeps the barrier phases in step).
+    if causal:
+        hi = jnp.clip(q_offset + (tile + 1) * tile_rows, 0, kv_len)
+    else:
+        hi = kv_len
+    num_steps = lax.div(hi + (block_kv - 1), jnp.int32(block_kv))
+
+    def schedule_barrier():
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(schedule)
+
+    @pl.when(wg < _COMPUTE_WGS)
+    def _consumer():
+        plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+        q_tile = q_smem.at[wg]
+        q_base = tile * tile_rows + wg * block_q  # first query row of this warpgroup
+        first_pos = q_offset + q_base  # its key position
+        # Blocks [0, num_full) are visible to every row of this warpgroup: no mask at all.
+        if causal:
+            num_full = lax.div(jnp.clip(first_pos + 1, 0, kv_len), jnp.int32(block_kv))
+        else:
+            num_full = lax.div(kv_len, jnp.int32(block_kv))
+        num_full = jnp.minimum(num_full, num_steps)
+
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, block_q), q_head], q_tile, q_ready.at[wg])
+        plgpu.barrier_wait(q_ready.at[wg])
+
+        m_i = layout_cast(jnp.full((block_q,), NEG_INF, jnp.float32), row_layout)
+        l_i = layout_cast(jnp.full((block_q,), 0.0, jnp.float32), row_layout)
+        acc = layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), wgmma_layout)
+
+        @pl.when(num_steps > 0)
+        def _():
+            plgpu.barrier_wait(k_ready.at[0])
+
+        # Warpgroup 1 waits one turn so that the two alternate on the tensor cores.
+        pl.when(wg == 1)(schedule_barrier)
+
+        def kv_step(j, carry, masked: bool):
+            acc, m_i, l_i = carry
+            slot = lax.rem(j, jnp.int32(steps))
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
+                schedule_barrier()  # let the other warpgroup issue while this wgmma runs
+                return acc_ref[...]
+
+            if interpret:  # jax 0.10's interpreter cannot wgmma from a transposed ref: same product as a dot
+                s = lax.dot_general(q_tile[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+                schedule_barrier()
+            else:
+                s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+
+            if masked:
+                # Key col = j * block_kv + c is visible to row r iff col < kv_len and (causal)
+                # col <= first_pos + r, i.e. c < kv_len - j * block_kv and c - r <= first_pos - j * block_kv.
+                k0 = j * block_kv
+                cols = iota(1)
+                vis = cols < kv_len - k0
+                if causal:
+                    rows = iota(0)
+                    vis = vis & (cols - rows <= first_pos - k0)
+                s = jnp.where(vis, s, NEG_INF)
+
+            # Online softmax in base 2, scale folded into the exponent (m is in scaled log2 units).
+            m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
+            # A row with nothing visible yet keeps m = -inf; shift it by 0 to avoid inf - inf = NaN.
+            m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if masked else m_new
+            alpha = jnp.exp2(m_i - m_use)
+            p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i = l_i * alpha
+            p_in = p.astype(in_dtype)
+            # As in JAX's attention_mgpu (D <= 128): sum p before the barriers, and pin the order so the
+            # compiler does not sink the softmax past the wait.
+            l_i = l_i + p.sum(axis=1)
+            acc, l_i, m_new, p_in = lax.optimization_barrier((acc, l_i, m_new, p_in))
+            plgpu.barrier_arrive(schedule)  # softmax done
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_wait(schedule)  # the other warpgroup's wgmma has been issued
+
+            def wait_next_k():  # overlap the wait for the next K with the P V wgmma
+                nxt = j + 1
+
+                @pl.when(nxt < num_steps)
+                def _():
+                    plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(steps))])
+
+            def pv(acc_ref):  # acc_ref holds acc on entry: the wgmma adds P V in place
+                plgpu.wgmma(acc_ref, p_in, v_smem.at[slot])
+                wait_next_k()
+
+            if interpret:  # jax 0.10's interpreter has neither run_state nor register wgmma operands
+                acc = acc + lax.dot(p_in, v_smem.at[slot][...], preferred_element_type=jnp.float32)
+                wait_next_k()
+            else:
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l_i
+
+        carry = (acc, m_i, l_i)
+        carry = lax.fori_loop(0, num_full, functools.partial(kv_step, masked=False), carry)
+        acc, m_i, l_i = lax.fori_loop(num_full, num_steps, functools.partial(kv_step, masked=True), carry)
+        # Warpgroup 0 takes the turn warpgroup 1 skipped; after it, warpgroup 1's last Q K^T is done,
+        # so neither Q tile nor any K slot is read again (what makes aliasing O over them safe).
+        pl.when(wg == 0)(schedule_barrier)
+
+        seen = l_i > 0.0
+        l_safe = jnp.where(seen, l_i, 1.0)
+        inv_l = jnp.where(seen, 1.0 / l_safe, 0.0)
+        lse = jnp.where(seen, m_i * LN2 + jnp.log(l_safe), NEG_INF)
+        o = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+        o_tile = o_smem.at[wg]
+        o_tile[...] = o.astype(o_smem.dtype)
+        lse_tile = lse_smem.at[wg]
+        lse_tile[...] = lse
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_tile, o_ref.at[batch, pl.ds(q_base, block_q), q_head])
+        plgpu.copy_smem_to_gmem(lse_tile, lse_ref.at[batch, q_head, pl.ds(q_base, block_q)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == _COMPUTE_WGS)
+    def _producer():
+        plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
+        kv_head = lax.div(q_head, jnp.int32(group))
+
+        def issue(j, slot):
+            rows = (batch, pl.ds(j * block_kv, block_kv), kv_head)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+
+        for i in range(steps):  # fill the ring; never copy a block nobody will wait for
+            pl.when(i < num_steps)(functools.partial(issue, i, i))
+
+        def refill(j, _):
+            slot = lax.rem(j, jnp.int32(steps))
+            # K and V slots are released separately (K right after S = Q K^T), so K can be refilled early.
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.copy_gmem_to_smem(k_ref.at[batch, pl.ds(j * block_kv, block_kv), kv_head], k_smem.at[slot],
+                                    k_ready.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[batch, pl.ds(j * block_kv, block_kv), kv_head], v_smem.at[slot],
+                                    v_ready.at[slot])
+            return None
+
+        refilled = jnp.maximum(num_steps, steps)
+        lax.fori_loop(jnp.int32(steps), refilled, refill, None)
+
+        def drain(j, _):
+            # Observe the releases of the last blocks too. Not needed on the GPU (nothing waits on those
+            # phases), but it keeps every barrier phase observed, which Mosaic GPU's CPU interpreter checks.
+            slot = lax.rem(j, jnp.int32(steps))
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+            return None
+
+        lax.fori_loop(refilled, num_steps + steps, drain, None)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "out_dtype", "block_q", "block_kv",
+                                             "max_concurrent_steps", "semantics", "interpret"))
+def _attention_mgpu(q, k, v, q_offset, kv_len, *, causal, sm_scale, out_dtype, block_q, block_kv,
+                    max_concurrent_steps, semantics, interpret):
+    batch, tq, hq, d = q.shape
+    _, tk, hkv, _ = k.shape
+    cfg = dict(block_q=block_q, block_kv=block_kv, max_concurrent_steps=max_concurrent_steps)
+    alias_out, _ = _plan_smem(cfg, d, q.dtype, out_dtype)
+    alias_out = alias_out and not interpret  # the CPU interpreter has no RefUnion (and no memory limit)
+    separate_o = jnp.dtype(out_dtype) != jnp.dtype(q.dtype)
+    num_q_tiles = tq // (2 * block_q)
+
+    def tiled(shape, dtype):
+        # 128-byte swizzle with (8, 128 B) tiles: the layout wgmma reads and TMA writes without bank conflicts.
+        swizzle_elems = 128 // jnp.dtype(dtype).itemsize
+        return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle_elems)),
+                                                    plgpu.SwizzleTransform(128)))
+
+    q_s = tiled((_COMPUTE_WGS, block_q, d), q.dtype)
+    k_s = tiled((max_concurrent_steps, block_kv, d), k.dtype)
+    v_s = tiled((max_concurrent_steps, block_kv, d), v.dtype)
+    o_s = tiled((_COMPUTE_WGS, block_q, d), out_dtype) if separate_o else None
+    lse_s = plgpu.SMEM((_COMPUTE_WGS, block_q), jnp.float32)
+    if alias_out:
+        smem = (plgpu.RefUnion((q_s, k_s), (o_s,)), v_s, lse_s)
+    else:
+        smem = (q_s, k_s, v_s, o_s, lse_s)
+
+    kernel = functools.partial(
+        _attention_kernel, block_q=block_q, block_kv=block_kv, steps=max_concurrent_steps, group=hq // hkv,
+        causal=causal, scale_log2=sm_scale * LOG2E, num_q_tiles=num_q_tiles, alias_out=alias_out,
+        separate_o=separate_o, interpret=interpret)
+    out_type = (jax.ShapeDtypeStruct((batch, tq, hq, d), out_dtype),
+                jax.ShapeDtypeStruct((batch, hq, tq), jnp.float32))
+    return plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        scratch_types=(
+            smem,
+            plgpu.Barrier(num_barriers=max_concurrent_steps),  # k_ready (TMA completes it)
+            plgpu.Barrier(num_barriers=max_concurrent_steps),  # v_ready
+            plgpu.Barrier(num_barriers=_COMPUTE_WGS),  # q_ready
+            plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=max_concurrent_steps),  # k_free
+            plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=max_concurrent_steps),  # v_free
+            plgpu.Barrier(num_arrivals=_COMPUTE_WGS),  # schedule (ping-pong between consumers)
+        ),
+        grid=(hq, num_q_tiles, batch),  # heads fastest: the G heads of one KV head share it in L2
+        grid_names=("heads", "q_seq", "batch"),
+        num_threads=_COMPUTE_WGS + 1,
+        thread_name="wg",
+        interpret=_interpret_params() if interpret else None,
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True,
+            # Row reductions of the wgmma layout stay inside a warp: no cross-warp scratch needed, and
+            # the 2 KiB it would take is what lets block_kv=128 with a float32 O fit in 227 KiB.
+            reduction_scratch_bytes=0,
+            lowering_semantics=_semantics(semantics)),
+    )(q_offset, kv_len, q, k, v)
+
+
+def _per_batch(value, batch: int, name: str) -> jax.Array:
+    arr = jnp.asarray(value)
+    if arr.ndim > 1 or (arr.ndim == 1 and arr.shape[0] not in (1, batch)):
+        raise ValueError(f"{name} has shape {arr.shape}; allowed: a scalar or shape ({batch},)")
+    if not jnp.issubdtype(arr.dtype, jnp.integer):
+        raise ValueError(f"{name} has dtype {arr.dtype}; allowed: an integer type")
+    return jnp.broadcast_to(arr.astype(jnp.int32), (batch,))
+
+
+def attention_with_lse_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, q_offset=None,
+                            kv_lengths=None, sm_scale: float | None = None, out_dtype=jnp.float32,
+                            block_q: int | None = None, block_kv: int | None = None,
+                            max_concurrent_steps: int | None = None,
+                            semantics: str = "warpgroup", interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Flash attention forward (Mosaic GPU, Hopper) with GQA, causal offset, per-batch key length and LSE.
+
+    Args:
+      q: [B, Tq, Hq, D]; k, v: [B, Tk, Hkv, D]; bfloat16 (or float16), Hq % Hkv == 0, D in {64, 128}.
+      causal: query i sees key j only if j <= q_offset + i.
+      q_offset: position of query 0 in the keys; int or int32 array (scalar or [B]), may be traced;
+        None means Tk - Tq (queries are the last Tq of the keys).
+      kv_lengths: keys j >= kv_lengths[b] are invisible; int or int32 (scalar or [B]), may be traced;
+        None means Tk. Clamped to [0, Tk].
+      sm_scale: score scale, default 1/sqrt(D); applied in float32 inside the exponent. Static.
+      out_dtype: dtype of o (float32 default: the unrounded accumulator; bfloat16 possible). Static.
+      block_q: query rows per consumer warpgroup (a CTA takes 2 * block_q); block_kv: keys per step;
+        max_concurrent_steps: K/V ring slots. None takes DEFAULT_CONFIG.
+      semantics: Mosaic GPU lowering, "warpgroup" (jax 0.11's default) or "lane".
+      interpret: run Mosaic GPU's CPU interpreter instead (tests only; slow, small shapes).
+
+    Returns:
+      o [B, Tq, Hq, D] in out_dtype and lse [B, Hq, Tq] float32 (natural log); rows that see no key
+      get o = 0 and lse = -inf.
+    """
+    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
+        raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}; allowed: [B, Tq, Hq, D] and equal [B, Tk, Hkv, D]")
+    batch, tq, hq, d = q.shape
+    kb, tk, hkv, kd = k.shape
+    if kb != batch or kd != d or hkv == 0 or hq % hkv:
+        raise ValueError(f"q {q.shape} and k {k.shape}: need the same B and D and Hq % Hkv == 0")
+    if q.dtype != k.dtype or k.dtype != v.dtype:
+        raise ValueError(f"q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype}; allowed: one dtype")
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"dtype {q.dtype}; allowed: bfloat16 or float16 (wgmma operands)")
+    cfg = _resolve_config(tk, block_q, block_kv, max_concurrent_steps)
+    if (err := _check_blocks(tq, tk, d, cfg["block_q"], cfg["block_kv"], cfg["max_concurrent_steps"])) is not None:
+        raise ValueError(err)
+    out_dtype = jnp.dtype(out_dtype)
+    if (need := _plan_smem(cfg, d, q.dtype, out_dtype)[1]) > SMEM_LIMIT:
+        raise ValueError(f"config {cfg} needs {need} B of shared memory; limit {SMEM_LIMIT}")
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    if not scale > 0.0 or math.isinf(scale):
+        raise ValueError(f"sm_scale={sm_scale}; allowed: a finite value > 0")
+    q_offset = _per_batch(tk - tq if q_offset is None else q_offset, batch, "q_offset")
+    kv_len = jnp.clip(_per_batch(tk if kv_lengths is None else kv_lengths, batch, "kv_lengths"), 0, tk)
+    return _attention_mgpu(q, k, v, q_offset, kv_len, causal=bool(causal), sm_scale=scale, out_dtype=out_dtype,
+                           semantics=semantics, interpret=bool(interpret), **cfg)
