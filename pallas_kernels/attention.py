@@ -19,6 +19,7 @@ Semantics shared by both:
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +47,7 @@ from pallas_kernels._common import (
     per_row,
     resolve_interpret,
 )
+from pallas_kernels import mgpu_attention
 from pallas_kernels.state import AttentionState, check_state, empty_state, finish_state
 
 
@@ -204,6 +206,22 @@ def _check_pallas_head_dim(d: int) -> None:
             "[16, 256] (use attention_with_lse_xla otherwise)")
 
 
+def runs_on_hopper_kernel(q: jax.Array, k: jax.Array, v: jax.Array, out_dtype=None, *, finish: bool = True,
+                          interpret: bool | None = None, q_positions: jax.Array | None = None,
+                          tuned: bool = False) -> bool:
+    """Whether `attention_with_lse` / `attention_state` take the Hopper kernel (`mgpu_attention`: Mosaic GPU, TMA
+    loads, wgmma, warp specialisation) for these arguments rather than the Triton one: on an sm_90 GPU, with
+    bfloat16 or float16 inputs and D 64 or 128, unless the queries are picked by position (`q_positions`),
+    Triton launch parameters are given (`tuned`) or the environment sets JAX_OFFLOAD_HOPPER_ATTENTION=0. The
+    choice depends on nothing that differs between the calls of one model's prefill (in GPU memory, chunked,
+    offloaded), so those keep one another's bits."""
+    if resolve_interpret(interpret) or q_positions is not None or tuned:
+        return False
+    if os.environ.get("JAX_OFFLOAD_HOPPER_ATTENTION", "1") == "0":
+        return False
+    return mgpu_attention.is_supported(q, k, v, out_dtype=check_out_dtype(out_dtype, q.dtype), finish=finish)
+
+
 def _launch(q, k, v, state, *, causal, q_offset, kv_len, sm_scale, out_dtype, finish, interpret,
             block_q, block_k, num_warps, num_stages, kv_start=None, q_positions=None):
     batch, tq, hq, tk, hkv, d = check_attention_shapes(q, k, v, 4)
@@ -213,6 +231,15 @@ def _launch(q, k, v, state, *, causal, q_offset, kv_len, sm_scale, out_dtype, fi
     cfg = default_attention_config(q.dtype)
     q_offset = per_batch(q_offset, batch, "q_offset")
     kv_len = jnp.clip(per_batch(tk if kv_len is None else kv_len, batch, "kv_len"), 0, tk)
+    tuned = any(x is not None for x in (block_q, block_k, num_warps, num_stages))
+    if runs_on_hopper_kernel(q, k, v, out_dtype, finish=finish, interpret=interpret, q_positions=q_positions,
+                             tuned=tuned):
+        hopper = dict(causal=bool(causal), q_offset=q_offset, kv_lengths=kv_len, sm_scale=check_sm_scale(sm_scale, d),
+                      kv_start=per_row(kv_start, batch, tq), state=state)
+        if finish:
+            return mgpu_attention.attention_with_lse_mgpu(q, k, v, out_dtype=check_out_dtype(out_dtype, q.dtype),
+                                                          **hopper)
+        return mgpu_attention.attention_state_mgpu(q, k, v, **hopper)
     return _attention_pallas(
         q, k, v, q_offset, kv_len, per_row(q_positions, batch, tq, "q_positions"), per_row(kv_start, batch, tq),
         state, causal=bool(causal),

@@ -1,57 +1,86 @@
 """Hopper flash-attention forward in Pallas's Mosaic GPU backend (TMA, wgmma, warp specialisation).
 
-The dense-prefill subset of `attention_with_lse` (pallas_kernels/attention.py), same semantics:
-  q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D] (bfloat16 or float16); query head h reads KV head h // (Hq // Hkv).
+The contract of the Triton kernels of pallas_kernels/attention.py (`attention_with_lse`, `attention_state`),
+for bfloat16/float16 inputs on an sm_90 GPU, less `q_positions`:
+  q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D]; query head h reads KV head h // (Hq // Hkv).
   Query i sits at key position q_offset + i (q_offset per batch row, default Tk - Tq); key j is visible to it
-  iff j < kv_len (per batch row, default Tk) and, when causal, j <= q_offset + i.
-  o [B, Tq, Hq, D] in out_dtype (default float32, the unrounded accumulator), lse [B, Hq, Tq] float32 in
-  natural log. A row that sees no key gets o = 0 and lse = -inf.
+  iff kv_start[b, i] <= j < kv_len (kv_len per batch row, default Tk; kv_start per query row, default 0)
+  and, when causal, j <= q_offset + i. kv_start packs several sequences into one batch row.
+  `attention_with_lse_mgpu` returns o [B, Tq, Hq, D] in out_dtype (default float32, the unrounded
+  accumulator) and lse [B, Hq, Tq] float32 in natural log, finished exactly as `finish_online_softmax`
+  (pallas_kernels/_common.py) does; a row that sees no key gets o = 0 and lse = -inf.
+  `attention_state_mgpu` returns the raw online-softmax state instead (`pallas_kernels.state.AttentionState`:
+  acc [B, Tq, Hq, D], m and l [B, Hq, Tq], float32, base-2 units).
+  Both continue an optional input state (the same type, over earlier keys) instead of the empty one.
+  Any Tq and Tk: the wrapper pads q to a multiple of 2 * block_q rows and k/v to a multiple of block_kv
+  keys (padded keys lie at or past kv_len, so they are always masked) and slices the padding off.
+
+Streaming (what carrying a state is for). Keys cut into ascending blocks at multiples of block_kv, one call
+per block with q_offset, kv_lengths and kv_start made relative to the block's first key, every call but the
+last through `attention_state_mgpu` and the last through `attention_with_lse_mgpu(state=...)` (same config),
+give the bits of one call over all the keys. Why:
+  * Key tiles sit at the same absolute positions in every call (blocks start at multiples of block_kv; a
+    call's partial last tile is padded with keys it masks) and a query row sits in the same Q tile, so each
+    tile's scores come from the same wgmma on the same operands: the same bits, the same visibility.
+  * A row's state goes through the same per-tile updates in the same (ascending) order; a state that
+    crosses calls is stored and reloaded as exact float32.
+  * A tile that only one side runs is invisible to the row (a CTA skips only tiles that none of its rows
+    sees, and padding rows only add such tiles), and a fully masked tile leaves the state bit-identical:
+    m stays, alpha = 2^(m - m) = 1, p = 0, so l and acc stay; a row that has seen nothing yet keeps
+    m = -inf, l = 0, acc = 0 (m_use = 0: alpha = p = 0).
+  * The masked and the unmasked update run the same operations on visible entries (the select passes s
+    through, m_use = m_new once m_new is finite), so a tile that one call runs unmasked (the choice is per
+    warpgroup and per call) and the other masked gives the same bits.
+  * The finish is one formula applied once to the same final state.
 
 Algorithm (FlashAttention-3 layout, one CTA = 3 warpgroups):
   * A CTA owns 2 * block_q query rows of one (batch, q head). Warpgroups 0 and 1 ("consumers") take
     block_q rows each; warpgroup 2 (the "producer") only issues TMA copies of K and V blocks into a ring
     of `max_concurrent_steps` shared-memory slots, waiting on per-slot "consumed" barriers before reuse.
-  * Each consumer keeps its Q tile in shared memory and, per KV block: S = Q K^T (wgmma, float32
+  * Each consumer keeps its Q tile in shared memory, starts from the empty state or loads the input state
+    of its rows from global memory straight into registers, and per KV block: S = Q K^T (wgmma, float32
     accumulator), online softmax in float32 registers, O += P V (wgmma, P rounded to the input dtype).
   * Softmax in base 2 with the scale folded into one constant c = sm_scale * log2(e) applied to the
     float32 scores: m = max_j(s_j) * c, p_j = 2^(s_j * c - m) (one FMA per element), l = sum_j p_j.
-    Then sum_j e^(s_j * sm_scale) = 2^m * l, so the natural LSE is m * ln(2) + ln(l). q is never
+    Then sum_j e^(s_j * sm_scale) = 2^m * l, so the natural LSE is (m + log2(l)) * ln(2). q is never
     pre-scaled (no extra bf16 rounding), exactly as our Triton kernel.
   * The two consumers take turns on the tensor cores through a two-party "schedule" barrier: while one
     runs its softmax the other's wgmma runs (FA3's ping-pong).
-  * Causal: key blocks past the CTA's last query are never loaded (the loop bound comes from the query
-    tile). Blocks wholly visible to every row of a warpgroup run without any mask; only blocks that
-    straddle the diagonal or kv_len build the (iota) mask. Both consumers run the same number of
-    steps (the CTA's bound), so the barrier protocol needs no epilogue; the lower warpgroup's extra
-    steps are fully masked and cost at most ceil(block_q / block_kv) blocks.
+  * Key blocks [first, num_steps) are the ones some row of the CTA may see: blocks past the CTA's last
+    query (causal) or kv_len, and (kv_start) below the CTA's smallest start, are never loaded. Blocks
+    visible to every row of a warpgroup run without any mask; only the others build the (iota) mask. Both
+    consumers run the CTA's blocks (the same count keeps the barrier protocol in step, with no epilogue);
+    the lower warpgroup's extra causal steps are fully masked and cost at most ceil(block_q / block_kv)
+    blocks.
 
 Limits (`is_supported` says whether a call fits; the caller falls back to Triton otherwise): a Hopper
-GPU (sm_90), D in {64, 128}, Tq a multiple of 2 * block_q, Tk a multiple of block_kv, block_q and
-block_kv multiples of 64. Written against jax 0.11.2's `jax.experimental.pallas.mosaic_gpu`.
+GPU (sm_90), bfloat16/float16 inputs, D in {64, 128}, block_q and block_kv multiples of 64, and tiles that
+fit in shared memory. Written against jax 0.11.2's `jax.experimental.pallas.mosaic_gpu`; also lowers (and
+runs in Mosaic GPU's CPU interpreter) under jax 0.10.
 
 Why JAX's own `ops/gpu/attention_mgpu.py` cannot be used as is: its shared-memory scratch for Q/O, K and
 V is hard-coded float16 (so bfloat16 inputs fail at the TMA copy or the wgmma), it applies no softmax
-scale, returns a base-2 LSE, writes O in the input dtype and knows neither q_offset nor kv_len.
+scale, returns a base-2 LSE, writes O in the input dtype and knows neither q_offset, kv_len, kv_start nor
+an input state.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels._common import LN2, LOG2E, NEG_INF, check_sm_scale, per_batch, per_row
+from pallas_kernels.state import AttentionState, check_state
+
 try:  # Importing runs no GPU code; a jax without Mosaic GPU only makes `is_supported` say False.
     from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover
     plgpu = None
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
-NEG_INF = float("-inf")
 # Shared memory per block on sm_90 (H100/H200), opt-in maximum.
 SMEM_LIMIT = 227 * 1024
 _SMEM_ALIGN = 1024  # Mosaic GPU aligns every shared-memory buffer to 1 KiB.
@@ -82,38 +111,40 @@ def _align(n: int) -> int:
     return -(-n // _SMEM_ALIGN) * _SMEM_ALIGN
 
 
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
 def smem_bytes(block_q: int, block_kv: int, steps: int, head_dim: int, in_itemsize: int = 2,
-               out_itemsize: int | None = 4, alias_out: bool = False) -> int:
+               out_itemsize: int | None = 4, alias_out: bool = False, row_outs: int = 1) -> int:
     """Shared memory the kernel allocates, as Mosaic GPU counts it (buffers 1 KiB aligned) less the barriers
-    (8 bytes each). out_itemsize None: O has the input dtype and goes out through Q's buffer."""
+    (8 bytes each). out_itemsize None: O has the input dtype and goes out through Q's buffer. row_outs: float32
+    per-row outputs staged for their copy out (1: lse; 2: the state's m and l)."""
     q = _align(_COMPUTE_WGS * block_q * head_dim * in_itemsize)
     kv = _align(steps * block_kv * head_dim * in_itemsize)
-    lse = _align(_COMPUTE_WGS * block_q * 4)
+    rows = _align(row_outs * _COMPUTE_WGS * block_q * 4)
     o = 0 if out_itemsize is None else _align(_COMPUTE_WGS * block_q * head_dim * out_itemsize)
     if alias_out:  # O shares memory with Q and K, which are dead by the time O is written
-        return max(q + kv, o) + kv + lse
-    return q + 2 * kv + o + lse
+        return max(q + kv, o) + kv + rows
+    return q + 2 * kv + o + rows
 
 
-def _check_blocks(tq: int, tk: int, d: int, block_q: int, block_kv: int, steps: int) -> str | None:
+def _check_blocks(d: int, block_q: int, block_kv: int, steps: int) -> str | None:
     if d not in (64, 128):
         return f"head_dim={d}; allowed: 64 or 128"
     if block_q % 64 or block_kv % 64 or block_q <= 0 or block_kv <= 0:
         return f"block_q={block_q}, block_kv={block_kv}; allowed: multiples of 64"
     if steps < 1:
         return f"max_concurrent_steps={steps}; allowed: >= 1"
-    if tq % (2 * block_q):
-        return f"Tq={tq} is not a multiple of 2 * block_q = {2 * block_q}"
-    if tk % block_kv:
-        return f"Tk={tk} is not a multiple of block_kv={block_kv}"
     return None
 
 
 def is_supported(q, k, v, *, block_q: int | None = None, block_kv: int | None = None,
-                 max_concurrent_steps: int | None = None, out_dtype=jnp.float32) -> bool:
-    """True when `attention_with_lse_mgpu` can run this call here: a Hopper (sm_90) GPU is the default
-    device, Mosaic GPU imports, bf16/f16 inputs of rank 4 with Hq % Hkv == 0, D in {64, 128}, Tq a multiple
-    of 2 * block_q, Tk a multiple of block_kv, and the tiles fit in shared memory."""
+                 max_concurrent_steps: int | None = None, out_dtype=jnp.float32, finish: bool = True) -> bool:
+    """True when `attention_with_lse_mgpu` (finish) or `attention_state_mgpu` (not finish; its output is
+    float32 whatever out_dtype says) can run this call here: a Hopper (sm_90) GPU is the default device,
+    Mosaic GPU imports, bf16/f16 inputs of rank 4 with Hq % Hkv == 0, D in {64, 128}, block sizes multiples
+    of 64 and tiles that fit in shared memory. Sequence lengths do not matter (the wrapper pads)."""
     try:
         dev = jax.devices()[0]
     except RuntimeError:
@@ -128,12 +159,12 @@ def is_supported(q, k, v, *, block_q: int | None = None, block_kv: int | None = 
         return False
     b, tq, hq, d = q.shape
     kb, tk, hkv, kd = k.shape
-    if kb != b or kd != d or hkv == 0 or hq % hkv:
+    if kb != b or kd != d or hkv == 0 or hq % hkv or tk == 0:
         return False
     cfg = _resolve_config(tk, block_q, block_kv, max_concurrent_steps)
-    if _check_blocks(tq, tk, d, cfg["block_q"], cfg["block_kv"], cfg["max_concurrent_steps"]):
+    if _check_blocks(d, cfg["block_q"], cfg["block_kv"], cfg["max_concurrent_steps"]):
         return False
-    return _plan_smem(cfg, d, q.dtype, out_dtype)[1] <= SMEM_LIMIT
+    return _plan_smem(cfg, d, q.dtype, out_dtype if finish else jnp.float32, finish)[1] <= SMEM_LIMIT
 
 
 def _resolve_config(tk, block_q, block_kv, steps) -> dict[str, int]:
@@ -141,30 +172,42 @@ def _resolve_config(tk, block_q, block_kv, steps) -> dict[str, int]:
     block_kv = block_kv or DEFAULT_CONFIG["block_kv"]
     steps = steps or DEFAULT_CONFIG["max_concurrent_steps"]
     # More slots than KV blocks would only hold copies nobody waits for.
-    steps = max(1, min(steps, tk // block_kv if block_kv else 1))
+    steps = max(1, min(steps, -(-tk // block_kv) if block_kv > 0 else 1))
     return dict(block_q=block_q, block_kv=block_kv, max_concurrent_steps=steps)
 
 
-def _plan_smem(cfg, d, in_dtype, out_dtype) -> tuple[bool, int]:
+def _plan_smem(cfg, d, in_dtype, out_dtype, finish: bool) -> tuple[bool, int]:
     """(alias O with Q/K?, bytes): alias only when the plain layout does not fit."""
     separate_o = jnp.dtype(out_dtype) != jnp.dtype(in_dtype)
     args = (cfg["block_q"], cfg["block_kv"], cfg["max_concurrent_steps"], d, jnp.dtype(in_dtype).itemsize,
             jnp.dtype(out_dtype).itemsize if separate_o else None)
-    plain = smem_bytes(*args)
+    row_outs = 1 if finish else 2
+    plain = smem_bytes(*args, row_outs=row_outs)
     if plain <= SMEM_LIMIT or not separate_o:
         return False, plain
-    return True, smem_bytes(*args, alias_out=True)
+    return True, smem_bytes(*args, alias_out=True, row_outs=row_outs)
 
 
-def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, smem, k_ready, v_ready,
-                      q_ready, k_free, v_free, schedule, *, block_q, block_kv, steps, group, causal,
-                      scale_log2, num_q_tiles, alias_out, separate_o, interpret):
+def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *refs, block_q, block_kv, steps, group, causal,
+                      scale_log2, num_q_tiles, packed, resume, finish, alias_out, separate_o, interpret):
+    if packed:  # per-row starts [B, Tq]; per CTA (smallest start, largest of warpgroup 0, of warpgroup 1)
+        start_ref, bounds_ref, *refs = refs
+    if resume:
+        acc0_ref, m0_ref, l0_ref, *refs = refs
+    num_outs = 2 if finish else 3  # (o, lse) or the state (acc, m, l)
+    out_refs = refs[:num_outs]
+    smem, k_ready, v_ready, q_ready, k_free, v_free, schedule = refs[num_outs:]
+
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    if interpret:  # jax 0.10's CPU interpreter has no layout_cast; layouts mean nothing there
+    if interpret:  # jax 0.10's CPU interpreter has neither layout_cast nor plgpu.load; layouts mean nothing there
         layout_cast = lambda x, layout: x  # noqa: E731
+        load = lambda ref, layout: ref[...]  # noqa: E731
     else:
         layout_cast = plgpu.layout_cast
+
+        def load(ref, layout):  # a global-memory tile straight into registers (only unoptimised loads exist)
+            return plgpu.load(ref, (), layout=layout, optimized=False)
 
     def iota(dim):  # int32 [block_q, block_kv] index along `dim`, born in the layout of the scores
         return layout_cast(lax.broadcasted_iota(jnp.int32, (block_q, block_kv), dim), wgmma_layout)
@@ -172,9 +215,9 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, 
     in_dtype = q_ref.dtype
 
     if alias_out:  # RefUnion((q, k), (o,)): O reuses the memory of Q and K
-        ((q_smem, k_smem), (o_smem,)), v_smem, lse_smem = smem
+        ((q_smem, k_smem), (o_smem,)), v_smem, rows_smem = smem
     else:
-        q_smem, k_smem, v_smem, o_smem, lse_smem = smem
+        q_smem, k_smem, v_smem, o_smem, rows_smem = smem
     if not separate_o:
         o_smem = q_smem  # same dtype: each consumer writes O over its own (finished) Q tile
 
@@ -188,13 +231,20 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, 
     q_offset = qoff_ref[batch]
     kv_len = kvlen_ref[batch]  # clamped to [0, Tk] by the wrapper
 
-    # KV blocks [0, num_steps) are visible to some row of this CTA; the producer loads exactly these
-    # and both consumers step through all of them (same count keeps the barrier phases in step).
+    # KV blocks [first, num_steps) may be visible to some row of this CTA; the producer loads exactly these
+    # and both consumers step through all of them (the same count keeps the barrier phases in step).
     if causal:
         hi = jnp.clip(q_offset + (tile + 1) * tile_rows, 0, kv_len)
     else:
         hi = kv_len
     num_steps = lax.div(hi + (block_kv - 1), jnp.int32(block_kv))
+    if packed:  # no row of the CTA sees a key below its smallest start
+        first = jnp.minimum(lax.div(jnp.clip(bounds_ref[batch, tile, 0], 0, hi), jnp.int32(block_kv)), num_steps)
+    else:
+        first = 0  # a Python int: a jnp constant closed over by run_state below fails to lower (warpgroup)
+
+    def ring_slot(j):  # the ring slot of KV block j: blocks fill the slots in turn from `first` on
+        return lax.rem(j - first, jnp.int32(steps))
 
     def schedule_barrier():
         plgpu.barrier_arrive(schedule)
@@ -205,22 +255,35 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, 
         plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
         q_tile = q_smem.at[wg]
         q_base = tile * tile_rows + wg * block_q  # first query row of this warpgroup
+        rows = pl.ds(q_base, block_q)
         first_pos = q_offset + q_base  # its key position
-        # Blocks [0, num_full) are visible to every row of this warpgroup: no mask at all.
+        # Blocks [lo_full, hi_full) are visible to every row of this warpgroup: no mask at all.
         if causal:
             num_full = lax.div(jnp.clip(first_pos + 1, 0, kv_len), jnp.int32(block_kv))
         else:
             num_full = lax.div(kv_len, jnp.int32(block_kv))
         num_full = jnp.minimum(num_full, num_steps)
+        if packed:  # blocks below the warpgroup's largest start are masked
+            highest = jnp.clip(bounds_ref[batch, tile, 1 + wg], 0, hi)
+            lo_full = jnp.clip(lax.div(highest + (block_kv - 1), jnp.int32(block_kv)), first, num_steps)
+            hi_full = jnp.clip(num_full, lo_full, num_steps)
+        else:
+            lo_full, hi_full = first, num_full
 
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, block_q), q_head], q_tile, q_ready.at[wg])
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, q_head], q_tile, q_ready.at[wg])
+        # While Q is in flight: the starting state, and the rows' starts for the mask.
+        if resume:  # continue an online softmax over earlier keys exactly where it stopped
+            acc = load(acc0_ref.at[batch, rows, q_head], wgmma_layout)
+            m_i = load(m0_ref.at[batch, q_head, rows], row_layout)
+            l_i = load(l0_ref.at[batch, q_head, rows], row_layout)
+        else:
+            m_i = layout_cast(jnp.full((block_q,), NEG_INF, jnp.float32), row_layout)
+            l_i = layout_cast(jnp.full((block_q,), 0.0, jnp.float32), row_layout)
+            acc = layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), wgmma_layout)
+        start_rows = load(start_ref.at[batch, rows], row_layout) if packed else None
         plgpu.barrier_wait(q_ready.at[wg])
 
-        m_i = layout_cast(jnp.full((block_q,), NEG_INF, jnp.float32), row_layout)
-        l_i = layout_cast(jnp.full((block_q,), 0.0, jnp.float32), row_layout)
-        acc = layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), wgmma_layout)
-
-        @pl.when(num_steps > 0)
+        @pl.when(num_steps > first)
         def _():
             plgpu.barrier_wait(k_ready.at[0])
 
@@ -229,7 +292,7 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, 
 
         def kv_step(j, carry, masked: bool):
             acc, m_i, l_i = carry
-            slot = lax.rem(j, jnp.int32(steps))
+            slot = ring_slot(j)
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
@@ -245,14 +308,15 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, 
             plgpu.barrier_arrive(k_free.at[slot])
 
             if masked:
-                # Key col = j * block_kv + c is visible to row r iff col < kv_len and (causal)
-                # col <= first_pos + r, i.e. c < kv_len - j * block_kv and c - r <= first_pos - j * block_kv.
+                # Key col = j * block_kv + c is visible to row r iff col < kv_len, (causal) col <= first_pos + r
+                # and (packed) col >= start_r: c < kv_len - k0, c - r <= first_pos - k0, c >= start_r - k0.
                 k0 = j * block_kv
                 cols = iota(1)
                 vis = cols < kv_len - k0
                 if causal:
-                    rows = iota(0)
-                    vis = vis & (cols - rows <= first_pos - k0)
+                    vis = vis & (cols - iota(0) <= first_pos - k0)
+                if packed:
+                    vis = vis & (cols >= lax.broadcast_in_dim(start_rows - k0, s.shape, [0]))
                 s = jnp.where(vis, s, NEG_INF)
 
             # Online softmax in base 2, scale folded into the exponent (m is in scaled log2 units).
@@ -277,7 +341,7 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, 
 
                 @pl.when(nxt < num_steps)
                 def _():
-                    plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(steps))])
+                    plgpu.barrier_wait(k_ready.at[ring_slot(nxt)])
 
             def pv(acc_ref):  # acc_ref holds acc on entry: the wgmma adds P V in place
                 plgpu.wgmma(acc_ref, p_in, v_smem.at[slot])
@@ -291,76 +355,114 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, 
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l_i
 
+        # [first, lo_full) masked (packed only), [lo_full, hi_full) unmasked, [hi_full, num_steps) masked:
+        # num_steps - first steps for either warpgroup.
         carry = (acc, m_i, l_i)
-        carry = lax.fori_loop(0, num_full, functools.partial(kv_step, masked=False), carry)
-        acc, m_i, l_i = lax.fori_loop(num_full, num_steps, functools.partial(kv_step, masked=True), carry)
+        if packed:
+            carry = lax.fori_loop(first, lo_full, functools.partial(kv_step, masked=True), carry)
+        carry = lax.fori_loop(lo_full, hi_full, functools.partial(kv_step, masked=False), carry)
+        acc, m_i, l_i = lax.fori_loop(hi_full, num_steps, functools.partial(kv_step, masked=True), carry)
         # Warpgroup 0 takes the turn warpgroup 1 skipped; after it, warpgroup 1's last Q K^T is done,
         # so neither Q tile nor any K slot is read again (what makes aliasing O over them safe).
         pl.when(wg == 0)(schedule_barrier)
 
-        seen = l_i > 0.0
-        l_safe = jnp.where(seen, l_i, 1.0)
-        inv_l = jnp.where(seen, 1.0 / l_safe, 0.0)
-        lse = jnp.where(seen, m_i * LN2 + jnp.log(l_safe), NEG_INF)
-        o = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+        if finish:  # finish_online_softmax (pallas_kernels/_common.py), the same formula
+            seen = l_i > 0.0
+            l_safe = jnp.where(seen, l_i, 1.0)
+            inv_l = jnp.where(seen, 1.0 / l_safe, 0.0)
+            lse = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN2, NEG_INF)
+            tile_out, row_outs = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0]), (lse,)
+        else:
+            tile_out, row_outs = acc, (m_i, l_i)
         o_tile = o_smem.at[wg]
-        o_tile[...] = o.astype(o_smem.dtype)
-        lse_tile = lse_smem.at[wg]
-        lse_tile[...] = lse
+        o_tile[...] = tile_out.astype(o_smem.dtype)
+        for n, x in enumerate(row_outs):
+            row_tile = rows_smem.at[n, wg]
+            row_tile[...] = x
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_tile, o_ref.at[batch, pl.ds(q_base, block_q), q_head])
-        plgpu.copy_smem_to_gmem(lse_tile, lse_ref.at[batch, q_head, pl.ds(q_base, block_q)])
+        plgpu.copy_smem_to_gmem(o_tile, out_refs[0].at[batch, rows, q_head])
+        for n, ref in enumerate(out_refs[1:]):
+            plgpu.copy_smem_to_gmem(rows_smem.at[n, wg], ref.at[batch, q_head, rows])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == _COMPUTE_WGS)
     def _producer():
         plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
         kv_head = lax.div(q_head, jnp.int32(group))
+        num_blocks = num_steps - first
 
-        def issue(j, slot):
-            rows = (batch, pl.ds(j * block_kv, block_kv), kv_head)
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+        def copy(ref, smem_ref, ready, i, slot):  # the i-th block of this CTA, key block first + i
+            plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds((first + i) * block_kv, block_kv), kv_head],
+                                    smem_ref.at[slot], ready.at[slot])
+
+        def issue(i):
+            copy(k_ref, k_smem, k_ready, i, i)
+            copy(v_ref, v_smem, v_ready, i, i)
 
         for i in range(steps):  # fill the ring; never copy a block nobody will wait for
-            pl.when(i < num_steps)(functools.partial(issue, i, i))
+            pl.when(i < num_blocks)(functools.partial(issue, i))
 
-        def refill(j, _):
-            slot = lax.rem(j, jnp.int32(steps))
+        def refill(i, _):
+            slot = lax.rem(i, jnp.int32(steps))
             # K and V slots are released separately (K right after S = Q K^T), so K can be refilled early.
             plgpu.barrier_wait(k_free.at[slot])
-            plgpu.copy_gmem_to_smem(k_ref.at[batch, pl.ds(j * block_kv, block_kv), kv_head], k_smem.at[slot],
-                                    k_ready.at[slot])
+            copy(k_ref, k_smem, k_ready, i, slot)
             plgpu.barrier_wait(v_free.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[batch, pl.ds(j * block_kv, block_kv), kv_head], v_smem.at[slot],
-                                    v_ready.at[slot])
+            copy(v_ref, v_smem, v_ready, i, slot)
             return None
 
-        refilled = jnp.maximum(num_steps, steps)
+        refilled = jnp.maximum(num_blocks, steps)
         lax.fori_loop(jnp.int32(steps), refilled, refill, None)
 
-        def drain(j, _):
+        def drain(i, _):
             # Observe the releases of the last blocks too. Not needed on the GPU (nothing waits on those
             # phases), but it keeps every barrier phase observed, which Mosaic GPU's CPU interpreter checks.
-            slot = lax.rem(j, jnp.int32(steps))
+            slot = lax.rem(i, jnp.int32(steps))
             plgpu.barrier_wait(k_free.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
             return None
 
-        lax.fori_loop(refilled, num_steps + steps, drain, None)
+        lax.fori_loop(refilled, num_blocks + steps, drain, None)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "out_dtype", "block_q", "block_kv",
+def _pad_axis(x, axis: int, size: int, value=0):
+    """x padded with `value` along `axis` up to `size` (x itself when it is that long)."""
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+@functools.partial(jax.jit, static_argnames=("finish", "causal", "sm_scale", "out_dtype", "block_q", "block_kv",
                                              "max_concurrent_steps", "semantics", "interpret"))
-def _attention_mgpu(q, k, v, q_offset, kv_len, *, causal, sm_scale, out_dtype, block_q, block_kv,
-                    max_concurrent_steps, semantics, interpret):
+def _attention_mgpu(q, k, v, q_offset, kv_len, kv_start, state, *, finish, causal, sm_scale, out_dtype, block_q,
+                    block_kv, max_concurrent_steps, semantics, interpret):
     batch, tq, hq, d = q.shape
     _, tk, hkv, _ = k.shape
+    tile_rows = 2 * block_q
+    # Padding: query rows up to whole CTAs (their results are sliced off; they only add key blocks that are
+    # fully masked for the real rows), keys up to whole blocks (past kv_len <= Tk, so always masked).
+    tq_pad, tk_pad = _round_up(tq, tile_rows), _round_up(tk, block_kv)
+    num_q_tiles = tq_pad // tile_rows
+    q = _pad_axis(q, 1, tq_pad)
+    k, v = _pad_axis(k, 1, tk_pad), _pad_axis(v, 1, tk_pad)
+    extra = []
+    if kv_start is not None:
+        # Padding rows repeat the last real start, so they widen no CTA's range of blocks.
+        starts = jnp.pad(kv_start, ((0, 0), (0, tq_pad - tq)), mode="edge")
+        per_wg = starts.reshape(batch, num_q_tiles, _COMPUTE_WGS, block_q)
+        bounds = jnp.concatenate([per_wg.min(axis=(2, 3))[..., None], per_wg.max(axis=3)], axis=-1)
+        extra += [starts, bounds]
+    if state is not None:
+        extra += [_pad_axis(state.acc, 1, tq_pad), _pad_axis(state.m, 2, tq_pad, NEG_INF),
+                  _pad_axis(state.l, 2, tq_pad)]
+
     cfg = dict(block_q=block_q, block_kv=block_kv, max_concurrent_steps=max_concurrent_steps)
-    alias_out, _ = _plan_smem(cfg, d, q.dtype, out_dtype)
+    tile_dtype = out_dtype if finish else jnp.dtype(jnp.float32)
+    alias_out, _ = _plan_smem(cfg, d, q.dtype, tile_dtype, finish)
     alias_out = alias_out and not interpret  # the CPU interpreter has no RefUnion (and no memory limit)
-    separate_o = jnp.dtype(out_dtype) != jnp.dtype(q.dtype)
-    num_q_tiles = tq // (2 * block_q)
+    separate_o = tile_dtype != jnp.dtype(q.dtype)
 
     def tiled(shape, dtype):
         # 128-byte swizzle with (8, 128 B) tiles: the layout wgmma reads and TMA writes without bank conflicts.
@@ -371,20 +473,20 @@ def _attention_mgpu(q, k, v, q_offset, kv_len, *, causal, sm_scale, out_dtype, b
     q_s = tiled((_COMPUTE_WGS, block_q, d), q.dtype)
     k_s = tiled((max_concurrent_steps, block_kv, d), k.dtype)
     v_s = tiled((max_concurrent_steps, block_kv, d), v.dtype)
-    o_s = tiled((_COMPUTE_WGS, block_q, d), out_dtype) if separate_o else None
-    lse_s = plgpu.SMEM((_COMPUTE_WGS, block_q), jnp.float32)
+    o_s = tiled((_COMPUTE_WGS, block_q, d), tile_dtype) if separate_o else None
+    rows_s = plgpu.SMEM((1 if finish else 2, _COMPUTE_WGS, block_q), jnp.float32)  # lse, or m and l
     if alias_out:
-        smem = (plgpu.RefUnion((q_s, k_s), (o_s,)), v_s, lse_s)
+        smem = (plgpu.RefUnion((q_s, k_s), (o_s,)), v_s, rows_s)
     else:
-        smem = (q_s, k_s, v_s, o_s, lse_s)
+        smem = (q_s, k_s, v_s, o_s, rows_s)
 
     kernel = functools.partial(
         _attention_kernel, block_q=block_q, block_kv=block_kv, steps=max_concurrent_steps, group=hq // hkv,
-        causal=causal, scale_log2=sm_scale * LOG2E, num_q_tiles=num_q_tiles, alias_out=alias_out,
-        separate_o=separate_o, interpret=interpret)
-    out_type = (jax.ShapeDtypeStruct((batch, tq, hq, d), out_dtype),
-                jax.ShapeDtypeStruct((batch, hq, tq), jnp.float32))
-    return plgpu.kernel(
+        causal=causal, scale_log2=sm_scale * LOG2E, num_q_tiles=num_q_tiles, packed=kv_start is not None,
+        resume=state is not None, finish=finish, alias_out=alias_out, separate_o=separate_o, interpret=interpret)
+    rows_f32 = jax.ShapeDtypeStruct((batch, hq, tq_pad), jnp.float32)
+    out_type = (jax.ShapeDtypeStruct((batch, tq_pad, hq, d), tile_dtype),) + (rows_f32,) * (1 if finish else 2)
+    out = plgpu.kernel(
         kernel,
         out_type=out_type,
         scratch_types=(
@@ -407,32 +509,61 @@ def _attention_mgpu(q, k, v, q_offset, kv_len, *, causal, sm_scale, out_dtype, b
             # the 2 KiB it would take is what lets block_kv=128 with a float32 O fit in 227 KiB.
             reduction_scratch_bytes=0,
             lowering_semantics=_semantics(semantics)),
-    )(q_offset, kv_len, q, k, v)
+    )(q_offset, kv_len, q, k, v, *extra)
+    tile_out, *row_outs = out
+    out = (tile_out[:, :tq], *(x[..., :tq] for x in row_outs))
+    return out if finish else AttentionState(*out)
 
 
-def _per_batch(value, batch: int, name: str) -> jax.Array:
-    arr = jnp.asarray(value)
-    if arr.ndim > 1 or (arr.ndim == 1 and arr.shape[0] not in (1, batch)):
-        raise ValueError(f"{name} has shape {arr.shape}; allowed: a scalar or shape ({batch},)")
-    if not jnp.issubdtype(arr.dtype, jnp.integer):
-        raise ValueError(f"{name} has dtype {arr.dtype}; allowed: an integer type")
-    return jnp.broadcast_to(arr.astype(jnp.int32), (batch,))
+def _launch(q, k, v, state, *, finish, causal, q_offset, kv_lengths, kv_start, sm_scale, out_dtype, block_q,
+            block_kv, max_concurrent_steps, semantics, interpret):
+    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
+        raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}; allowed: [B, Tq, Hq, D] and equal [B, Tk, Hkv, D]")
+    batch, tq, hq, d = q.shape
+    kb, tk, hkv, kd = k.shape
+    if kb != batch or kd != d or hkv == 0 or hq % hkv:
+        raise ValueError(f"q {q.shape} and k {k.shape}: need the same B and D and Hq % Hkv == 0")
+    if tk == 0:
+        raise ValueError("k has 0 keys; allowed: Tk >= 1")
+    if q.dtype != k.dtype or k.dtype != v.dtype:
+        raise ValueError(f"q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype}; allowed: one dtype")
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"dtype {q.dtype}; allowed: bfloat16 or float16 (wgmma operands)")
+    cfg = _resolve_config(tk, block_q, block_kv, max_concurrent_steps)
+    if (err := _check_blocks(d, cfg["block_q"], cfg["block_kv"], cfg["max_concurrent_steps"])) is not None:
+        raise ValueError(err)
+    out_dtype = jnp.dtype(out_dtype)
+    if (need := _plan_smem(cfg, d, q.dtype, out_dtype, finish)[1]) > SMEM_LIMIT:
+        raise ValueError(f"config {cfg} needs {need} B of shared memory; limit {SMEM_LIMIT}")
+    if state is not None:
+        check_state(state, batch, tq, hq, d)
+    q_offset = per_batch(tk - tq if q_offset is None else q_offset, batch, "q_offset")
+    kv_len = jnp.clip(per_batch(tk if kv_lengths is None else kv_lengths, batch, "kv_lengths"), 0, tk)
+    return _attention_mgpu(q, k, v, q_offset, kv_len, per_row(kv_start, batch, tq), state, finish=finish,
+                           causal=bool(causal), sm_scale=check_sm_scale(sm_scale, d), out_dtype=out_dtype,
+                           semantics=semantics, interpret=bool(interpret), **cfg)
 
 
 def attention_with_lse_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, q_offset=None,
-                            kv_lengths=None, sm_scale: float | None = None, out_dtype=jnp.float32,
-                            block_q: int | None = None, block_kv: int | None = None,
-                            max_concurrent_steps: int | None = None,
+                            kv_lengths=None, kv_start: jax.Array | None = None, state: AttentionState | None = None,
+                            sm_scale: float | None = None, out_dtype=jnp.float32, block_q: int | None = None,
+                            block_kv: int | None = None, max_concurrent_steps: int | None = None,
                             semantics: str = "warpgroup", interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """Flash attention forward (Mosaic GPU, Hopper) with GQA, causal offset, per-batch key length and LSE.
+    """Flash attention forward (Mosaic GPU, Hopper) with GQA, causal offset, per-batch key length, packed
+    sequences, an optional input state, and LSE.
 
     Args:
-      q: [B, Tq, Hq, D]; k, v: [B, Tk, Hkv, D]; bfloat16 (or float16), Hq % Hkv == 0, D in {64, 128}.
+      q: [B, Tq, Hq, D]; k, v: [B, Tk, Hkv, D]; bfloat16 (or float16), Hq % Hkv == 0, D in {64, 128}; any
+        Tq and Tk >= 1.
       causal: query i sees key j only if j <= q_offset + i.
       q_offset: position of query 0 in the keys; int or int32 array (scalar or [B]), may be traced;
         None means Tk - Tq (queries are the last Tq of the keys).
       kv_lengths: keys j >= kv_lengths[b] are invisible; int or int32 (scalar or [B]), may be traced;
         None means Tk. Clamped to [0, Tk].
+      kv_start: int32 [B, Tq] or None; query i sees no key j < kv_start[b, i] (sequences packed into one
+        batch row). Key blocks below a CTA's smallest start are never loaded.
+      state: an `AttentionState` over earlier keys (from `attention_state_mgpu`, or any kernel's state) to
+        continue instead of the empty one; see the module docstring for the bitwise streaming contract.
       sm_scale: score scale, default 1/sqrt(D); applied in float32 inside the exponent. Static.
       out_dtype: dtype of o (float32 default: the unrounded accumulator; bfloat16 possible). Static.
       block_q: query rows per consumer warpgroup (a CTA takes 2 * block_q); block_kv: keys per step;
@@ -441,29 +572,25 @@ def attention_with_lse_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal:
       interpret: run Mosaic GPU's CPU interpreter instead (tests only; slow, small shapes).
 
     Returns:
-      o [B, Tq, Hq, D] in out_dtype and lse [B, Hq, Tq] float32 (natural log); rows that see no key
-      get o = 0 and lse = -inf.
+      o [B, Tq, Hq, D] in out_dtype and lse [B, Hq, Tq] float32 (natural log), `finish_online_softmax` of
+      the final state; rows that see no key (here or in `state`) get o = 0 and lse = -inf.
     """
-    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
-        raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}; allowed: [B, Tq, Hq, D] and equal [B, Tk, Hkv, D]")
-    batch, tq, hq, d = q.shape
-    kb, tk, hkv, kd = k.shape
-    if kb != batch or kd != d or hkv == 0 or hq % hkv:
-        raise ValueError(f"q {q.shape} and k {k.shape}: need the same B and D and Hq % Hkv == 0")
-    if q.dtype != k.dtype or k.dtype != v.dtype:
-        raise ValueError(f"q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype}; allowed: one dtype")
-    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise ValueError(f"dtype {q.dtype}; allowed: bfloat16 or float16 (wgmma operands)")
-    cfg = _resolve_config(tk, block_q, block_kv, max_concurrent_steps)
-    if (err := _check_blocks(tq, tk, d, cfg["block_q"], cfg["block_kv"], cfg["max_concurrent_steps"])) is not None:
-        raise ValueError(err)
-    out_dtype = jnp.dtype(out_dtype)
-    if (need := _plan_smem(cfg, d, q.dtype, out_dtype)[1]) > SMEM_LIMIT:
-        raise ValueError(f"config {cfg} needs {need} B of shared memory; limit {SMEM_LIMIT}")
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
-    if not scale > 0.0 or math.isinf(scale):
-        raise ValueError(f"sm_scale={sm_scale}; allowed: a finite value > 0")
-    q_offset = _per_batch(tk - tq if q_offset is None else q_offset, batch, "q_offset")
-    kv_len = jnp.clip(_per_batch(tk if kv_lengths is None else kv_lengths, batch, "kv_lengths"), 0, tk)
-    return _attention_mgpu(q, k, v, q_offset, kv_len, causal=bool(causal), sm_scale=scale, out_dtype=out_dtype,
-                           semantics=semantics, interpret=bool(interpret), **cfg)
+    return _launch(q, k, v, state, finish=True, causal=causal, q_offset=q_offset, kv_lengths=kv_lengths,
+                   kv_start=kv_start, sm_scale=sm_scale, out_dtype=out_dtype, block_q=block_q, block_kv=block_kv,
+                   max_concurrent_steps=max_concurrent_steps, semantics=semantics, interpret=interpret)
+
+
+def attention_state_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState | None = None, *,
+                         causal: bool = True, q_offset=None, kv_lengths=None, kv_start: jax.Array | None = None,
+                         sm_scale: float | None = None, block_q: int | None = None, block_kv: int | None = None,
+                         max_concurrent_steps: int | None = None, semantics: str = "warpgroup",
+                         interpret: bool = False) -> AttentionState:
+    """The kernel of `attention_with_lse_mgpu` stopped before its finish: continues `state` (None: no key seen
+    yet) over k, v and returns the raw float32 online-softmax state (acc [B, Tq, Hq, D], m and l [B, Hq, Tq]).
+    Same arguments as `attention_with_lse_mgpu`. Keys streamed in blocks whose sizes are multiples of block_kv,
+    in ascending order (q_offset, kv_lengths and kv_start relative to each block's first key), with the last
+    call made through `attention_with_lse_mgpu(state=...)`, give the bits of one call over all the keys."""
+    return _launch(q, k, v, state, finish=False, causal=causal, q_offset=q_offset, kv_lengths=kv_lengths,
+                   kv_start=kv_start, sm_scale=sm_scale, out_dtype=jnp.float32, block_q=block_q,
+                   block_kv=block_kv, max_concurrent_steps=max_concurrent_steps, semantics=semantics,
+                   interpret=interpret)

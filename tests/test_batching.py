@@ -197,10 +197,10 @@ def test_preemption_recomputes_when_host_room_runs_out(tmp_root, swap_blocks):
 
 # A budget of 64 in the pool for all (no preemption) too until the suite needed the time (last passed at 0cf451f):
 # the scarce pool's run makes the same chunks, asserts the same plan, and recomputes besides.
-@pytest.mark.parametrize("budget,num_blocks", [(100, SCARCE_BLOCKS)])
+@pytest.mark.parametrize("budget,num_blocks", [(200, SCARCE_BLOCKS)])
 def test_long_prompts_prefill_in_chunks(tmp_root, budget, num_blocks):
-    """With a step budget of 100 tokens, in which the largest padded row is 64, a longer prompt runs alone, in
-    chunks of 64 over consecutive steps, each attending to the prompt's keys already in the pool, the running
+    """With a step budget of 200 tokens, in which the largest padded row is 128 (prompts start at multiples of
+    PACK_ALIGN, 128), a longer prompt runs alone, in chunks of 128 over consecutive steps, each attending to the prompt's keys already in the pool, the running
     requests decoding a token in the same steps; with a scarce pool and no host room, the recomputes of preempted
     requests (prompt and output so far) are chunked too."""
     llm = _llm("llama3", tmp_root)
@@ -210,9 +210,9 @@ def test_long_prompts_prefill_in_chunks(tmp_root, budget, num_blocks):
     stats = engine.stats
     where = f"model seed {MODEL_SEEDS['llama3']}, prompt seed {PROMPT_SEED}, budget {budget}, {stats}"
     _check(outs, _one_at_a_time("llama3", tmp_root), where)
-    assert engine.scheduler.max_chunk == 64, where
+    assert engine.scheduler.max_chunk == 128, where
     chunk_steps = [n for kind, n, _, _ in engine.step_log if kind == "chunk"]
-    assert len(chunk_steps) >= sum((len(p) - 1) // 64 for p in prompts), where  # every chunk before a last one
+    assert len(chunk_steps) >= sum((len(p) - 1) // 128 for p in prompts), where  # every chunk before a last one
     assert max(chunk_steps) > 1, where  # running requests decoded in a chunk's step
     assert (stats.recomputes > 0) == (num_blocks == SCARCE_BLOCKS) and stats.swap_outs == 0, where
     assert engine.blocks.num_free == num_blocks and engine.scheduler.chunking is None, where
@@ -301,13 +301,13 @@ class _NoSwap:
 
 
 def test_scheduler_interleaves_chunks_with_decodes():
-    """A prompt longer than the step budget (150 tokens, 64 a step) is admitted alone and prefilled in chunks, the
+    """A prompt longer than the step budget (300 tokens, 128 a step) is admitted alone and prefilled in chunks, the
     running request decoding a token in each chunk's step; the next prompt waits for the last chunk."""
     blocks = BlockManager(num_blocks=64, block_size=16)
-    scheduler = Scheduler(blocks, _NoSwap(), max_num_seqs=4, max_num_batched_tokens=64,
+    scheduler = Scheduler(blocks, _NoSwap(), max_num_seqs=4, max_num_batched_tokens=128,
                           prefill_tokens=lambda lengths: prefill_bucket(sum(packed_length(n) for n in lengths)),
                           chunked_prefill=True)
-    for seq in (_seq(0, 20), _seq(1, 150), _seq(2, 10)):
+    for seq in (_seq(0, 20), _seq(1, 300), _seq(2, 10)):
         scheduler.add(seq)
     plan = []
     for _ in range(8):
@@ -317,8 +317,8 @@ def test_scheduler_interleaves_chunks_with_decodes():
             seq.num_cached = step.chunk[1] if step.chunk and seq in step.seqs else seq.num_tokens
             if seq.num_cached == seq.num_tokens:
                 seq.output_ids.append(7)
-    assert plan == [("prefill", [0], None, []), ("chunk", [1], (0, 64), [0]), ("chunk", [1], (64, 128), [0]),
-                    ("chunk", [1], (128, 150), [0]), ("prefill", [2], None, []), ("decode", [0, 1, 2], None, []),
+    assert plan == [("prefill", [0], None, []), ("chunk", [1], (0, 128), [0]), ("chunk", [1], (128, 256), [0]),
+                    ("chunk", [1], (256, 300), [0]), ("prefill", [2], None, []), ("decode", [0, 1, 2], None, []),
                     ("decode", [0, 1, 2], None, []), ("decode", [0, 1, 2], None, [])]
 
 

@@ -1,29 +1,34 @@
 """Probe: our Mosaic GPU (Hopper) flash-attention forward, pallas_kernels/mgpu_attention.py (issue 28).
 
     python bench/probes/probe_mgpu_kernel.py --out DIR       # on the GPU machine: -> DIR/probe_mgpu_kernel.json
-    python bench/probes/probe_mgpu_kernel.py --cpu-smoke     # here: two tiny cases in Mosaic GPU's CPU interpreter
+    python bench/probes/probe_mgpu_kernel.py --cpu-smoke     # here: tiny versions in Mosaic GPU's CPU interpreter
 
-(a) Correctness against a float64 NumPy reference (tests/kernel_reference.attention_ref) on small shapes:
-    causal and not, the default and explicit query offsets (with rows that see no key), per-row kv lengths,
-    D 64, a bfloat16 output; each in both Mosaic GPU lowerings (warpgroup, lane). PASS when o's relative
-    error <= 1e-2 and lse's absolute error <= 1e-2 (the bf16 tolerances of tests/test_kernels_attention.py)
-    and rows that see no key give exactly o = 0, lse = -inf.
-(b) Timing, B1 Hq32 Hkv8 D128 bf16: causal 8K and 32K, non-causal 4K, against cuDNN
-    (jax.nn.dot_product_attention), our Triton kernel (pallas_kernels.attention_with_lse) and torch SDPA,
-    over a small sweep of (block_q, block_kv, max_concurrent_steps, out dtype, lowering). Figures are
-    TFLOP/s (causal counts half the score matrix) from the median, min and max of >= 5 timed groups after
-    warm-up (bench_kernels.time_jax's scheme), with each config's max |do| / |dlse| against Triton.
+(a) Correctness against a float64 NumPy reference (tests/kernel_reference.attention_ref) on small shapes, in the
+    warpgroup lowering: causal and not, the default and explicit query offsets (with rows that see no key),
+    per-row kv lengths, D 64, a bfloat16 output, Tq = Tk = 1000 (no multiple of any tile: padded inside), two
+    sequences packed in one batch row (kv_start); then the other configs of the timing sweep (the lane lowering
+    among them) and an O aliased over Q and K, once each, on the case with offsets and empty rows. PASS when o's
+    relative error <= 1e-2 and lse's absolute error <= 1e-2 (the bf16 tolerances of
+    tests/test_kernels_attention.py) and rows that see no key give exactly o = 0, lse = -inf.
+(b) The streaming contract, bit for bit: causal Tq = Tk = 4096, keys in blocks of 1024 and of 2048 (the raw state
+    carried by attention_state_mgpu, the last block through attention_with_lse_mgpu(state=...)) against one
+    call over all the keys, default config. PASS when o and lse are identical.
+(c) Timing, B1 Hq32 Hkv8 D128 bf16: causal 8K and 32K, non-causal 4K, against cuDNN
+    (jax.nn.dot_product_attention), our Triton kernel (pallas_kernels.attention_with_lse with its launch
+    parameters given, which keeps it off the Hopper kernel) and torch SDPA, over the 4 best configs of
+    (block_q, block_kv, max_concurrent_steps, out dtype, lowering). Figures are TFLOP/s (causal counts half the
+    score matrix) from the median, min and max of >= 5 timed groups after warm-up (bench_kernels.time_jax's
+    scheme), with each config's max |do| / |dlse| against Triton.
 
-Every config runs in its own try/except (the first line of its error is printed and kept), results are
-rewritten after each section, and timing stops starting new configs after a time budget, so the run
-ends within 4 minutes on an H200.
+Every check and config runs in its own try/except (the first line of its error is printed and kept), results
+are rewritten after each section, and timing stops starting new configs after a time budget, so the run ends
+within 3 minutes on an H200.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -50,7 +55,7 @@ from common import run_metadata  # noqa: E402
 from kernel_reference import attention_ref, rel_err  # noqa: E402
 
 START = time.perf_counter()
-TIME_BUDGET_S = 180  # no new timing config starts after this (compile + timing of one is < 20 s)
+TIME_BUDGET_S = 150  # no new timing config starts after this (compile + timing of one is < 20 s)
 O_TOL, LSE_TOL = 1e-2, 1e-2
 B, HQ, HKV, D = 1, 32, 8, 128
 
@@ -64,24 +69,30 @@ CASES = [
     ("noncausal_kv_lengths_zero", 2, 256, 1024, 8, 2, 128, False, None, [700, 0], jnp.float32),
     ("causal_d64", 1, 512, 512, 8, 2, 64, True, None, None, jnp.float32),
     ("causal_bf16_out", 1, 512, 512, 8, 2, 128, True, None, None, jnp.bfloat16),
+    ("causal_odd_1000", 1, 1000, 1000, 8, 2, 128, True, None, None, jnp.float32),
 ]
+# Two causal sequences packed in each batch row (kv_start): (name, B, T, Hq, Hkv, D, first sequence's length per row).
+PACKED = ("causal_packed_two_sequences", 2, 1024, 8, 2, 128, [700, 333])
+# Streaming, causal, B1: (T, key block sizes, (Hq, Hkv, D)).
+STREAMED = (4096, (1024, 2048), (8, 2, 128))
 # CPU interpreter (jax 0.10/0.11 on this machine): tiny shapes only, it runs every op through Python.
 SMOKE_CASES = [
     ("smoke_causal_offsets_kvlen", 2, 128, 256, 2, 1, 64, True, [64, -40], [250, 200], jnp.float32),
-    ("smoke_noncausal", 1, 128, 128, 2, 1, 64, False, None, None, jnp.float32),
+    ("smoke_noncausal_odd", 1, 100, 150, 1, 1, 64, False, None, None, jnp.float32),
 ]
+SMOKE_PACKED = ("smoke_packed", 1, 128, 1, 1, 64, [50])
+SMOKE_STREAMED = (128, (64,), (1, 1, 64))
+SMOKE_CFG = dict(block_q=64, block_kv=64, max_concurrent_steps=2)
 
 # (label, block_q, block_kv, max_concurrent_steps, out_dtype, semantics); the first is the default.
 SWEEP = [
     ("bq64 bkv128 s2 f32 wg", 64, 128, 2, jnp.float32, "warpgroup"),
     ("bq64 bkv128 s2 f32 lane", 64, 128, 2, jnp.float32, "lane"),
     ("bq64 bkv128 s2 bf16 wg", 64, 128, 2, jnp.bfloat16, "warpgroup"),
-    ("bq64 bkv128 s3 f32 wg (O aliased)", 64, 128, 3, jnp.float32, "warpgroup"),
     ("bq64 bkv128 s3 bf16 wg", 64, 128, 3, jnp.bfloat16, "warpgroup"),
-    ("bq64 bkv64 s2 f32 wg", 64, 64, 2, jnp.float32, "warpgroup"),
-    ("bq64 bkv64 s4 f32 wg", 64, 64, 4, jnp.float32, "warpgroup"),
-    ("bq128 bkv64 s2 f32 wg (O aliased)", 128, 64, 2, jnp.float32, "warpgroup"),
 ]
+# Correctness only: a config whose float32 O does not fit beside Q and K, so it is aliased over them.
+ALIASED = ("bq64 bkv128 s3 f32 wg (O aliased)", 64, 128, 3, jnp.float32, "warpgroup")
 SHAPES = [("causal 8K", 8192, True), ("causal 32K", 32768, True), ("non-causal 4K", 4096, False)]
 
 
@@ -135,18 +146,27 @@ def tflops(flops: float, stats: dict) -> dict:
             "tflops_hi": flops / stats["min_s"] / 1e12, **stats}
 
 
-def check_case(case, *, semantics: str, interpret: bool = False, **cfg) -> dict:
-    name, b, tq, tk, hq, hkv, d, causal, q_offset, kv_lengths, out_dtype = case
+def inputs(name: str, b: int, tq: int, tk: int, hq: int, hkv: int, d: int):
     rng = np.random.default_rng(sum(map(ord, name)))  # a seed that is the same in every process
-    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
-               for s in ((b, tq, hq, d), (b, tk, hkv, d), (b, tk, hkv, d)))
+    return tuple(jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+                 for s in ((b, tq, hq, d), (b, tk, hkv, d), (b, tk, hkv, d)))
+
+
+def check_case(case, *, semantics: str, interpret: bool = False, kv_start: np.ndarray | None = None,
+               **cfg) -> dict:
+    """One call against float64; kv_start [B, Tq] packs sequences."""
+    name, b, tq, tk, hq, hkv, d, causal, q_offset, kv_lengths, out_dtype = case
+    q, k, v = inputs(name, b, tq, tk, hq, hkv, d)
     kw = dict(causal=causal, out_dtype=out_dtype, semantics=semantics, interpret=interpret, **cfg)
     if q_offset is not None:
         kw["q_offset"] = jnp.asarray(q_offset, jnp.int32)
     if kv_lengths is not None:
         kw["kv_lengths"] = jnp.asarray(kv_lengths, jnp.int32)
+    if kv_start is not None:
+        kw["kv_start"] = jnp.asarray(kv_start)
     row = {"case": name, "semantics": semantics, "shape": [b, tq, tk, hq, hkv, d], "causal": causal,
-           "q_offset": q_offset, "kv_lengths": kv_lengths, "out_dtype": jnp.dtype(out_dtype).name, **cfg}
+           "q_offset": q_offset, "kv_lengths": kv_lengths, "out_dtype": jnp.dtype(out_dtype).name,
+           "packed": kv_start is not None, **cfg}
     try:
         if not interpret:
             row["is_supported"] = mga.is_supported(q, k, v, out_dtype=out_dtype, **cfg)
@@ -155,7 +175,8 @@ def check_case(case, *, semantics: str, interpret: bool = False, **cfg) -> dict:
         lse = np.asarray(lse, np.float64)
         assert o.shape == (b, tq, hq, d) and lse.shape == (b, hq, tq), (o.shape, lse.shape)
         ref_o, ref_lse = attention_ref(*(np.asarray(x.astype(jnp.float32)) for x in (q, k, v)), causal=causal,
-                                       q_offset=tk - tq if q_offset is None else q_offset, kv_len=kv_lengths)
+                                       q_offset=tk - tq if q_offset is None else q_offset, kv_len=kv_lengths,
+                                       kv_start=kv_start)
         empty = ~np.isfinite(ref_lse)
         seen = ~empty
         row["empty_rows"] = int(empty.sum())
@@ -175,6 +196,60 @@ def check_case(case, *, semantics: str, interpret: bool = False, **cfg) -> dict:
         row["error"] = first_line(e)
         print(f"FAIL {name:28s} {semantics:9s} ERROR {row['error']}", flush=True)
     return row
+
+
+def check_packed(packed, *, interpret: bool = False, **cfg) -> dict:
+    """Two causal sequences in each batch row: the first `lengths[b]` queries start at key 0, the rest at
+    lengths[b], so no query sees the other sequence."""
+    name, b, t, hq, hkv, d, lengths = packed
+    kv_start = np.stack([np.where(np.arange(t) < n, 0, n) for n in lengths]).astype(np.int32)
+    row = check_case((name, b, t, t, hq, hkv, d, True, 0, None, jnp.float32), semantics="warpgroup",
+                     interpret=interpret, kv_start=kv_start, **cfg)
+    row["first_sequence_lengths"] = lengths
+    return row
+
+
+def check_streamed(t: int, blocks, heads, *, semantics: str = "warpgroup", interpret: bool = False,
+                   **cfg) -> list[dict]:
+    """Causal attention of t queries over t keys, for each block size the keys in blocks of it (q_offset
+    relative to each block's first key; the raw state carried between calls, the last call finishing) against
+    one call over all of them: the same bits."""
+    name = f"streamed_{t}"
+    q, k, v = inputs(name, 1, t, t, *heads)
+    kw = dict(causal=True, semantics=semantics, interpret=interpret, **cfg)
+    rows = []
+    try:
+        whole_o, whole_lse = mga.attention_with_lse_mgpu(q, k, v, q_offset=0, **kw)
+        whole_o, whole_lse = np.asarray(whole_o), np.asarray(whole_lse)
+    except Exception as e:  # noqa: BLE001
+        print(f"FAIL {name:28s} one call ERROR {first_line(e)}", flush=True)
+        return [{"case": name, "pass": False, "error": first_line(e)}]
+    for block in blocks:
+        row = {"case": name, "block": block, "shape": list(q.shape), **cfg}
+        try:
+            state = None
+            for start in range(0, t - block, block):
+                keys = slice(start, start + block)
+                state = mga.attention_state_mgpu(q, k[:, keys], v[:, keys], state, q_offset=-start, **kw)
+            last = t - block
+            o, lse = mga.attention_with_lse_mgpu(q, k[:, last:], v[:, last:], state=state, q_offset=-last, **kw)
+            o, lse = np.asarray(o), np.asarray(lse)
+            row["o_bitwise"] = bool(np.array_equal(o, whole_o))
+            row["lse_bitwise"] = bool(np.array_equal(lse, whole_lse))
+            row["o_entries_differing"] = int(np.sum(o != whole_o))
+            row["max_abs_do"] = float(np.max(np.abs(o - whole_o)))
+            row["max_abs_dlse"] = float(np.max(np.abs(lse - whole_lse)))
+            row["finite"] = bool(np.isfinite(o).all() and np.isfinite(lse).all())
+            row["pass"] = row["o_bitwise"] and row["lse_bitwise"] and row["finite"]
+            print(f"{'PASS' if row['pass'] else 'FAIL'} {name:28s} blocks of {block}: o bitwise {row['o_bitwise']} "
+                  f"({row['o_entries_differing']} entries differ, max {row['max_abs_do']:.3e}), lse bitwise "
+                  f"{row['lse_bitwise']} (max {row['max_abs_dlse']:.3e})", flush=True)
+        except Exception as e:  # noqa: BLE001
+            row["pass"] = False
+            row["error"] = first_line(e)
+            print(f"FAIL {name:28s} blocks of {block} ERROR {row['error']}", flush=True)
+        rows.append(row)
+    return rows
 
 
 def torch_sdpa(t: int, causal: bool, flops: float) -> dict:
@@ -216,7 +291,9 @@ def time_shape(label: str, t: int, causal: bool, result: dict) -> None:
 
     cud = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn"))
     record("cudnn", lambda: tflops(flops, time_stats(cud, q, k, v)))
-    triton = jax.jit(lambda q, k, v: pk.attention_with_lse(q, k, v, causal=causal))
+    # Launch parameters given (Triton's defaults): attention_with_lse keeps to Triton instead of this kernel.
+    triton_cfg = pk.default_attention_config(jnp.bfloat16)
+    triton = jax.jit(lambda q, k, v: pk.attention_with_lse(q, k, v, causal=causal, **triton_cfg))
     record("triton (ours)", lambda: tflops(flops, time_stats(triton, q, k, v)))
     record("torch sdpa", lambda: torch_sdpa(t, causal, flops))
     try:
@@ -261,20 +338,21 @@ def main() -> int:
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
 
     if args.cpu_smoke:
-        cfg = dict(block_q=64, block_kv=64, max_concurrent_steps=2)
-        result["correctness"] = [check_case(c, semantics="lane", interpret=True, **cfg) for c in SMOKE_CASES]
+        rows = [check_case(c, semantics="lane", interpret=True, **SMOKE_CFG) for c in SMOKE_CASES]
+        rows.append(check_packed(SMOKE_PACKED, interpret=True, **SMOKE_CFG))
+        rows += check_streamed(*SMOKE_STREAMED, interpret=True, **SMOKE_CFG)
+        result["correctness"] = rows
         write(result, args.out)
-        return 0 if all(r["pass"] for r in result["correctness"]) else 1
+        return 0 if all(r["pass"] for r in rows) else 1
 
-    rows = []
-    for sem in ("warpgroup", "lane"):
-        for c in CASES:
-            rows.append(check_case(c, semantics=sem, **mga.DEFAULT_CONFIG))
-    # The other tile shapes of the sweep, once each, on the case with offsets and empty rows.
-    for _, bq, bkv, steps, out_dtype, sem in SWEEP[3:]:
+    rows = [check_case(c, semantics="warpgroup", **mga.DEFAULT_CONFIG) for c in CASES]
+    rows.append(check_packed(PACKED, **mga.DEFAULT_CONFIG))
+    # The other configs of the sweep, and an aliased O, once each on the case with offsets and empty rows.
+    for _, bq, bkv, steps, out_dtype, sem in SWEEP[1:] + [ALIASED]:
         c = list(CASES[3])
         c[-1] = out_dtype
         rows.append(check_case(tuple(c), semantics=sem, block_q=bq, block_kv=bkv, max_concurrent_steps=steps))
+    rows += check_streamed(*STREAMED, **mga.DEFAULT_CONFIG)
     result["correctness"] = rows
     n_pass = sum(r["pass"] for r in rows)
     print(f"correctness: {n_pass} passed, {len(rows) - n_pass} failed ({time.perf_counter() - START:.0f} s)",

@@ -43,6 +43,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, help="a Hugging Face model directory (default: the 8B shape, random)")
     p.add_argument("--modes", default="invariant,default", help="invariant, default, or both (comma-separated)")
+    p.add_argument("--layers", type=int, help="the 8B shape with this many layers (a faster check of the same kernels)")
+    p.add_argument("--prompts", type=int, default=16, help="the first N of the 16 prompt lengths")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -50,20 +52,22 @@ def main() -> None:
         raise SystemExit(f"--modes {args.modes!r}: give invariant, default or both")
 
     if args.model is None:
-        cfg = model_config("llama-3.1-8b")
+        cfg = model_config("llama-3.1-8b", args.layers)
         params = random_params(cfg, jnp.bfloat16, seed=3)
         lengths, block, max_len, vocab = SHAPE_LENGTHS, 4096, 32768, cfg.vocab_size
         make = lambda **kw: LLM.from_params(cfg, params, max_model_len=max_len, **kw)  # noqa: E731
-        model = "llama-3.1-8b random bf16 seed 3"
+        model = f"llama-3.1-8b random bf16 seed 3, {cfg.num_layers} layers"
     else:
         lengths, block, max_len = REAL_LENGTHS, 1024, 8192
         make = lambda **kw: LLM(args.model, dtype="bfloat16", max_model_len=max_len, **kw)  # noqa: E731
         vocab = ModelConfig.from_hf(args.model).vocab_size
         model = f"{args.model.name} bf16"
     rng = np.random.default_rng(77)
+    lengths = lengths[: args.prompts]
     prompts = [rng.integers(0, vocab, size=n).tolist() for n in lengths]
     sp = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
-    out = {"meta": run_metadata(), "model": model, "lengths": lengths, "tokens": TOKENS, "offload_block": block}
+    out = {"meta": run_metadata() | {"hopper_attention": os.environ.get("JAX_OFFLOAD_HOPPER_ATTENTION", "1")},
+           "model": model, "lengths": lengths, "tokens": TOKENS, "offload_block": block}
 
     for mode in modes:
         invariant = mode == "invariant"

@@ -50,10 +50,10 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return [1 << i for i in range((max_num_seqs - 1).bit_length() + 1)]
 
 
-# Packed prompts start at multiples of this: the prefill kernels take keys 64 at a time (32 in float32, 16 in the
-# jnp twin), so a prompt's keys then fall into the same tiles as when it runs alone and its results carry the same
-# bits.
-PACK_ALIGN = 64
+# Packed prompts start at multiples of this: the prefill kernels take keys 128 at a time (the Hopper kernel; Triton
+# 64, 32 in float32; the jnp twin 16), so a prompt's keys then fall into the same tiles as when it runs alone and its
+# results carry the same bits.
+PACK_ALIGN = 128
 
 
 def packed_length(num_tokens: int) -> int:
