@@ -27,6 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import mgpu_attention
 from pallas_kernels._common import (
     empty_softmax_state,
     finish_online_softmax,
@@ -47,7 +48,6 @@ from pallas_kernels._common import (
     per_row,
     resolve_interpret,
 )
-from pallas_kernels import mgpu_attention
 from pallas_kernels.state import AttentionState, check_state, empty_state, finish_state
 
 

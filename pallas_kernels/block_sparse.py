@@ -18,6 +18,10 @@ Semantics shared by both:
 With every causally visible block listed, the Pallas kernel gives the bits of `attention_with_lse`
 with block_q = block_size and the same block_k: it visits the same key tiles in the same order
 with the same arithmetic, only skipping the tiles that are not listed.
+
+On a Hopper GPU, bf16/f16 calls with D 64 or 128 and block_size 128 go to the Mosaic GPU kernel
+(`mgpu_block_sparse`, TMA and wgmma) under the dense route's conditions (`runs_on_hopper_kernel`):
+no Triton launch parameters given and JAX_OFFLOAD_HOPPER_ATTENTION not "0".
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import mgpu_block_sparse
 from pallas_kernels._common import (
     LOG2E,
     MIN_BLOCK,
@@ -50,7 +55,11 @@ from pallas_kernels._common import (
     per_batch,
     resolve_interpret,
 )
-from pallas_kernels.attention import _check_pallas_head_dim, default_attention_config
+from pallas_kernels.attention import (
+    _check_pallas_head_dim,
+    default_attention_config,
+    runs_on_hopper_kernel,
+)
 from pallas_kernels.state import AttentionState, finish_state
 
 
@@ -248,6 +257,8 @@ def block_sparse_attention_with_lse(
       block_k: keys per tile load (a power of two >= 16, at most block_size, shrunk for short
         keys); default `default_attention_config`'s (64 bf16, 32 float32).
       num_warps, num_stages: Triton launch parameters; default `default_attention_config`'s.
+        Giving any of block_k, num_warps, num_stages keeps the call on Triton (see the module
+        docstring for when it goes to the Hopper kernel instead).
 
     Returns:
       o [B, Tq, Hq, D] in out_dtype (default q.dtype) and lse [B, Hq, Tq] float32 (natural log).
@@ -257,6 +268,13 @@ def block_sparse_attention_with_lse(
     d, kv_blocks, counts, q_offset, kv_len = _check_block_args(
         q, k, v, kv_blocks, kv_block_counts, block_size, q_offset, kv_len)
     _check_pallas_head_dim(d)
+    tuned = any(x is not None for x in (block_k, num_warps, num_stages))
+    if (runs_on_hopper_kernel(q, k, v, out_dtype, interpret=interpret, tuned=tuned)
+            and mgpu_block_sparse.is_supported(q, k, v, block_size=block_size,
+                                               out_dtype=out_dtype)):
+        return mgpu_block_sparse.block_sparse_attention_with_lse_mgpu(
+            q, k, v, kv_blocks, counts, block_size=block_size, causal=bool(causal),
+            q_offset=q_offset, kv_len=kv_len, sm_scale=sm_scale, out_dtype=out_dtype)
     cfg = default_attention_config(q.dtype)
     block_k = min(fit_block(block_k or cfg["block_k"], k.shape[1]), block_size)
     return _block_sparse_pallas(

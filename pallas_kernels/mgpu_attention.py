@@ -52,6 +52,9 @@ Algorithm (FlashAttention-3 layout, one CTA = 3 warpgroups):
     consumers run the CTA's blocks (the same count keeps the barrier protocol in step, with no epilogue);
     the lower warpgroup's extra causal steps are fully masked and cost at most ceil(block_q / block_kv)
     blocks.
+  * Block-sparse attention (pallas_kernels/mgpu_block_sparse.py) runs this kernel with a list of key blocks
+    per CTA (`_attention_mgpu`'s block_lists): step j then loads and masks the list's j-th block instead of
+    block j; the rest is the same.
 
 Limits (`is_supported` says whether a call fits; the caller falls back to Triton otherwise): a Hopper
 GPU (sm_90), bfloat16/float16 inputs, D in {64, 128}, block_q and block_kv multiples of 64, and tiles that
@@ -189,11 +192,13 @@ def _plan_smem(cfg, d, in_dtype, out_dtype, finish: bool) -> tuple[bool, int]:
 
 
 def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *refs, block_q, block_kv, steps, group, causal,
-                      scale_log2, num_q_tiles, packed, resume, finish, alias_out, separate_o, interpret):
+                      scale_log2, num_q_tiles, packed, resume, listed, finish, alias_out, separate_o, interpret):
     if packed:  # per-row starts [B, Tq]; per CTA (smallest start, largest of warpgroup 0, of warpgroup 1)
         start_ref, bounds_ref, *refs = refs
     if resume:
         acc0_ref, m0_ref, l0_ref, *refs = refs
+    if listed:  # per CTA its key blocks [B, Hq, tiles, M], and counts [B, Hq, tiles, 3] (see _attention_mgpu)
+        blocks_ref, counts_ref, *refs = refs
     num_outs = 2 if finish else 3  # (o, lse) or the state (acc, m, l)
     out_refs = refs[:num_outs]
     smem, k_ready, v_ready, q_ready, k_free, v_free, schedule = refs[num_outs:]
@@ -231,19 +236,29 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *refs, block_q, 
     q_offset = qoff_ref[batch]
     kv_len = kvlen_ref[batch]  # clamped to [0, Tk] by the wrapper
 
-    # KV blocks [first, num_steps) may be visible to some row of this CTA; the producer loads exactly these
-    # and both consumers step through all of them (the same count keeps the barrier phases in step).
-    if causal:
-        hi = jnp.clip(q_offset + (tile + 1) * tile_rows, 0, kv_len)
+    # Steps [first, num_steps) are the KV blocks that may be visible to some row of this CTA; the producer loads
+    # exactly these and both consumers step through all of them (the same count keeps the barrier phases in step).
+    # Step j visits key block key_block(j): block j itself, or the j-th entry of the CTA's block list.
+    if listed:
+        def key_block(j):  # a scalar read from global memory; only entries below the count are ever read
+            return blocks_ref[batch, q_head, tile, j]
+
+        num_steps = counts_ref[batch, q_head, tile, 0]
     else:
-        hi = kv_len
-    num_steps = lax.div(hi + (block_kv - 1), jnp.int32(block_kv))
+        def key_block(j):
+            return j
+
+        if causal:
+            hi = jnp.clip(q_offset + (tile + 1) * tile_rows, 0, kv_len)
+        else:
+            hi = kv_len
+        num_steps = lax.div(hi + (block_kv - 1), jnp.int32(block_kv))
     if packed:  # no row of the CTA sees a key below its smallest start
         first = jnp.minimum(lax.div(jnp.clip(bounds_ref[batch, tile, 0], 0, hi), jnp.int32(block_kv)), num_steps)
     else:
         first = 0  # a Python int: a jnp constant closed over by run_state below fails to lower (warpgroup)
 
-    def ring_slot(j):  # the ring slot of KV block j: blocks fill the slots in turn from `first` on
+    def ring_slot(j):  # the ring slot of step j: blocks fill the slots in turn from `first` on
         return lax.rem(j - first, jnp.int32(steps))
 
     def schedule_barrier():
@@ -257,18 +272,21 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *refs, block_q, 
         q_base = tile * tile_rows + wg * block_q  # first query row of this warpgroup
         rows = pl.ds(q_base, block_q)
         first_pos = q_offset + q_base  # its key position
-        # Blocks [lo_full, hi_full) are visible to every row of this warpgroup: no mask at all.
-        if causal:
-            num_full = lax.div(jnp.clip(first_pos + 1, 0, kv_len), jnp.int32(block_kv))
+        # Steps [lo_full, hi_full) are visible to every row of this warpgroup: no mask at all.
+        if listed:  # a prefix of the (ascending) list, counted by the caller
+            lo_full, hi_full = first, counts_ref[batch, q_head, tile, 1 + wg]
         else:
-            num_full = lax.div(kv_len, jnp.int32(block_kv))
-        num_full = jnp.minimum(num_full, num_steps)
-        if packed:  # blocks below the warpgroup's largest start are masked
-            highest = jnp.clip(bounds_ref[batch, tile, 1 + wg], 0, hi)
-            lo_full = jnp.clip(lax.div(highest + (block_kv - 1), jnp.int32(block_kv)), first, num_steps)
-            hi_full = jnp.clip(num_full, lo_full, num_steps)
-        else:
-            lo_full, hi_full = first, num_full
+            if causal:
+                num_full = lax.div(jnp.clip(first_pos + 1, 0, kv_len), jnp.int32(block_kv))
+            else:
+                num_full = lax.div(kv_len, jnp.int32(block_kv))
+            num_full = jnp.minimum(num_full, num_steps)
+            if packed:  # blocks below the warpgroup's largest start are masked
+                highest = jnp.clip(bounds_ref[batch, tile, 1 + wg], 0, hi)
+                lo_full = jnp.clip(lax.div(highest + (block_kv - 1), jnp.int32(block_kv)), first, num_steps)
+                hi_full = jnp.clip(num_full, lo_full, num_steps)
+            else:
+                lo_full, hi_full = first, num_full
 
         plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, q_head], q_tile, q_ready.at[wg])
         # While Q is in flight: the starting state, and the rows' starts for the mask.
@@ -308,9 +326,9 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *refs, block_q, 
             plgpu.barrier_arrive(k_free.at[slot])
 
             if masked:
-                # Key col = j * block_kv + c is visible to row r iff col < kv_len, (causal) col <= first_pos + r
+                # Key col = k0 + c is visible to row r iff col < kv_len, (causal) col <= first_pos + r
                 # and (packed) col >= start_r: c < kv_len - k0, c - r <= first_pos - k0, c >= start_r - k0.
-                k0 = j * block_kv
+                k0 = key_block(j) * block_kv
                 cols = iota(1)
                 vis = cols < kv_len - k0
                 if causal:
@@ -391,24 +409,26 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *refs, block_q, 
         kv_head = lax.div(q_head, jnp.int32(group))
         num_blocks = num_steps - first
 
-        def copy(ref, smem_ref, ready, i, slot):  # the i-th block of this CTA, key block first + i
-            plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds((first + i) * block_kv, block_kv), kv_head],
+        def copy(ref, smem_ref, ready, block, slot):
+            plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(block * block_kv, block_kv), kv_head],
                                     smem_ref.at[slot], ready.at[slot])
 
-        def issue(i):
-            copy(k_ref, k_smem, k_ready, i, i)
-            copy(v_ref, v_smem, v_ready, i, i)
+        def issue(i):  # the i-th step of this CTA into slot i
+            block = key_block(first + i)
+            copy(k_ref, k_smem, k_ready, block, i)
+            copy(v_ref, v_smem, v_ready, block, i)
 
         for i in range(steps):  # fill the ring; never copy a block nobody will wait for
             pl.when(i < num_blocks)(functools.partial(issue, i))
 
         def refill(i, _):
             slot = lax.rem(i, jnp.int32(steps))
+            block = key_block(first + i)  # before the wait: a list entry's read overlaps it
             # K and V slots are released separately (K right after S = Q K^T), so K can be refilled early.
             plgpu.barrier_wait(k_free.at[slot])
-            copy(k_ref, k_smem, k_ready, i, slot)
+            copy(k_ref, k_smem, k_ready, block, slot)
             plgpu.barrier_wait(v_free.at[slot])
-            copy(v_ref, v_smem, v_ready, i, slot)
+            copy(v_ref, v_smem, v_ready, block, slot)
             return None
 
         refilled = jnp.maximum(num_blocks, steps)
@@ -436,8 +456,13 @@ def _pad_axis(x, axis: int, size: int, value=0):
 
 @functools.partial(jax.jit, static_argnames=("finish", "causal", "sm_scale", "out_dtype", "block_q", "block_kv",
                                              "max_concurrent_steps", "semantics", "interpret"))
-def _attention_mgpu(q, k, v, q_offset, kv_len, kv_start, state, *, finish, causal, sm_scale, out_dtype, block_q,
-                    block_kv, max_concurrent_steps, semantics, interpret):
+def _attention_mgpu(q, k, v, q_offset, kv_len, kv_start, state, block_lists=None, *, finish, causal, sm_scale,
+                    out_dtype, block_q, block_kv, max_concurrent_steps, semantics, interpret):
+    """The kernel's launch. block_lists (block-sparse attention, `mgpu_block_sparse`): None, or (blocks int32
+    [B, Hq, num_q_tiles, M], counts int32 [B, Hq, num_q_tiles, 3]). CTA (b, h, tile) then visits the key blocks
+    blocks[b, h, tile, :counts[..., 0]] (ascending, each a block some row of the CTA may see) instead of every
+    block some row may see, and runs the first counts[..., 1 + w] of them without a mask in warpgroup w (each
+    visible to every row of it)."""
     batch, tq, hq, d = q.shape
     _, tk, hkv, _ = k.shape
     tile_rows = 2 * block_q
@@ -457,6 +482,10 @@ def _attention_mgpu(q, k, v, q_offset, kv_len, kv_start, state, *, finish, causa
     if state is not None:
         extra += [_pad_axis(state.acc, 1, tq_pad), _pad_axis(state.m, 2, tq_pad, NEG_INF),
                   _pad_axis(state.l, 2, tq_pad)]
+    if block_lists is not None:
+        assert kv_start is None and block_lists[1].shape == (batch, hq, num_q_tiles, 3)
+        assert block_lists[0].shape[:3] == (batch, hq, num_q_tiles)
+        extra += list(block_lists)
 
     cfg = dict(block_q=block_q, block_kv=block_kv, max_concurrent_steps=max_concurrent_steps)
     tile_dtype = out_dtype if finish else jnp.dtype(jnp.float32)
@@ -483,7 +512,8 @@ def _attention_mgpu(q, k, v, q_offset, kv_len, kv_start, state, *, finish, causa
     kernel = functools.partial(
         _attention_kernel, block_q=block_q, block_kv=block_kv, steps=max_concurrent_steps, group=hq // hkv,
         causal=causal, scale_log2=sm_scale * LOG2E, num_q_tiles=num_q_tiles, packed=kv_start is not None,
-        resume=state is not None, finish=finish, alias_out=alias_out, separate_o=separate_o, interpret=interpret)
+        resume=state is not None, listed=block_lists is not None, finish=finish, alias_out=alias_out,
+        separate_o=separate_o, interpret=interpret)
     rows_f32 = jax.ShapeDtypeStruct((batch, hq, tq_pad), jnp.float32)
     out_type = (jax.ShapeDtypeStruct((batch, tq_pad, hq, d), tile_dtype),) + (rows_f32,) * (1 if finish else 2)
     out = plgpu.kernel(
@@ -516,7 +546,7 @@ def _attention_mgpu(q, k, v, q_offset, kv_len, kv_start, state, *, finish, causa
 
 
 def _launch(q, k, v, state, *, finish, causal, q_offset, kv_lengths, kv_start, sm_scale, out_dtype, block_q,
-            block_kv, max_concurrent_steps, semantics, interpret):
+            block_kv, max_concurrent_steps, semantics, interpret, block_lists=None):
     if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
         raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}; allowed: [B, Tq, Hq, D] and equal [B, Tk, Hkv, D]")
     batch, tq, hq, d = q.shape
@@ -539,9 +569,9 @@ def _launch(q, k, v, state, *, finish, causal, q_offset, kv_lengths, kv_start, s
         check_state(state, batch, tq, hq, d)
     q_offset = per_batch(tk - tq if q_offset is None else q_offset, batch, "q_offset")
     kv_len = jnp.clip(per_batch(tk if kv_lengths is None else kv_lengths, batch, "kv_lengths"), 0, tk)
-    return _attention_mgpu(q, k, v, q_offset, kv_len, per_row(kv_start, batch, tq), state, finish=finish,
-                           causal=bool(causal), sm_scale=check_sm_scale(sm_scale, d), out_dtype=out_dtype,
-                           semantics=semantics, interpret=bool(interpret), **cfg)
+    return _attention_mgpu(q, k, v, q_offset, kv_len, per_row(kv_start, batch, tq), state, block_lists,
+                           finish=finish, causal=bool(causal), sm_scale=check_sm_scale(sm_scale, d),
+                           out_dtype=out_dtype, semantics=semantics, interpret=bool(interpret), **cfg)
 
 
 def attention_with_lse_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, q_offset=None,

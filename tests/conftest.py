@@ -44,7 +44,8 @@ FILE_SECONDS = {
     "test_models.py": 60, "test_batch_invariance.py": 55, "test_prefix_caching.py": 55, "test_pallas_engine.py": 45,
     "test_gguf_convert.py": 42, "test_eval_oracle.py": 42, "test_xattention.py": 38, "test_default_model.py": 30,
     "test_errors.py": 19, "test_sketch.py": 19, "test_blend.py": 18, "test_kernels_paged_decode.py": 16,
-    "test_kernels_block_sparse.py": 14, "test_kernels_xattn.py": 14, "test_kernels_merge.py": 7,
+    "test_kernels_mgpu.py": 15, "test_kernels_block_sparse.py": 14, "test_kernels_xattn.py": 14,
+    "test_kernels_mgpu_block_sparse.py": 13, "test_kernels_merge.py": 7,
     "test_eval_sparse.py": 5, "test_niah.py": 4,
 }
 

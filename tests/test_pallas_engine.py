@@ -43,15 +43,15 @@ def test_pallas_batch_engine_matches_jnp_one_at_a_time(model_dir):
 
 def test_one_prompt_runs_on_the_batch_engine(model_dir):
     """With the Pallas kernels, one prompt decodes on the batch engine (one compiled step for the whole model) with
-    the per-request path's greedy tokens, a prompt longer than a prefill step (70 tokens, budget 64) after a
+    the per-request path's greedy tokens, a prompt longer than a prefill step (140 tokens, budget 128) after a
     prefill in two chunks, the second through the Pallas kernels over the first's keys in the pool; with a short
     prompt beside it, each chunk's step also decodes the short one's next token."""
     rng = np.random.default_rng(PROMPT_SEED + 2)
-    short, long = (rng.integers(3, tiny_models.VOCAB, size=n).tolist() for n in (29, 70))
+    short, long = (rng.integers(3, tiny_models.VOCAB, size=n).tolist() for n in (29, 140))
     where = f"model seed {MODEL_SEED}, prompt seed {PROMPT_SEED + 2}"
     greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     reference = LLM(model_dir, dtype="float32", attention_impl="xla")
-    llm = LLM(model_dir, dtype="float32", attention_impl="pallas", max_num_seqs=2, max_num_batched_tokens=64)
+    llm = LLM(model_dir, dtype="float32", attention_impl="pallas", max_num_seqs=2, max_num_batched_tokens=128)
     want = [reference.generate(p, greedy)[0].token_ids for p in (short, long)]
     assert llm.generate(long, greedy)[0].token_ids == want[1], where
     engine = llm._batch_engine
