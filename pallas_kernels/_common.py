@@ -16,6 +16,22 @@ NEG_INF = float("-inf")
 MIN_BLOCK = 16
 
 
+def check_block_lists(kv_blocks, kv_block_counts, batch: int, hq: int, nqb: int) -> tuple[jax.Array, jax.Array]:
+    """Block-sparse attention's lists, checked: -> int32 kv_blocks [B, Hq, nqb, max_blocks] and int32 counts
+    [B, Hq, nqb] clamped to [0, max_blocks]."""
+    kv_blocks = jnp.asarray(kv_blocks)
+    counts = jnp.asarray(kv_block_counts)
+    if kv_blocks.ndim != 4 or kv_blocks.shape[:3] != (batch, hq, nqb) or kv_blocks.shape[3] == 0:
+        raise ValueError(f"kv_blocks has shape {kv_blocks.shape}; allowed: ({batch}, {hq}, {nqb}, "
+                         "max_blocks) with max_blocks >= 1 ([B, Hq, ceil(Tq / block_size), ...])")
+    if counts.shape != (batch, hq, nqb):
+        raise ValueError(f"kv_block_counts has shape {counts.shape}; allowed: ({batch}, {hq}, {nqb})")
+    for name, arr in (("kv_blocks", kv_blocks), ("kv_block_counts", counts)):
+        if not jnp.issubdtype(arr.dtype, jnp.integer):
+            raise ValueError(f"{name} has dtype {arr.dtype}; allowed: an integer type")
+    return kv_blocks.astype(jnp.int32), jnp.clip(counts.astype(jnp.int32), 0, kv_blocks.shape[3])
+
+
 def resolve_interpret(interpret: bool | None) -> bool:
     """`None` means: compile through Triton on a GPU backend, interpret anywhere else."""
     if interpret is None:

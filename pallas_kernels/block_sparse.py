@@ -37,6 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import mgpu_block_sparse
 from pallas_kernels._common import (
     LOG2E,
+    check_block_lists,
     MIN_BLOCK,
     NEG_INF,
     cdiv,
@@ -86,22 +87,10 @@ def _check_block_args(q, k, v, kv_blocks, kv_block_counts, block_size, q_offset,
     batch, tq, hq, tk, _, d = check_attention_shapes(q, k, v, 4)
     if block_size < MIN_BLOCK or block_size & (block_size - 1):
         raise ValueError(f"block_size={block_size}; allowed: a power of two >= {MIN_BLOCK}")
-    nqb = -(-tq // block_size)
-    kv_blocks = jnp.asarray(kv_blocks)
-    counts = jnp.asarray(kv_block_counts)
-    if kv_blocks.ndim != 4 or kv_blocks.shape[:3] != (batch, hq, nqb) or kv_blocks.shape[3] == 0:
-        raise ValueError(f"kv_blocks has shape {kv_blocks.shape}; allowed: ({batch}, {hq}, {nqb}, "
-                         "max_blocks) with max_blocks >= 1 ([B, Hq, ceil(Tq / block_size), ...])")
-    if counts.shape != (batch, hq, nqb):
-        raise ValueError(
-            f"kv_block_counts has shape {counts.shape}; allowed: ({batch}, {hq}, {nqb})")
-    for name, arr in (("kv_blocks", kv_blocks), ("kv_block_counts", counts)):
-        if not jnp.issubdtype(arr.dtype, jnp.integer):
-            raise ValueError(f"{name} has dtype {arr.dtype}; allowed: an integer type")
-    counts = jnp.clip(counts.astype(jnp.int32), 0, kv_blocks.shape[3])
+    kv_blocks, counts = check_block_lists(kv_blocks, kv_block_counts, batch, hq, -(-tq // block_size))
     q_offset = per_batch(q_offset, batch, "q_offset")
     kv_len = jnp.clip(per_batch(tk if kv_len is None else kv_len, batch, "kv_len"), 0, tk)
-    return d, kv_blocks.astype(jnp.int32), counts, q_offset, kv_len
+    return d, kv_blocks, counts, q_offset, kv_len
 
 
 def _key_ranges(q_offset, kv_len, *, tq: int, block_size: int, causal: bool):

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import mgpu_attention as mga
-from pallas_kernels._common import check_attention_shapes, check_out_dtype, per_batch
+from pallas_kernels._common import check_attention_shapes, check_block_lists, check_out_dtype, per_batch
 
 # The only block size: a query block is one CTA (two consumer warpgroups of BLOCK_SIZE // 2 rows), a key block
 # one KV step.
@@ -50,22 +50,6 @@ def is_supported(q, k, v, *, block_size: int = BLOCK_SIZE, out_dtype=None,
     return block_size == BLOCK_SIZE and mga.is_supported(
         q, k, v, block_q=_BLOCK_Q, block_kv=BLOCK_SIZE, max_concurrent_steps=max_concurrent_steps,
         out_dtype=check_out_dtype(out_dtype, q.dtype))
-
-
-def _check_lists(kv_blocks, kv_block_counts, batch: int, hq: int, tq: int) -> tuple[jax.Array, jax.Array]:
-    """int32 kv_blocks [B, Hq, ceil(Tq / 128), M] and counts [B, Hq, ceil(Tq / 128)] clamped to [0, M]."""
-    nqb = -(-tq // BLOCK_SIZE)
-    kv_blocks = jnp.asarray(kv_blocks)
-    counts = jnp.asarray(kv_block_counts)
-    if kv_blocks.ndim != 4 or kv_blocks.shape[:3] != (batch, hq, nqb) or kv_blocks.shape[3] == 0:
-        raise ValueError(f"kv_blocks has shape {kv_blocks.shape}; allowed: ({batch}, {hq}, {nqb}, max_blocks) "
-                         "with max_blocks >= 1 ([B, Hq, ceil(Tq / block_size), ...])")
-    if counts.shape != (batch, hq, nqb):
-        raise ValueError(f"kv_block_counts has shape {counts.shape}; allowed: ({batch}, {hq}, {nqb})")
-    for name, arr in (("kv_blocks", kv_blocks), ("kv_block_counts", counts)):
-        if not jnp.issubdtype(arr.dtype, jnp.integer):
-            raise ValueError(f"{name} has dtype {arr.dtype}; allowed: an integer type")
-    return kv_blocks.astype(jnp.int32), jnp.clip(counts.astype(jnp.int32), 0, kv_blocks.shape[3])
 
 
 @functools.partial(jax.jit, static_argnames=("causal",))
@@ -123,7 +107,7 @@ def block_sparse_attention_with_lse_mgpu(
     if block_size != BLOCK_SIZE:
         raise ValueError(f"block_size={block_size}; allowed: {BLOCK_SIZE} (one CTA per query block)")
     batch, tq, hq, tk, _, _ = check_attention_shapes(q, k, v, 4)
-    kv_blocks, counts = _check_lists(kv_blocks, kv_block_counts, batch, hq, tq)
+    kv_blocks, counts = check_block_lists(kv_blocks, kv_block_counts, batch, hq, -(-tq // BLOCK_SIZE))
     q_offset = per_batch(q_offset, batch, "q_offset")
     kv_len = jnp.clip(per_batch(tk if kv_len is None else kv_len, batch, "kv_len"), 0, tk)
     steps = _step_counts(kv_blocks, counts, q_offset, kv_len, causal=bool(causal))
