@@ -10,7 +10,10 @@ reaches memory.
 
 Where the time goes (H200, 30 layers of 128K tokens, `bench/probes/probe_sketch_variants.h200.json`, before the
 float16 unpacking and the base-2 softmax took the kernel from 2.56 to 2.26 ms): the loads alone take 1.10 ms, the
-unpacking and dots 1.0 ms more, the softmax 0.5 ms; the sketch's HBM time is 0.45 ms.
+unpacking and dots 1.0 ms more, the softmax 0.5 ms; the sketch's HBM time is 0.45 ms. Unpacking in PTX and 4 warps
+a program then took it to 1.91 ms at 128K and 3.19 ms at 256K (from 2.14 / 3.94 in the same run); stacking 4 token
+offsets in one 16-row score tile (no exp spent on the padding rows of a group of 4) was slower
+(`bench/results/runs/h200_sketch_decode/probe_sketch_stacked.json`).
 
 Layout (`jax_offload.sparse.sketch`): codes [Hkv, page_size, P, width], scales [Hkv, page_size, P]: token j of
 page p at [:, j, p], so one token offset of a block of pages is one contiguous tile. int4: byte i of a token holds
@@ -53,6 +56,36 @@ def _nibbles_as_f16(codes):
             lax.bitcast_convert_type((u >> 4) | 0x6400, jnp.float16) - 1032.0)
 
 
+# The same in PTX, four bytes at a time (what the GPU runs): the bytes are spread in pairs to the two halves of a word
+# (prmt), one lop3 makes both halves' nibbles into the float16 bits of 1024 + u, and one packed subtraction takes 1032
+# off both. The compiler's version of `_nibbles_as_f16` handles one byte per register and packs the pairs afterwards:
+# 11% slower at 128K, 19% at 256K (`bench/probes/probe_sketch_stacked.h200.json`). One asm per nibble: Pallas lowers
+# an inline asm to one result.
+_NIBBLES_AS_F16_PTX = """{
+.reg .b32 zero, mask, magic, bias, b01, b23;
+mov.b32 zero, 0;
+mov.b32 mask, 0x000F000F;
+mov.b32 magic, 0x64006400;
+mov.b32 bias, 0x64086408;
+prmt.b32 b01, $2, zero, 0x4140;
+prmt.b32 b23, $2, zero, 0x4342;
+%s
+lop3.b32 $0, b01, mask, magic, 0xEA;
+lop3.b32 $1, b23, mask, magic, 0xEA;
+sub.f16x2 $0, $0, bias;
+sub.f16x2 $1, $1, bias;
+}"""
+_LOW_NIBBLES_PTX = _NIBBLES_AS_F16_PTX % ""
+_HIGH_NIBBLES_PTX = _NIBBLES_AS_F16_PTX % "shr.b32 b01, b01, 4;\nshr.b32 b23, b23, 4;"
+
+
+def _nibbles_as_f16_ptx(codes):
+    out = [jax.ShapeDtypeStruct(codes.shape, jnp.float16)]
+    return tuple(plgpu.elementwise_inline_asm(asm, args=[codes], constraints="=r,=r,r", pack=4,
+                                              result_shape_dtypes=out)[0]
+                 for asm in (_LOW_NIBBLES_PTX, _HIGH_NIBBLES_PTX))
+
+
 def _codes_as(codes, bits: int, dtype):
     if bits == 4:
         packed = codes.astype(jnp.int32)
@@ -61,7 +94,7 @@ def _codes_as(codes, bits: int, dtype):
 
 
 def _page_lse_kernel(q_ref, codes_ref, scale_ref, o_ref, *, block_p: int, group: int, num_pages: int, bits: int,
-                     sm_scale: float, precision):
+                     sm_scale: float, precision, ptx: bool):
     start = pl.multiple_of(pl.program_id(0) * block_p, block_p)
     pages = pl.ds(start, block_p)
     # Masks only where the last block is ragged: unmasked loads vectorize best.
@@ -92,7 +125,10 @@ def _page_lse_kernel(q_ref, codes_ref, scale_ref, o_ref, *, block_p: int, group:
         else:
             codes = plgpu.load(codes_ref.at[j, pages, :], mask=ok[:, None], other=0)
             scale = plgpu.load(scale_ref.at[j, pages], mask=ok, other=0.0)
-        lo, hi = _nibbles_as_f16(codes) if bit_unpack else _codes_as(codes, bits, dtype)
+        if bit_unpack:
+            lo, hi = _nibbles_as_f16_ptx(codes) if ptx else _nibbles_as_f16(codes)
+        else:
+            lo, hi = _codes_as(codes, bits, dtype)
         s = plgpu.dot(qs[0], lo, trans_b=True, precision=precision)
         if bits == 4:
             s = s + plgpu.dot(qs[1], hi, trans_b=True, precision=precision)
@@ -110,7 +146,8 @@ def _page_lse_call(q, codes, scale, *, bits, num_pages, sm_scale, interpret, blo
     p = num_pages
     block_h = max(MIN_BLOCK, next_pow2(group))
     kernel = functools.partial(_page_lse_kernel, block_p=block_p, group=group, num_pages=p, bits=bits,
-                               sm_scale=sm_scale, precision=dot_precision(q.dtype))
+                               sm_scale=sm_scale, precision=dot_precision(q.dtype),
+                               ptx=not interpret)  # the CPU interpreter runs no inline asm
     return pl.pallas_call(
         kernel,
         grid=(-(-p // block_p), hkv),
@@ -133,7 +170,7 @@ _page_lse_call = interpret_aware_jit(
 
 
 def sketch_page_lse(q: jax.Array, codes: jax.Array, scale: jax.Array, *, bits: int, num_pages: int | None = None,
-                    sm_scale: float | None = None, interpret: bool | None = None, block_p: int = 64, num_warps: int = 8,
+                    sm_scale: float | None = None, interpret: bool | None = None, block_p: int = 64, num_warps: int = 4,
                     num_stages: int = 1) -> jax.Array:
     """Per page and query head, the log-sum-exp of the sketch's estimated attention logits.
 
