@@ -1,12 +1,13 @@
 """Per-page log-sum-exp of a low-bit key sketch's scores against a query group (sketch decode's page choice).
 
-`sketch_page_lse` launches one program per (block of pages, KV head). For each of a page's token offsets it loads
-that token's codes in every page of its block (int4, two per byte, or int8), unpacks them in registers into exact
-small integers (int4 with a 16-bit q: float16 values made by bit operations, no conversion instructions),
-multiplies them with the KV head's query group on the tensor cores, scales each token by its float32 scale and
-folds the scores into a running per-page log-sum-exp, in base 2 (exp2 is one GPU instruction): float32 [Hkv, G, P]
-of log sum_{t in page} exp((q . codes_t) * scale_t * sm_scale). The sketch is read once and no per-token score
-reaches memory.
+`sketch_page_lse` launches one program per (block of pages, KV head, share of the token offsets: `default_launch`).
+For each of its offsets it loads that token's codes in every page of its block (int4, two per byte, or int8),
+unpacks them in registers into exact small integers (int4 with a 16-bit q: float16 values made by bit operations, no
+conversion instructions), multiplies them with the KV head's query group on the tensor cores, scales each token by
+its float32 scale and folds the scores into a running per-page log-sum-exp, in base 2 (exp2 is one GPU
+instruction); the shares' log-sum-exps are combined after: float32 [Hkv, G, P] of
+log sum_{t in page} exp((q . codes_t) * scale_t * sm_scale). The sketch is read once and no per-token score reaches
+memory.
 
 Where the time goes (H200, 30 layers of 128K tokens, `bench/probes/probe_sketch_variants.h200.json`, before the
 float16 unpacking and the base-2 softmax took the kernel from 2.56 to 2.26 ms): the loads alone take 1.10 ms, the
@@ -140,38 +141,59 @@ def _page_lse_kernel(q_ref, codes_ref, scale_ref, o_ref, *, block_p: int, group:
     plgpu.store(o_ref.at[:, pages], (m + jnp.log2(l)) * LN2, mask=mask)
 
 
-def _page_lse_call(q, codes, scale, *, bits, num_pages, sm_scale, interpret, block_p, num_warps, num_stages):
+def _page_lse_call(q, codes, scale, *, bits, num_pages, sm_scale, interpret, block_p, num_warps, num_stages,
+                   splits):
     hkv, group, d = q.shape
     page, slots, width = codes.shape[1:]
     p = num_pages
     block_h = max(MIN_BLOCK, next_pow2(group))
+    part = page // splits
     kernel = functools.partial(_page_lse_kernel, block_p=block_p, group=group, num_pages=p, bits=bits,
                                sm_scale=sm_scale, precision=dot_precision(q.dtype),
                                ptx=not interpret)  # the CPU interpreter runs no inline asm
-    return pl.pallas_call(
+    lse = pl.pallas_call(
         kernel,
-        grid=(-(-p // block_p), hkv),
+        grid=(-(-p // block_p), hkv, splits),
         in_specs=[
             # The query block is padded past the group to a full tensor-core tile.
-            pl.BlockSpec((None, block_h, d), lambda i, h: (h, 0, 0)),
-            pl.BlockSpec((None, page, slots, width), lambda i, h: (h, 0, 0, 0)),
-            pl.BlockSpec((None, page, slots), lambda i, h: (h, 0, 0)),
+            pl.BlockSpec((None, block_h, d), lambda i, h, s: (h, 0, 0)),
+            pl.BlockSpec((None, part, slots, width), lambda i, h, s: (h, s, 0, 0)),
+            pl.BlockSpec((None, part, slots), lambda i, h, s: (h, s, 0)),
         ],
-        out_specs=pl.BlockSpec((None, block_h, p), lambda i, h: (h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((hkv, group, p), jnp.float32),
+        out_specs=pl.BlockSpec((None, None, block_h, p), lambda i, h, s: (s, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((splits, hkv, group, p), jnp.float32),
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="sketch_page_lse",
     )(q, codes, scale)
+    if splits == 1:
+        return lse[0]
+    top = jnp.max(lse, axis=0)
+    return top + jnp.log(jnp.sum(jnp.exp(lse - top), axis=0))
 
 
 _page_lse_call = interpret_aware_jit(
-    _page_lse_call, ("bits", "num_pages", "sm_scale", "interpret", "block_p", "num_warps", "num_stages"))
+    _page_lse_call, ("bits", "num_pages", "sm_scale", "interpret", "block_p", "num_warps", "num_stages", "splits"))
+
+
+def default_launch(num_pages: int, num_kv_heads: int, page_size: int) -> tuple[int, int]:
+    """(pages a program, programs sharing a page's offsets) for a sketch of `num_pages` pages.
+
+    Each program walks its offsets one load after another, so the kernel is fastest with 1-2K programs in flight:
+    32 pages a program where that alone gives 2048, else 64 with the offsets split in up to 4 (H100,
+    `bench/probes/probe_sketch_splits.h100.json`: 30 layers of 32K / 128K / 256K tokens in 0.78 / 1.73 / 2.98 ms
+    against 1.05 / 2.09 / 3.41 with 64 pages a program, unsplit)."""
+    if -(-num_pages // 32) * num_kv_heads >= 2048:
+        return 32, 1
+    splits = 1
+    while splits < 4 and page_size % (2 * splits) == 0 and -(-num_pages // 64) * num_kv_heads * splits < 1024:
+        splits *= 2
+    return 64, splits
 
 
 def sketch_page_lse(q: jax.Array, codes: jax.Array, scale: jax.Array, *, bits: int, num_pages: int | None = None,
-                    sm_scale: float | None = None, interpret: bool | None = None, block_p: int = 64, num_warps: int = 4,
-                    num_stages: int = 1) -> jax.Array:
+                    sm_scale: float | None = None, interpret: bool | None = None, block_p: int | None = None,
+                    num_warps: int = 4, num_stages: int = 1, splits: int | None = None) -> jax.Array:
     """Per page and query head, the log-sum-exp of the sketch's estimated attention logits.
 
     Args:
@@ -182,6 +204,8 @@ def sketch_page_lse(q: jax.Array, codes: jax.Array, scale: jax.Array, *, bits: i
       num_pages: score only the first num_pages <= P pages (static; default P). The kernel reads them in place, so
         a sketch allocated for the longest context is never sliced (a slice of its page axis would be a copy).
       sm_scale: default 1/sqrt(D). block_p: pages per program (power of two >= 16).
+      splits: programs sharing a page's token offsets (a divisor of page_size), their log-sum-exps combined after.
+        block_p and splits default to `default_launch`.
 
     Returns:
       float32 [Hkv, G, num_pages]: log sum over each page's tokens of exp((q . codes) * scale * sm_scale).
@@ -202,6 +226,12 @@ def sketch_page_lse(q: jax.Array, codes: jax.Array, scale: jax.Array, *, bits: i
     num_pages = p if num_pages is None else int(num_pages)
     if not 1 <= num_pages <= p:
         raise ValueError(f"num_pages={num_pages}; allowed: 1 to the sketch's {p} pages")
+    auto_block, auto_splits = default_launch(num_pages, hkv, page)
+    block_p = auto_block if block_p is None else block_p
+    splits = auto_splits if splits is None else splits
+    if splits < 1 or page % splits:
+        raise ValueError(f"splits={splits}; allowed: a divisor of the page size {page}")
     return _page_lse_call(q, codes, scale.astype(jnp.float32), bits=bits, num_pages=num_pages,
                           sm_scale=check_sm_scale(sm_scale, d), interpret=resolve_interpret(interpret),
-                          block_p=fit_block(block_p, num_pages), num_warps=num_warps, num_stages=num_stages)
+                          block_p=fit_block(block_p, num_pages), num_warps=num_warps, num_stages=num_stages,
+                          splits=splits)
