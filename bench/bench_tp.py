@@ -37,7 +37,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     GiB, SHAPES, copy_rate, fmt, model_config, random_params, run_metadata, run_phases, stats,
 )
-from jax_offload.config import OFFLOAD_DEFAULTS  # noqa: E402
 
 PHASES = ("bandwidth", "offload", "in_gpu", "big", "load")
 DEFAULT_PHASES = "bandwidth,offload:1,offload:2,in_gpu:1,in_gpu:2,big:2,load:1,load:2"
@@ -128,7 +127,7 @@ class Run:
         from jax_offload.kv.ring import group_size
 
         bs = self.args.block_size
-        for n in range(1, group_size(self.args.ring_slots) + 2):
+        for n in range(1, group_size(llm.engine_config.num_ring_slots) + 2):
             self.generate(llm, n * bs, 2)
         self.generate(llm, bs + 7, 2)
 
@@ -138,7 +137,8 @@ class Run:
                        num_ring_slots=a.ring_slots, prefill="chunked")
         self.warm_offload(llm)
         n = self.prompt_len(ctx, tokens)
-        row = {"ctx": ctx, "prompt_tokens": n, "host_blocks": n // a.block_size, **self.timed(llm, n, tokens, warm_up)}
+        row = {"ctx": ctx, "prompt_tokens": n, "host_blocks": n // a.block_size,
+               "ring_slots": llm.engine_config.num_ring_slots, **self.timed(llm, n, tokens, warm_up)}
         # Each device's share of the full blocks crosses its own link every step; the partial block stays on the GPU.
         row["pcie_bytes_per_device_step"] = (n // a.block_size) * a.block_size * llm.model_config.kv_bytes_per_token \
             // self.tp.size
@@ -371,7 +371,7 @@ def main() -> None:
     p.add_argument("--big-ctx", type=int, default=131072)
     p.add_argument("--big-tokens", type=int, default=32)
     p.add_argument("--block-size", type=int, default=4096)
-    p.add_argument("--ring-slots", type=int, default=OFFLOAD_DEFAULTS["num_ring_slots"], help="the engine's default")
+    p.add_argument("--ring-slots", type=int, help="default: the engine's (16 a device's share of the heads, times tp)")
     p.add_argument("--decode-tokens", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--bandwidth-MiB", type=int, default=1024)

@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--offload", action="store_true", help="keep the KV cache in pinned host memory")
     p.add_argument("--block-size", type=int, help="tokens per KV block (offload; default 1024)")
-    p.add_argument("--ring-slots", type=int, help="GPU slots the KV blocks stream through (offload; default 16)")
+    p.add_argument("--ring-slots", type=int,
+                   help="GPU slots the KV blocks stream through (offload; default 16 x the tensor parallel size)")
     p.add_argument("--prefill", help="chunked or layerwise (offload; default chunked, layerwise with XAttention)")
     p.add_argument("--decode-policy",
                    help="full, sketch or quest: which host KV decode reads (offload; default full)")
