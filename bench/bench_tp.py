@@ -371,7 +371,7 @@ def main() -> None:
     p.add_argument("--big-ctx", type=int, default=131072)
     p.add_argument("--big-tokens", type=int, default=32)
     p.add_argument("--block-size", type=int, default=4096)
-    p.add_argument("--ring-slots", type=int, help="default: the engine's (16 a device's share of the heads, times tp)")
+    p.add_argument("--ring-slots", type=int, help="default: the engine's, 16 x the TP size")
     p.add_argument("--decode-tokens", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--bandwidth-MiB", type=int, default=1024)

@@ -225,8 +225,8 @@ class EngineConfig:
         filled = {name: default for name, default in OFFLOAD_DEFAULTS.items() if getattr(config, name) is None}
         if "num_ring_slots" in filled:
             # Under tensor parallelism a slot holds 1/tp of a block: tp times the slots keep the ring as deep in
-            # bytes per device (2 x H100, 128K decode at TP=2: 32 slots 1.03x the links' floor, 16 slots 1.06x,
-            # bench/results/runs/h100x2_tp_decode/README.md).
+            # bytes per device (2 x H100, 128K decode at TP=2: 32 slots 1.05x the links' floor and 0.526x TP=1,
+            # 16 slots 0.549x, bench/results/runs/h100x2_tp_ring/).
             filled["num_ring_slots"] *= config.tensor_parallel_size
         if "prefill" in filled and config.prefill_policy == "xattention":
             # Chunked XAttention streams every earlier block for its estimate and then the blocks some head
