@@ -74,7 +74,7 @@ def test_unknown_sketch_dtype_is_one_clear_error():
 def test_pallas_page_lse_matches_float64(dtype, pages, q_dtype, q_scale):
     """The Pallas kernel (interpret mode here) against float64 NumPy over the unpacked codes; 40 pages leave a
     ragged last block of the kernel's 16-page tiles; int4 with a bfloat16 q takes the float16 bit-unpacking, with
-    q scaled past float16's range. The jnp path of the engine computes the same, and so do 4 programs per page.
+    q scaled past float16's range. The jnp path of the engine computes the same, and so do 4 programs per page."""
     seed = 4300 + pages + (q_scale > 1)
     rng = np.random.default_rng(seed)
     hkv, g, d, page = 2, 3, 32, 16
