@@ -157,11 +157,21 @@ def rel_err(x, ref) -> float:
     return float(diff / scale) if scale > 0 else float(diff)
 
 
-def assert_attention_close(o, lse, ref_o, ref_lse, tol: float, lse_tol: float = 1e-5):
-    """o within `tol` relative, finite lse within lse_tol absolute, empty rows exactly (0, -inf).
+def assert_attention_close(o, lse, ref_o, ref_lse, tol: float, lse_tol: float = 1e-5, seed: int | None = None):
+    """o within `tol` relative, finite lse within lse_tol absolute, empty rows exactly (0, -inf); a failure names
+    `seed` when given.
 
     o is [..., T, H, D] with lse [..., H, T] (prefill) or o [..., H, D] with lse [..., H].
     """
+    try:
+        _check_attention_close(o, lse, ref_o, ref_lse, tol, lse_tol)
+    except AssertionError as e:
+        if seed is None:
+            raise
+        raise AssertionError(f"seed {seed}: {e}") from None
+
+
+def _check_attention_close(o, lse, ref_o, ref_lse, tol: float, lse_tol: float):
     o = np.asarray(o, dtype=np.float64)
     lse = np.asarray(lse, dtype=np.float64)
     assert not np.isnan(o).any() and not np.isnan(lse).any(), "NaN in the result"

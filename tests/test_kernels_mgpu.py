@@ -40,13 +40,6 @@ def _inputs(seed, q_shape, kv_shape):
     return (q, k, v), [np.asarray(x.astype(jnp.float32)) for x in (q, k, v)]
 
 
-def _assert_close(seed, o, lse, ref_o, ref_lse):
-    try:
-        assert_attention_close(o, lse, ref_o, ref_lse, tol=TOL, lse_tol=TOL)
-    except AssertionError as e:
-        raise AssertionError(f"seed {seed}: {e}") from None
-
-
 def test_keys_streamed_in_blocks_give_the_bits_of_one_call():
     """Causal queries (Tq = 100: one padded CTA) over 171 keys (a padded last block): one call over all of them
     matches float64, and the keys in two calls, a block of 128 whose raw state (`attention_state_mgpu`) the
@@ -56,7 +49,7 @@ def test_keys_streamed_in_blocks_give_the_bits_of_one_call():
     (q, k, v), (qn, kn, vn) = _inputs(seed, (1, tq, 1, 64), (1, tk, 1, 64))
     o, lse = mga.attention_with_lse_mgpu(q, k, v, causal=True, q_offset=q_offset, **TILES)
     ref_o, ref_lse = attention_ref(qn, kn, vn, causal=True, q_offset=q_offset)
-    _assert_close(seed, o, lse, ref_o, ref_lse)
+    assert_attention_close(o, lse, ref_o, ref_lse, tol=TOL, lse_tol=TOL, seed=seed)
 
     # Each call's q_offset is relative to its first key.
     state = mga.attention_state_mgpu(q, k[:, :split], v[:, :split], causal=True, q_offset=q_offset, **TILES)
@@ -81,7 +74,7 @@ def test_packed_sequences_match_float64():
                                          out_dtype=jnp.bfloat16, **TILES)
     assert o.dtype == jnp.bfloat16
     ref_o, ref_lse = attention_ref(qn, kn, vn, kv_start=starts)
-    _assert_close(seed, o.astype(jnp.float32), lse, ref_o, ref_lse)
+    assert_attention_close(o.astype(jnp.float32), lse, ref_o, ref_lse, tol=TOL, lse_tol=TOL, seed=seed)
 
 
 def test_state_from_another_kernel_resumes_and_returns_the_raw_state():
@@ -102,7 +95,7 @@ def test_state_from_another_kernel_resumes_and_returns_the_raw_state():
     assert all(x.dtype == jnp.float32 for x in state)
     o, lse = pk.finish_state(state)
     ref_o, ref_lse = attention_ref(qn, kn, vn, causal=True, q_offset=q_offset, kv_start=starts)
-    _assert_close(seed, o, lse, ref_o, ref_lse)
+    assert_attention_close(o, lse, ref_o, ref_lse, tol=TOL, lse_tol=TOL, seed=seed)
 
 
 @pytest.mark.parametrize("semantics", ["warpgroup", "lane"])

@@ -52,13 +52,6 @@ def _lists(mask, rng):
     return jnp.asarray(np.where(pad, poison, kv_blocks), jnp.int32), jnp.asarray(counts)
 
 
-def _assert_close(seed, o, lse, ref_o, ref_lse):
-    try:
-        assert_attention_close(o, lse, ref_o, ref_lse, tol=TOL, lse_tol=TOL)
-    except AssertionError as e:
-        raise AssertionError(f"seed {seed}: {e}") from None
-
-
 def test_random_lists_match_float64():
     """Causal, GQA 2:1, 200 queries at positions 100..299 (two query blocks, the second padded) over 350 keys
     (three key blocks, the last padded) with kv_len 300, a random list per (head, query block), bf16 output.
@@ -79,7 +72,7 @@ def test_random_lists_match_float64():
     ref_o, ref_lse = block_sparse_attention_ref(qn, kn, vn, mask, block_size=BS, causal=True, q_offset=q_offset,
                                                 kv_len=kv_len)
     assert np.isneginf(ref_lse[0, 1, :BS]).all()
-    _assert_close(seed, o.astype(jnp.float32), lse, ref_o, ref_lse)
+    assert_attention_close(o.astype(jnp.float32), lse, ref_o, ref_lse, tol=TOL, lse_tol=TOL, seed=seed)
 
 
 def test_every_visible_block_listed_gives_the_dense_kernels_bits():
@@ -98,7 +91,7 @@ def test_every_visible_block_listed_gives_the_dense_kernels_bits():
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(dense_lse), err_msg=f"seed {seed}: lse")
     ref_o, ref_lse = block_sparse_attention_ref(qn, kn, vn, np.ones((b, 1, 1, 3), bool), block_size=BS,
                                                 causal=True, q_offset=q_offset, kv_len=kv_len)
-    _assert_close(seed, o, lse, ref_o, ref_lse)
+    assert_attention_close(o, lse, ref_o, ref_lse, tol=TOL, lse_tol=TOL, seed=seed)
 
 
 def test_lowers_for_cuda():
