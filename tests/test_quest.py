@@ -133,7 +133,9 @@ def test_pallas_path_equals_jnp_path(model_dir, policy):
 def test_bytes_moved_and_metadata_size(model_dir, policy):
     quest = _sparse(model_dir, 64, policy)
     cfg = quest.model_config
-    quest.generate([np.random.default_rng(503).integers(3, 250, size=300).tolist()], SamplingParams(max_tokens=3))
+    # Greedy and past EOS: an unseeded sample could end the request at its first token, before any decode step.
+    quest.generate([np.random.default_rng(503).integers(3, 250, size=300).tolist()],
+                   SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     runner = quest._runner
     sparse_layers = cfg.num_layers - 1
     kv_bytes_per_token_layer = 2 * cfg.num_kv_heads * cfg.head_dim * 4
