@@ -70,7 +70,6 @@ an input state.
 from __future__ import annotations
 
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
@@ -193,17 +192,16 @@ def _plan_smem(cfg, d, in_dtype, out_dtype, finish: bool) -> tuple[bool, int]:
 
 
 def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *refs, block_q, block_kv, steps, group, causal,
-                      scale_log2, num_heads, num_q_tiles, num_tiles, num_ctas, packed, resume, listed, finish,
-                      alias_out, separate_o, overlap, regs, interpret):
-    if packed:  # per-row starts [B, Tq]; per tile (smallest start, largest of warpgroup 0, of warpgroup 1)
+                      scale_log2, num_q_tiles, packed, resume, listed, finish, alias_out, separate_o, interpret):
+    if packed:  # per-row starts [B, Tq]; per CTA (smallest start, largest of warpgroup 0, of warpgroup 1)
         start_ref, bounds_ref, *refs = refs
     if resume:
         acc0_ref, m0_ref, l0_ref, *refs = refs
-    if listed:  # per tile its key blocks [B, Hq, tiles, M], and counts [B, Hq, tiles, 3] (see _attention_mgpu)
+    if listed:  # per CTA its key blocks [B, Hq, tiles, M], and counts [B, Hq, tiles, 3] (see _attention_mgpu)
         blocks_ref, counts_ref, *refs = refs
     num_outs = 2 if finish else 3  # (o, lse) or the state (acc, m, l)
     out_refs = refs[:num_outs]
-    smem, k_ready, v_ready, q_ready, k_free, v_free, schedule, turn = refs[num_outs:]
+    smem, k_ready, v_ready, q_ready, k_free, v_free, schedule = refs[num_outs:]
 
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -228,370 +226,223 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *refs, block_q, 
     if not separate_o:
         o_smem = q_smem  # same dtype: each consumer writes O over its own (finished) Q tile
 
+    batch = lax.axis_index("batch")
+    q_head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
-    cta = lax.axis_index("cta")
+    tile = lax.axis_index("q_seq")
+    if causal:  # the last query tiles see the most keys: launch them first to shorten the tail
+        tile = num_q_tiles - 1 - tile
     tile_rows = 2 * block_q
-    # The (batch, query tile, head) tiles, heads fastest (the G heads of one KV head share it in L2), go out in
-    # rounds of num_ctas, a round's i-th tile to CTA i in even rounds and to CTA num_ctas - 1 - i in odd ones: with
-    # the causal tiles heaviest first, each CTA's total stays close to the others'. A CTA runs its tiles one after
-    # another, its K/V ring and barrier phases running on from one to the next.
-    def round_position(r):
-        return jnp.where(r % 2 == 0, cta, num_ctas - 1 - cta)
+    q_offset = qoff_ref[batch]
+    kv_len = kvlen_ref[batch]  # clamped to [0, Tk] by the wrapper
 
-    full_rounds, rest = divmod(num_tiles, num_ctas)
-    my_tiles = full_rounds + (round_position(jnp.int32(full_rounds)) < rest).astype(jnp.int32)
+    # Steps [first, num_steps) are the KV blocks that may be visible to some row of this CTA; the producer loads
+    # exactly these and both consumers step through all of them (the same count keeps the barrier phases in step).
+    # Step j visits key block key_block(j): block j itself, or the j-th entry of the CTA's block list.
+    if listed:
+        def key_block(j):  # a scalar read from global memory; only entries below the count are ever read
+            return blocks_ref[batch, q_head, tile, j]
 
-    def plan(i):
-        """The i-th tile of this CTA: where it is and which key blocks it visits."""
-        t = i * num_ctas + round_position(i)
-        q_head = lax.rem(t, jnp.int32(num_heads))
-        tile = lax.rem(lax.div(t, jnp.int32(num_heads)), jnp.int32(num_q_tiles))
-        batch = lax.div(t, jnp.int32(num_heads * num_q_tiles))
-        if causal:  # the last query tiles see the most keys: run them first to shorten the tail
-            tile = num_q_tiles - 1 - tile
-        q_offset = qoff_ref[batch]
-        kv_len = kvlen_ref[batch]  # clamped to [0, Tk] by the wrapper
-        # Steps [first, num_steps) are the KV blocks that may be visible to some row of the tile; the producer
-        # loads exactly these and both consumers step through all of them (the same count keeps the barrier
-        # phases in step). Step j visits key block key_block(j): block j itself, or the j-th entry of the tile's
-        # block list.
-        if listed:
-            def key_block(j):  # a scalar read from global memory; only entries below the count are ever read
-                return blocks_ref[batch, q_head, tile, j]
+        num_steps = counts_ref[batch, q_head, tile, 0]
+    else:
+        def key_block(j):
+            return j
 
-            num_steps = counts_ref[batch, q_head, tile, 0]
-            hi = None
+        if causal:
+            hi = jnp.clip(q_offset + (tile + 1) * tile_rows, 0, kv_len)
         else:
-            def key_block(j):
-                return j
+            hi = kv_len
+        num_steps = lax.div(hi + (block_kv - 1), jnp.int32(block_kv))
+    if packed:  # no row of the CTA sees a key below its smallest start
+        first = jnp.minimum(lax.div(jnp.clip(bounds_ref[batch, tile, 0], 0, hi), jnp.int32(block_kv)), num_steps)
+    else:
+        first = 0  # a Python int: a jnp constant closed over by run_state below fails to lower (warpgroup)
 
-            hi = jnp.clip(q_offset + (tile + 1) * tile_rows, 0, kv_len) if causal else kv_len
-            num_steps = lax.div(hi + (block_kv - 1), jnp.int32(block_kv))
-        if packed:  # no row of the tile sees a key below its smallest start
-            first = jnp.minimum(lax.div(jnp.clip(bounds_ref[batch, tile, 0], 0, hi), jnp.int32(block_kv)),
-                                num_steps)
-        else:
-            first = 0  # a Python int: a jnp constant closed over by run_state below fails to lower (warpgroup)
-        return types.SimpleNamespace(batch=batch, q_head=q_head, tile=tile, q_offset=q_offset, kv_len=kv_len,
-                                     hi=hi, num_steps=num_steps, first=first, key_block=key_block)
+    def ring_slot(j):  # the ring slot of step j: blocks fill the slots in turn from `first` on
+        return lax.rem(j - first, jnp.int32(steps))
 
     def schedule_barrier():
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(schedule)
 
-    def issue_in_turn(issue):
-        """The consumers issue their wgmmas in turn (FA3's ping-pong): wait for this one's turn, issue, hand the
-        turn over; each then runs its softmax while the other's wgmmas use the tensor cores."""
-        plgpu.barrier_wait(turn.at[wg])
-        issue()
-        plgpu.barrier_arrive(turn.at[1 - wg])
-
     @pl.when(wg < _COMPUTE_WGS)
     def _consumer():
-        plgpu.set_max_registers(regs[0], action="increase")
+        plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
         q_tile = q_smem.at[wg]
-        o_tile = o_smem.at[wg]
-
-        def run_tile(i, done):
-            """The consumer's part of tile i; `done` counts the key blocks of this CTA's earlier tiles."""
-            c = plan(i)
-            batch, q_head, num_steps, first, key_block = c.batch, c.q_head, c.num_steps, c.first, c.key_block
-            kv_len = c.kv_len
-
-            def ring_slot(j):  # the ring slot of step j: blocks fill the slots in turn, tile after tile
-                return lax.rem(done + j - first, jnp.int32(steps))
-
-            q_base = c.tile * tile_rows + wg * block_q  # first query row of this warpgroup
-            rows = pl.ds(q_base, block_q)
-            first_pos = c.q_offset + q_base  # its key position
-            # Steps [lo_full, hi_full) are visible to every row of this warpgroup: no mask at all.
-            if listed:  # a prefix of the (ascending) list, counted by the caller
-                lo_full, hi_full = first, counts_ref[batch, q_head, c.tile, 1 + wg]
+        q_base = tile * tile_rows + wg * block_q  # first query row of this warpgroup
+        rows = pl.ds(q_base, block_q)
+        first_pos = q_offset + q_base  # its key position
+        # Steps [lo_full, hi_full) are visible to every row of this warpgroup: no mask at all.
+        if listed:  # a prefix of the (ascending) list, counted by the caller
+            lo_full, hi_full = first, counts_ref[batch, q_head, tile, 1 + wg]
+        else:
+            if causal:
+                num_full = lax.div(jnp.clip(first_pos + 1, 0, kv_len), jnp.int32(block_kv))
             else:
+                num_full = lax.div(kv_len, jnp.int32(block_kv))
+            num_full = jnp.minimum(num_full, num_steps)
+            if packed:  # blocks below the warpgroup's largest start are masked
+                highest = jnp.clip(bounds_ref[batch, tile, 1 + wg], 0, hi)
+                lo_full = jnp.clip(lax.div(highest + (block_kv - 1), jnp.int32(block_kv)), first, num_steps)
+                hi_full = jnp.clip(num_full, lo_full, num_steps)
+            else:
+                lo_full, hi_full = first, num_full
+
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, q_head], q_tile, q_ready.at[wg])
+        # While Q is in flight: the starting state, and the rows' starts for the mask.
+        if resume:  # continue an online softmax over earlier keys exactly where it stopped
+            acc = load(acc0_ref.at[batch, rows, q_head], wgmma_layout)
+            m_i = load(m0_ref.at[batch, q_head, rows], row_layout)
+            l_i = load(l0_ref.at[batch, q_head, rows], row_layout)
+        else:
+            m_i = layout_cast(jnp.full((block_q,), NEG_INF, jnp.float32), row_layout)
+            l_i = layout_cast(jnp.full((block_q,), 0.0, jnp.float32), row_layout)
+            acc = layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), wgmma_layout)
+        start_rows = load(start_ref.at[batch, rows], row_layout) if packed else None
+        plgpu.barrier_wait(q_ready.at[wg])
+
+        @pl.when(num_steps > first)
+        def _():
+            plgpu.barrier_wait(k_ready.at[0])
+
+        # Warpgroup 1 waits one turn so that the two alternate on the tensor cores.
+        pl.when(wg == 1)(schedule_barrier)
+
+        def kv_step(j, carry, masked: bool):
+            acc, m_i, l_i = carry
+            slot = ring_slot(j)
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
+                schedule_barrier()  # let the other warpgroup issue while this wgmma runs
+                return acc_ref[...]
+
+            if interpret:  # jax 0.10's interpreter cannot wgmma from a transposed ref: same product as a dot
+                s = lax.dot_general(q_tile[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+                schedule_barrier()
+            else:
+                s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+
+            if masked:
+                # Key col = k0 + c is visible to row r iff col < kv_len, (causal) col <= first_pos + r
+                # and (packed) col >= start_r: c < kv_len - k0, c - r <= first_pos - k0, c >= start_r - k0.
+                k0 = key_block(j) * block_kv
+                cols = iota(1)
+                vis = cols < kv_len - k0
                 if causal:
-                    num_full = lax.div(jnp.clip(first_pos + 1, 0, kv_len), jnp.int32(block_kv))
-                else:
-                    num_full = lax.div(kv_len, jnp.int32(block_kv))
-                num_full = jnp.minimum(num_full, num_steps)
-                if packed:  # blocks below the warpgroup's largest start are masked
-                    highest = jnp.clip(bounds_ref[batch, c.tile, 1 + wg], 0, c.hi)
-                    lo_full = jnp.clip(lax.div(highest + (block_kv - 1), jnp.int32(block_kv)), first, num_steps)
-                    hi_full = jnp.clip(num_full, lo_full, num_steps)
-                else:
-                    lo_full, hi_full = first, num_full
-
-            # The previous tile's copies out of Q's, O's and the rows' buffers must have read them.
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, q_head], q_tile, q_ready.at[wg])
-            # While Q is in flight: the starting state, and the rows' starts for the mask.
-            if resume:  # continue an online softmax over earlier keys exactly where it stopped
-                acc = load(acc0_ref.at[batch, rows, q_head], wgmma_layout)
-                m_i = load(m0_ref.at[batch, q_head, rows], row_layout)
-                l_i = load(l0_ref.at[batch, q_head, rows], row_layout)
-            else:
-                m_i = layout_cast(jnp.full((block_q,), NEG_INF, jnp.float32), row_layout)
-                l_i = layout_cast(jnp.full((block_q,), 0.0, jnp.float32), row_layout)
-                acc = layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), wgmma_layout)
-            start_rows = load(start_ref.at[batch, rows], row_layout) if packed else None
-            plgpu.barrier_wait(q_ready.at[wg])
-
-            @pl.when(num_steps > first)
-            def _():
-                plgpu.barrier_wait(k_ready.at[ring_slot(first)])
-
-            # Warpgroup 1 waits one turn so that the two alternate on the tensor cores.
-            if overlap:
-                pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))
-            else:
-                pl.when(wg == 1)(schedule_barrier)
-
-            def kv_step(j, carry, masked: bool):
-                acc, m_i, l_i = carry
-                slot = ring_slot(j)
-
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
-                    schedule_barrier()  # let the other warpgroup issue while this wgmma runs
-                    return acc_ref[...]
-
-                if interpret:  # jax 0.10's interpreter cannot wgmma from a transposed ref: same product as a dot
-                    s = lax.dot_general(q_tile[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
-                                        preferred_element_type=jnp.float32)
-                    schedule_barrier()
-                else:
-                    s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[slot])
-
-                if masked:
-                    # Key col = k0 + c is visible to row r iff col < kv_len, (causal) col <= first_pos + r
-                    # and (packed) col >= start_r: c < kv_len - k0, c - r <= first_pos - k0, c >= start_r - k0.
-                    k0 = key_block(j) * block_kv
-                    cols = iota(1)
-                    vis = cols < kv_len - k0
-                    if causal:
-                        vis = vis & (cols - iota(0) <= first_pos - k0)
-                    if packed:
-                        vis = vis & (cols >= lax.broadcast_in_dim(start_rows - k0, s.shape, [0]))
-                    s = jnp.where(vis, s, NEG_INF)
-
-                # Online softmax in base 2, scale folded into the exponent (m is in scaled log2 units).
-                m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
-                # A row with nothing visible yet keeps m = -inf; shift it by 0 to avoid inf - inf = NaN.
-                m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if masked else m_new
-                alpha = jnp.exp2(m_i - m_use)
-                p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                l_i = l_i * alpha
-                p_in = p.astype(in_dtype)
-                # As in JAX's attention_mgpu (D <= 128): sum p before the barriers, and pin the order so the
-                # compiler does not sink the softmax past the wait.
-                l_i = l_i + p.sum(axis=1)
-                acc, l_i, m_new, p_in = lax.optimization_barrier((acc, l_i, m_new, p_in))
-                plgpu.barrier_arrive(schedule)  # softmax done
-                plgpu.barrier_wait(v_ready.at[slot])
-                plgpu.barrier_wait(schedule)  # the other warpgroup's wgmma has been issued
-
-                def wait_next_k():  # overlap the wait for the next K with the P V wgmma
-                    nxt = j + 1
-
-                    @pl.when(nxt < num_steps)
-                    def _():
-                        plgpu.barrier_wait(k_ready.at[ring_slot(nxt)])
-
-                def pv(acc_ref):  # acc_ref holds acc on entry: the wgmma adds P V in place
-                    plgpu.wgmma(acc_ref, p_in, v_smem.at[slot])
-                    wait_next_k()
-
-                if interpret:  # jax 0.10's interpreter has neither run_state nor register wgmma operands
-                    acc = acc + lax.dot(p_in, v_smem.at[slot][...], preferred_element_type=jnp.float32)
-                    wait_next_k()
-                else:
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m_new, l_i
-
-            def softmax(s, j, m_i, l_i, masked: bool):
-                """Step j's online-softmax update of a score tile s: (P in the input dtype, m, l, alpha)."""
-                if masked:
-                    # Key col = k0 + c is visible to row r iff col < kv_len, (causal) col <= first_pos + r
-                    # and (packed) col >= start_r: c < kv_len - k0, c - r <= first_pos - k0, c >= start_r - k0.
-                    k0 = key_block(j) * block_kv
-                    cols = iota(1)
-                    vis = cols < kv_len - k0
-                    if causal:
-                        vis = vis & (cols - iota(0) <= first_pos - k0)
-                    if packed:
-                        vis = vis & (cols >= lax.broadcast_in_dim(start_rows - k0, s.shape, [0]))
-                    s = jnp.where(vis, s, NEG_INF)
-                m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
-                m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if masked else m_new
-                alpha = jnp.exp2(m_i - m_use)
-                p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
-                l_i = l_i * alpha
-                p_in = p.astype(in_dtype)
-                return p_in, m_new, l_i + p.sum(axis=1), alpha
-
-            def scaled(acc, alpha):
-                return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-
-            def overlapped_steps(acc, m_i, l_i, lo_full, hi_full):
-                """FlashAttention-3's overlap inside a warpgroup: step j issues S_j = Q K_j^T and then step j - 1's
-                O += P V together, runs step j's softmax while the second is still on the tensor cores, and only
-                then scales O by step j's alpha. The same operations on O in the same order as one step at a
-                time (scale by alpha_j, add P_j V_j), so the same bits."""
-                def first_step(j, carry):  # S of the first step alone (always masked: the same bits on visible keys)
-                    acc, m_i, l_i, _ = carry
-                    slot = ring_slot(j)
-                    if interpret:
-                        s = lax.dot_general(q_tile[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
-                                            preferred_element_type=jnp.float32)
-                        schedule_barrier()
-                    else:
-                        def qk(s_ref):
-                            issue_in_turn(lambda: plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].transpose((1, 0))))
-                            return s_ref[...]
-                        s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
-                    plgpu.barrier_arrive(k_free.at[slot])
-                    p_in, m_i, l_i, alpha = softmax(s, j, m_i, l_i, masked=True)
-                    return scaled(acc, alpha), m_i, l_i, p_in
-
-                def step(j, carry, masked: bool):
-                    acc, m_i, l_i, p_prev = carry
-                    slot, prev = ring_slot(j), ring_slot(j - 1)
-                    plgpu.barrier_wait(k_ready.at[slot])
-                    plgpu.barrier_wait(v_ready.at[prev])
-                    if interpret:
-                        s = lax.dot_general(q_tile[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
-                                            preferred_element_type=jnp.float32)
-                        acc = acc + lax.dot(p_prev, v_smem.at[prev][...], preferred_element_type=jnp.float32)
-                        schedule_barrier()
-                        plgpu.barrier_arrive(k_free.at[slot])
-                        p_in, m_i, l_i, alpha = softmax(s, j, m_i, l_i, masked)
-                    else:
-                        def gemms(refs):
-                            o_ref, p_ref, m_ref, l_ref, alpha_ref = refs
-
-                            def with_scores(s_ref):
-                                def issue():
-                                    plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
-                                    plgpu.wgmma(o_ref, p_ref[...], v_smem.at[prev])
-
-                                issue_in_turn(issue)
-                                s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_j only: P V runs on
-                                plgpu.barrier_arrive(k_free.at[slot])
-                                p_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = softmax(
-                                    s, j, m_ref[...], l_ref[...], masked)
-
-                            pl.run_scoped(with_scores, plgpu.ACC((block_q, block_kv), jnp.float32))
-
-                        acc, p_in, m_i, l_i, alpha = pl.run_state(gemms)(
-                            (plgpu.ACC.init(acc), p_prev, m_i, l_i,
-                             layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)))
-                    plgpu.barrier_arrive(v_free.at[prev])
-                    return scaled(acc, alpha), m_i, l_i, p_in
-
-                def last_pv(j, carry):
-                    acc, m_i, l_i, p_prev = carry
-                    slot = ring_slot(j)
-                    plgpu.barrier_wait(v_ready.at[slot])
-                    if interpret:
-                        acc = acc + lax.dot(p_prev, v_smem.at[slot][...], preferred_element_type=jnp.float32)
-                        schedule_barrier()
-                    else:
-                        def pv(o_ref):
-                            issue_in_turn(lambda: plgpu.wgmma(o_ref, p_prev, v_smem.at[slot]))
-                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                    plgpu.barrier_arrive(v_free.at[slot])
-                    return acc, m_i, l_i, p_prev
-
-                p0 = layout_cast(jnp.zeros((block_q, block_kv), in_dtype), wgmma_layout)
-                carry = lax.fori_loop(first, jnp.minimum(first + 1, num_steps), first_step, (acc, m_i, l_i, p0))
-                after = first + 1
-                lo, hi = jnp.maximum(lo_full, after), jnp.maximum(hi_full, after)
+                    vis = vis & (cols - iota(0) <= first_pos - k0)
                 if packed:
-                    carry = lax.fori_loop(after, lo, functools.partial(step, masked=True), carry)
-                carry = lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
-                carry = lax.fori_loop(hi, num_steps, functools.partial(step, masked=True), carry)
-                acc, m_i, l_i, _ = lax.fori_loop(jnp.maximum(num_steps - 1, first), num_steps, last_pv, carry)
-                return acc, m_i, l_i
+                    vis = vis & (cols >= lax.broadcast_in_dim(start_rows - k0, s.shape, [0]))
+                s = jnp.where(vis, s, NEG_INF)
 
-            # [first, lo_full) masked (packed only), [lo_full, hi_full) unmasked, [hi_full, num_steps) masked:
-            # num_steps - first steps for either warpgroup.
-            if overlap:
-                acc, m_i, l_i = overlapped_steps(acc, m_i, l_i, lo_full, hi_full)
-            else:
-                carry = (acc, m_i, l_i)
-                if packed:
-                    carry = lax.fori_loop(first, lo_full, functools.partial(kv_step, masked=True), carry)
-                carry = lax.fori_loop(lo_full, hi_full, functools.partial(kv_step, masked=False), carry)
-                acc, m_i, l_i = lax.fori_loop(hi_full, num_steps, functools.partial(kv_step, masked=True), carry)
-            # Warpgroup 0 takes the turn warpgroup 1 skipped; after it, warpgroup 1's last Q K^T is done,
-            # so neither Q tile nor any K slot is read again (what makes aliasing O over them safe).
-            if overlap:
-                pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))
-            else:
-                pl.when(wg == 0)(schedule_barrier)
+            # Online softmax in base 2, scale folded into the exponent (m is in scaled log2 units).
+            m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
+            # A row with nothing visible yet keeps m = -inf; shift it by 0 to avoid inf - inf = NaN.
+            m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if masked else m_new
+            alpha = jnp.exp2(m_i - m_use)
+            p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i = l_i * alpha
+            p_in = p.astype(in_dtype)
+            # As in JAX's attention_mgpu (D <= 128): sum p before the barriers, and pin the order so the
+            # compiler does not sink the softmax past the wait.
+            l_i = l_i + p.sum(axis=1)
+            acc, l_i, m_new, p_in = lax.optimization_barrier((acc, l_i, m_new, p_in))
+            plgpu.barrier_arrive(schedule)  # softmax done
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_wait(schedule)  # the other warpgroup's wgmma has been issued
 
-            if finish:  # finish_online_softmax (pallas_kernels/_common.py), the same formula
-                seen = l_i > 0.0
-                l_safe = jnp.where(seen, l_i, 1.0)
-                inv_l = jnp.where(seen, 1.0 / l_safe, 0.0)
-                lse = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN2, NEG_INF)
-                tile_out, row_outs = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0]), (lse,)
-            else:
-                tile_out, row_outs = acc, (m_i, l_i)
-            o_tile[...] = tile_out.astype(o_smem.dtype)
-            for n, x in enumerate(row_outs):
-                row_tile = rows_smem.at[n, wg]
-                row_tile[...] = x
-            plgpu.commit_smem()
-            # Copied out while the next tile computes.
-            plgpu.copy_smem_to_gmem(o_tile, out_refs[0].at[batch, rows, q_head])
-            for n, ref in enumerate(out_refs[1:]):
-                plgpu.copy_smem_to_gmem(rows_smem.at[n, wg], ref.at[batch, q_head, rows])
-            return done + (num_steps - first)
+            def wait_next_k():  # overlap the wait for the next K with the P V wgmma
+                nxt = j + 1
 
-        lax.fori_loop(0, my_tiles, run_tile, jnp.int32(0))
+                @pl.when(nxt < num_steps)
+                def _():
+                    plgpu.barrier_wait(k_ready.at[ring_slot(nxt)])
+
+            def pv(acc_ref):  # acc_ref holds acc on entry: the wgmma adds P V in place
+                plgpu.wgmma(acc_ref, p_in, v_smem.at[slot])
+                wait_next_k()
+
+            if interpret:  # jax 0.10's interpreter has neither run_state nor register wgmma operands
+                acc = acc + lax.dot(p_in, v_smem.at[slot][...], preferred_element_type=jnp.float32)
+                wait_next_k()
+            else:
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l_i
+
+        # [first, lo_full) masked (packed only), [lo_full, hi_full) unmasked, [hi_full, num_steps) masked:
+        # num_steps - first steps for either warpgroup.
+        carry = (acc, m_i, l_i)
+        if packed:
+            carry = lax.fori_loop(first, lo_full, functools.partial(kv_step, masked=True), carry)
+        carry = lax.fori_loop(lo_full, hi_full, functools.partial(kv_step, masked=False), carry)
+        acc, m_i, l_i = lax.fori_loop(hi_full, num_steps, functools.partial(kv_step, masked=True), carry)
+        # Warpgroup 0 takes the turn warpgroup 1 skipped; after it, warpgroup 1's last Q K^T is done,
+        # so neither Q tile nor any K slot is read again (what makes aliasing O over them safe).
+        pl.when(wg == 0)(schedule_barrier)
+
+        if finish:  # finish_online_softmax (pallas_kernels/_common.py), the same formula
+            seen = l_i > 0.0
+            l_safe = jnp.where(seen, l_i, 1.0)
+            inv_l = jnp.where(seen, 1.0 / l_safe, 0.0)
+            lse = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN2, NEG_INF)
+            tile_out, row_outs = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0]), (lse,)
+        else:
+            tile_out, row_outs = acc, (m_i, l_i)
+        o_tile = o_smem.at[wg]
+        o_tile[...] = tile_out.astype(o_smem.dtype)
+        for n, x in enumerate(row_outs):
+            row_tile = rows_smem.at[n, wg]
+            row_tile[...] = x
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_tile, out_refs[0].at[batch, rows, q_head])
+        for n, ref in enumerate(out_refs[1:]):
+            plgpu.copy_smem_to_gmem(rows_smem.at[n, wg], ref.at[batch, q_head, rows])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == _COMPUTE_WGS)
     def _producer():
-        plgpu.set_max_registers(regs[1], action="decrease")
+        plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
+        kv_head = lax.div(q_head, jnp.int32(group))
+        num_blocks = num_steps - first
 
-        def copy(ref, smem_ref, ready, c, block, slot):
-            kv_head = lax.div(c.q_head, jnp.int32(group))
-            plgpu.copy_gmem_to_smem(ref.at[c.batch, pl.ds(block * block_kv, block_kv), kv_head],
+        def copy(ref, smem_ref, ready, block, slot):
+            plgpu.copy_gmem_to_smem(ref.at[batch, pl.ds(block * block_kv, block_kv), kv_head],
                                     smem_ref.at[slot], ready.at[slot])
 
-        def run_tile(i, done):
-            c = plan(i)
+        def issue(i):  # the i-th step of this CTA into slot i
+            block = key_block(first + i)
+            copy(k_ref, k_smem, k_ready, block, i)
+            copy(v_ref, v_smem, v_ready, block, i)
 
-            def load_block(j, _):  # the tile's j-th block is this CTA's (done + j)-th
-                n = done + j
-                slot = lax.rem(n, jnp.int32(steps))
-                block = c.key_block(c.first + j)  # before the wait: a list entry's read overlaps it
-                reused = n >= steps  # the slot's previous block must be released first
-                # K and V slots are released separately (K right after S = Q K^T), so K can be refilled early.
-                pl.when(reused)(lambda: plgpu.barrier_wait(k_free.at[slot]))
-                copy(k_ref, k_smem, k_ready, c, block, slot)
-                pl.when(reused)(lambda: plgpu.barrier_wait(v_free.at[slot]))
-                copy(v_ref, v_smem, v_ready, c, block, slot)
-                return None
+        for i in range(steps):  # fill the ring; never copy a block nobody will wait for
+            pl.when(i < num_blocks)(functools.partial(issue, i))
 
-            lax.fori_loop(0, c.num_steps - c.first, load_block, None)
-            return done + (c.num_steps - c.first)
+        def refill(i, _):
+            slot = lax.rem(i, jnp.int32(steps))
+            block = key_block(first + i)  # before the wait: a list entry's read overlaps it
+            # K and V slots are released separately (K right after S = Q K^T), so K can be refilled early.
+            plgpu.barrier_wait(k_free.at[slot])
+            copy(k_ref, k_smem, k_ready, block, slot)
+            plgpu.barrier_wait(v_free.at[slot])
+            copy(v_ref, v_smem, v_ready, block, slot)
+            return None
 
-        total = lax.fori_loop(0, my_tiles, run_tile, jnp.int32(0))
+        refilled = jnp.maximum(num_blocks, steps)
+        lax.fori_loop(jnp.int32(steps), refilled, refill, None)
 
-        def drain(n, _):
+        def drain(i, _):
             # Observe the releases of the last blocks too. Not needed on the GPU (nothing waits on those
             # phases), but it keeps every barrier phase observed, which Mosaic GPU's CPU interpreter checks.
-            slot = lax.rem(n, jnp.int32(steps))
+            slot = lax.rem(i, jnp.int32(steps))
             plgpu.barrier_wait(k_free.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
             return None
 
-        lax.fori_loop(jnp.maximum(total, steps), total + steps, drain, None)
+        lax.fori_loop(refilled, num_blocks + steps, drain, None)
 
 
 def _pad_axis(x, axis: int, size: int, value=0):
@@ -604,16 +455,14 @@ def _pad_axis(x, axis: int, size: int, value=0):
 
 
 @functools.partial(jax.jit, static_argnames=("finish", "causal", "sm_scale", "out_dtype", "block_q", "block_kv",
-                                             "max_concurrent_steps", "max_ctas", "overlap", "regs", "semantics",
-                                             "interpret"))
+                                             "max_concurrent_steps", "semantics", "interpret"))
 def _attention_mgpu(q, k, v, q_offset, kv_len, kv_start, state, block_lists=None, *, finish, causal, sm_scale,
-                    out_dtype, block_q, block_kv, max_concurrent_steps, max_ctas, semantics, interpret, overlap,
-                    regs=(_CONSUMER_REGS, _PRODUCER_REGS)):
+                    out_dtype, block_q, block_kv, max_concurrent_steps, semantics, interpret):
     """The kernel's launch. block_lists (block-sparse attention, `mgpu_block_sparse`): None, or (blocks int32
     [B, Hq, num_q_tiles, M], counts int32 [B, Hq, num_q_tiles, 3]). CTA (b, h, tile) then visits the key blocks
     blocks[b, h, tile, :counts[..., 0]] (ascending, each a block some row of the CTA may see) instead of every
     block some row may see, and runs the first counts[..., 1 + w] of them without a mask in warpgroup w (each
-    visible to every row of it). At most max_ctas CTAs run, each looping over its share of the tiles."""
+    visible to every row of it)."""
     batch, tq, hq, d = q.shape
     _, tk, hkv, _ = k.shape
     tile_rows = 2 * block_q
@@ -660,15 +509,11 @@ def _attention_mgpu(q, k, v, q_offset, kv_len, kv_start, state, block_lists=None
     else:
         smem = (q_s, k_s, v_s, o_s, rows_s)
 
-    num_tiles = batch * hq * num_q_tiles
-    # With O over Q and K a tile's copy out would race the next tile's loads: one tile per CTA then.
-    num_ctas = num_tiles if alias_out else min(num_tiles, max_ctas)
     kernel = functools.partial(
         _attention_kernel, block_q=block_q, block_kv=block_kv, steps=max_concurrent_steps, group=hq // hkv,
-        causal=causal, scale_log2=sm_scale * LOG2E, num_heads=hq, num_q_tiles=num_q_tiles, num_tiles=num_tiles,
-        num_ctas=num_ctas, packed=kv_start is not None,
+        causal=causal, scale_log2=sm_scale * LOG2E, num_q_tiles=num_q_tiles, packed=kv_start is not None,
         resume=state is not None, listed=block_lists is not None, finish=finish, alias_out=alias_out,
-        separate_o=separate_o, overlap=overlap and not interpret, regs=regs, interpret=interpret)
+        separate_o=separate_o, interpret=interpret)
     rows_f32 = jax.ShapeDtypeStruct((batch, hq, tq_pad), jnp.float32)
     out_type = (jax.ShapeDtypeStruct((batch, tq_pad, hq, d), tile_dtype),) + (rows_f32,) * (1 if finish else 2)
     out = plgpu.kernel(
@@ -682,10 +527,9 @@ def _attention_mgpu(q, k, v, q_offset, kv_len, kv_start, state, block_lists=None
             plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=max_concurrent_steps),  # k_free
             plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=max_concurrent_steps),  # v_free
             plgpu.Barrier(num_arrivals=_COMPUTE_WGS),  # schedule (ping-pong between consumers)
-            plgpu.Barrier(num_barriers=_COMPUTE_WGS),  # turn: consumer w may issue its wgmmas (overlapped steps)
         ),
-        grid=(num_ctas,),
-        grid_names=("cta",),
+        grid=(hq, num_q_tiles, batch),  # heads fastest: the G heads of one KV head share it in L2
+        grid_names=("heads", "q_seq", "batch"),
         num_threads=_COMPUTE_WGS + 1,
         thread_name="wg",
         interpret=_interpret_params() if interpret else None,
@@ -701,17 +545,8 @@ def _attention_mgpu(q, k, v, q_offset, kv_len, kv_start, state, block_lists=None
     return out if finish else AttentionState(*out)
 
 
-def _default_ctas(interpret: bool) -> int:
-    """One CTA per SM (a CTA fills one: 3 warpgroups at FA3's register split); one in the CPU interpreter, whose
-    time goes into compiling each CTA, and where one CTA running every tile tests the hand-over between tiles."""
-    if interpret:
-        return 1
-    return getattr(jax.devices()[0], "core_count", None) or 132  # the H100's and H200's count
-
-
 def _launch(q, k, v, state, *, finish, causal, q_offset, kv_lengths, kv_start, sm_scale, out_dtype, block_q,
-            block_kv, max_concurrent_steps, semantics, interpret, block_lists=None, max_ctas=None, overlap=True,
-            regs=(_CONSUMER_REGS, _PRODUCER_REGS)):
+            block_kv, max_concurrent_steps, semantics, interpret, block_lists=None):
     if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
         raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}; allowed: [B, Tq, Hq, D] and equal [B, Tk, Hkv, D]")
     batch, tq, hq, d = q.shape
@@ -736,17 +571,14 @@ def _launch(q, k, v, state, *, finish, causal, q_offset, kv_lengths, kv_start, s
     kv_len = jnp.clip(per_batch(tk if kv_lengths is None else kv_lengths, batch, "kv_lengths"), 0, tk)
     return _attention_mgpu(q, k, v, q_offset, kv_len, per_row(kv_start, batch, tq), state, block_lists,
                            finish=finish, causal=bool(causal), sm_scale=check_sm_scale(sm_scale, d),
-                           out_dtype=out_dtype, semantics=semantics, interpret=bool(interpret),
-                           max_ctas=max_ctas or _default_ctas(bool(interpret)), overlap=overlap, regs=regs,
-                           **cfg)
+                           out_dtype=out_dtype, semantics=semantics, interpret=bool(interpret), **cfg)
 
 
 def attention_with_lse_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, q_offset=None,
                             kv_lengths=None, kv_start: jax.Array | None = None, state: AttentionState | None = None,
                             sm_scale: float | None = None, out_dtype=jnp.float32, block_q: int | None = None,
                             block_kv: int | None = None, max_concurrent_steps: int | None = None,
-                            max_ctas: int | None = None, semantics: str = "warpgroup",
-                            interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                            semantics: str = "warpgroup", interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """Flash attention forward (Mosaic GPU, Hopper) with GQA, causal offset, per-batch key length, packed
     sequences, an optional input state, and LSE.
 
@@ -766,8 +598,6 @@ def attention_with_lse_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal:
       out_dtype: dtype of o (float32 default: the unrounded accumulator; bfloat16 possible). Static.
       block_q: query rows per consumer warpgroup (a CTA takes 2 * block_q); block_kv: keys per step;
         max_concurrent_steps: K/V ring slots. None takes DEFAULT_CONFIG.
-      max_ctas: CTAs launched at most (default one per SM), each running its share of the (batch, head, query
-        tile) tiles one after another, the next tile's loads and the last one's copy out overlapping its work.
       semantics: Mosaic GPU lowering, "warpgroup" (jax 0.11's default) or "lane".
       interpret: run Mosaic GPU's CPU interpreter instead (tests only; slow, small shapes).
 
@@ -777,15 +607,14 @@ def attention_with_lse_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal:
     """
     return _launch(q, k, v, state, finish=True, causal=causal, q_offset=q_offset, kv_lengths=kv_lengths,
                    kv_start=kv_start, sm_scale=sm_scale, out_dtype=out_dtype, block_q=block_q, block_kv=block_kv,
-                   max_concurrent_steps=max_concurrent_steps, max_ctas=max_ctas, semantics=semantics,
-                   interpret=interpret)
+                   max_concurrent_steps=max_concurrent_steps, semantics=semantics, interpret=interpret)
 
 
 def attention_state_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState | None = None, *,
                          causal: bool = True, q_offset=None, kv_lengths=None, kv_start: jax.Array | None = None,
                          sm_scale: float | None = None, block_q: int | None = None, block_kv: int | None = None,
-                         max_concurrent_steps: int | None = None, max_ctas: int | None = None,
-                         semantics: str = "warpgroup", interpret: bool = False) -> AttentionState:
+                         max_concurrent_steps: int | None = None, semantics: str = "warpgroup",
+                         interpret: bool = False) -> AttentionState:
     """The kernel of `attention_with_lse_mgpu` stopped before its finish: continues `state` (None: no key seen
     yet) over k, v and returns the raw float32 online-softmax state (acc [B, Tq, Hq, D], m and l [B, Hq, Tq]).
     Same arguments as `attention_with_lse_mgpu`. Keys streamed in blocks whose sizes are multiples of block_kv,
@@ -793,5 +622,5 @@ def attention_state_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, state: Attent
     call made through `attention_with_lse_mgpu(state=...)`, give the bits of one call over all the keys."""
     return _launch(q, k, v, state, finish=False, causal=causal, q_offset=q_offset, kv_lengths=kv_lengths,
                    kv_start=kv_start, sm_scale=sm_scale, out_dtype=jnp.float32, block_q=block_q,
-                   block_kv=block_kv, max_concurrent_steps=max_concurrent_steps, max_ctas=max_ctas,
-                   semantics=semantics, interpret=interpret)
+                   block_kv=block_kv, max_concurrent_steps=max_concurrent_steps, semantics=semantics,
+                   interpret=interpret)

@@ -81,11 +81,10 @@ def test_state_from_another_kernel_resumes_and_returns_the_raw_state():
     """A state over the first 100 keys from the jnp twin (`attention_state_xla`; causal, packed, so the rows of
     the third sequence have seen nothing yet: m = -inf) continued by `attention_state_mgpu` over the other 92
     keys (a padded block): the raw state it returns finishes (`finish_state`) to float64 attention over all
-    192 keys. Three query heads of one KV head: the interpreter's one CTA runs the three tiles one after another,
-    and two CTAs (tiles 0 and 1 in the first round, tile 2 to the second CTA in the next) give the same bits."""
+    192 keys."""
     seed = 5200
     tq, tk, split, q_offset = 128, 192, 100, 64  # positions 64..191
-    (q, k, v), (qn, kn, vn) = _inputs(seed, (1, tq, 3, 64), (1, tk, 1, 64))
+    (q, k, v), (qn, kn, vn) = _inputs(seed, (1, tq, 1, 64), (1, tk, 1, 64))
     bounds = np.array([0, 94, 130])  # three sequences; queries from position 64 on
     starts = bounds[np.searchsorted(bounds, q_offset + np.arange(tq), side="right") - 1][None].astype(np.int32)
     earlier = pk.attention_state_xla(q, k[:, :split], v[:, :split], causal=True, q_offset=q_offset,
@@ -94,10 +93,6 @@ def test_state_from_another_kernel_resumes_and_returns_the_raw_state():
     state = mga.attention_state_mgpu(q, k[:, split:], v[:, split:], earlier, causal=True, q_offset=q_offset - split,
                                      kv_start=jnp.asarray(starts - split), **TILES)
     assert all(x.dtype == jnp.float32 for x in state)
-    apart = mga.attention_state_mgpu(q, k[:, split:], v[:, split:], earlier, causal=True, q_offset=q_offset - split,
-                                     kv_start=jnp.asarray(starts - split), max_ctas=2, **TILES)
-    for name, x, y in zip(state._fields, state, apart):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"seed {seed}: {name}, 1 or 2 CTAs")
     o, lse = pk.finish_state(state)
     ref_o, ref_lse = attention_ref(qn, kn, vn, causal=True, q_offset=q_offset, kv_start=starts)
     assert_attention_close(o, lse, ref_o, ref_lse, tol=TOL, lse_tol=TOL, seed=seed)
