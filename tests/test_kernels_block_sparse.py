@@ -126,7 +126,9 @@ def test_diagonal_blocks_only_match_float64(impl):
 @pytest.mark.parametrize("case", ["f32_gqa2_causal_offsets_kvlen", "bf16_gqa4_chunk_f32_out"])
 def test_every_block_listed_equals_dense(case):
     """Listing every key block (the causally hidden ones too) gives attention_with_lse's bits
-    (block_q = block_size, same block_k) and attention_with_lse_xla's values within 1e-6."""
+    (block_q = block_size, same block_k), and the jnp twin attention_with_lse_xla's o and lse within 1e-6 relative
+    (it gathers the blocks and sums the same terms in another order: how far apart depends on the compiler's
+    float32 code, 3 ulp of an lse of 6.5 at XLA's CPU optimisation level 0)."""
     *_, block_size, causal, q_offset, kv_len, _, out_dtype = CASES[case]
     (q, k, v), _ = _inputs(5200 + list(CASES).index(case), case)
     kv_blocks, counts = mask_to_block_lists(jnp.ones(_grid(case), bool))
@@ -145,7 +147,7 @@ def test_every_block_listed_equals_dense(case):
     lse, lse_dense = np.asarray(lse), np.asarray(lse_dense)
     seen = np.isfinite(lse_dense)
     np.testing.assert_array_equal(np.isfinite(lse), seen)
-    assert np.max(np.abs(lse[seen] - lse_dense[seen])) <= 1e-6
+    assert rel_err(lse[seen], lse_dense[seen]) <= 1e-6
 
 
 def test_new_lists_and_offsets_do_not_recompile():
