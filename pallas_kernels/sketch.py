@@ -95,7 +95,7 @@ def _codes_as(codes, bits: int, dtype):
 
 
 def _page_lse_kernel(q_ref, codes_ref, scale_ref, o_ref, *, block_p: int, group: int, num_pages: int, bits: int,
-                     sm_scale: float, precision, ptx: bool, two_pass: bool):
+                     sm_scale: float, precision, ptx: bool):
     start = pl.multiple_of(pl.program_id(0) * block_p, block_p)
     pages = pl.ds(start, block_p)
     # Masks only where the last block is ragged: unmasked loads vectorize best.
@@ -119,7 +119,6 @@ def _page_lse_kernel(q_ref, codes_ref, scale_ref, o_ref, *, block_p: int, group:
         rescale, dtype = rescale * jnp.exp2(shift), jnp.float16
     m = jnp.full((block_h, block_p), NEG_INF, jnp.float32)
     l = jnp.zeros((block_h, block_p), jnp.float32)
-    tiles = []
     for offset in range(codes_ref.shape[0]):  # the page's token offsets, unrolled
         j = jnp.int32(offset)
         if ok is None:
@@ -135,21 +134,15 @@ def _page_lse_kernel(q_ref, codes_ref, scale_ref, o_ref, *, block_p: int, group:
         if bits == 4:
             s = s + plgpu.dot(qs[1], hi, trans_b=True, precision=precision)
         s = s * (scale * rescale)[None, :]
-        if two_pass:
-            tiles.append(s)
-            continue
         m_new = jnp.maximum(m, s)
         l = l * jnp.exp2(m - m_new) + jnp.exp2(s - m_new)
         m = m_new
-    if two_pass:
-        m = functools.reduce(jnp.maximum, tiles)
-        l = functools.reduce(jnp.add, [jnp.exp2(t - m) for t in tiles])
     mask = row_ok[:, None] if ok is None else row_ok[:, None] & ok[None, :]
     plgpu.store(o_ref.at[:, pages], (m + jnp.log2(l)) * LN2, mask=mask)
 
 
 def _page_lse_call(q, codes, scale, *, bits, num_pages, sm_scale, interpret, block_p, num_warps, num_stages,
-                   splits, two_pass=False):
+                   splits):
     hkv, group, d = q.shape
     page, slots, width = codes.shape[1:]
     p = num_pages
@@ -157,7 +150,7 @@ def _page_lse_call(q, codes, scale, *, bits, num_pages, sm_scale, interpret, blo
     part = page // splits
     kernel = functools.partial(_page_lse_kernel, block_p=block_p, group=group, num_pages=p, bits=bits,
                                sm_scale=sm_scale, precision=dot_precision(q.dtype),
-                               ptx=not interpret, two_pass=two_pass)  # the CPU interpreter runs no inline asm
+                               ptx=not interpret)  # the CPU interpreter runs no inline asm
     lse = pl.pallas_call(
         kernel,
         grid=(-(-p // block_p), hkv, splits),
@@ -180,8 +173,7 @@ def _page_lse_call(q, codes, scale, *, bits, num_pages, sm_scale, interpret, blo
 
 
 _page_lse_call = interpret_aware_jit(
-    _page_lse_call, ("bits", "num_pages", "sm_scale", "interpret", "block_p", "num_warps", "num_stages", "splits",
-                     "two_pass"))
+    _page_lse_call, ("bits", "num_pages", "sm_scale", "interpret", "block_p", "num_warps", "num_stages", "splits"))
 
 
 def default_launch(num_pages: int, num_kv_heads: int, page_size: int) -> tuple[int, int]:
@@ -201,8 +193,7 @@ def default_launch(num_pages: int, num_kv_heads: int, page_size: int) -> tuple[i
 
 def sketch_page_lse(q: jax.Array, codes: jax.Array, scale: jax.Array, *, bits: int, num_pages: int | None = None,
                     sm_scale: float | None = None, interpret: bool | None = None, block_p: int | None = None,
-                    num_warps: int = 4, num_stages: int = 1, splits: int | None = None,
-                    two_pass: bool = False) -> jax.Array:
+                    num_warps: int = 4, num_stages: int = 1, splits: int | None = None) -> jax.Array:
     """Per page and query head, the log-sum-exp of the sketch's estimated attention logits.
 
     Args:
@@ -243,4 +234,4 @@ def sketch_page_lse(q: jax.Array, codes: jax.Array, scale: jax.Array, *, bits: i
     return _page_lse_call(q, codes, scale.astype(jnp.float32), bits=bits, num_pages=num_pages,
                           sm_scale=check_sm_scale(sm_scale, d), interpret=resolve_interpret(interpret),
                           block_p=fit_block(block_p, num_pages), num_warps=num_warps, num_stages=num_stages,
-                          splits=splits, two_pass=two_pass)
+                          splits=splits)
