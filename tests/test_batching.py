@@ -22,7 +22,7 @@ from jax_offload.serving.sequence import Sequence
 # and Qwen3 in tests/tp_check.py.
 MODEL_SEEDS = {"llama3": 401}
 PROMPT_SEED = 411
-NUM_PROMPTS = 24
+NUM_PROMPTS = 16  # 24 until the suite needed the time (2026-11-26)
 MAX_MODEL_LEN = 512
 BLOCK_SIZE = 16
 POOL_BLOCKS = 600  # every request fits at once: no preemption
@@ -41,12 +41,12 @@ def tmp_root(tmp_path_factory):
     return tmp_path_factory.mktemp("batching")
 
 
-def _workload(seed: int = PROMPT_SEED) -> tuple[list[list[int]], list[SamplingParams]]:
-    """24 prompts of 1..300 tokens, 1..64 new tokens each, greedy; every fourth stops at a word."""
-    rng = np.random.default_rng(seed)
-    prompts = [rng.integers(3, tiny_models.VOCAB, size=int(n)).tolist() for n in rng.integers(1, 301, NUM_PROMPTS)]
+def _workload(count: int = NUM_PROMPTS) -> tuple[list[list[int]], list[SamplingParams]]:
+    """`count` prompts of 1..300 tokens, 1..64 new tokens each, greedy; every fourth stops at a word."""
+    rng = np.random.default_rng(PROMPT_SEED)
+    prompts = [rng.integers(3, tiny_models.VOCAB, size=int(n)).tolist() for n in rng.integers(1, 301, count)]
     params = [SamplingParams(temperature=0.0, max_tokens=int(m), stop="w7" if i % 4 == 3 else None)
-              for i, m in enumerate(rng.integers(1, 65, NUM_PROMPTS))]
+              for i, m in enumerate(rng.integers(1, 65, count))]
     return prompts, params
 
 
@@ -162,7 +162,7 @@ def _swap_bytes(llm: LLM, blocks: int) -> int:
 # below preempt at 8, and limit 3 here.
 @pytest.mark.parametrize("variant,limits", [("llama3", LIMITS[:2])])
 def test_preemption_swaps_and_keeps_outputs(tmp_root, variant, limits):
-    """A pool of 30 blocks for 24 requests: the newest running requests are preempted again and again, their KV
+    """A pool of 30 blocks for 16 requests: the newest running requests are preempted again and again, their KV
     swapped to host memory and back."""
     llm = _llm(variant, tmp_root)
     prompts, params = _workload()
@@ -374,12 +374,14 @@ def test_bad_requests(tmp_root):
 # ---- (e) offloaded KV: several requests over one host store ---------------------------------------------------
 
 OFFLOAD = dict(dtype="float32", offload=True, block_size=BLOCK_SIZE, num_ring_slots=4)
-OFFLOAD_PROMPTS = 12  # the workload's first 12 requests: offloaded steps dispatch per block, so fewer keep it fast
+OFFLOAD_PROMPTS = 12  # offloaded steps dispatch per block, so fewer requests keep it fast
 SCARCE_LEN = 384  # a host store of 24 blocks (the longest request needs 23): the requests preempt one another
 
 
 def _offload_workload() -> tuple[list[list[int]], list[SamplingParams]]:
-    prompts, params = _workload()
+    """The first 12 requests of the 24-prompt workload the file ran until 2026-11-26, long enough to preempt one
+    another in SCARCE_LEN."""
+    prompts, params = _workload(24)
     return prompts[:OFFLOAD_PROMPTS], params[:OFFLOAD_PROMPTS]
 
 
