@@ -44,8 +44,13 @@ Algorithm (FlashAttention-3 layout, one CTA = 3 warpgroups):
     float32 scores: m = max_j(s_j) * c, p_j = 2^(s_j * c - m) (one FMA per element), l = sum_j p_j.
     Then sum_j e^(s_j * sm_scale) = 2^m * l, so the natural LSE is (m + log2(l)) * ln(2). q is never
     pre-scaled (no extra bf16 rounding), exactly as our Triton kernel.
-  * The two consumers take turns on the tensor cores through a two-party "schedule" barrier: while one
-    runs its softmax the other's wgmma runs (FA3's ping-pong).
+  * The two consumers take turns on the tensor cores (FA3's ping-pong): while one runs its softmax the other's
+    wgmmas run. On the GPU each step also overlaps inside a warpgroup (FA3's intra-warpgroup overlap): S_j = Q K_j^T
+    and step j - 1's O += P V are issued together and step j's softmax runs while P V is still on the tensor
+    cores; O is scaled by alpha_j after P V's wait, and P is rounded to the input dtype only then (a register an
+    in-flight wgmma reads must not be redefined before its wait, or ptxas serializes every wgmma). The same
+    operations on O in the same order as one step at a time, which is what Mosaic GPU's CPU interpreter runs
+    (it has neither run_state nor register wgmma operands): the same bits.
   * Key blocks [first, num_steps) are the ones some row of the CTA may see: blocks past the CTA's last
     query (causal) or kv_len, and (kv_start) below the CTA's smallest start, are never loaded. Blocks
     visible to every row of a warpgroup run without any mask; only the others build the (iota) mask. Both
@@ -88,10 +93,11 @@ except ImportError:  # pragma: no cover
 SMEM_LIMIT = 227 * 1024
 _SMEM_ALIGN = 1024  # Mosaic GPU aligns every shared-memory buffer to 1 KiB.
 _COMPUTE_WGS = 2
-# Registers per thread: the consumers take what the producer gives back (FA3 split; 232 + 232 + 40 with
-# 128 threads per warpgroup stays within the 64K-register file).
-_CONSUMER_REGS = 232
-_PRODUCER_REGS = 40
+# Registers per thread: the consumers take what the producer gives back (FA3's split: 240 + 240 + 24 with 128
+# threads per warpgroup stays within the 64K-register file). The overlapped causal steps spill 16 bytes at
+# 232 + 232 + 40 and nothing at this split (H100, `bench/results/runs/h100_mgpu_schedule_tries/`).
+_CONSUMER_REGS = 240
+_PRODUCER_REGS = 24
 
 DEFAULT_CONFIG = dict(block_q=64, block_kv=128, max_concurrent_steps=2)
 
@@ -201,7 +207,7 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *refs, block_q, 
         blocks_ref, counts_ref, *refs = refs
     num_outs = 2 if finish else 3  # (o, lse) or the state (acc, m, l)
     out_refs = refs[:num_outs]
-    smem, k_ready, v_ready, q_ready, k_free, v_free, schedule = refs[num_outs:]
+    smem, k_ready, v_ready, q_ready, k_free, v_free, schedule, turn = refs[num_outs:]
 
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -265,6 +271,12 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *refs, block_q, 
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(schedule)
 
+    def issue_in_turn(issue):
+        """The overlapped steps' ping-pong: wait for this consumer's turn, issue its wgmmas, hand the turn over."""
+        plgpu.barrier_wait(turn.at[wg])
+        issue()
+        plgpu.barrier_arrive(turn.at[1 - wg])
+
     @pl.when(wg < _COMPUTE_WGS)
     def _consumer():
         plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
@@ -306,25 +318,13 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *refs, block_q, 
             plgpu.barrier_wait(k_ready.at[0])
 
         # Warpgroup 1 waits one turn so that the two alternate on the tensor cores.
-        pl.when(wg == 1)(schedule_barrier)
+        if not interpret:  # the consumers' turns (overlapped steps) begin with warpgroup 0's
+            pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))
+        else:
+            pl.when(wg == 1)(schedule_barrier)
 
-        def kv_step(j, carry, masked: bool):
-            acc, m_i, l_i = carry
-            slot = ring_slot(j)
-
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
-                schedule_barrier()  # let the other warpgroup issue while this wgmma runs
-                return acc_ref[...]
-
-            if interpret:  # jax 0.10's interpreter cannot wgmma from a transposed ref: same product as a dot
-                s = lax.dot_general(q_tile[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
-                schedule_barrier()
-            else:
-                s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[slot])
-
+        def softmax(s, j, m_i, l_i, masked: bool, cast: bool = True):
+            """Step j's online-softmax update of a score tile s: (P in the input dtype, m, l, alpha)."""
             if masked:
                 # Key col = k0 + c is visible to row r iff col < kv_len, (causal) col <= first_pos + r
                 # and (packed) col >= start_r: c < kv_len - k0, c - r <= first_pos - k0, c >= start_r - k0.
@@ -336,53 +336,130 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *refs, block_q, 
                 if packed:
                     vis = vis & (cols >= lax.broadcast_in_dim(start_rows - k0, s.shape, [0]))
                 s = jnp.where(vis, s, NEG_INF)
-
             # Online softmax in base 2, scale folded into the exponent (m is in scaled log2 units).
             m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
             # A row with nothing visible yet keeps m = -inf; shift it by 0 to avoid inf - inf = NaN.
             m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if masked else m_new
             alpha = jnp.exp2(m_i - m_use)
             p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             l_i = l_i * alpha
-            p_in = p.astype(in_dtype)
-            # As in JAX's attention_mgpu (D <= 128): sum p before the barriers, and pin the order so the
-            # compiler does not sink the softmax past the wait.
-            l_i = l_i + p.sum(axis=1)
-            acc, l_i, m_new, p_in = lax.optimization_barrier((acc, l_i, m_new, p_in))
+            p_in = p.astype(in_dtype) if cast else p
+            return p_in, m_new, l_i + p.sum(axis=1), alpha
+
+        def scaled(acc, alpha):
+            return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+        def kv_step(j, carry, masked: bool):
+            """One step at a time, the CPU interpreter's schedule (dots for the wgmmas: jax 0.10's interpreter
+            can neither wgmma from a transposed ref nor take a register operand), with the GPU's barriers."""
+            acc, m_i, l_i = carry
+            slot = ring_slot(j)
+            s = lax.dot_general(q_tile[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+            schedule_barrier()
+            plgpu.barrier_arrive(k_free.at[slot])
+            p_in, m_new, l_i, alpha = softmax(s, j, m_i, l_i, masked)
+            acc = scaled(acc, alpha)
             plgpu.barrier_arrive(schedule)  # softmax done
             plgpu.barrier_wait(v_ready.at[slot])
             plgpu.barrier_wait(schedule)  # the other warpgroup's wgmma has been issued
+            acc = acc + lax.dot(p_in, v_smem.at[slot][...], preferred_element_type=jnp.float32)
 
-            def wait_next_k():  # overlap the wait for the next K with the P V wgmma
-                nxt = j + 1
+            @pl.when(j + 1 < num_steps)
+            def _():
+                plgpu.barrier_wait(k_ready.at[ring_slot(j + 1)])
 
-                @pl.when(nxt < num_steps)
-                def _():
-                    plgpu.barrier_wait(k_ready.at[ring_slot(nxt)])
-
-            def pv(acc_ref):  # acc_ref holds acc on entry: the wgmma adds P V in place
-                plgpu.wgmma(acc_ref, p_in, v_smem.at[slot])
-                wait_next_k()
-
-            if interpret:  # jax 0.10's interpreter has neither run_state nor register wgmma operands
-                acc = acc + lax.dot(p_in, v_smem.at[slot][...], preferred_element_type=jnp.float32)
-                wait_next_k()
-            else:
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l_i
 
+        def overlapped_steps(acc, m_i, l_i, lo_full, hi_full):
+            """The GPU's schedule, FlashAttention-3's overlap inside a warpgroup: step j issues S_j = Q K_j^T and
+            step j - 1's O += P V together, runs step j's softmax while P V is still on the tensor cores, and
+            only then scales O by step j's alpha: the same operations on O in the same order as `kv_step` one
+            step at a time (scale by alpha_j, add P_j V_j), so the same bits. The first step's S runs alone
+            (masked: the same bits on visible keys), the last P V after the loop."""
+            def first_step(j, carry):
+                acc, m_i, l_i, _ = carry
+                slot = ring_slot(j)
+
+                def qk(s_ref):
+                    issue_in_turn(lambda: plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].transpose((1, 0))))
+                    return s_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                p_in, m_i, l_i, alpha = softmax(s, j, m_i, l_i, masked=True)
+                return scaled(acc, alpha), m_i, l_i, p_in
+
+            def step(j, carry, masked: bool):
+                acc, m_i, l_i, p_prev = carry
+                slot, prev = ring_slot(j), ring_slot(j - 1)
+                plgpu.barrier_wait(k_ready.at[slot])
+                plgpu.barrier_wait(v_ready.at[prev])
+
+                def gemms(refs):
+                    o_ref, s_ref, m_ref, l_ref, alpha_ref = refs
+
+                    def issue():
+                        plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
+                        plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
+
+                    issue_in_turn(issue)
+                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_j only: P V runs on
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    # P stays float32, in S's registers, while P V runs.
+                    s_ref[...], m_ref[...], l_ref[...], alpha_ref[...] = softmax(
+                        s, j, m_ref[...], l_ref[...], masked, cast=False)
+
+                acc, p32, m_i, l_i, alpha = pl.run_state(gemms)(
+                    (plgpu.ACC.init(acc),
+                     plgpu.ACC.init(layout_cast(jnp.zeros((block_q, block_kv), jnp.float32), wgmma_layout)),
+                     m_i, l_i, layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)))
+                # The next P V's operand is rounded only now, with no wgmma in flight: a register that an
+                # in-flight wgmma reads, defined before its wait, makes ptxas serialize every wgmma (C7513).
+                p_in = p32.astype(in_dtype)
+                plgpu.barrier_arrive(v_free.at[prev])
+                return scaled(acc, alpha), m_i, l_i, p_in
+
+            def last_pv(j, carry):
+                acc, m_i, l_i, p_prev = carry
+                slot = ring_slot(j)
+                plgpu.barrier_wait(v_ready.at[slot])
+
+                def pv(o_ref):
+                    issue_in_turn(lambda: plgpu.wgmma(o_ref, p_prev, v_smem.at[slot]))
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_i, l_i, p_prev
+
+            p0 = layout_cast(jnp.zeros((block_q, block_kv), in_dtype), wgmma_layout)
+            carry = lax.fori_loop(first, jnp.minimum(first + 1, num_steps), first_step, (acc, m_i, l_i, p0))
+            after = first + 1
+            lo, hi = jnp.maximum(lo_full, after), jnp.maximum(hi_full, after)
+            if packed:
+                carry = lax.fori_loop(after, lo, functools.partial(step, masked=True), carry)
+            carry = lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
+            carry = lax.fori_loop(hi, num_steps, functools.partial(step, masked=True), carry)
+            acc, m_i, l_i, _ = lax.fori_loop(jnp.maximum(num_steps - 1, first), num_steps, last_pv, carry)
+            return acc, m_i, l_i
+
         # [first, lo_full) masked (packed only), [lo_full, hi_full) unmasked, [hi_full, num_steps) masked:
         # num_steps - first steps for either warpgroup.
-        carry = (acc, m_i, l_i)
-        if packed:
-            carry = lax.fori_loop(first, lo_full, functools.partial(kv_step, masked=True), carry)
-        carry = lax.fori_loop(lo_full, hi_full, functools.partial(kv_step, masked=False), carry)
-        acc, m_i, l_i = lax.fori_loop(hi_full, num_steps, functools.partial(kv_step, masked=True), carry)
+        if not interpret:
+            acc, m_i, l_i = overlapped_steps(acc, m_i, l_i, lo_full, hi_full)
+        else:
+            carry = (acc, m_i, l_i)
+            if packed:
+                carry = lax.fori_loop(first, lo_full, functools.partial(kv_step, masked=True), carry)
+            carry = lax.fori_loop(lo_full, hi_full, functools.partial(kv_step, masked=False), carry)
+            acc, m_i, l_i = lax.fori_loop(hi_full, num_steps, functools.partial(kv_step, masked=True), carry)
         # Warpgroup 0 takes the turn warpgroup 1 skipped; after it, warpgroup 1's last Q K^T is done,
         # so neither Q tile nor any K slot is read again (what makes aliasing O over them safe).
-        pl.when(wg == 0)(schedule_barrier)
+        if not interpret:
+            pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))
+        else:
+            pl.when(wg == 0)(schedule_barrier)
 
         if finish:  # finish_online_softmax (pallas_kernels/_common.py), the same formula
             seen = l_i > 0.0
@@ -526,7 +603,8 @@ def _attention_mgpu(q, k, v, q_offset, kv_len, kv_start, state, block_lists=None
             plgpu.Barrier(num_barriers=_COMPUTE_WGS),  # q_ready
             plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=max_concurrent_steps),  # k_free
             plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=max_concurrent_steps),  # v_free
-            plgpu.Barrier(num_arrivals=_COMPUTE_WGS),  # schedule (ping-pong between consumers)
+            plgpu.Barrier(num_arrivals=_COMPUTE_WGS),  # schedule: the consumers' ping-pong, one step at a time
+            plgpu.Barrier(num_barriers=_COMPUTE_WGS),  # turn: consumer w may issue (overlapped steps, the GPU)
         ),
         grid=(hq, num_q_tiles, batch),  # heads fastest: the G heads of one KV head share it in L2
         grid_names=("heads", "q_seq", "batch"),
