@@ -1,11 +1,13 @@
 """The Hopper (Mosaic GPU) attention kernel, pallas_kernels/mgpu_attention.py, in Mosaic GPU's CPU interpreter
-(it simulates the warpgroups, barriers, TMA copies and wgmma of the GPU kernel): the state contract it shares
-with the Triton kernel (input state, raw-state output, keys streamed in blocks give the bits of one call),
-packed sequences (kv_start) and shapes that are no multiple of the tiles, against float64 references.
+(it simulates the warpgroups, barriers and TMA copies of the GPU kernel; the kernel runs its steps there one at a
+time, with dots for the wgmmas, where the GPU overlaps them: the same operations on each row's state): the state
+contract it shares with the Triton kernel (input state, raw-state output, keys streamed in blocks give the bits of
+one call), packed sequences (kv_start) and shapes that are no multiple of the tiles, against float64 references.
+The GPU's overlapped code is lowered here (`test_lowers_for_cuda`) and run on the GPU by
+bench/probes/probe_mgpu_kernel.py, which checks the same at full size.
 
 The interpreter compiles the kernel's body for every CTA (and each of its three warpgroups), about 1 s each on
-the 2-core machine even unoptimised, so every call here is one or two CTAs (one head, D 64, 64 x 64 tiles). On
-the GPU, bench/probes/probe_mgpu_kernel.py checks the same at full size.
+the 2-core machine even unoptimised, so every call here is one or two CTAs (one head, D 64, 64 x 64 tiles).
 """
 
 from __future__ import annotations
