@@ -277,6 +277,18 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *refs, block_q, 
         issue()
         plgpu.barrier_arrive(turn.at[1 - wg])
 
+    # Warpgroup 1 starts one turn behind and warpgroup 0 takes that turn at the end, so that the two alternate on
+    # the tensor cores: at the schedule barrier one step at a time (the CPU interpreter), through the turn barriers
+    # with overlapped steps (the GPU).
+    if interpret:
+        first_turn = last_turn = schedule_barrier
+    else:
+        def first_turn():
+            plgpu.barrier_arrive(turn.at[0])
+
+        def last_turn():
+            plgpu.barrier_wait(turn.at[0])
+
     @pl.when(wg < _COMPUTE_WGS)
     def _consumer():
         plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
@@ -317,11 +329,7 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *refs, block_q, 
         def _():
             plgpu.barrier_wait(k_ready.at[0])
 
-        # Warpgroup 1 waits one turn so that the two alternate on the tensor cores.
-        if not interpret:  # the consumers' turns (overlapped steps) begin with warpgroup 0's
-            pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))
-        else:
-            pl.when(wg == 1)(schedule_barrier)
+        pl.when(wg == 1)(first_turn)
 
         def softmax(s, j, m_i, l_i, masked: bool, cast: bool = True):
             """Step j's online-softmax update of a score tile s: (P in the input dtype, m, l, alpha)."""
@@ -456,10 +464,7 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *refs, block_q, 
             acc, m_i, l_i = lax.fori_loop(hi_full, num_steps, functools.partial(kv_step, masked=True), carry)
         # Warpgroup 0 takes the turn warpgroup 1 skipped; after it, warpgroup 1's last Q K^T is done,
         # so neither Q tile nor any K slot is read again (what makes aliasing O over them safe).
-        if not interpret:
-            pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))
-        else:
-            pl.when(wg == 0)(schedule_barrier)
+        pl.when(wg == 0)(last_turn)
 
         if finish:  # finish_online_softmax (pallas_kernels/_common.py), the same formula
             seen = l_i > 0.0
