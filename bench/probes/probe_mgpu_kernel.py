@@ -91,6 +91,14 @@ SWEEP = [
     ("bq64 bkv128 s2 bf16 wg", 64, 128, 2, jnp.bfloat16, "warpgroup"),
     ("bq64 bkv128 s3 bf16 wg", 64, 128, 3, jnp.bfloat16, "warpgroup"),
 ]
+# Larger key blocks (FlashAttention-3 takes 176 keys a step for D 128 without a mask); their float32 O is
+# aliased over Q and K to fit: `--sweep blocks`.
+SWEEP_BLOCKS = [
+    SWEEP[0],
+    ("bq64 bkv192 s2 f32 wg", 64, 192, 2, jnp.float32, "warpgroup"),
+    ("bq64 bkv128 s3 f32 wg", 64, 128, 3, jnp.float32, "warpgroup"),
+    ("bq64 bkv256 s1 f32 wg", 64, 256, 1, jnp.float32, "warpgroup"),
+]
 # Correctness only: a config whose float32 O does not fit beside Q and K, so it is aliased over them.
 ALIASED = ("bq64 bkv128 s3 f32 wg (O aliased)", 64, 128, 3, jnp.float32, "warpgroup")
 SHAPES = [("causal 8K", 8192, True), ("causal 32K", 32768, True), ("non-causal 4K", 4096, False)]
@@ -266,7 +274,7 @@ def torch_sdpa(t: int, causal: bool, flops: float) -> dict:
         torch.cuda.empty_cache()
 
 
-def time_shape(label: str, t: int, causal: bool, result: dict) -> None:
+def time_shape(label: str, t: int, causal: bool, result: dict, sweep: list) -> None:
     if time.perf_counter() - START > TIME_BUDGET_S:
         result.setdefault("timing", {})[label] = {"error": "skipped: time budget"}
         print(f"  {label}: skipped (time budget)", flush=True)
@@ -302,7 +310,7 @@ def time_shape(label: str, t: int, causal: bool, result: dict) -> None:
     except Exception:  # noqa: BLE001
         o_ref = lse_ref = None
 
-    for name, bq, bkv, steps, out_dtype, sem in SWEEP:
+    for name, bq, bkv, steps, out_dtype, sem in sweep:
         if time.perf_counter() - START > TIME_BUDGET_S:
             row["mgpu " + name] = {"error": "skipped: time budget"}
             print(f"  {label:14s} mgpu {name}: skipped (time budget)", flush=True)
@@ -333,7 +341,9 @@ def main() -> int:
     ap.add_argument("--out", help="directory for probe_mgpu_kernel.json")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny correctness cases in the CPU interpreter")
     ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--sweep", choices=("default", "blocks"), default="default", help="the configs timed")
     args = ap.parse_args()
+    sweep = SWEEP if args.sweep == "default" else SWEEP_BLOCKS
     result = {"meta": run_metadata(), "tolerances": {"o_rel": O_TOL, "lse_abs": LSE_TOL}}
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
 
@@ -348,7 +358,7 @@ def main() -> int:
     rows = [check_case(c, semantics="warpgroup", **mga.DEFAULT_CONFIG) for c in CASES]
     rows.append(check_packed(PACKED, **mga.DEFAULT_CONFIG))
     # The other configs of the sweep, and an aliased O, once each on the case with offsets and empty rows.
-    for _, bq, bkv, steps, out_dtype, sem in SWEEP[1:] + [ALIASED]:
+    for _, bq, bkv, steps, out_dtype, sem in sweep[1:] + [ALIASED]:
         c = list(CASES[3])
         c[-1] = out_dtype
         rows.append(check_case(tuple(c), semantics=sem, block_q=bq, block_kv=bkv, max_concurrent_steps=steps))
@@ -361,7 +371,7 @@ def main() -> int:
 
     if not args.skip_timing:
         for label, t, causal in SHAPES:
-            time_shape(label, t, causal, result)
+            time_shape(label, t, causal, result, sweep)
             write(result, args.out)
     result["wall_s"] = time.perf_counter() - START
     write(result, args.out)
