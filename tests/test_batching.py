@@ -374,12 +374,12 @@ def test_bad_requests(tmp_root):
 # ---- (e) offloaded KV: several requests over one host store ---------------------------------------------------
 
 OFFLOAD = dict(dtype="float32", offload=True, block_size=BLOCK_SIZE, num_ring_slots=4)
-OFFLOAD_PROMPTS = 12  # offloaded steps dispatch per block, so fewer requests keep it fast
-SCARCE_LEN = 384  # a host store of 24 blocks (the longest request needs 23): the requests preempt one another
+OFFLOAD_PROMPTS = 8  # offloaded steps dispatch per block, so fewer requests keep it fast (12 until 2026-11-26)
+SCARCE_LEN = 384  # a host store of 24 blocks (the longest request needs 21): the requests preempt one another
 
 
 def _offload_workload() -> tuple[list[list[int]], list[SamplingParams]]:
-    """The first 12 requests of the 24-prompt workload the file ran until 2026-11-26, long enough to preempt one
+    """The first 8 requests of the 24-prompt workload the file ran until 2026-11-26, long enough to preempt one
     another in SCARCE_LEN."""
     prompts, params = _workload(24)
     return prompts[:OFFLOAD_PROMPTS], params[:OFFLOAD_PROMPTS]
