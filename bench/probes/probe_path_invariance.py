@@ -81,6 +81,7 @@ def main() -> None:
         result = {"together_vs_alone": compare(together, alone), "offloaded_vs_alone": compare(offloaded, alone)}
         out["batch_invariant" if invariant else "not_invariant"] = result
         print(mode, json.dumps(result), flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=1))
 
 
