@@ -77,7 +77,7 @@ def test_back_to_back_requests_leak_no_state(models):
     rng = np.random.default_rng(11)
     # 20 prompts until the suite needed the time (the host tier's tests; last passed at a1ffcf2), 10 until 2026-11-26.
     prompts = [_ids(rng, int(n)) for n in rng.integers(1, 200, size=6)]
-    # max_num_seqs 10, the prompts: a chunk step carries a decode row per sequence the engine may run.
+    # max_num_seqs: the prompts' number (a chunk step carries a decode row per sequence the engine may run).
     kwargs = dict(dtype="float32", offload=True, block_size=16, num_ring_slots=2, max_num_seqs=len(prompts))
     shared = LLM(path, **kwargs)
     one_by_one = [shared.generate([p], GREEDY)[0].token_ids for p in prompts]
