@@ -11,23 +11,24 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
 import json
 import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import model_config, random_params, run_metadata  # noqa: E402
+from probe_tp_decode import load_trace  # noqa: E402
 
 
 def kernel_table(trace: Path, top: int = 25) -> dict:
-    events = json.load(gzip.open(trace))["traceEvents"]
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    """Per compiled module, GPU 0's `top` kernels by total time: ms, calls, mean us."""
+    events, names = load_trace(trace)
     by_module: dict = collections.defaultdict(lambda: collections.defaultdict(list))
     for e in events:
-        if e.get("ph") == "X" and "GPU:0" in names.get(e["pid"], ""):
+        if e.get("ph") == "X" and "GPU:0" in names.get((e["pid"], None), ""):
             by_module[e.get("args", {}).get("hlo_module", "?")][e["name"][:80]].append(e["dur"])
     out = {}
     for module, kernels in by_module.items():

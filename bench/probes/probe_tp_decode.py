@@ -46,13 +46,20 @@ class Clock:
         return run
 
 
-def summarise_trace(path: Path) -> dict:
-    """Per track of a Perfetto JSON trace ("process / thread"): events, busy ms, span ms, the 5 longest names."""
+def load_trace(path: Path) -> tuple[list[dict], dict]:
+    """A Perfetto JSON trace (.json.gz) -> its events and the names of its tracks: {(pid, None): process name,
+    (pid, tid): thread name}."""
     events = json.load(gzip.open(path))["traceEvents"]
     names = {}
     for e in events:
         if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name"):
             names[(e["pid"], e.get("tid") if e["name"] == "thread_name" else None)] = e["args"]["name"]
+    return events, names
+
+
+def summarise_trace(path: Path) -> dict:
+    """Per track of a Perfetto JSON trace ("process / thread"): events, busy ms, span ms, the 5 longest names."""
+    events, names = load_trace(path)
     tracks: dict = {}
     for e in events:
         if e.get("ph") == "X":
