@@ -1,6 +1,8 @@
 """The key sketch of sketch decode against float64 NumPy: quantization, token scores, page mass."""
+import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -34,6 +36,9 @@ def test_quantization_and_packing_match_float64(dtype):
     assert packed.shape[-1] == (16 if dtype == "int4" else 32)
     assert packed.dtype == (jnp.uint8 if dtype == "int4" else jnp.int8)
     np.testing.assert_array_equal(np.asarray(sketch.unpack_codes(packed, dtype)), np.asarray(codes))
+    if dtype == "int4":  # byte j: channel j and channel j + D/2 as 4-bit two's complement (the Hopper kernel's view)
+        c = np.asarray(codes).astype(np.uint8) & 0xF
+        np.testing.assert_array_equal(np.asarray(packed), c[..., :16] | (c[..., 16:] << 4))
     err = np.abs(np.asarray(codes) * np.asarray(scale)[..., None] - k)
     assert np.all(err <= np.asarray(scale)[..., None] / 2 + 1e-6), f"seed {seed}: off by more than half a step"
 
@@ -97,3 +102,16 @@ def test_pallas_page_lse_matches_float64(dtype, pages, q_dtype, q_scale):
     # A page's offsets split over 4 programs, their log-sum-exps combined after.
     split = pallas_kernels.sketch_page_lse(q, *stored, bits=int(dtype[3:]), block_p=16, splits=4, interpret=True)
     np.testing.assert_allclose(np.asarray(split), ref, rtol=2e-6, atol=2e-6, err_msg=f"seed {seed}")
+
+
+def test_hopper_kernel_lowers_for_cuda():
+    """pallas_kernels/mgpu_sketch.py lowers for the GPU (the engine's shape, and a page of 4 with a group of 3); its
+    values are checked against float64 on the GPU by bench/probes/probe_sketch_mgpu.py."""
+    from pallas_kernels import mgpu_sketch
+
+    for hkv, g, page, p in ((8, 4, 16, 2048), (2, 3, 4, 128)):
+        shapes = (jax.ShapeDtypeStruct((hkv, g, 128), jnp.bfloat16),
+                  jax.ShapeDtypeStruct((hkv, page, p, 64), jnp.uint8),
+                  jax.ShapeDtypeStruct((hkv, page, p), jnp.float32))
+        fn = functools.partial(mgpu_sketch.sketch_page_lse_mgpu, num_pages=p - 3)
+        jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))

@@ -48,11 +48,12 @@ def quantize_keys(k: jax.Array, dtype: str) -> tuple[jax.Array, jax.Array]:
 
 def pack_codes(codes: jax.Array, dtype: str) -> jax.Array:
     """int8 codes [..., D] -> what the sketch stores: int8 as they are; int4 as uint8 [..., D / 2], byte j holding
-    channel j (low nibble) and channel j + D / 2 (high nibble), each offset by 8."""
+    channel j (low nibble) and channel j + D / 2 (high nibble), each in 4-bit two's complement (what the Hopper
+    kernel's int4 view of the bytes reads)."""
     if check_sketch_dtype(dtype) == "int8":
         return codes
     half = codes.shape[-1] // 2
-    lo, hi = (codes[..., :half] + 8).astype(jnp.uint8), (codes[..., half:] + 8).astype(jnp.uint8)
+    lo, hi = (codes[..., :half].astype(jnp.uint8) & 0xF), (codes[..., half:].astype(jnp.uint8) & 0xF)
     return lo | (hi << 4)
 
 
@@ -60,8 +61,8 @@ def unpack_codes(packed: jax.Array, dtype: str) -> jax.Array:
     """The inverse of `pack_codes` -> int8 codes [..., D]."""
     if check_sketch_dtype(dtype) == "int8":
         return packed
-    lo = (packed & 0xF).astype(jnp.int8) - 8
-    hi = (packed >> 4).astype(jnp.int8) - 8
+    lo = ((packed & 0xF) ^ 8).astype(jnp.int8) - 8  # sign extension of a 4-bit two's complement value
+    hi = ((packed >> 4) ^ 8).astype(jnp.int8) - 8
     return jnp.concatenate([lo, hi], axis=-1)
 
 
