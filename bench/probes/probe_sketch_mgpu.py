@@ -7,11 +7,14 @@ pages. Timing: Llama-3.1-8B shape (8 KV heads, 4 query heads each, head dim 128)
 with its own random sketch, at 32K, 128K and 256K tokens, 30 layers in one program as bench_sparse.py times the
 scoring, medians (min, max) of 20 calls after a warm-up, each waited for, in two alternated rounds: the Triton kernel
 at its default launch, the Hopper kernel (what `sketch_page_lse` picks on Hopper), and an XLA sum over the same codes
-and scales (the bytes' read time in this harness, which includes a call's dispatch). Writes probe_sketch_mgpu.json
-under $OUT.
+and scales (the bytes' read time in this harness, which includes a call's dispatch). Then each of the three with the 30
+layers repeated 4 times in one program (another q each pass; XLA's reads chained, each pass's sums xor-ed into the
+next, or it would read the bytes once for all passes), so that (t4 - t1) / 3 is a token's scoring on the GPU without
+the call's dispatch. Writes probe_sketch_mgpu.json under $OUT.
 
     python bench/probes/probe_sketch_mgpu.py
 """
+import functools
 import json
 import math
 import os
@@ -33,6 +36,7 @@ from pallas_kernels.sketch import default_launch, runs_on_hopper_kernel  # noqa:
 
 HKV, G, D, PAGE, LAYERS = 8, 4, 128, 16, 30
 CONTEXTS = (32768, 131072, 262144)
+REPEATS = 4
 
 
 def timed(fn, reps=20):
@@ -67,6 +71,13 @@ def check(group: int, seed: int) -> dict:
             "triton_rel_err": err(triton), "ok": routed and err(got) < 1e-6 and err(triton) < 1e-6}
 
 
+def _read(c, s, salt):
+    """A sum over every byte of a layer's codes and scales, xor-ed with the previous sum: each pass depends on the one
+    before, so XLA cannot merge the passes' reads into one."""
+    words = jax.lax.bitcast_convert_type(c.reshape(*c.shape[:-1], D // 8, 4), jnp.uint32)
+    return jnp.sum(words ^ salt) + jnp.sum(jax.lax.bitcast_convert_type(s, jnp.uint32) ^ salt)
+
+
 def main():
     checks = [check(4, 11), check(8, 12)]
     result = {**run_metadata(), "kv_heads": HKV, "group": G, "head_dim": D, "page": PAGE, "layers": LAYERS,
@@ -81,24 +92,38 @@ def main():
         codes = [jax.random.bits(k, (HKV, PAGE, pages, D // 2), jnp.uint8) for k in keys[:LAYERS]]
         scales = [jax.random.uniform(k, (HKV, PAGE, pages), jnp.float32, 0.01, 0.05) for k in keys[LAYERS:]]
         block_p, splits = default_launch(pages, HKV, PAGE)
-        runs = {
-            "triton": jax.jit(lambda q, c, s: [pallas_kernels.sketch_page_lse(
-                q[i], c[i], s[i], bits=4, block_p=block_p, splits=splits) for i in range(LAYERS)]),
-            "hopper": jax.jit(lambda q, c, s: [pallas_kernels.sketch_page_lse(q[i], c[i], s[i], bits=4)
-                                               for i in range(LAYERS)]),
-            "xla_read_of_the_bytes": jax.jit(lambda q, c, s: [
-                jnp.sum(jax.lax.bitcast_convert_type(c[i].reshape(*c[i].shape[:-1], D // 8, 4), jnp.uint32))
-                + jnp.sum(jax.lax.bitcast_convert_type(s[i], jnp.uint32)) for i in range(LAYERS)]),
+        layer_fns = {
+            "triton": lambda q, c, s: pallas_kernels.sketch_page_lse(q, c, s, bits=4, block_p=block_p, splits=splits),
+            "hopper": lambda q, c, s: pallas_kernels.sketch_page_lse(q, c, s, bits=4),
         }
-        first = [np.asarray(runs[name](q, codes, scales)[0]) for name in ("triton", "hopper")]
-        rows = {name: [] for name in runs}
+        runs = {}
+        for name, f in layer_fns.items():
+            for r in (1, REPEATS):  # r passes over the 30 layers, each with its own q (nothing to deduplicate)
+                runs[name, r] = jax.jit(lambda q, c, s, f=f, r=r: [
+                    f(q[i] + jnp.bfloat16(j), c[i], s[i]) for j in range(r) for i in range(LAYERS)])
+
+        def chained_reads(q, c, s, r):
+            sums = [jnp.uint32(0)]
+            for _ in range(r):
+                for i in range(LAYERS):
+                    sums.append(_read(c[i], s[i], sums[-1]))
+            return sums[1:]
+
+        for r in (1, REPEATS):
+            runs["xla_read_of_the_bytes", r] = jax.jit(functools.partial(chained_reads, r=r))
+        first = [np.asarray(runs[name, 1](q, codes, scales)[0]) for name in ("triton", "hopper")]
+        rows = {f"{name}_x{r}": [] for name, r in runs}
         for _ in range(2):  # alternated rounds
-            for name, fn in runs.items():
-                rows[name].append(timed(lambda fn=fn: fn(q, codes, scales)))
-                print(tokens, name, json.dumps(rows[name][-1]), flush=True)
+            for (name, r), fn in runs.items():
+                rows[f"{name}_x{r}"].append(timed(lambda fn=fn: fn(q, codes, scales)))
+                print(tokens, name, r, json.dumps(rows[f"{name}_x{r}"][-1]), flush=True)
+        per_token = {name: [(b["median_ms"] - a["median_ms"]) / (REPEATS - 1)
+                            for a, b in zip(rows[f"{name}_x1"], rows[f"{name}_x{REPEATS}"])]
+                     for name in (*layer_fns, "xla_read_of_the_bytes")}
+        print(tokens, "gpu ms per pass", json.dumps(per_token), flush=True)
         nbytes = sum(c.nbytes + s.nbytes for c, s in zip(codes, scales))
         result["contexts"][str(tokens)] = {
-            "sketch_bytes_30_layers": nbytes, "x30": rows,
+            "sketch_bytes_30_layers": nbytes, "x30": rows, "gpu_ms_per_pass_of_30_layers": per_token,
             "max_abs_diff_triton_vs_hopper_layer0": float(np.max(np.abs(first[0] - first[1])))}
         path.write_text(json.dumps(result, indent=1) + "\n")
         del codes, scales
