@@ -63,9 +63,10 @@ def _nibbles_as_f16(codes):
 
 # The same in PTX, four bytes at a time (what the GPU runs): one xor flips the eight nibbles' sign bits, the bytes are
 # spread in pairs to the two halves of a word (prmt), one lop3 makes both halves' nibbles into the float16 bits of
-# 1024 + u, and one packed subtraction takes 1032 off both. The compiler's version of `_nibbles_as_f16` handles one byte per register and packs the pairs afterwards:
-# 11% slower at 128K, 19% at 256K (`bench/results/runs/h200_sketch_decode/probe_sketch_stacked.json`). One asm per
-# nibble: Pallas lowers an inline asm to one result.
+# 1024 + u, and one packed subtraction takes 1032 off both. The compiler's version of `_nibbles_as_f16` handles one
+# byte per register and packs the pairs afterwards: 11% slower at 128K, 19% at 256K
+# (`bench/results/runs/h200_sketch_decode/probe_sketch_stacked.json`). One asm per nibble: Pallas lowers an inline
+# asm to one result.
 _NIBBLES_AS_F16_PTX = """{
 .reg .b32 zero, mask, magic, bias, flipped, b01, b23;
 mov.b32 zero, 0;

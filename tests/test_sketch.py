@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels
+from pallas_kernels import mgpu_sketch
 
 from jax_offload.sparse import sketch
 
@@ -107,8 +108,6 @@ def test_pallas_page_lse_matches_float64(dtype, pages, q_dtype, q_scale):
 def test_hopper_kernel_lowers_for_cuda():
     """pallas_kernels/mgpu_sketch.py lowers for the GPU (the engine's shape, and a page of 4 with a group of 3); its
     values are checked against float64 on the GPU by bench/probes/probe_sketch_mgpu.py."""
-    from pallas_kernels import mgpu_sketch
-
     for hkv, g, page, p in ((8, 4, 16, 2048), (2, 3, 4, 128)):
         shapes = (jax.ShapeDtypeStruct((hkv, g, 128), jnp.bfloat16),
                   jax.ShapeDtypeStruct((hkv, page, p, 64), jnp.uint8),
