@@ -6,8 +6,9 @@ in its high one, each a 4-bit two's complement integer; scales float32 [Hkv, pag
 [Hkv, G, num_pages]: per page and query head log sum_{t in page} exp((q . codes_t) * scale_t * sm_scale).
 
 Why a second kernel: the Triton one walks a page's token offsets one load after another and reads the sketch at
-~60% of the HBM rate; here every tile is in flight before the first is used (H100, 30 layers: 9-13% faster at
-256K tokens, 2-4% at 128K, even at 32K: `bench/results/runs/h100_sketch_mgpu/`).
+~65% of the rate XLA reads the same bytes at; here every tile is in flight before the first is used (H100, 30
+layers, five calls: 4-15% less GPU time at 256K tokens, 2-20% at 128K, level at 32K; still ~1.35x XLA's read:
+`bench/results/runs/h100_sketch_mgpu/`).
 
 How: one CTA (one warpgroup) per (64 pages, KV head). It issues the TMA copies of all its token offsets' code
 tiles ([64 pages, D / 2] bytes each, 64 KiB for pages of 16) at once. Offset after offset it reads a tile as int4

@@ -8,7 +8,7 @@ its float32 scale and folds the scores into a running per-page log-sum-exp, in b
 instruction); the shares' log-sum-exps are combined after: float32 [Hkv, G, P] of
 log sum_{t in page} exp((q . codes_t) * scale_t * sm_scale). The sketch is read once and no per-token score reaches
 memory. On a Hopper GPU an int4 sketch goes to `mgpu_sketch`'s kernel instead (TMA copies all in flight, wgmma):
-the same values to float32 rounding, 9-13% faster at 256K tokens on an H100 (2-4% at 128K).
+the same values to float32 rounding, ~10% less GPU time at 128K-256K tokens on an H100.
 
 Where the time goes (H200, 30 layers of 128K tokens, `bench/probes/probe_sketch_variants.h200.json`, before the
 float16 unpacking and the base-2 softmax took the kernel from 2.56 to 2.26 ms): the loads alone take 1.10 ms, the
