@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,21 @@ def resolve_interpret(interpret: bool | None) -> bool:
     if interpret is None:
         return jax.default_backend() != "gpu"
     return bool(interpret)
+
+
+def hopper_kernels_allowed() -> bool:
+    """False when the environment sets JAX_OFFLOAD_HOPPER_ATTENTION=0, which keeps every attention-side kernel
+    (prefill attention, block-sparse attention, sketch scores) on its Triton version."""
+    return os.environ.get("JAX_OFFLOAD_HOPPER_ATTENTION", "1") != "0"
+
+
+def on_hopper() -> bool:
+    """Whether the default device is a Hopper (sm_90) GPU, where the Mosaic GPU kernels run."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return False
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9.")
 
 
 def next_pow2(n: int) -> int:

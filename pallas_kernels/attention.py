@@ -19,7 +19,6 @@ Semantics shared by both:
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +42,7 @@ from pallas_kernels._common import (
     dot_precision,
     fdiv,
     fit_block,
+    hopper_kernels_allowed,
     interpret_aware_jit,
     per_batch,
     per_row,
@@ -217,7 +217,7 @@ def runs_on_hopper_kernel(q: jax.Array, k: jax.Array, v: jax.Array, out_dtype=No
     offloaded), so those keep one another's bits."""
     if resolve_interpret(interpret) or q_positions is not None or tuned:
         return False
-    if os.environ.get("JAX_OFFLOAD_HOPPER_ATTENTION", "1") == "0":
+    if not hopper_kernels_allowed():
         return False
     return mgpu_attention.is_supported(q, k, v, out_dtype=check_out_dtype(out_dtype, q.dtype), finish=finish)
 

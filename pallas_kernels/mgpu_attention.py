@@ -81,7 +81,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import LN2, LOG2E, NEG_INF, check_sm_scale, per_batch, per_row
+from pallas_kernels._common import LN2, LOG2E, NEG_INF, check_sm_scale, on_hopper, per_batch, per_row
 from pallas_kernels.state import AttentionState, check_state
 
 try:  # Importing runs no GPU code; a jax without Mosaic GPU only makes `is_supported` say False.
@@ -154,13 +154,7 @@ def is_supported(q, k, v, *, block_q: int | None = None, block_kv: int | None = 
     float32 whatever out_dtype says) can run this call here: a Hopper (sm_90) GPU is the default device,
     Mosaic GPU imports, bf16/f16 inputs of rank 4 with Hq % Hkv == 0, D in {64, 128}, block sizes multiples
     of 64 and tiles that fit in shared memory. Sequence lengths do not matter (the wrapper pads)."""
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:
-        return False
-    if dev.platform != "gpu" or not str(getattr(dev, "compute_capability", "")).startswith("9."):
-        return False
-    if plgpu is None:
+    if not on_hopper() or plgpu is None:
         return False
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.dtype != k.dtype or k.dtype != v.dtype:
         return False

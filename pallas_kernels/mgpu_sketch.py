@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import LN2, LOG2E, NEG_INF, check_sm_scale
+from pallas_kernels._common import LN2, LOG2E, NEG_INF, check_sm_scale, on_hopper
 
 try:  # Importing runs no GPU code; a jax without Mosaic GPU only makes `is_supported` say False.
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -55,13 +55,7 @@ def is_supported(q: jax.Array, codes: jax.Array) -> bool:
     page, p = codes.shape[1:3]
     if d != HEAD_DIM or group > _GROUP_PAD or codes.shape != (hkv, page, p, d // 2) or codes.dtype != jnp.uint8:
         return False
-    if p % 4 or page * _TILE_BYTES > _SMEM_LIMIT:
-        return False
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:
-        return False
-    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9.")
+    return p % 4 == 0 and page * _TILE_BYTES <= _SMEM_LIMIT and on_hopper()
 
 
 def _kernel(q_ref, codes_ref, scale_ref, out_ref, codes_u8, codes_i4, q_smem, scale_smem, out_smem, ready,

@@ -26,7 +26,6 @@ halves of q meet the two nibbles.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +43,7 @@ from pallas_kernels._common import (
     compiler_params,
     dot_precision,
     fit_block,
+    hopper_kernels_allowed,
     interpret_aware_jit,
     next_pow2,
     resolve_interpret,
@@ -205,7 +205,7 @@ def runs_on_hopper_kernel(q: jax.Array, codes: jax.Array, *, bits: int, interpre
     every attention-side kernel on Triton)."""
     if bits != 4 or tuned or resolve_interpret(interpret):
         return False
-    if os.environ.get("JAX_OFFLOAD_HOPPER_ATTENTION", "1") == "0":
+    if not hopper_kernels_allowed():
         return False
     return mgpu_sketch.is_supported(q, codes)
 
