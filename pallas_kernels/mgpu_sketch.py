@@ -96,7 +96,7 @@ def _kernel(q_ref, codes_ref, scale_ref, out_ref, codes_u8, codes_i4, q_smem, sc
     out_smem[...] = (m + jnp.log2(l)) * LN2
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_smem, out_ref.at[head, pages])
-    plgpu.wait_smem_to_gmem(0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the write lands before the kernel ends
 
 
 @functools.partial(jax.jit, static_argnames=("num_pages", "sm_scale"))
