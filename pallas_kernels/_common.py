@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import os
 
@@ -38,6 +40,20 @@ def resolve_interpret(interpret: bool | None) -> bool:
     if interpret is None:
         return jax.default_backend() != "gpu"
     return bool(interpret)
+
+
+@functools.cache
+def _mosaic_load_takes_index() -> bool:
+    from jax.experimental.pallas import mosaic_gpu
+    idx = inspect.signature(mosaic_gpu.load).parameters.get("idx")
+    return idx is not None and idx.default is inspect.Parameter.empty
+
+
+def mosaic_load(ref, **kwargs) -> jax.Array:
+    """Mosaic GPU's `load` of a whole ref (index it with `.at` first): jax 0.10 wants the index as an argument of its
+    own, jax 0.11 deprecates passing one."""
+    from jax.experimental.pallas import mosaic_gpu
+    return mosaic_gpu.load(ref, (), **kwargs) if _mosaic_load_takes_index() else mosaic_gpu.load(ref, **kwargs)
 
 
 def hopper_kernels_allowed() -> bool:

@@ -81,7 +81,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import LN2, LOG2E, NEG_INF, check_sm_scale, on_hopper, per_batch, per_row
+from pallas_kernels._common import LN2, LOG2E, NEG_INF, check_sm_scale, mosaic_load, on_hopper, per_batch, per_row
 from pallas_kernels.state import AttentionState, check_state
 
 try:  # Importing runs no GPU code; a jax without Mosaic GPU only makes `is_supported` say False.
@@ -212,7 +212,7 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *refs, block_q, 
         layout_cast = plgpu.layout_cast
 
         def load(ref, layout):  # a global-memory tile straight into registers (only unoptimised loads exist)
-            return plgpu.load(ref, (), layout=layout, optimized=False)
+            return mosaic_load(ref, layout=layout, optimized=False)
 
     def iota(dim):  # int32 [block_q, block_kv] index along `dim`, born in the layout of the scores
         return layout_cast(lax.broadcasted_iota(jnp.int32, (block_q, block_kv), dim), wgmma_layout)

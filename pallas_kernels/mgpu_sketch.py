@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import LN2, LOG2E, NEG_INF, check_sm_scale, on_hopper
+from pallas_kernels._common import LN2, LOG2E, NEG_INF, check_sm_scale, mosaic_load, on_hopper
 
 try:  # Importing runs no GPU code; a jax without Mosaic GPU only makes `is_supported` say False.
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -79,7 +79,7 @@ def _kernel(q_ref, codes_ref, scale_ref, out_ref, codes_u8, codes_i4, q_smem, sc
         tiles = []
         for o in group:
             plgpu.barrier_wait(ready.at[o])
-            codes = plgpu.load(codes_i4.at[o], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
+            codes = mosaic_load(codes_i4.at[o], layout=plgpu.Layout.WGMMA_UPCAST_4X)
             tiles.append(plgpu.layout_cast(codes, wgmma_layout).astype(jnp.bfloat16))
 
         def scores(*acc_refs, tiles=tiles):
@@ -88,7 +88,7 @@ def _kernel(q_ref, codes_ref, scale_ref, out_ref, codes_u8, codes_i4, q_smem, sc
             return [acc_ref[...] for acc_ref in acc_refs]
 
         s = pl.run_scoped(scores, *[plgpu.ACC(shape, jnp.float32) for _ in group])
-        rows = [plgpu.load(scale_smem.at[o], (), layout=wgmma_layout.reduce(1)) for o in group]
+        rows = [mosaic_load(scale_smem.at[o], layout=wgmma_layout.reduce(1)) for o in group]
         s = [x * lax.broadcast_in_dim(r * rescale, shape, [0]) for x, r in zip(s, rows)]
         m_new = functools.reduce(jnp.maximum, s, m)
         l = l * jnp.exp2(m - m_new) + functools.reduce(jnp.add, [jnp.exp2(x - m_new) for x in s])

@@ -3,6 +3,7 @@ reference, and for both exactness at full budget, the Pallas path against the jn
 the metadata's size, the sketch written with every stored block, and no state across requests."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,6 +11,9 @@ import pytest
 import tiny_models
 from jax_offload import LLM, SamplingParams
 from jax_offload.sparse.quest import page_bounds, page_rows, select_pages
+from pallas_kernels import mgpu_sketch
+from pallas_kernels._common import on_hopper
+from pallas_kernels.sketch import runs_on_hopper_kernel
 
 MODEL_SEED = 501
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -127,6 +131,34 @@ def test_pallas_path_equals_jnp_path(model_dir, policy):
               for impl in ("pallas", "xla")}
     diff = np.abs(logits["pallas"] - logits["xla"]).max()
     assert diff <= 1e-5, f"model seed {MODEL_SEED}, prompt seed 504: {diff}"
+
+
+@pytest.mark.skipif(not on_hopper(), reason="the Hopper sketch kernel runs on sm_90 GPUs only")
+def test_bfloat16_sketch_on_the_hopper_kernel_equals_the_triton_kernel(tmp_path_factory, monkeypatch):
+    """In bfloat16 with head dim 128 on a Hopper GPU the engine scores the sketch with the Mosaic GPU kernel
+    (pallas_kernels/mgpu_sketch.py). With the Triton kernel instead (the one checked against float64 on the CPU) and
+    nothing else changed, decode chooses the same pages: the same logits, bit for bit. (Against the jnp path the
+    test would be ill-posed in bfloat16: the two paths' attention rounds differently, the next query moves, and a
+    random tiny model's near-tied pages swap: its full decode's greedy tokens part from the jnp path's too.)"""
+    path = tiny_models.build_in(tmp_path_factory, "qwen3_d128", seed=MODEL_SEED)
+    ids = np.random.default_rng(507).integers(3, tiny_models.VOCAB, size=300).tolist()
+
+    def decode():
+        jax.clear_caches()  # the routing is decided when the engine's steps are traced
+        llm = LLM(path, dtype="bfloat16", offload=True, block_size=64, num_ring_slots=2, attention_impl="pallas",
+                  decode_policy="sketch", decode_budget=64, page_size=16, dense_layers=1)
+        codes = llm._runner.pages.codes[1]
+        routed = runs_on_hopper_kernel(jnp.zeros((codes.shape[0], 2, 128), jnp.bfloat16), codes, bits=4)
+        return routed, _decode_logits(llm, ids, 30)
+
+    on_hopper_kernel, hopper = decode()
+    monkeypatch.setattr(mgpu_sketch, "is_supported", lambda q, codes: False)
+    on_triton_kernel, triton = decode()
+    monkeypatch.undo()
+    jax.clear_caches()
+    assert on_hopper_kernel and not on_triton_kernel
+    diff = np.abs(hopper - triton).max()
+    assert diff == 0, f"model seed {MODEL_SEED}, prompt seed 507: logits differ by {diff}"
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -51,6 +51,8 @@ VARIANTS = {
         use_sliding_window=False,
     ),
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False),
+    # Head dim 128: the shape the Hopper kernels take (tests that run only on such a GPU).
+    "qwen3_d128": lambda: Qwen3Config(**COMMON, head_dim=128, rope_theta=1000000.0, tie_word_embeddings=False),
     "qwen3_tied": lambda: Qwen3Config(
         **{**COMMON, "num_attention_heads": 8}, head_dim=16, rope_theta=1000000.0, tie_word_embeddings=True
     ),
