@@ -7,16 +7,16 @@ in its high one, each a 4-bit two's complement integer; scales float32 [Hkv, pag
 
 Why a second kernel: the Triton one walks a page's token offsets one load after another and reads the sketch at
 ~65% of the rate XLA reads the same bytes at; here every tile is in flight before the first is used (H100, 30
-layers, five calls: 4-15% less GPU time at 256K tokens, 2-20% at 128K, level at 32K; still ~1.35x XLA's read:
-`bench/results/runs/h100_sketch_mgpu/`).
+layers: 256K tokens in 2.13-2.23 ms of GPU time against Triton's 2.53-2.90 and XLA's read of the bytes in 1.65-1.70;
+`bench/results/runs/h100_sketch_relabel/`).
 
 How: one CTA (one warpgroup) per (64 pages, KV head). It issues the TMA copies of all its token offsets' code
 tiles ([64 pages, D / 2] bytes each, 64 KiB for pages of 16) at once. Offset after offset it reads a tile as int4
 through a second view of the same shared memory, eight codes per 32-bit load (Mosaic GPU's WGMMA_UPCAST_4X
-layout), moves them into wgmma's register layout (one shuffle) and widens them to bfloat16 (prmt/lop3), then
-multiplies them on the tensor cores with the query group held in shared memory: wgmma M = 64 pages, N = the group
-padded to 8, K = D, four offsets' products issued before one wait. The query's channels are permuted to the int4
-view's order (element 2i is channel i, element 2i + 1 channel i + D / 2), so no code moves. Each token's scale and
+layout), widens them to bfloat16 (prmt/lop3) where they are and hands the registers to wgmma as its operand's
+layout without moving them between threads (`_as_wgmma_operand`); wgmma multiplies them with the query group held
+in shared memory: M = 64 pages, N = the group padded to 8, K = D, four offsets' products issued before one wait.
+The query's channels are permuted to the order the codes land in (`_wgmma_channels`), so no code moves. Each token's scale and
 the softmax scale go on in float32 and the tiles fold into a running per-page log-sum-exp in base 2. The sketch
 is read once, by TMA, and no per-token score reaches memory.
 """
@@ -28,12 +28,15 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import LN2, LOG2E, NEG_INF, check_sm_scale, mosaic_load, on_hopper
 
 try:  # Importing runs no GPU code; a jax without Mosaic GPU only makes `is_supported` say False.
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover
     plgpu = None
@@ -58,6 +61,32 @@ def is_supported(q: jax.Array, codes: jax.Array) -> bool:
     return p % 4 == 0 and page * _TILE_BYTES <= _SMEM_LIMIT and on_hopper()
 
 
+def _wgmma_channels(d: int = HEAD_DIM) -> np.ndarray:
+    """The channel each row of the wgmma's B operand (the query) must hold. A tile loaded in WGMMA_UPCAST_4X and
+    widened to bfloat16 gives thread c of a quad, per 32 columns, columns 8c .. 8c + 7 of the int4 view; wgmma's
+    layout has thread c hold columns 2c, 2c + 1 of each 8. Seen as wgmma's layout without moving anything (pair i of
+    the thread's 8 taken as its pair in the i-th 8 columns), position 32t + 8i + 2c + b holds view column
+    32t + 8c + 2i + b, and view column 2j holds channel j, 2j + 1 channel j + D / 2 (the byte format)."""
+    k = np.arange(d)
+    view = 32 * (k // 32) + 8 * ((k // 2) % 4) + 2 * ((k // 8) % 4) + k % 2
+    return view // 2 + (d // 2) * (view % 2)
+
+
+def _as_wgmma_operand(tile):
+    """bfloat16 [64, D] in WGMMA_UPCAST_4X -> the same registers taken as wgmma's layout (no data moves; the columns
+    come out in `_wgmma_channels`' order, which the query is given in)."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
+                       return_type=plgpu.ShapeDtypeStruct(tile.shape, tile.dtype, layout=plgpu.Layout.WGMMA))
+    def relabel(_, x):
+        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape(x.shape), dtype=object)
+        for idx, reg in np.ndenumerate(x.registers):  # 8 columns of one 32-column tile a register
+            for i in range(4):
+                regs[(idx[0], idx[1] * 4 + i, *idx[2:])] = mgpu_utils.vector_slice(reg, slice(2 * i, 2 * i + 2))
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+    return relabel(tile)
+
+
 def _kernel(q_ref, codes_ref, scale_ref, out_ref, codes_u8, codes_i4, q_smem, scale_smem, out_smem, ready,
             q_ready, scale_ready, *, batch: int, rescale: float):
     block = lax.axis_index("pages")
@@ -80,7 +109,7 @@ def _kernel(q_ref, codes_ref, scale_ref, out_ref, codes_u8, codes_i4, q_smem, sc
         for o in group:
             plgpu.barrier_wait(ready.at[o])
             codes = mosaic_load(codes_i4.at[o], layout=plgpu.Layout.WGMMA_UPCAST_4X)
-            tiles.append(plgpu.layout_cast(codes, wgmma_layout).astype(jnp.bfloat16))
+            tiles.append(_as_wgmma_operand(codes.astype(jnp.bfloat16)))
 
         def scores(*acc_refs, tiles=tiles):
             for acc_ref, k in zip(acc_refs, tiles):
@@ -105,8 +134,7 @@ def _launch(q, codes, scale, *, num_pages: int, sm_scale: float):
     page = codes.shape[1]
     blocks = -(-num_pages // BLOCK_PAGES)
     half = d // 2
-    q_perm = jnp.stack([q[..., :half], q[..., half:]], axis=-1).reshape(hkv, group, d)
-    q_pad = jnp.pad(q_perm, ((0, 0), (0, _GROUP_PAD - group), (0, 0)))
+    q_pad = jnp.pad(q[..., _wgmma_channels(d)], ((0, 0), (0, _GROUP_PAD - group), (0, 0)))
 
     def swizzled(shape, dtype, swizzle_bytes):
         elements = swizzle_bytes * 8 // jnp.iinfo(dtype).bits if jnp.issubdtype(dtype, jnp.integer) else \
