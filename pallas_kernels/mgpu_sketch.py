@@ -7,8 +7,8 @@ in its high one, each a 4-bit two's complement integer; scales float32 [Hkv, pag
 
 Why a second kernel: the Triton one walks a page's token offsets one load after another and reads the sketch at
 ~65% of the rate XLA reads the same bytes at; here every tile is in flight before the first is used (H100, 30
-layers: 256K tokens in 2.13-2.23 ms of GPU time against Triton's 2.53-2.90 and XLA's read of the bytes in 1.65-1.70;
-`bench/results/runs/h100_sketch_relabel/`).
+layers, GPU time: 256K tokens in 2.07-2.24 ms over four calls, against Triton's 2.59-2.73 and XLA's read of the same
+bytes in 1.54-1.77; `bench/results/runs/h100_sketch_relabel/`).
 
 How: one CTA (one warpgroup) per (64 pages, KV head). It issues the TMA copies of all its token offsets' code
 tiles ([64 pages, D / 2] bytes each, 64 KiB for pages of 16) at once. Offset after offset it reads a tile as int4
