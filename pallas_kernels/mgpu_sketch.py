@@ -7,7 +7,7 @@ in its high one, each a 4-bit two's complement integer; scales float32 [Hkv, pag
 
 Why a second kernel: the Triton one walks a page's token offsets one load after another and reads the sketch at
 ~65% of the rate XLA reads the same bytes at; here every tile is in flight before the first is used (H100, 30
-layers, GPU time: 256K tokens in 2.07-2.24 ms over four calls, against Triton's 2.59-2.73 and XLA's read of the same
+layers, GPU time: 256K tokens in 2.05-2.30 ms over the seven calls that timed it, against Triton's 2.59-2.73 and XLA's read of the same
 bytes in 1.54-1.77; `bench/results/runs/h100_sketch_relabel/`).
 
 How: one CTA (one warpgroup) per (64 pages, KV head). It issues the TMA copies of all its token offsets' code
