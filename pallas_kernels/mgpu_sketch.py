@@ -7,8 +7,8 @@ in its high one, each a 4-bit two's complement integer; scales float32 [Hkv, pag
 
 Why a second kernel: the Triton one walks a page's token offsets one load after another and reads the sketch at
 ~65% of the rate XLA reads the same bytes at; here every tile is in flight before the first is used (H100, 30
-layers, GPU time: 256K tokens in 2.05-2.30 ms over the seven calls that timed it, against Triton's 2.59-2.73 and XLA's read of the same
-bytes in 1.54-1.77; `bench/results/runs/h100_sketch_relabel/`).
+layers, GPU time: 256K tokens in 2.05-2.30 ms over the seven calls that timed it, against Triton's 2.59-2.73 and
+XLA's read of the same bytes in 1.54-1.77; `bench/results/runs/h100_sketch_relabel/`).
 
 How: one CTA (one warpgroup) per (64 pages, KV head). It issues the TMA copies of all its token offsets' code
 tiles ([64 pages, D / 2] bytes each, 64 KiB for pages of 16) at once. Offset after offset it reads a tile as int4
@@ -16,8 +16,8 @@ through a second view of the same shared memory, eight codes per 32-bit load (Mo
 layout), widens them to bfloat16 (prmt/lop3) where they are and hands the registers to wgmma as its operand's
 layout without moving them between threads (`_as_wgmma_operand`); wgmma multiplies them with the query group held
 in shared memory: M = 64 pages, N = the group padded to 8, K = D, four offsets' products issued before one wait.
-The query's channels are permuted to the order the codes land in (`_wgmma_channels`), so no code moves. Each token's scale and
-the softmax scale go on in float32 and the tiles fold into a running per-page log-sum-exp in base 2. The sketch
+The query's channels are permuted to the order the codes land in (`_wgmma_channels`), so no code moves. Each
+token's scale and the softmax scale go on in float32 and the tiles fold into a running per-page log-sum-exp in base 2. The sketch
 is read once, by TMA, and no per-token score reaches memory.
 """
 
