@@ -17,8 +17,8 @@ layout), widens them to bfloat16 (prmt/lop3) where they are and hands the regist
 layout without moving them between threads (`_as_wgmma_operand`); wgmma multiplies them with the query group held
 in shared memory: M = 64 pages, N = the group padded to 8, K = D, four offsets' products issued before one wait.
 The query's channels are permuted to the order the codes land in (`_wgmma_channels`), so no code moves. Each
-token's scale and the softmax scale go on in float32 and the tiles fold into a running per-page log-sum-exp in base 2. The sketch
-is read once, by TMA, and no per-token score reaches memory.
+token's scale and the softmax scale go on in float32 and the tiles fold into a running per-page log-sum-exp in
+base 2. The sketch is read once, by TMA, and no per-token score reaches memory.
 """
 
 from __future__ import annotations

@@ -80,7 +80,8 @@ def main():
     per_pass = {n: [] for n in ("as_is", "mma_twice", "n16", "xla_read")}
     for _ in range(ROUNDS):
         for n in per_pass:
-            t1, t4 = (float(np.median(call_seconds(lambda r=r: runs[n, r](q, codes, scales), 20))) for r in (1, REPEATS))
+            t1, t4 = (float(np.median(call_seconds(lambda r=r: runs[n, r](q, codes, scales), 20)))
+                      for r in (1, REPEATS))
             per_pass[n].append((t4 - t1) / (REPEATS - 1) * 1e3)
         print(json.dumps(per_pass), flush=True)
     result = {**run_metadata(), "tokens": tokens, "gpu_ms_per_pass_of_30_layers_per_round": per_pass,

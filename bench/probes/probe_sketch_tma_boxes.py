@@ -97,8 +97,9 @@ def main() -> int:
         try:
             f = loader(v, pages)
             for r in (1, REPEATS):
-                runs[v, r] = jax.jit(lambda c, f=f, r=r: [f(c[i], jnp.full((8,), j, jnp.int32))
-                                                          for j in range(r) for i in range(LAYERS)]).lower(codes).compile()
+                passes = jax.jit(lambda c, f=f, r=r: [f(c[i], jnp.full((8,), j, jnp.int32))
+                                                      for j in range(r) for i in range(LAYERS)])
+                runs[v, r] = passes.lower(codes).compile()
         except Exception as e:  # noqa: BLE001
             errors[v] = str(e).splitlines()[0][:300]
             print(v, "failed:", errors[v], flush=True)
