@@ -14,7 +14,6 @@ the call's dispatch. Writes probe_sketch_mgpu.json under $OUT.
 
     python bench/probes/probe_sketch_mgpu.py
 """
-import functools
 import json
 import math
 import os
@@ -72,10 +71,34 @@ def check(group: int, seed: int) -> dict:
 
 
 def _read(c, s, salt):
-    """A sum over every byte of a layer's codes and scales, xor-ed with the previous sum: each pass depends on the one
-    before, so XLA cannot merge the passes' reads into one."""
+    """A sum over every byte of a layer's codes and scales (None: codes only), xor-ed with the previous sum: each pass
+    depends on the one before, so XLA cannot merge the passes' reads into one."""
     words = jax.lax.bitcast_convert_type(c.reshape(*c.shape[:-1], D // 8, 4), jnp.uint32)
-    return jnp.sum(words ^ salt) + jnp.sum(jax.lax.bitcast_convert_type(s, jnp.uint32) ^ salt)
+    total = jnp.sum(words ^ salt)
+    return total if s is None else total + jnp.sum(jax.lax.bitcast_convert_type(s, jnp.uint32) ^ salt)
+
+
+def xla_chained_reads(codes, scales, passes: int):
+    """XLA reading every layer's sketch bytes `passes` times over, each pass chained to the one before (the floor the
+    kernels' GPU time per pass is set against). scales None: the codes alone."""
+    sums = [jnp.uint32(0)]
+    for _ in range(passes):
+        for i in range(len(codes)):
+            sums.append(_read(codes[i], None if scales is None else scales[i], sums[-1]))
+    return sums[1:]
+
+
+def gpu_ms_per_pass(runs: dict, names, args, rounds: int) -> dict:
+    """Per name, in alternated rounds: (t_REPEATS - t_1) / (REPEATS - 1) in ms, the medians of 20 waited calls of
+    runs[name, 1] and runs[name, REPEATS] (programs running their 30 layers once and REPEATS times): one pass's GPU time
+    without the call's dispatch."""
+    per_pass = {n: [] for n in names}
+    for _ in range(rounds):
+        for n in names:
+            t1, t4 = (float(np.median(call_seconds(lambda r=r: runs[n, r](*args), 20))) for r in (1, REPEATS))
+            per_pass[n].append((t4 - t1) / (REPEATS - 1) * 1e3)
+        print(json.dumps(per_pass), flush=True)
+    return per_pass
 
 
 def main():
@@ -102,15 +125,8 @@ def main():
                 runs[name, r] = jax.jit(lambda q, c, s, f=f, r=r: [
                     f(q[i] + jnp.bfloat16(j), c[i], s[i]) for j in range(r) for i in range(LAYERS)])
 
-        def chained_reads(q, c, s, r):
-            sums = [jnp.uint32(0)]
-            for _ in range(r):
-                for i in range(LAYERS):
-                    sums.append(_read(c[i], s[i], sums[-1]))
-            return sums[1:]
-
         for r in (1, REPEATS):
-            runs["xla_read_of_the_bytes", r] = jax.jit(functools.partial(chained_reads, r=r))
+            runs["xla_read_of_the_bytes", r] = jax.jit(lambda q, c, s, r=r: xla_chained_reads(c, s, r))
         first = [np.asarray(runs[name, 1](q, codes, scales)[0]) for name in ("triton", "hopper")]
         rows = {f"{name}_x{r}": [] for name, r in runs}
         for _ in range(2):  # alternated rounds

@@ -7,13 +7,11 @@ at 256K as probe_sketch_mgpu.py measures it, 3 alternated rounds, XLA's chained 
     python bench/probes/probe_sketch_mma_share.py --out DIR
 """
 import argparse
-import functools
 import json
 import sys
 import types
 from pathlib import Path
 
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
@@ -22,10 +20,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
-from common import call_seconds, run_metadata  # noqa: E402
+from common import run_metadata  # noqa: E402
 from pallas_kernels import mgpu_sketch  # noqa: E402
+from probe_sketch_mgpu import REPEATS, gpu_ms_per_pass, xla_chained_reads  # noqa: E402
 
-HKV, G, D, PAGE, LAYERS, REPEATS, ROUNDS = 8, 4, 128, 16, 30, 4, 3
+HKV, G, D, PAGE, LAYERS, ROUNDS = 8, 4, 128, 16, 30, 3
 ORIGINAL_LAUNCH = mgpu_sketch._launch
 
 
@@ -42,11 +41,6 @@ def variant(name: str):
     mgpu_sketch._launch = jax.jit(lambda *a, _w=ORIGINAL_LAUNCH.__wrapped__, **k: _w(*a, **k),
                                   static_argnames=("num_pages", "sm_scale"))
     return lambda q, c, s: mgpu_sketch.sketch_page_lse_mgpu(q, c, s)
-
-
-def _read(c, s, salt):
-    words = jax.lax.bitcast_convert_type(c.reshape(*c.shape[:-1], D // 8, 4), jnp.uint32)
-    return jnp.sum(words ^ salt) + jnp.sum(jax.lax.bitcast_convert_type(s, jnp.uint32) ^ salt)
 
 
 def main():
@@ -68,22 +62,9 @@ def main():
                                     ).lower(q, codes, scales).compile()
         firsts[name] = runs[name, 1](q, codes, scales)[0]
 
-    def chained(q, c, s, r):
-        sums = [jnp.uint32(0)]
-        for _ in range(r):
-            for i in range(LAYERS):
-                sums.append(_read(c[i], s[i], sums[-1]))
-        return sums[1:]
-
     for r in (1, REPEATS):
-        runs["xla_read", r] = jax.jit(functools.partial(chained, r=r)).lower(q, codes, scales).compile()
-    per_pass = {n: [] for n in ("as_is", "mma_twice", "n16", "xla_read")}
-    for _ in range(ROUNDS):
-        for n in per_pass:
-            t1, t4 = (float(np.median(call_seconds(lambda r=r: runs[n, r](q, codes, scales), 20)))
-                      for r in (1, REPEATS))
-            per_pass[n].append((t4 - t1) / (REPEATS - 1) * 1e3)
-        print(json.dumps(per_pass), flush=True)
+        runs["xla_read", r] = jax.jit(lambda q, c, s, r=r: xla_chained_reads(c, s, r)).lower(q, codes, scales).compile()
+    per_pass = gpu_ms_per_pass(runs, ("as_is", "mma_twice", "n16", "xla_read"), (q, codes, scales), ROUNDS)
     result = {**run_metadata(), "tokens": tokens, "gpu_ms_per_pass_of_30_layers_per_round": per_pass,
               "n16_equals_as_is": bool(jnp.array_equal(firsts["n16"], firsts["as_is"])),
               "mma_twice_minus_as_is_lse_max": float(jnp.abs(firsts["mma_twice"] - firsts["as_is"]).max())}

@@ -17,12 +17,10 @@ chained read of the same bytes.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 from pathlib import Path
 
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
@@ -33,9 +31,10 @@ from jax import lax  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
-from common import call_seconds, run_metadata  # noqa: E402
+from common import run_metadata  # noqa: E402
+from probe_sketch_mgpu import REPEATS, gpu_ms_per_pass, xla_chained_reads  # noqa: E402
 
-HKV, D, PAGE, LAYERS, REPEATS, ROUNDS, PAGES_PER_CTA = 8, 128, 16, 30, 4, 3, 64
+HKV, D, PAGE, LAYERS, ROUNDS, PAGES_PER_CTA = 8, 128, 16, 30, 3, 64
 
 
 def smem(shape, swizzle):
@@ -78,11 +77,6 @@ def loader(variant: str, pages: int):
     return lambda codes, salt: call(codes.reshape(HKV, PAGE, pages * 64 // row, row), salt)
 
 
-def _read(c, salt):
-    words = lax.bitcast_convert_type(c.reshape(*c.shape[:-1], D // 8, 4), jnp.uint32)
-    return jnp.sum(words ^ salt)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -104,22 +98,10 @@ def main() -> int:
             errors[v] = str(e).splitlines()[0][:300]
             print(v, "failed:", errors[v], flush=True)
 
-    def chained(c, r):
-        sums = [jnp.uint32(0)]
-        for _ in range(r):
-            for i in range(LAYERS):
-                sums.append(_read(c[i], sums[-1]))
-        return sums[1:]
-
     for r in (1, REPEATS):
-        runs["xla_read", r] = jax.jit(functools.partial(chained, r=r)).lower(codes).compile()
+        runs["xla_read", r] = jax.jit(lambda c, r=r: xla_chained_reads(c, None, r)).lower(codes).compile()
     names = [v for v in variants if v not in errors] + ["xla_read"]
-    per_pass = {n: [] for n in names}
-    for _ in range(ROUNDS):
-        for n in names:
-            t1, t4 = (float(np.median(call_seconds(lambda r=r: runs[n, r](codes), 20))) for r in (1, REPEATS))
-            per_pass[n].append((t4 - t1) / (REPEATS - 1) * 1e3)
-        print(json.dumps(per_pass), flush=True)
+    per_pass = gpu_ms_per_pass(runs, names, (codes,), ROUNDS)
     result = {**run_metadata(), "tokens": args.tokens, "bytes_per_pass": sum(c.nbytes for c in codes),
               "gpu_ms_per_pass_of_30_layers_per_round": per_pass, "errors": errors}
     path = Path(args.out, "probe_sketch_tma_boxes.json")
