@@ -32,6 +32,9 @@ import pallas_kernels as pk  # noqa: E402
 
 # ----------------------------------------------------------------------------- timing
 
+ATTENTION_ROUNDS = 20
+
+
 def time_jax(fn, *args, reps: int = 10, inner: int | None = None, warmup: int = 2) -> float:
     """Median seconds per call; calls are queued back to back so dispatch overlaps the GPU."""
     return float(np.median(time_jax_samples(fn, *args, reps=reps, inner=inner, warmup=warmup)))
@@ -57,22 +60,53 @@ def time_jax_samples(fn, *args, reps: int = 10, inner: int | None = None, warmup
     return samples
 
 
-def time_torch(fn, reps: int = 10, inner: int = 5) -> list[float]:
-    """Seconds per call of each of `reps` groups of `inner` calls, timed by CUDA events."""
+def jax_group(fn, *args, inner: int):
+    """A function timing one group of `inner` calls of `fn` queued back to back: seconds per call."""
+    def group() -> float:
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) / inner
+    return group
+
+
+def torch_group(fn, inner: int = 5):
+    """A function timing one group of `inner` calls of `fn` by CUDA events: seconds per call."""
     import torch
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
+
+    def group() -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(inner):
             fn()
         end.record()
         torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3 / inner)
+        return start.elapsed_time(end) / 1e3 / inner
+    return group
+
+
+def interleaved_samples(groups: dict, reps: int) -> dict[str, list[float]]:
+    """`reps` rounds, each timing one group of every entry, the order rotated from round to round: a clock or
+    temperature drift during the run reaches every entry alike, and each round gives a paired ratio."""
+    for group in groups.values():  # warm-up
+        group()
+    names = list(groups)
+    samples = {n: [] for n in names}
+    for r in range(reps):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            samples[n].append(groups[n]())
     return samples
+
+
+def inner_calls(fn, *args) -> int:
+    """Calls per group for ~20 ms of GPU work, after two warm-up calls."""
+    for _ in range(2):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return max(1, min(200, int(0.02 / max(time.perf_counter() - t0, 1e-6))))
 
 
 def tflops_spread(flops: float, samples: list[float]) -> dict:
@@ -124,17 +158,20 @@ def copy_bandwidth() -> float:
 
 
 def bench_attention(rep: Report, name, b, t, hq, hkv, d, causal, target_ratio=1.0, configs=None):
+    """Ours against cuDNN and torch SDPA, timed in ATTENTION_ROUNDS interleaved rounds (`interleaved_samples`)."""
     ks = jax.random.split(jax.random.key(1), 3)
     q = rand(ks[0], (b, t, hq, d), jnp.bfloat16)
     k = rand(ks[1], (b, t, hkv, d), jnp.bfloat16)
     v = rand(ks[2], (b, t, hkv, d), jnp.bfloat16)
     flops = attn_flops(b, hq, t, t, d, causal)
     shape = f"B{b} T{t} Hq{hq} Hkv{hkv} D{d}" + (" causal" if causal else "")
-    peers = {}
+    groups = {}
+    ours = jax.jit(lambda q, k, v: pk.attention_with_lse(q, k, v, causal=causal))
+    groups["ours"] = jax_group(ours, q, k, v, inner=inner_calls(ours, q, k, v))
     try:
         cud = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=causal, implementation="cudnn"))
-        peers["cudnn"] = tflops_spread(flops, time_jax_samples(cud, q, k, v))
+        groups["cudnn"] = jax_group(cud, q, k, v, inner=inner_calls(cud, q, k, v))
     except Exception as e:  # noqa: BLE001
         rep.error(f"{name}/cudnn", e)
     try:
@@ -143,40 +180,37 @@ def bench_attention(rep: Report, name, b, t, hq, hkv, d, causal, target_ratio=1.
         tq_ = torch.randn(b, hq, t, d, device="cuda", dtype=torch.bfloat16)
         tk_ = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
         tv_ = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
-        peers["torch_sdpa"] = tflops_spread(flops, time_torch(lambda: F.scaled_dot_product_attention(
-            tq_, tk_, tv_, is_causal=causal, enable_gqa=True)))
-        del tq_, tk_, tv_
+        groups["torch_sdpa"] = torch_group(lambda: F.scaled_dot_product_attention(
+            tq_, tk_, tv_, is_causal=causal, enable_gqa=True))
     except Exception as e:  # noqa: BLE001
         rep.error(f"{name}/torch_sdpa", e)
-    for cfg in [None] + list(configs or []):
-        kw = cfg or {}
+    samples = interleaved_samples(groups, ATTENTION_ROUNDS)
+    spread = {n: tflops_spread(flops, s) for n, s in samples.items()}
+    tf, sp = spread["ours"]["median"], spread["ours"]
+    if "cudnn" in spread:
+        cud = spread["cudnn"]["median"]
+        per_round = [c / o for o, c in zip(samples["ours"], samples["cudnn"])]
+        rep.add(name=name, shape=shape, dtype="bfloat16", value=tf, unit="TFLOP/s",
+                spread=f"{sp['min']:.1f}-{sp['max']:.1f}", peer="cudnn", peer_value=cud,
+                peer_spread=f"{spread['cudnn']['min']:.1f}-{spread['cudnn']['max']:.1f}", ratio=tf / cud,
+                ratio_per_round=f"{np.median(per_round):.3f} ({min(per_round):.3f}-{max(per_round):.3f})",
+                target=f">= {target_ratio}x cudnn", verdict="MEETS" if tf / cud >= target_ratio else "BELOW")
+    if "torch_sdpa" in spread:
+        sdpa = spread["torch_sdpa"]
+        per_round = [s_ / o for o, s_ in zip(samples["ours"], samples["torch_sdpa"])]
+        rep.add(name=name + "/torch_sdpa", shape=shape, dtype="bfloat16", value=sdpa["median"],
+                unit="TFLOP/s", spread=f"{sdpa['min']:.1f}-{sdpa['max']:.1f}", peer="ours", peer_value=tf,
+                peer_spread=f"{sp['min']:.1f}-{sp['max']:.1f}", ratio=tf / sdpa["median"],
+                ratio_per_round=f"{np.median(per_round):.3f} ({min(per_round):.3f}-{max(per_round):.3f})")
+    for kw in configs or []:
         fn = jax.jit(lambda q, k, v, kw=kw: pk.attention_with_lse(q, k, v, causal=causal, **kw))
         try:
-            ours = tflops_spread(flops, time_jax_samples(fn, q, k, v))
+            rep.sweep.append(dict(name=name, shape=shape, config=kw,
+                                  tflops=tflops_spread(flops, time_jax_samples(fn, q, k, v))["median"]))
         except Exception as e:  # noqa: BLE001
             rep.error(f"{name}{kw}", e)
             continue
-        tf = ours["median"]
-        if cfg is not None:
-            rep.sweep.append(dict(name=name, shape=shape, config=kw, tflops=tf))
-            print(f"  sweep {name} {kw}: {tf:.1f} TFLOP/s", flush=True)
-            continue
-        cud = peers["cudnn"]["median"] if "cudnn" in peers else None
-        ratio = tf / cud if cud else None
-        verdict = ""
-        if target_ratio is not None and ratio is not None:
-            verdict = "MEETS" if ratio >= target_ratio else "BELOW"
-        rep.add(name=name, shape=shape, dtype="bfloat16", value=tf, unit="TFLOP/s",
-                spread=f"{ours['min']:.1f}-{ours['max']:.1f}", peer="cudnn", peer_value=cud,
-                peer_spread=f"{peers['cudnn']['min']:.1f}-{peers['cudnn']['max']:.1f}" if cud else "",
-                ratio=ratio, torch_sdpa=peers.get("torch_sdpa"), target=f">= {target_ratio}x cudnn",
-                verdict=verdict)
-        if "torch_sdpa" in peers:
-            sdpa = peers["torch_sdpa"]
-            rep.add(name=name + "/torch_sdpa", shape=shape, dtype="bfloat16", value=sdpa["median"],
-                    unit="TFLOP/s", spread=f"{sdpa['min']:.1f}-{sdpa['max']:.1f}", peer="ours", peer_value=tf,
-                    peer_spread=f"{ours['min']:.1f}-{ours['max']:.1f}", ratio=tf / sdpa["median"])
-    return q, k, v
+        print(f"  sweep {name} {kw}: {rep.sweep[-1]['tflops']:.1f} TFLOP/s", flush=True)
 
 
 def bench_decode(rep: Report, copy_bw, configs=None):
@@ -319,17 +353,20 @@ def write_outputs(rep: Report, out_dir: str, extra: dict):
              f"device: {meta['device']}; jax {meta['jax']}; torch {meta['torch']}; "
              f"{meta['date']}", "",
              "Timed figures: the median of 10 groups of calls queued back to back; spreads (slowest-fastest "
-             "group) where given.", "",
-             "| figure | shape | dtype | value | spread | unit | peer | peer value | peer spread | ratio | target | "
-             "verdict |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"group) where given. Attention: {ATTENTION_ROUNDS} rounds, each timing one group of ours, cuDNN's and "
+             "torch SDPA's in turn; 'ratio' is ours over the peer's median, 'per round' the median (min-max) of the "
+             "rounds' ratios.", "",
+             "| figure | shape | dtype | value | spread | unit | peer | peer value | peer spread | ratio | per round | "
+             "target | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rep.rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | error: {r['error'][:120]} | | | | | | | | | | |")
+            lines.append(f"| {r['name']} | error: {r['error'][:120]} | | | | | | | | | | | |")
             continue
         lines.append("| " + " | ".join(str(_fmt(r.get(c)) if isinstance(r.get(c), float)
                                             else r.get(c, "")) for c in
                                        ("name", "shape", "dtype", "value", "spread", "unit", "peer",
-                                        "peer_value", "peer_spread", "ratio", "target", "verdict")) + " |")
+                                        "peer_value", "peer_spread", "ratio", "ratio_per_round", "target",
+                                        "verdict")) + " |")
     if rep.sweep:
         lines += ["", "## launch-config sweep", "", "| kernel | shape | config | figure |",
                   "|---|---|---|---|"]
