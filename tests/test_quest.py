@@ -10,7 +10,7 @@ import pytest
 
 import tiny_models
 from jax_offload import LLM, SamplingParams
-from jax_offload.sparse.quest import page_bounds, page_rows, select_pages
+from jax_offload.sparse.quest import TOP_K_CHUNK, page_bounds, page_rows, select_pages, top_k
 from pallas_kernels import mgpu_sketch
 from pallas_kernels._common import on_hopper
 from pallas_kernels.sketch import runs_on_hopper_kernel
@@ -35,6 +35,21 @@ def quest_reference(q, k, num_pages, budget_pages, page_size):
         chosen = sorted([0] + candidates[: budget_pages - 1])[:budget_pages]
         out[h, : len(chosen)] = chosen
     return out
+
+
+@pytest.mark.parametrize("n,k", [(TOP_K_CHUNK * 3, 256), (TOP_K_CHUNK * 32, 256), (TOP_K_CHUNK * 8, 512),
+                                 (TOP_K_CHUNK * 4, 1), (TOP_K_CHUNK, 256)])
+def test_top_k_in_stages_equals_one_top_k_over_the_row(n, k):
+    # Few distinct values, so many ties cross the chunks' borders; +inf and -inf as top_pages writes them.
+    seed = n + k
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 40, size=(3, n)).astype(np.float32)
+    x[:, rng.integers(0, n, 5)] = np.inf
+    x[:, rng.integers(0, n, n // 4)] = -np.inf
+    values, index = jax.jit(top_k, static_argnums=1)(jnp.asarray(x), k)
+    ref = np.stack([np.lexsort((np.arange(n), -row))[:k] for row in x])  # value descending, then index ascending
+    np.testing.assert_array_equal(np.asarray(index), ref, err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(np.asarray(values), np.take_along_axis(x, ref, -1), err_msg=f"seed {seed}")
 
 
 @pytest.mark.parametrize("hq,hkv,num_pages,budget", [(8, 2, 40, 8), (4, 4, 40, 40), (6, 3, 5, 8), (8, 1, 33, 1)])

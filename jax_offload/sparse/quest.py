@@ -45,6 +45,28 @@ def page_scores(q: jax.Array, kmin: jax.Array, kmax: jax.Array) -> jax.Array:
     return jnp.max(bound, axis=1)
 
 
+# Rows up to this long are sorted in one shared-memory pass by XLA's GPU sort (which a top-k of more than a few
+# entries compiles to); a longer row takes a pass over global memory per merge stage: at 16,384 pages (256K tokens)
+# a layer's top-256 took 73 us on an H100 (`bench/results/runs/h100_sketch_top_k/`).
+TOP_K_CHUNK = 2048
+
+
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k` over the last axis, the same values and indices (equal values: the lower index first), in
+    stages where a row is long: the top k of each TOP_K_CHUNK-long chunk, then the top k of those. Exact: an
+    entry of the row's top k is in its chunk's top k, and equal values keep the order of their indices (chunks
+    in order, each chunk's top k stable), so the second stage breaks ties as one top-k over the row would."""
+    n = x.shape[-1]
+    if n <= TOP_K_CHUNK or n % TOP_K_CHUNK or 4 * k > TOP_K_CHUNK:
+        return jax.lax.top_k(x, k)
+    chunks = n // TOP_K_CHUNK
+    values, index = jax.lax.top_k(x.reshape(*x.shape[:-1], chunks, TOP_K_CHUNK), k)
+    index = index + (jnp.arange(chunks, dtype=index.dtype) * TOP_K_CHUNK)[:, None]
+    values, index = values.reshape(*x.shape[:-1], chunks * k), index.reshape(*x.shape[:-1], chunks * k)
+    values, position = top_k(values, k)
+    return values, jnp.take_along_axis(index, position, axis=-1)
+
+
 def top_pages(score: jax.Array, num_pages: jax.Array, k: int) -> jax.Array:
     """Quest's rule for any page score [Hkv, P]: page 0 and the `k - 1` highest-scoring pages among pages
     1..num_pages - 1, ascending -> int32 [Hkv, k], missing entries P, ties to the lower page. Its own function
@@ -52,7 +74,7 @@ def top_pages(score: jax.Array, num_pages: jax.Array, k: int) -> jax.Array:
     num_slots = score.shape[1]
     page = jnp.arange(num_slots, dtype=jnp.int32)
     score = jnp.where(page == 0, jnp.inf, jnp.where(page < num_pages, score, -jnp.inf))
-    _, chosen = jax.lax.top_k(score, k)  # equal values: the lower index first
+    _, chosen = top_k(score, k)  # equal values: the lower index first
     chosen = jnp.where(chosen < num_pages, chosen, num_slots).astype(jnp.int32)
     return jnp.sort(chosen, axis=-1)
 

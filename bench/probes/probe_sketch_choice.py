@@ -1,0 +1,126 @@
+"""Where a sketch decode step's page choice goes past the scoring kernel, on the GPU: each layer's softmax over its
+pages (`sketch.mass_of_pages`) and the top-k of `quest.top_pages`, each as the engine had it and as it has it now.
+
+Before: the softmax's max and its sum of exponentials in two reductions, and one `jax.lax.top_k` over the row of
+pages (which XLA's GPU backend compiles to a sort of the whole row). Now: `mass_of_pages` with one variadic
+reduction, and `quest.top_k` in stages of TOP_K_CHUNK pages. Programs of 30 sparse layers (Llama-3.1-8B shape, 8 KV
+heads of 4 query heads, page 16, int4 sketch, random codes, budget 256 pages), GPU ms per pass as probe_sketch_mgpu.py
+measures it ((t4 - t1) / 3, medians of 20 waited calls), 3 alternated rounds, at 32K, 128K and 256K tokens:
+  kernel                 the Hopper kernel's page log-sum-exps alone
+  mass_before / mass     + the softmax over pages, before / now
+  top_k_before           a top-256 of random page masses, one top-k over the row (the kernel and mass not run)
+  top_k_chunk_C          the same in stages of C pages (C = 1024, 2048, 4096; the engine's TOP_K_CHUNK is one)
+  choice_before / choice kernel + mass + top_pages, before / now
+Also: the masses against float64 and the pages each choice picks (before == now). Writes probe_sketch_choice.json
+under $OUT.
+
+    python bench/probes/probe_sketch_choice.py
+"""
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "bench" / "probes")]
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import pallas_kernels  # noqa: E402
+from common import run_metadata  # noqa: E402
+from jax_offload.sparse import quest, sketch  # noqa: E402
+from probe_sketch_mgpu import REPEATS, gpu_ms_per_pass  # noqa: E402
+
+HKV, G, D, PAGE, LAYERS, BUDGET_PAGES = 8, 4, 128, 16, 30, 256
+CONTEXTS = (32768, 131072, 262144)
+CHUNKS = (1024, 2048, 4096)
+
+
+def mass_before(lse: jax.Array, num_pages: jax.Array) -> jax.Array:
+    """`sketch.mass_of_pages` before: max, then the sum of exponentials, then the normalised group sum."""
+    visible = jnp.arange(lse.shape[-1]) < num_pages
+    s = jnp.where(visible, lse, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    e = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    return (e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)).sum(axis=1)
+
+
+@contextlib.contextmanager
+def top_k_chunk(chunk: int):
+    """quest.top_k's stage length while a program is traced (a chunk of at least the row: one top-k, as before)."""
+    saved, quest.TOP_K_CHUNK = quest.TOP_K_CHUNK, chunk
+    try:
+        yield
+    finally:
+        quest.TOP_K_CHUNK = saved
+
+
+def float64_mass(lse: np.ndarray, num_pages: int) -> np.ndarray:
+    s = lse[..., :num_pages].astype(np.float64)
+    e = np.exp(s - s.max(-1, keepdims=True))
+    out = np.zeros(lse.shape[::2])
+    out[:, :num_pages] = (e / e.sum(-1, keepdims=True)).sum(1)
+    return out
+
+
+def main():
+    result = {**run_metadata(), "kv_heads": HKV, "group": G, "head_dim": D, "page": PAGE, "layers": LAYERS,
+              "budget_pages": BUDGET_PAGES, "engine_top_k_chunk": quest.TOP_K_CHUNK, "contexts": {}}
+    path = Path(os.environ.get("OUT", "."), "probe_sketch_choice.json")
+    q = jax.random.normal(jax.random.PRNGKey(1), (LAYERS, HKV, G, D), jnp.bfloat16)
+    whole_row = 1 << 30
+    for tokens in CONTEXTS:
+        keys = jax.random.split(jax.random.PRNGKey(tokens), 2 * LAYERS + 1)
+        pages = tokens // PAGE
+        num_pages = jnp.int32(pages - 3)  # the last pages not written yet, as mid-block
+        codes = [jax.random.bits(k, (HKV, PAGE, pages, D // 2), jnp.uint8) for k in keys[:LAYERS]]
+        scales = [jax.random.uniform(k, (HKV, PAGE, pages), jnp.float32, 0.01, 0.05) for k in keys[LAYERS:-1]]
+        masses = jax.random.uniform(keys[-1], (LAYERS, HKV, pages), jnp.float32)
+
+        def lse(qi, c, s):
+            return pallas_kernels.sketch_page_lse(qi, c, s, bits=4)
+
+        on_sketch = {  # name: (per-layer function of (q, codes, scales), top-k chunk while traced)
+            "kernel": (lse, whole_row),
+            "mass_before": (lambda qi, c, s: mass_before(lse(qi, c, s), num_pages), whole_row),
+            "mass": (lambda qi, c, s: sketch.mass_of_pages(lse(qi, c, s), num_pages), whole_row),
+            "choice_before": (lambda qi, c, s: quest.top_pages(mass_before(lse(qi, c, s), num_pages), num_pages,
+                                                               BUDGET_PAGES), whole_row),
+            "choice": (lambda qi, c, s: quest.top_pages(sketch.mass_of_pages(lse(qi, c, s), num_pages), num_pages,
+                                                        BUDGET_PAGES), quest.TOP_K_CHUNK),
+        }
+        on_masses = {"top_k_before": whole_row, **{f"top_k_chunk_{c}": c for c in CHUNKS}}
+        runs = {}
+        for r in (1, REPEATS):  # r passes over the 30 layers, each with its own input (nothing to deduplicate)
+            for name, (f, chunk) in on_sketch.items():
+                with top_k_chunk(chunk):
+                    runs[name, r] = jax.jit(lambda q, c, s, m, f=f, r=r: [
+                        f(q[i] + jnp.bfloat16(j), c[i], s[i]) for j in range(r) for i in range(LAYERS)]
+                    ).lower(q, codes, scales, masses).compile()
+            for name, chunk in on_masses.items():
+                with top_k_chunk(chunk):
+                    runs[name, r] = jax.jit(lambda q, c, s, m, r=r: [
+                        quest.top_pages(m[i] + j, num_pages, BUDGET_PAGES) for j in range(r) for i in range(LAYERS)]
+                    ).lower(q, codes, scales, masses).compile()
+        args = (q, codes, scales, masses)
+        page_lse = np.asarray(runs["kernel", 1](*args)[0], np.float64)
+        ref = float64_mass(page_lse, int(num_pages))
+        errors = {name: float(np.max(np.abs(np.asarray(runs[name, 1](*args)[0], np.float64) - ref))
+                             / np.max(np.abs(ref))) for name in ("mass_before", "mass")}
+        same_choice = all(np.array_equal(a, b) for a, b in zip(runs["choice_before", 1](*args), runs["choice", 1](*args)))
+        same_top_k = {name: all(np.array_equal(a, b) for a, b in zip(runs["top_k_before", 1](*args), runs[name, 1](*args)))
+                      for name in on_masses}
+        print(tokens, json.dumps(errors), "same pages", same_choice, json.dumps(same_top_k), flush=True)
+        per_pass = gpu_ms_per_pass(runs, [*on_sketch, *on_masses], args, rounds=3)
+        result["contexts"][str(tokens)] = {
+            "mass_rel_err_vs_float64_layer0": errors, "choice_same_pages_30_layers": same_choice,
+            "top_k_same_pages_30_layers": same_top_k, "gpu_ms_per_pass_of_30_layers": per_pass}
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        del codes, scales, masses
+
+
+if __name__ == "__main__":
+    main()
