@@ -87,8 +87,7 @@ def mass_of_pages(lse: jax.Array, num_pages: jax.Array) -> jax.Array:
     """Per KV head the estimated attention mass of each page: page log-sum-exps [Hkv, G, P] -> float32 [Hkv, P],
     each query head's softmax over the first `num_pages` pages (its tokens' softmax, summed per page) summed over
     the group; a page past num_pages gets 0. The softmax's max and sum of exponentials come from one reduction
-    (pairs (m, l) combined as online softmax combines them): one pass over the scores instead of two, which is
-    most of this function's time on a GPU, where each pass is a kernel on a few MB."""
+    of (max, sum) pairs, combined as online softmax combines them: one pass over the scores instead of two."""
     visible = jnp.arange(lse.shape[-1]) < num_pages
     s = jnp.where(visible, lse, -jnp.inf)
 
