@@ -27,7 +27,6 @@ import dataclasses
 import functools
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -35,7 +34,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    GiB, call_seconds, fmt, gpu_memory, model_config, random_params, run_metadata, run_phases, stats,
+    GiB, call_seconds, fmt, gpu_memory, gpu_ms_per_pass, model_config, random_params, run_metadata, run_phases, stats,
 )
 
 PHASES = ("decode", "xattn_kernel", "xattn_prefill")
@@ -97,11 +96,7 @@ def phase_decode(a) -> dict:
         # A step pays the scoring inside its layers' programs, not as a call of its own: (t_R - t_1) / (R - 1) of a
         # program scoring every layer once and R times is one token's scoring without a call's dispatch. One figure
         # per alternated round, each from medians of 10 waited calls.
-        rounds = []
-        for _ in range(a.repeats):
-            t1, t_r = (statistics.median(call_seconds(fn, 10)) for fn in (once, repeated))
-            rounds.append((t_r - t1) / (SCORING_PASSES - 1) * 1e3)
-        return stats(rounds)
+        return stats([gpu_ms_per_pass(once, repeated, SCORING_PASSES, 10) for _ in range(a.repeats)])
 
     x = embed_tokens(params.embed, np.full((1, 1), 7, np.int32))
     tail = jnp.zeros((2, bs, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)

@@ -111,6 +111,14 @@ def call_seconds(fn, reps: int) -> list[float]:
     return seconds
 
 
+def gpu_ms_per_pass(once, repeated, passes: int, calls: int) -> float:
+    """One pass's GPU time in ms without a call's dispatch: (t_passes - t_1) / (passes - 1) from the medians of
+    `calls` waited calls of `once` (a program running its work once) and `repeated` (the same work `passes` times,
+    each pass on its own inputs so that XLA cannot merge them)."""
+    t1, t_r = (statistics.median(call_seconds(fn, calls)) for fn in (once, repeated))
+    return (t_r - t1) / (passes - 1) * 1e3
+
+
 def run_phases(script: str, phases: list[tuple[str, list[str]]], phases_value: str, env: dict | None = None) -> None:
     """Runs each (label, arguments) phase as `script --run-phase ARGUMENTS...` in a fresh process (its own peak
     memory and compile caches), forwarding this command line's other arguments; prints how each ended."""

@@ -5,7 +5,7 @@ Before: the softmax's max and its sum of exponentials in two reductions, and one
 pages (which XLA's GPU backend compiles to a sort of the whole row). Now: `mass_of_pages` with one variadic
 reduction, and `quest.top_k` in stages of TOP_K_CHUNK pages. Programs of 30 sparse layers (Llama-3.1-8B shape, 8 KV
 heads of 4 query heads, page 16, int4 sketch, random codes, budget 256 pages), GPU ms per pass as probe_sketch_mgpu.py
-measures it ((t4 - t1) / 3, medians of 20 waited calls), 3 alternated rounds, at 32K, 128K and 256K tokens:
+measures it ((t4 - t1) / 3, medians of 20 waited calls), 5 alternated rounds, at 32K, 128K and 256K tokens:
   kernel                 the Hopper kernel's page log-sum-exps alone
   mass_before / mass     + the softmax over pages, before / now
   top_k_before           a top-256 of random page masses, one top-k over the row (the kernel and mass not run)
@@ -37,6 +37,7 @@ from probe_sketch_mgpu import REPEATS, gpu_ms_per_pass  # noqa: E402
 HKV, G, D, PAGE, LAYERS, BUDGET_PAGES = 8, 4, 128, 16, 30, 256
 CONTEXTS = (32768, 131072, 262144)
 CHUNKS = (1024, 2048, 4096)
+ROUNDS = 5
 
 
 def mass_before(lse: jax.Array, num_pages: jax.Array) -> jax.Array:
@@ -110,11 +111,13 @@ def main():
         ref = float64_mass(page_lse, int(num_pages))
         errors = {name: float(np.max(np.abs(np.asarray(runs[name, 1](*args)[0], np.float64) - ref))
                              / np.max(np.abs(ref))) for name in ("mass_before", "mass")}
-        same_choice = all(np.array_equal(a, b) for a, b in zip(runs["choice_before", 1](*args), runs["choice", 1](*args)))
-        same_top_k = {name: all(np.array_equal(a, b) for a, b in zip(runs["top_k_before", 1](*args), runs[name, 1](*args)))
-                      for name in on_masses}
+        def same_pages(x, y):
+            return all(np.array_equal(a, b) for a, b in zip(runs[x, 1](*args), runs[y, 1](*args)))
+
+        same_choice = same_pages("choice_before", "choice")
+        same_top_k = {name: same_pages("top_k_before", name) for name in on_masses}
         print(tokens, json.dumps(errors), "same pages", same_choice, json.dumps(same_top_k), flush=True)
-        per_pass = gpu_ms_per_pass(runs, [*on_sketch, *on_masses], args, rounds=3)
+        per_pass = gpu_ms_per_pass(runs, [*on_sketch, *on_masses], args, rounds=ROUNDS)
         result["contexts"][str(tokens)] = {
             "mass_rel_err_vs_float64_layer0": errors, "choice_same_pages_30_layers": same_choice,
             "top_k_same_pages_30_layers": same_top_k, "gpu_ms_per_pass_of_30_layers": per_pass}

@@ -28,6 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_kernels  # noqa: E402
+import common  # noqa: E402
 from common import call_seconds, run_metadata, stats  # noqa: E402
 from jax_offload.sparse import sketch  # noqa: E402
 from pallas_kernels import mgpu_sketch  # noqa: E402
@@ -95,8 +96,8 @@ def gpu_ms_per_pass(runs: dict, names, args, rounds: int) -> dict:
     per_pass = {n: [] for n in names}
     for _ in range(rounds):
         for n in names:
-            t1, t4 = (float(np.median(call_seconds(lambda r=r: runs[n, r](*args), 20))) for r in (1, REPEATS))
-            per_pass[n].append((t4 - t1) / (REPEATS - 1) * 1e3)
+            once, repeated = (lambda n=n, r=r: runs[n, r](*args) for r in (1, REPEATS))
+            per_pass[n].append(common.gpu_ms_per_pass(once, repeated, REPEATS, 20))
         print(json.dumps(per_pass), flush=True)
     return per_pass
 
