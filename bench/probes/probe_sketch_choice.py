@@ -1,13 +1,14 @@
 """Where a sketch decode step's page choice goes past the scoring kernel, on the GPU: each layer's softmax over its
-pages (`sketch.mass_of_pages`) and the top-k of `quest.top_pages`, each as the engine had it and as it has it now.
+pages (`sketch.mass_of_pages`) and the top-k of `quest.top_pages`, as the engine had them and as it has them now.
 
-Before: the softmax's max and its sum of exponentials in two reductions, and one `jax.lax.top_k` over the row of
-pages (which XLA's GPU backend compiles to a sort of the whole row). Now: `mass_of_pages` with one variadic
-reduction, and `quest.top_k` in stages of TOP_K_CHUNK pages. Programs of 30 sparse layers (Llama-3.1-8B shape, 8 KV
-heads of 4 query heads, page 16, int4 sketch, random codes, budget 256 pages), GPU ms per pass as probe_sketch_mgpu.py
-measures it ((t4 - t1) / 3, medians of 20 waited calls), 5 alternated rounds, at 32K, 128K and 256K tokens:
+Before: one `jax.lax.top_k` over the row of pages (which XLA's GPU backend compiles to a sort of the whole row). Now:
+`quest.top_k` in stages of TOP_K_CHUNK pages. Also a candidate not adopted: the page softmax's max and sum of
+exponentials in one variadic reduction (`mass_one_pass`) instead of the engine's two. Programs of 30 sparse layers
+(Llama-3.1-8B shape, 8 KV heads of 4 query heads, page 16, int4 sketch, random codes, budget 256 pages), GPU ms per
+pass as probe_sketch_mgpu.py measures it ((t4 - t1) / 3, medians of 20 waited calls), 5 alternated rounds, at 32K,
+128K and 256K tokens:
   kernel                 the Hopper kernel's page log-sum-exps alone
-  mass_before / mass     + the softmax over pages, before / now
+  mass / mass_one_pass   + the softmax over pages, the engine's / the candidate
   top_k_before           a top-256 of random page masses, one top-k over the row (the kernel and mass not run)
   top_k_chunk_C          the same in stages of C pages (C = 1024, 2048, 4096; the engine's TOP_K_CHUNK is one)
   choice_before / choice kernel + mass + top_pages, before / now
@@ -40,13 +41,22 @@ CHUNKS = (1024, 2048, 4096)
 ROUNDS = 5
 
 
-def mass_before(lse: jax.Array, num_pages: jax.Array) -> jax.Array:
-    """`sketch.mass_of_pages` before: max, then the sum of exponentials, then the normalised group sum."""
+def mass_one_pass(lse: jax.Array, num_pages: jax.Array) -> jax.Array:
+    """`sketch.mass_of_pages` with each head's max and sum of exponentials from one reduction of (max, sum) pairs."""
     visible = jnp.arange(lse.shape[-1]) < num_pages
     s = jnp.where(visible, lse, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    e = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
-    return (e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)).sum(axis=1)
+
+    def finite(m):
+        return jnp.where(m == -jnp.inf, 0.0, m)
+
+    def combine(a, b):
+        (ma, la), (mb, lb) = a, b
+        m = jnp.maximum(ma, mb)
+        return m, la * jnp.exp(ma - finite(m)) + lb * jnp.exp(mb - finite(m))
+
+    m, total = jax.lax.reduce((s, jnp.ones_like(s)), (jnp.float32(-jnp.inf), jnp.float32(0.0)), combine, (2,))
+    e = jnp.where(visible, jnp.exp(s - finite(m)[..., None]), 0.0)
+    return (e / jnp.maximum(total, 1e-30)[..., None]).sum(axis=1)
 
 
 @contextlib.contextmanager
@@ -86,10 +96,10 @@ def main():
 
         on_sketch = {  # name: (per-layer function of (q, codes, scales), top-k chunk while traced)
             "kernel": (lse, whole_row),
-            "mass_before": (lambda qi, c, s: mass_before(lse(qi, c, s), num_pages), whole_row),
             "mass": (lambda qi, c, s: sketch.mass_of_pages(lse(qi, c, s), num_pages), whole_row),
-            "choice_before": (lambda qi, c, s: quest.top_pages(mass_before(lse(qi, c, s), num_pages), num_pages,
-                                                               BUDGET_PAGES), whole_row),
+            "mass_one_pass": (lambda qi, c, s: mass_one_pass(lse(qi, c, s), num_pages), whole_row),
+            "choice_before": (lambda qi, c, s: quest.top_pages(sketch.mass_of_pages(lse(qi, c, s), num_pages),
+                                                               num_pages, BUDGET_PAGES), whole_row),
             "choice": (lambda qi, c, s: quest.top_pages(sketch.mass_of_pages(lse(qi, c, s), num_pages), num_pages,
                                                         BUDGET_PAGES), quest.TOP_K_CHUNK),
         }
@@ -110,16 +120,21 @@ def main():
         page_lse = np.asarray(runs["kernel", 1](*args)[0], np.float64)
         ref = float64_mass(page_lse, int(num_pages))
         errors = {name: float(np.max(np.abs(np.asarray(runs[name, 1](*args)[0], np.float64) - ref))
-                             / np.max(np.abs(ref))) for name in ("mass_before", "mass")}
+                             / np.max(np.abs(ref))) for name in ("mass", "mass_one_pass")}
         def same_pages(x, y):
             return all(np.array_equal(a, b) for a, b in zip(runs[x, 1](*args), runs[y, 1](*args)))
 
         same_choice = same_pages("choice_before", "choice")
+        one_pass_same_pages = all(np.array_equal(quest.top_pages(a, num_pages, BUDGET_PAGES),
+                                                 quest.top_pages(b, num_pages, BUDGET_PAGES))
+                                  for a, b in zip(runs["mass", 1](*args), runs["mass_one_pass", 1](*args)))
         same_top_k = {name: same_pages("top_k_before", name) for name in on_masses}
-        print(tokens, json.dumps(errors), "same pages", same_choice, json.dumps(same_top_k), flush=True)
+        print(tokens, json.dumps(errors), "same pages", same_choice, one_pass_same_pages, json.dumps(same_top_k),
+              flush=True)
         per_pass = gpu_ms_per_pass(runs, [*on_sketch, *on_masses], args, rounds=ROUNDS)
         result["contexts"][str(tokens)] = {
             "mass_rel_err_vs_float64_layer0": errors, "choice_same_pages_30_layers": same_choice,
+            "one_pass_mass_same_pages_30_layers": one_pass_same_pages,
             "top_k_same_pages_30_layers": same_top_k, "gpu_ms_per_pass_of_30_layers": per_pass}
         path.write_text(json.dumps(result, indent=1) + "\n")
         del codes, scales, masses

@@ -47,7 +47,7 @@ def page_scores(q: jax.Array, kmin: jax.Array, kmax: jax.Array) -> jax.Array:
 
 # Rows up to this long are sorted in one shared-memory pass by XLA's GPU sort (which a top-k of more than a few
 # entries compiles to); a longer row takes a pass over global memory per merge stage: at 16,384 pages (256K tokens)
-# a layer's top-256 took ~65 us on an H100, in stages ~42 (`bench/results/runs/h100_sketch_top_k/`).
+# a layer's top-256 took ~66 us on an H100, in stages ~45 (`bench/results/runs/h100_sketch_top_k/`).
 TOP_K_CHUNK = 2048
 
 

@@ -86,22 +86,12 @@ def page_lse(scores: jax.Array, page_size: int) -> jax.Array:
 def mass_of_pages(lse: jax.Array, num_pages: jax.Array) -> jax.Array:
     """Per KV head the estimated attention mass of each page: page log-sum-exps [Hkv, G, P] -> float32 [Hkv, P],
     each query head's softmax over the first `num_pages` pages (its tokens' softmax, summed per page) summed over
-    the group; a page past num_pages gets 0. The softmax's max and sum of exponentials come from one reduction
-    of (max, sum) pairs, combined as online softmax combines them: one pass over the scores instead of two."""
+    the group; a page past num_pages gets 0."""
     visible = jnp.arange(lse.shape[-1]) < num_pages
     s = jnp.where(visible, lse, -jnp.inf)
-
-    def finite(m):  # the shift of a row that holds nothing yet: its exponentials are all 0 anyway
-        return jnp.where(m == -jnp.inf, 0.0, m)
-
-    def combine(a, b):
-        (ma, la), (mb, lb) = a, b
-        m = jnp.maximum(ma, mb)
-        return m, la * jnp.exp(ma - finite(m)) + lb * jnp.exp(mb - finite(m))
-
-    m, total = jax.lax.reduce((s, jnp.ones_like(s)), (jnp.float32(-jnp.inf), jnp.float32(0.0)), combine, (2,))
-    e = jnp.where(visible, jnp.exp(s - finite(m)[..., None]), 0.0)
-    return (e / jnp.maximum(total, 1e-30)[..., None]).sum(axis=1)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    e = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    return (e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)).sum(axis=1)
 
 
 def page_mass(scores: jax.Array, num_pages: jax.Array, page_size: int) -> jax.Array:
