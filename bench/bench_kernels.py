@@ -35,31 +35,6 @@ import pallas_kernels as pk  # noqa: E402
 ATTENTION_ROUNDS = 20
 
 
-def time_jax(fn, *args, reps: int = 10, inner: int | None = None, warmup: int = 2) -> float:
-    """Median seconds per call; calls are queued back to back so dispatch overlaps the GPU."""
-    return float(np.median(time_jax_samples(fn, *args, reps=reps, inner=inner, warmup=warmup)))
-
-
-def time_jax_samples(fn, *args, reps: int = 10, inner: int | None = None, warmup: int = 2) -> list[float]:
-    """Seconds per call of each of `reps` groups of `inner` calls queued back to back."""
-    out = None
-    for _ in range(warmup):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    if inner is None:  # aim for ~20 ms per measured group
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        inner = max(1, min(200, int(0.02 / max(time.perf_counter() - t0, 1e-6))))
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) / inner)
-    return samples
-
-
 def jax_group(fn, *args, inner: int):
     """A function timing one group of `inner` calls of `fn` queued back to back: seconds per call."""
     def group() -> float:
@@ -107,6 +82,19 @@ def inner_calls(fn, *args) -> int:
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
     return max(1, min(200, int(0.02 / max(time.perf_counter() - t0, 1e-6))))
+
+
+def time_jax(fn, *args, reps: int = 10, inner: int | None = None) -> float:
+    """Median seconds per call; calls are queued back to back so dispatch overlaps the GPU."""
+    return float(np.median(time_jax_samples(fn, *args, reps=reps, inner=inner)))
+
+
+def time_jax_samples(fn, *args, reps: int = 10, inner: int | None = None) -> list[float]:
+    """Seconds per call of each of `reps` groups of `inner` calls queued back to back (default: ~20 ms of GPU work
+    a group), after a warm-up."""
+    calls = inner_calls(fn, *args)
+    group = jax_group(fn, *args, inner=inner or calls)
+    return [group() for _ in range(reps)]
 
 
 def tflops_spread(flops: float, samples: list[float]) -> dict:
