@@ -64,11 +64,14 @@ def test_tp_on_virtual_devices_equals_tp1(model_dirs):
 def _check_logits_and_greedy_tokens(device_runs):
     rows = [r for r in device_runs if "mode" in r and "case" not in r]
     # 3 models x TP=2 (in GPU memory, chunked offload), Qwen3 at TP=4 in GPU memory, and
-    # at TP=2 XAttention prefill in GPU memory and chunked-offloaded, Quest decode and sketch decode.
-    assert len(rows) == 3 * 2 + 1 + 4
+    # at TP=2 XAttention prefill in GPU memory and chunked-offloaded, Quest decode and sketch decode (float32 and
+    # fp8 store).
+    assert len(rows) == 3 * 2 + 1 + 5
     for r in rows:
         case = f"{r['model']} (model seed {MODELS[r['model']]}), TP={r['size']}, {r['mode']}, prompt seed {PROMPT_SEED}"
-        assert r["max_diff"] <= TOLERANCE, f"{case}: logits differ from TP=1 by {r['max_diff']}"
+        # An fp8 store rounds TP's reordered sums to fp8 steps: bounded by fp8's own error (tp_check.FP8_MODE).
+        bound = r["fp8_error"] / 100 if "fp8_error" in r else TOLERANCE
+        assert r["max_diff"] <= bound, f"{case}: logits differ from TP=1 by {r['max_diff']} (allowed {bound})"
         assert r["tokens"] == r["ref_tokens"], f"{case}: greedy tokens differ from TP=1"
 
 
