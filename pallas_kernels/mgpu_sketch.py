@@ -45,8 +45,6 @@ BLOCK_PAGES = 64  # wgmma's M: one page a row
 HEAD_DIM = 128
 _GROUP_PAD = 8  # wgmma's smallest N
 _TILE_BYTES = BLOCK_PAGES * HEAD_DIM // 2
-CTAS_PER_SM = 2  # resident CTAs an SM is given work for (two fit its shared memory with pages of 16)
-_H100_SMS = 132
 _SMEM_LIMIT = 200 * 1024  # of the 227 KiB a CTA may take: room for the query, scales and output tiles
 
 
@@ -61,12 +59,6 @@ def is_supported(q: jax.Array, codes: jax.Array) -> bool:
     if d != HEAD_DIM or group > _GROUP_PAD or codes.shape != (hkv, page, p, d // 2) or codes.dtype != jnp.uint8:
         return False
     return p % 4 == 0 and page * _TILE_BYTES <= _SMEM_LIMIT and on_hopper()
-
-
-def _sm_count() -> int:
-    """The default GPU's SM count (an H100 SXM's 132 where the default device is not a GPU: lowering for CUDA from a
-    CPU host)."""
-    return getattr(jax.devices()[0], "core_count", None) or _H100_SMS
 
 
 def _wgmma_channels(d: int = HEAD_DIM) -> np.ndarray:
@@ -96,74 +88,51 @@ def _as_wgmma_operand(tile):
 
 
 def _kernel(q_ref, codes_ref, scale_ref, out_ref, codes_u8, codes_i4, q_smem, scale_smem, out_smem, ready,
-            q_ready, scale_ready, *, batch: int, rescale: float, num_blocks: int, ctas_per_head: int):
-    first_block = lax.axis_index("ctas")
+            q_ready, scale_ready, *, batch: int, rescale: float):
+    block = lax.axis_index("pages")
     head = lax.axis_index("heads")
+    pages = pl.ds(block * BLOCK_PAGES, BLOCK_PAGES)
     offsets = codes_u8.shape[0]
-    my_blocks = (num_blocks - first_block + ctas_per_head - 1) // ctas_per_head
-
-    def pages(j):  # this CTA's j-th block of pages (pages past the sketch's end read as zeros)
-        return pl.ds((first_block + j * ctas_per_head) * BLOCK_PAGES, BLOCK_PAGES)
-
-    def fetch_tiles(j, group):
-        for o in group:
-            plgpu.copy_gmem_to_smem(codes_ref.at[head, o, pages(j)], codes_u8.at[o], ready.at[o])
-
-    def fetch_scales(j):
-        plgpu.copy_gmem_to_smem(scale_ref.at[head, :, pages(j)], scale_smem, scale_ready)
-
     plgpu.copy_gmem_to_smem(q_ref.at[head], q_smem, q_ready)
-    fetch_scales(0)
-    fetch_tiles(0, range(offsets))
-    plgpu.barrier_wait(q_ready)
+    plgpu.copy_gmem_to_smem(scale_ref.at[head, :, pages], scale_smem, scale_ready)
+    for o in range(offsets):  # every tile in flight at once (pages past the sketch's end read as zeros)
+        plgpu.copy_gmem_to_smem(codes_ref.at[head, o, pages], codes_u8.at[o], ready.at[o])
     wgmma_layout = plgpu.Layout.WGMMA
     shape = (BLOCK_PAGES, _GROUP_PAD)
+    m = plgpu.layout_cast(jnp.full(shape, NEG_INF, jnp.float32), wgmma_layout)
+    l = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout)
+    plgpu.barrier_wait(q_ready)
+    plgpu.barrier_wait(scale_ready)
+    for first in range(0, offsets, batch):
+        group = range(first, first + batch)
+        tiles = []
+        for o in group:
+            plgpu.barrier_wait(ready.at[o])
+            codes = mosaic_load(codes_i4.at[o], layout=plgpu.Layout.WGMMA_UPCAST_4X)
+            tiles.append(_as_wgmma_operand(codes.astype(jnp.bfloat16)))
 
-    @pl.loop(0, my_blocks)
-    def _block(j):
-        has_next = j + 1 < my_blocks
-        m = plgpu.layout_cast(jnp.full(shape, NEG_INF, jnp.float32), wgmma_layout)
-        l = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout)
-        plgpu.barrier_wait(scale_ready)
-        for first in range(0, offsets, batch):
-            group = range(first, first + batch)
-            tiles = []
-            for o in group:
-                plgpu.barrier_wait(ready.at[o])
-                codes = mosaic_load(codes_i4.at[o], layout=plgpu.Layout.WGMMA_UPCAST_4X)
-                tiles.append(_as_wgmma_operand(codes.astype(jnp.bfloat16)))
-            rows = [mosaic_load(scale_smem.at[o], layout=wgmma_layout.reduce(1)) for o in group]
-            # Every thread has these tiles (and, at the last group, the block's scales) in registers: their shared
-            # memory takes the next block's while this one computes, so a CTA always has a block in flight.
-            plgpu.commit_smem()
-            pl.when(has_next)(functools.partial(fetch_tiles, j + 1, group))
-            if first + batch == offsets:
-                pl.when(has_next)(functools.partial(fetch_scales, j + 1))
+        def scores(*acc_refs, tiles=tiles):
+            for acc_ref, k in zip(acc_refs, tiles):
+                plgpu.wgmma(acc_ref, k, q_smem.transpose((1, 0)))
+            return [acc_ref[...] for acc_ref in acc_refs]
 
-            def scores(*acc_refs, tiles=tiles):
-                for acc_ref, k in zip(acc_refs, tiles):
-                    plgpu.wgmma(acc_ref, k, q_smem.transpose((1, 0)))
-                return [acc_ref[...] for acc_ref in acc_refs]
-
-            s = pl.run_scoped(scores, *[plgpu.ACC(shape, jnp.float32) for _ in group])
-            s = [x * lax.broadcast_in_dim(r * rescale, shape, [0]) for x, r in zip(s, rows)]
-            m_new = functools.reduce(jnp.maximum, s, m)
-            l = l * jnp.exp2(m - m_new) + functools.reduce(jnp.add, [jnp.exp2(x - m_new) for x in s])
-            m = m_new
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's output has left out_smem
-        out_smem[...] = (m + jnp.log2(l)) * LN2
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, out_ref.at[head, pages(j)])
-
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last write lands before the kernel ends
+        s = pl.run_scoped(scores, *[plgpu.ACC(shape, jnp.float32) for _ in group])
+        rows = [mosaic_load(scale_smem.at[o], layout=wgmma_layout.reduce(1)) for o in group]
+        s = [x * lax.broadcast_in_dim(r * rescale, shape, [0]) for x, r in zip(s, rows)]
+        m_new = functools.reduce(jnp.maximum, s, m)
+        l = l * jnp.exp2(m - m_new) + functools.reduce(jnp.add, [jnp.exp2(x - m_new) for x in s])
+        m = m_new
+    out_smem[...] = (m + jnp.log2(l)) * LN2
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[head, pages])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the write lands before the kernel ends
 
 
-@functools.partial(jax.jit, static_argnames=("num_pages", "sm_scale", "ctas_per_sm", "batch"))
-def _launch(q, codes, scale, *, num_pages: int, sm_scale: float, ctas_per_sm: int, batch: int = 4):
+@functools.partial(jax.jit, static_argnames=("num_pages", "sm_scale"))
+def _launch(q, codes, scale, *, num_pages: int, sm_scale: float):
     hkv, group, d = q.shape
     page = codes.shape[1]
     blocks = -(-num_pages // BLOCK_PAGES)
-    ctas_per_head = max(1, min(blocks, -(-ctas_per_sm * _sm_count() // hkv)))
     half = d // 2
     q_pad = jnp.pad(q[..., _wgmma_channels(d)], ((0, 0), (0, _GROUP_PAD - group), (0, 0)))
 
@@ -176,8 +145,7 @@ def _launch(q, codes, scale, *, num_pages: int, sm_scale: float, ctas_per_sm: in
     # The code tiles as TMA writes them (bytes) and as the kernel reads them (int4): one buffer, two views.
     codes_smem = plgpu.RefUnion(swizzled((page, BLOCK_PAGES, half), jnp.uint8, half),
                                 swizzled((page, BLOCK_PAGES, d), jnp.int4, half))
-    kernel = functools.partial(_kernel, batch=math.gcd(batch, page), rescale=sm_scale * LOG2E, num_blocks=blocks,
-                               ctas_per_head=ctas_per_head)
+    kernel = functools.partial(_kernel, batch=math.gcd(4, page), rescale=sm_scale * LOG2E)
     out = plgpu.kernel(
         lambda q_ref, c_ref, s_ref, o_ref, views, *rest: kernel(q_ref, c_ref, s_ref, o_ref, *views, *rest),
         out_type=jax.ShapeDtypeStruct((hkv, blocks * BLOCK_PAGES, _GROUP_PAD), jnp.float32),
@@ -190,15 +158,15 @@ def _launch(q, codes, scale, *, num_pages: int, sm_scale: float, ctas_per_sm: in
             plgpu.Barrier(),  # the query group is in
             plgpu.Barrier(),  # the scales are in
         ),
-        grid=(ctas_per_head, hkv),
-        grid_names=("ctas", "heads"),
+        grid=(blocks, hkv),
+        grid_names=("pages", "heads"),
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
     )(q_pad, codes, scale)
     return jnp.moveaxis(out[:, :num_pages, :group], 2, 1)
 
 
 def sketch_page_lse_mgpu(q: jax.Array, codes: jax.Array, scale: jax.Array, *, num_pages: int | None = None,
-                         sm_scale: float | None = None, ctas_per_sm: int = CTAS_PER_SM) -> jax.Array:
+                         sm_scale: float | None = None) -> jax.Array:
     """`sketch.sketch_page_lse(q, codes, scale, bits=4, ...)` on Hopper (see the module docstring); the caller
     checks `is_supported` first."""
     hkv, _, d = q.shape
@@ -208,5 +176,4 @@ def sketch_page_lse_mgpu(q: jax.Array, codes: jax.Array, scale: jax.Array, *, nu
     num_pages = p if num_pages is None else int(num_pages)
     if not 1 <= num_pages <= p:
         raise ValueError(f"num_pages={num_pages}; allowed: 1 to the sketch's {p} pages")
-    return _launch(q, codes, scale.astype(jnp.float32), num_pages=num_pages, sm_scale=check_sm_scale(sm_scale, d),
-                   ctas_per_sm=ctas_per_sm)
+    return _launch(q, codes, scale.astype(jnp.float32), num_pages=num_pages, sm_scale=check_sm_scale(sm_scale, d))
