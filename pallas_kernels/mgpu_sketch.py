@@ -30,8 +30,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import LN2, LOG2E, NEG_INF, check_sm_scale, mosaic_load, on_hopper
@@ -46,7 +44,6 @@ except ImportError:  # pragma: no cover
 BLOCK_PAGES = 64  # wgmma's M: one page a row
 HEAD_DIM = 128
 _GROUP_PAD = 8  # wgmma's smallest N
-LEVELS = 3  # int8 parts of the query
 _TILE_BYTES = BLOCK_PAGES * HEAD_DIM // 2
 _SMEM_LIMIT = 200 * 1024  # of the 227 KiB a CTA may take: room for the query, scales and output tiles
 
@@ -64,88 +61,64 @@ def is_supported(q: jax.Array, codes: jax.Array) -> bool:
     return p % 4 == 0 and page * _TILE_BYTES <= _SMEM_LIMIT and on_hopper()
 
 
-def _split_query(q: jax.Array, sm_scale: float) -> tuple[jax.Array, jax.Array]:
-    """bfloat16 q [Hkv, G, D] -> int8 parts [Hkv, LEVELS, 8, D] (the group padded to wgmma's N with zeros) and the
-    float32 factor per query head [Hkv, 32] that turns sum_i parts_i * 128^(LEVELS - 1 - i) into q, times sm_scale,
-    log2(e) and the 1/16 the codes carry (they enter the wgmma as 16 * code). Each part is at most 64 in magnitude and
-    the first one's step a power of two: every element of at least 2^-12 of its head's largest is split exactly, the others
-    to within 2^-20 of it."""
-    qf = q.astype(jnp.float32)
-    _, exponent = jnp.frexp(jnp.max(jnp.abs(qf), axis=-1, keepdims=True))  # |q| < 2^exponent
-    step = jnp.ldexp(jnp.float32(1), exponent - 6)
-    parts, rest = [], qf
-    for _ in range(LEVELS):
-        part = jnp.round(rest / step)
-        parts.append(part.astype(jnp.int8))
-        rest, step = rest - part * step, step / 128
-    pad = ((0, 0), (0, _GROUP_PAD - q.shape[1]), (0, 0))
-    parts = jnp.stack([jnp.pad(x, pad) for x in parts], axis=1)
-    # Padded to 32 factors a head: a TMA copy moves a multiple of 128 bytes.
-    factor = jnp.pad(step[..., 0] * (128 * sm_scale * LOG2E / 16), ((0, 0), (0, 32 - q.shape[1])))
-    return parts, factor
+def _wgmma_channels(d: int = HEAD_DIM) -> np.ndarray:
+    """The channel each row of the wgmma's B operand (the query) must hold. A tile loaded in WGMMA_UPCAST_4X and
+    widened to bfloat16 gives thread c of a quad, per 32 columns, columns 8c .. 8c + 7 of the int4 view; wgmma's
+    layout has thread c hold columns 2c, 2c + 1 of each 8. Seen as wgmma's layout without moving anything (pair i of
+    the thread's 8 taken as its pair in the i-th 8 columns), position 32t + 8i + 2c + b holds view column
+    32t + 8c + 2i + b, and view column 2j holds channel j, 2j + 1 channel j + D / 2 (the byte format)."""
+    k = np.arange(d)
+    view = 32 * (k // 32) + 8 * ((k // 2) % 4) + 2 * ((k // 8) % 4) + k % 2
+    return view // 2 + (d // 2) * (view % 2)
 
 
-def _widen(tile):
-    """uint8 [64, D / 2] in WGMMA_8BIT -> int8 [64, D] in WGMMA_8BIT, 16 * code, column i channel i: a register of 4
-    bytes gives its low nibbles shifted up (channels 4j .. 4j + 3 of its 16-column tile) and its high nibbles masked
-    (the same channels + D / 2, 4 tiles on); the sign bit of each code lands on its byte's."""
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_8BIT,),
-                       return_type=plgpu.ShapeDtypeStruct((tile.shape[0], 2 * tile.shape[1]), jnp.int8,
-                                                          layout=plgpu.Layout.WGMMA_8BIT))
-    def widen(_, x):
-        i32 = ir.IntegerType.get_signless(32)
-        high_nibbles = mgpu_utils.c(-0x0F0F0F10, i32)  # 0xF0F0F0F0
-        tiles = x.registers.shape[1]
-        regs = np.empty(mgpu.WGMMA_LAYOUT_8BIT.registers_shape((tile.shape[0], 2 * tile.shape[1])), dtype=object)
-        for idx, reg in np.ndenumerate(x.registers):
-            word = mgpu_utils.bitcast(reg, i32)
-            low = arith.andi(arith.shli(word, mgpu_utils.c(4, i32)), high_nibbles)
-            regs[idx] = mgpu_utils.bitcast(low, reg.type)
-            regs[(idx[0], idx[1] + tiles, *idx[2:])] = mgpu_utils.bitcast(arith.andi(word, high_nibbles), reg.type)
-        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT_8BIT, _is_signed=True)
+def _as_wgmma_operand(tile):
+    """bfloat16 [64, D] in WGMMA_UPCAST_4X -> the same registers taken as wgmma's layout (no data moves; the columns
+    come out in `_wgmma_channels`' order, which the query is given in)."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
+                       return_type=plgpu.ShapeDtypeStruct(tile.shape, tile.dtype, layout=plgpu.Layout.WGMMA))
+    def relabel(_, x):
+        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape(x.shape), dtype=object)
+        for idx, reg in np.ndenumerate(x.registers):  # 8 columns of one 32-column tile a register
+            for i in range(4):
+                regs[(idx[0], idx[1] * 4 + i, *idx[2:])] = mgpu_utils.vector_slice(reg, slice(2 * i, 2 * i + 2))
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
-    return widen(tile)
+    return relabel(tile)
 
 
-def _kernel(q_ref, factor_ref, codes_ref, scale_ref, out_ref, codes_smem, q_smem, factor_smem, scale_smem, out_smem,
-            ready, q_ready, scale_ready, *, batch: int):
+def _kernel(q_ref, codes_ref, scale_ref, out_ref, codes_u8, codes_i4, q_smem, scale_smem, out_smem, ready,
+            q_ready, scale_ready, *, batch: int, rescale: float):
     block = lax.axis_index("pages")
     head = lax.axis_index("heads")
     pages = pl.ds(block * BLOCK_PAGES, BLOCK_PAGES)
-    offsets = codes_smem.shape[0]
+    offsets = codes_u8.shape[0]
     plgpu.copy_gmem_to_smem(q_ref.at[head], q_smem, q_ready)
-    plgpu.copy_gmem_to_smem(factor_ref.at[head], factor_smem, q_ready)
     plgpu.copy_gmem_to_smem(scale_ref.at[head, :, pages], scale_smem, scale_ready)
     for o in range(offsets):  # every tile in flight at once (pages past the sketch's end read as zeros)
-        plgpu.copy_gmem_to_smem(codes_ref.at[head, o, pages], codes_smem.at[o], ready.at[o])
+        plgpu.copy_gmem_to_smem(codes_ref.at[head, o, pages], codes_u8.at[o], ready.at[o])
     wgmma_layout = plgpu.Layout.WGMMA
     shape = (BLOCK_PAGES, _GROUP_PAD)
     m = plgpu.layout_cast(jnp.full(shape, NEG_INF, jnp.float32), wgmma_layout)
     l = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout)
     plgpu.barrier_wait(q_ready)
     plgpu.barrier_wait(scale_ready)
-    factor = lax.broadcast_in_dim(mosaic_load(factor_smem.at[:_GROUP_PAD], layout=wgmma_layout.reduce(0)), shape, [1])
     for first in range(0, offsets, batch):
         group = range(first, first + batch)
         tiles = []
         for o in group:
             plgpu.barrier_wait(ready.at[o])
-            tiles.append(_widen(mosaic_load(codes_smem.at[o], layout=plgpu.Layout.WGMMA_8BIT)))
+            codes = mosaic_load(codes_i4.at[o], layout=plgpu.Layout.WGMMA_UPCAST_4X)
+            tiles.append(_as_wgmma_operand(codes.astype(jnp.bfloat16)))
 
         def scores(*acc_refs, tiles=tiles):
-            for i, k in enumerate(tiles):
-                for level in range(LEVELS):
-                    plgpu.wgmma(acc_refs[LEVELS * i + level], k, q_smem.at[level].transpose((1, 0)))
+            for acc_ref, k in zip(acc_refs, tiles):
+                plgpu.wgmma(acc_ref, k, q_smem.transpose((1, 0)))
             return [acc_ref[...] for acc_ref in acc_refs]
 
-        acc = pl.run_scoped(scores, *[plgpu.ACC(shape, jnp.int32) for _ in range(LEVELS * batch)])
-        s = []
-        for i, o in enumerate(group):
-            parts = acc[LEVELS * i:LEVELS * (i + 1)]
-            total = functools.reduce(lambda t, x: t * 128.0 + x.astype(jnp.float32), parts[1:],
-                                     parts[0].astype(jnp.float32))
-            row = mosaic_load(scale_smem.at[o], layout=wgmma_layout.reduce(1))
-            s.append(total * factor * lax.broadcast_in_dim(row, shape, [0]))
+        s = pl.run_scoped(scores, *[plgpu.ACC(shape, jnp.float32) for _ in group])
+        rows = [mosaic_load(scale_smem.at[o], layout=wgmma_layout.reduce(1)) for o in group]
+        s = [x * lax.broadcast_in_dim(r * rescale, shape, [0]) for x, r in zip(s, rows)]
         m_new = functools.reduce(jnp.maximum, s, m)
         l = l * jnp.exp2(m - m_new) + functools.reduce(jnp.add, [jnp.exp2(x - m_new) for x in s])
         m = m_new
@@ -155,35 +128,40 @@ def _kernel(q_ref, factor_ref, codes_ref, scale_ref, out_ref, codes_smem, q_smem
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the write lands before the kernel ends
 
 
-@functools.partial(jax.jit, static_argnames=("num_pages", "sm_scale", "batch"))
-def _launch(q, codes, scale, *, num_pages: int, sm_scale: float, batch: int = 4):
+@functools.partial(jax.jit, static_argnames=("num_pages", "sm_scale"))
+def _launch(q, codes, scale, *, num_pages: int, sm_scale: float):
     hkv, group, d = q.shape
     page = codes.shape[1]
     blocks = -(-num_pages // BLOCK_PAGES)
-    parts, factor = _split_query(q, sm_scale)
+    half = d // 2
+    q_pad = jnp.pad(q[..., _wgmma_channels(d)], ((0, 0), (0, _GROUP_PAD - group), (0, 0)))
 
     def swizzled(shape, dtype, swizzle_bytes):
-        elements = swizzle_bytes // jnp.dtype(dtype).itemsize
+        elements = swizzle_bytes * 8 // jnp.iinfo(dtype).bits if jnp.issubdtype(dtype, jnp.integer) else \
+            swizzle_bytes // jnp.dtype(dtype).itemsize
         return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elements)),
                                                     plgpu.SwizzleTransform(swizzle_bytes)))
 
+    # The code tiles as TMA writes them (bytes) and as the kernel reads them (int4): one buffer, two views.
+    codes_smem = plgpu.RefUnion(swizzled((page, BLOCK_PAGES, half), jnp.uint8, half),
+                                swizzled((page, BLOCK_PAGES, d), jnp.int4, half))
+    kernel = functools.partial(_kernel, batch=math.gcd(4, page), rescale=sm_scale * LOG2E)
     out = plgpu.kernel(
-        functools.partial(_kernel, batch=math.gcd(batch, page)),
+        lambda q_ref, c_ref, s_ref, o_ref, views, *rest: kernel(q_ref, c_ref, s_ref, o_ref, *views, *rest),
         out_type=jax.ShapeDtypeStruct((hkv, blocks * BLOCK_PAGES, _GROUP_PAD), jnp.float32),
         scratch_types=(
-            swizzled((page, BLOCK_PAGES, d // 2), jnp.uint8, d // 2),
-            swizzled((LEVELS, _GROUP_PAD, d), jnp.int8, d),
-            plgpu.SMEM((32,), jnp.float32),
+            codes_smem,
+            swizzled((_GROUP_PAD, d), jnp.bfloat16, 128),
             plgpu.SMEM((page, BLOCK_PAGES), jnp.float32),
             plgpu.SMEM((BLOCK_PAGES, _GROUP_PAD), jnp.float32),
             plgpu.Barrier(num_barriers=page),  # a code tile is in
-            plgpu.Barrier(num_arrivals=2),  # the query's parts and factors are in
+            plgpu.Barrier(),  # the query group is in
             plgpu.Barrier(),  # the scales are in
         ),
         grid=(blocks, hkv),
         grid_names=("pages", "heads"),
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
-    )(parts, factor, codes, scale)
+    )(q_pad, codes, scale)
     return jnp.moveaxis(out[:, :num_pages, :group], 2, 1)
 
 
