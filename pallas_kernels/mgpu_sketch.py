@@ -15,10 +15,12 @@ tiles ([64 pages, D / 2] bytes each, 64 KiB for pages of 16) at once. Offset aft
 through a second view of the same shared memory, eight codes per 32-bit load (Mosaic GPU's WGMMA_UPCAST_4X
 layout), widens them to bfloat16 (prmt/lop3) where they are and hands the registers to wgmma as its operand's
 layout without moving them between threads (`_as_wgmma_operand`); wgmma multiplies them with the query group held
-in shared memory: M = 64 pages, N = the group padded to 8, K = D, four offsets' products issued before one wait.
-The query's channels are permuted to the order the codes land in (`_wgmma_channels`), so no code moves. Each
-token's scale and the softmax scale go on in float32 and the tiles fold into a running per-page log-sum-exp in
-base 2. The sketch is read once, by TMA, and no per-token score reaches memory.
+in shared memory: M = 64 pages, N = the group padded to 8, K = D, two offsets' products issued before one wait.
+The groups of offsets are a loop, not unrolled: 16 unrolled tiles overflowed the instruction cache, and a group of
+two needs 117 registers a thread, so three CTAs share an SM (H200, 30 layers of 256K: 1.88 ms against 2.07 for
+groups of four unrolled, `bench/results/runs/h200_sketch_persistent/`). The query's channels are permuted to the
+order the codes land in (`_wgmma_channels`), so no code moves. Each token's scale and the softmax scale go on in
+float32 and the tiles fold into a running per-page log-sum-exp in base 2. The sketch is read once, by TMA, and no per-token score reaches memory.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ except ImportError:  # pragma: no cover
 BLOCK_PAGES = 64  # wgmma's M: one page a row
 HEAD_DIM = 128
 _GROUP_PAD = 8  # wgmma's smallest N
+_OFFSETS_A_WAIT = 2  # token offsets whose products are issued before one wait (see the module docstring)
 _TILE_BYTES = BLOCK_PAGES * HEAD_DIM // 2
 _SMEM_LIMIT = 200 * 1024  # of the 227 KiB a CTA may take: room for the query, scales and output tiles
 
@@ -103,33 +106,35 @@ def _kernel(q_ref, codes_ref, scale_ref, out_ref, codes_u8, codes_i4, q_smem, sc
     l = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout)
     plgpu.barrier_wait(q_ready)
     plgpu.barrier_wait(scale_ready)
-    for first in range(0, offsets, batch):
-        group = range(first, first + batch)
+    def group(g, carry):
+        m, l = carry
+        offsets_of_group = [g * batch + i for i in range(batch)]
         tiles = []
-        for o in group:
+        for o in offsets_of_group:
             plgpu.barrier_wait(ready.at[o])
             codes = mosaic_load(codes_i4.at[o], layout=plgpu.Layout.WGMMA_UPCAST_4X)
             tiles.append(_as_wgmma_operand(codes.astype(jnp.bfloat16)))
 
-        def scores(*acc_refs, tiles=tiles):
+        def scores(*acc_refs):
             for acc_ref, k in zip(acc_refs, tiles):
                 plgpu.wgmma(acc_ref, k, q_smem.transpose((1, 0)))
             return [acc_ref[...] for acc_ref in acc_refs]
 
-        s = pl.run_scoped(scores, *[plgpu.ACC(shape, jnp.float32) for _ in group])
-        rows = [mosaic_load(scale_smem.at[o], layout=wgmma_layout.reduce(1)) for o in group]
+        s = pl.run_scoped(scores, *[plgpu.ACC(shape, jnp.float32) for _ in range(batch)])
+        rows = [mosaic_load(scale_smem.at[o], layout=wgmma_layout.reduce(1)) for o in offsets_of_group]
         s = [x * lax.broadcast_in_dim(r * rescale, shape, [0]) for x, r in zip(s, rows)]
         m_new = functools.reduce(jnp.maximum, s, m)
-        l = l * jnp.exp2(m - m_new) + functools.reduce(jnp.add, [jnp.exp2(x - m_new) for x in s])
-        m = m_new
+        return m_new, l * jnp.exp2(m - m_new) + functools.reduce(jnp.add, [jnp.exp2(x - m_new) for x in s])
+
+    m, l = lax.fori_loop(0, offsets // batch, group, (m, l))
     out_smem[...] = (m + jnp.log2(l)) * LN2
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_smem, out_ref.at[head, pages])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the write lands before the kernel ends
 
 
-@functools.partial(jax.jit, static_argnames=("num_pages", "sm_scale"))
-def _launch(q, codes, scale, *, num_pages: int, sm_scale: float):
+@functools.partial(jax.jit, static_argnames=("num_pages", "sm_scale", "batch"))
+def _launch(q, codes, scale, *, num_pages: int, sm_scale: float, batch: int = _OFFSETS_A_WAIT):
     hkv, group, d = q.shape
     page = codes.shape[1]
     blocks = -(-num_pages // BLOCK_PAGES)
@@ -145,7 +150,7 @@ def _launch(q, codes, scale, *, num_pages: int, sm_scale: float):
     # The code tiles as TMA writes them (bytes) and as the kernel reads them (int4): one buffer, two views.
     codes_smem = plgpu.RefUnion(swizzled((page, BLOCK_PAGES, half), jnp.uint8, half),
                                 swizzled((page, BLOCK_PAGES, d), jnp.int4, half))
-    kernel = functools.partial(_kernel, batch=math.gcd(4, page), rescale=sm_scale * LOG2E)
+    kernel = functools.partial(_kernel, batch=math.gcd(batch, page), rescale=sm_scale * LOG2E)
     out = plgpu.kernel(
         lambda q_ref, c_ref, s_ref, o_ref, views, *rest: kernel(q_ref, c_ref, s_ref, o_ref, *views, *rest),
         out_type=jax.ShapeDtypeStruct((hkv, blocks * BLOCK_PAGES, _GROUP_PAD), jnp.float32),
