@@ -133,8 +133,8 @@ def _kernel(q_ref, codes_ref, scale_ref, out_ref, codes_u8, codes_i4, q_smem, sc
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the write lands before the kernel ends
 
 
-@functools.partial(jax.jit, static_argnames=("num_pages", "sm_scale", "batch"))
-def _launch(q, codes, scale, *, num_pages: int, sm_scale: float, batch: int = _OFFSETS_A_WAIT):
+@functools.partial(jax.jit, static_argnames=("num_pages", "sm_scale"))
+def _launch(q, codes, scale, *, num_pages: int, sm_scale: float):
     hkv, group, d = q.shape
     page = codes.shape[1]
     blocks = -(-num_pages // BLOCK_PAGES)
@@ -150,7 +150,7 @@ def _launch(q, codes, scale, *, num_pages: int, sm_scale: float, batch: int = _O
     # The code tiles as TMA writes them (bytes) and as the kernel reads them (int4): one buffer, two views.
     codes_smem = plgpu.RefUnion(swizzled((page, BLOCK_PAGES, half), jnp.uint8, half),
                                 swizzled((page, BLOCK_PAGES, d), jnp.int4, half))
-    kernel = functools.partial(_kernel, batch=math.gcd(batch, page), rescale=sm_scale * LOG2E)
+    kernel = functools.partial(_kernel, batch=math.gcd(_OFFSETS_A_WAIT, page), rescale=sm_scale * LOG2E)
     out = plgpu.kernel(
         lambda q_ref, c_ref, s_ref, o_ref, views, *rest: kernel(q_ref, c_ref, s_ref, o_ref, *views, *rest),
         out_type=jax.ShapeDtypeStruct((hkv, blocks * BLOCK_PAGES, _GROUP_PAD), jnp.float32),
