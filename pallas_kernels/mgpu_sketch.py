@@ -20,7 +20,8 @@ The groups of offsets are a loop, not unrolled: 16 unrolled tiles overflowed the
 two needs 117 registers a thread, so three CTAs share an SM (H200, 30 layers of 256K: 1.88 ms against 2.07 for
 groups of four unrolled, `bench/results/runs/h200_sketch_persistent/`). The query's channels are permuted to the
 order the codes land in (`_wgmma_channels`), so no code moves. Each token's scale and the softmax scale go on in
-float32 and the tiles fold into a running per-page log-sum-exp in base 2. The sketch is read once, by TMA, and no per-token score reaches memory.
+float32 and the tiles fold into a running per-page log-sum-exp in base 2. The sketch is read once, by TMA, and no
+per-token score reaches memory.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ def _kernel(q_ref, codes_ref, scale_ref, out_ref, codes_u8, codes_i4, q_smem, sc
     l = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout)
     plgpu.barrier_wait(q_ready)
     plgpu.barrier_wait(scale_ready)
+
     def group(g, carry):
         m, l = carry
         offsets_of_group = [g * batch + i for i in range(batch)]
