@@ -99,7 +99,7 @@ def tiny_qwen3(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3")
     tiny_models.build("qwen3", path, seed=MODEL_SEED)
     rng = np.random.default_rng(PROMPT_SEED)
-    lengths = [5, 700, 37, 260, 12, 530, 90, 400, 150, 64]
+    lengths = [5, 700, 37, 260, 12, 530]  # and 90, 400, 150, 64 until the suite needed the time (2026-11-27, 45eb088)
     return path, [rng.integers(3, tiny_models.VOCAB, size=n).tolist() for n in lengths]
 
 
@@ -109,7 +109,7 @@ def tiny_qwen3(tmp_path_factory):
 def test_alone_together_offloaded_give_the_same_tokens(tiny_qwen3, sampling):
     path, prompts = tiny_qwen3
     where = f"model seed {MODEL_SEED}, prompt seed {PROMPT_SEED}"
-    gpu = LLM(path, dtype="bfloat16", max_model_len=1024, max_num_seqs=10)
+    gpu = LLM(path, dtype="bfloat16", max_model_len=1024, max_num_seqs=len(prompts))
     alone = [gpu.generate([p], sampling)[0].token_ids for p in prompts]
     assert [o.token_ids for o in gpu.generate(prompts, sampling)] == alone, where
     if sampling.temperature > 0:  # the seeded draw adds the sampler; the paths below it are the greedy case's
