@@ -35,14 +35,12 @@ MODES = {
     "chunked": dict(offload=True, block_size=BLOCK, num_ring_slots=2, prefill="chunked"),
     "layerwise": dict(offload=True, block_size=BLOCK, num_ring_slots=4, prefill="layerwise"),
 }
-# Layerwise prefill shares its decode and store with chunked, and the offloaded store splits its heads at TP=4 as
-# at TP=2: TP=2 layerwise and TP=4 chunked passed until the suite needed the time (commit 36091a7). TP=4 runs on the
-# second model only (2 KV heads, each on two devices); the others passed it until 2026-11-26 (commit 06cf93d).
-SIZES_AND_MODES = [(2, "in_gpu"), (2, "chunked")]
-TP4_MODEL = 1
-# The third model (Qwen2: biases split by heads) runs chunked-offloaded only: its in-GPU row passed until
-# 2026-11-27 (commit 45eb088), when the suite needed the time; the in-GPU TP path is the first two models'.
-CHUNKED_ONLY_MODEL = 2
+# (TP size, mode) per model, in the order of the models given. Layerwise prefill shares its decode and store with
+# chunked, and the offloaded store splits its heads at TP=4 as at TP=2: TP=2 layerwise and TP=4 chunked passed until
+# the suite needed the time (commit 36091a7). TP=4 runs on the second model only (2 KV heads, each on two devices);
+# the others passed it until 2026-11-26 (commit 06cf93d). The third (Qwen2: biases split by heads) runs
+# chunked-offloaded only; its in-GPU row passed until 2026-11-27 (commit 45eb088).
+SIZES_AND_MODES = ([(2, "in_gpu"), (2, "chunked")], [(2, "in_gpu"), (2, "chunked"), (4, "in_gpu")], [(2, "chunked")])
 XATTN = dict(prefill_policy="xattention", xattn_threshold=0.5, xattn_stride=4, xattn_block=16)
 # Quest and the sketch read 2 of the 80-token prompt's pages per KV head (the sink and one chosen) in their one
 # sparse layer.
@@ -73,8 +71,7 @@ def devices(seed: int, models: list[str]) -> None:
     for i, model in enumerate(models):
         ids = _prompt(seed)
         ref_logits, ref_tokens = _run(model, ids)
-        sizes_and_modes = [(2, "chunked")] if i == CHUNKED_ONLY_MODEL else SIZES_AND_MODES
-        for size, mode in sizes_and_modes + ([(4, "in_gpu")] if i == TP4_MODEL else []):
+        for size, mode in SIZES_AND_MODES[i]:
             logits, tokens = _run(model, ids, tensor_parallel_size=size, **MODES[mode])
             _emit(model=Path(model).name, size=size, mode=mode, max_diff=float(np.abs(logits - ref_logits).max()),
                   tokens=tokens, ref_tokens=ref_tokens)
