@@ -9,8 +9,8 @@ several prompts run together offloaded at TP=2 beside TP=1 one at a time; then t
 layer steps.
 
     JAX_PLATFORMS=cpu python tests/tp_check.py process PORT PROCESS_ID SEED MODEL_DIR OUT.json
-is one of two processes joined by jax.distributed (one CPU device each) running TP=2; process 0 writes its
-logits and greedy tokens to OUT.json.
+is one of two processes joined by jax.distributed (one CPU device each) running TP=2 offloaded (chunked prefill);
+process 0 writes its logits and greedy tokens to OUT.json.
 """
 from __future__ import annotations
 
@@ -169,9 +169,10 @@ def process(port: int, process_id: int, seed: int, model: str, out: str) -> None
     jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id)
     ids = _prompt(seed)
     result = {"devices": jax.device_count(), "local_devices": jax.local_device_count()}
-    for mode in ("in_gpu", "chunked"):
-        logits, tokens = _run(model, ids, tensor_parallel_size=2, **MODES[mode])
-        result[mode] = {"logits": logits.tolist(), "tokens": tokens}
+    # Offloaded only: its step has every collective the in-GPU one has, plus each process's own host store. The
+    # in-GPU mode passed here too until the suite needed the time (2026-11-27); virtual devices still run it.
+    logits, tokens = _run(model, ids, tensor_parallel_size=2, **MODES["chunked"])
+    result["chunked"] = {"logits": logits.tolist(), "tokens": tokens}
     if process_id == 0:
         Path(out).write_text(json.dumps(result))
     jax.distributed.shutdown()
