@@ -10,7 +10,7 @@ log sum_{t in page} exp((q . codes_t) * scale_t * sm_scale). The sketch is read 
 memory. On a Hopper GPU an int4 sketch goes to `mgpu_sketch`'s kernel instead (TMA copies all in flight, wgmma):
 the same values to float32 rounding, ~10% less GPU time at 128K-256K tokens on an H100.
 
-Where the time goes (H200, 30 layers of 128K tokens, `bench/probes/probe_sketch_variants.h200.json`, before the
+Where the time goes (H200, 30 layers of 128K tokens, `bench/results/runs/h200_sketch_decode/probe_sketch_variants.h200.json`, before the
 float16 unpacking and the base-2 softmax took the kernel from 2.56 to 2.26 ms): the loads alone take 1.10 ms, the
 unpacking and dots 1.0 ms more, the softmax 0.5 ms; the sketch's HBM time is 0.45 ms. Unpacking in PTX and 4 warps
 a program then took it to 1.91 ms at 128K and 3.19 ms at 256K (from 2.14 / 3.94 in the same run); stacking 4 token
@@ -187,7 +187,7 @@ def default_launch(num_pages: int, num_kv_heads: int, page_size: int) -> tuple[i
 
     Each program walks its offsets one load after another, so the kernel is fastest with 1-2K programs in flight:
     32 pages a program where that alone gives 2048, else 64 with the offsets split in up to 4 (H100,
-    `bench/probes/probe_sketch_splits.h100.json`: 30 layers of 32K / 128K / 256K tokens in 0.78 / 1.73 / 2.98 ms
+    `bench/results/runs/h100_sketch_decode_launch/probe_sketch_splits.h100.json`: 30 layers of 32K / 128K / 256K tokens in 0.78 / 1.73 / 2.98 ms
     against 1.05 / 2.09 / 3.41 with 64 pages a program, unsplit)."""
     if -(-num_pages // 32) * num_kv_heads >= 2048:
         return 32, 1
