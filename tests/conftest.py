@@ -49,7 +49,7 @@ FILE_SECONDS = {
     "test_tp.py": 190, "test_batching.py": 110, "test_offload.py": 100, "test_real_model.py": 75,
     "test_offload_bf16.py": 70, "test_kv_fp8.py": 70, "test_kernels_attention.py": 65, "test_quest.py": 60,
     "test_models.py": 60, "test_batch_invariance.py": 55, "test_prefix_caching.py": 55, "test_pallas_engine.py": 45,
-    "test_gguf_convert.py": 42, "test_eval_oracle.py": 42, "test_xattention.py": 38, "test_default_model.py": 30,
+    "test_gguf_convert.py": 24, "test_eval_oracle.py": 42, "test_xattention.py": 38, "test_default_model.py": 30,
     "test_errors.py": 19, "test_sketch.py": 19, "test_blend.py": 18, "test_kernels_paged_decode.py": 16,
     "test_kernels_mgpu.py": 15, "test_kernels_block_sparse.py": 14, "test_kernels_xattn.py": 14,
     "test_kernels_mgpu_block_sparse.py": 13, "test_kernels_merge.py": 7,
