@@ -96,21 +96,21 @@ def devices(seed: int, models: list[str]) -> None:
     # Batched in GPU memory at TP=2 is the preempted case below (Qwen3): the first model (until 2026-11-27, commit
     # 45eb088), the second (until 07ab582) and the third (until 06cf93d) ran it here too.
     for model in models:
-        _emit(case="batched", model=Path(model).name, mode="chunked", **_batched(model, seed, "chunked"))
+        _emit(case="batched", model=Path(model).name, mode="chunked", **_batched(model, seed))
     _emit(case="preempted", model=Path(models[1]).name, **_preempted(models[1], seed))
     _emit(case="collectives", steps=_collectives(models[0]))
 
 
-def _batched(model: str, seed: int, mode: str) -> dict:
-    """Greedy tokens of prompts of 5..70 tokens run together at TP=2 (`mode`: in GPU memory or offloaded), and one
-    at a time at TP=1 in GPU memory; the largest decode batch. max_num_seqs 4, the prompts' number, sizes the
+def _batched(model: str, seed: int) -> dict:
+    """Greedy tokens of prompts of 5..70 tokens run together at TP=2 chunked-offloaded, and one at a time at TP=1
+    in GPU memory; the largest decode batch. max_num_seqs 4, the prompts' number, sizes the
     pool: with the default 256 (a pool of 8192 blocks on the CPU) each generate took 8 s more on the virtual devices."""
     from jax_offload import LLM, SamplingParams
 
     prompts = [_prompt(seed + i, n) for i, n in enumerate((5, 37, 70, 16))]
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     alone = LLM(model, dtype="float32")
-    together = LLM(model, dtype="float32", tensor_parallel_size=2, max_num_seqs=len(prompts), **MODES[mode])
+    together = LLM(model, dtype="float32", tensor_parallel_size=2, max_num_seqs=len(prompts), **MODES["chunked"])
     tokens = [o.token_ids for o in together.generate(prompts, greedy)]
     return {"tokens": tokens, "ref_tokens": [alone.generate([p], greedy)[0].token_ids for p in prompts],
             "largest_batch": max(n for kind, n, _, _ in together._batch_engine.step_log if kind == "decode")}
