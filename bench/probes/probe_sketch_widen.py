@@ -145,8 +145,8 @@ def _kernel(q_ref, codes_ref, scale_ref, out_ref, codes_u8, codes_i4, q_smem, sc
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-@functools.partial(jax.jit, static_argnames=("num_pages", "sign_magnitude", "slots"))
-def ring_launch(q, codes, scale, *, num_pages: int, sign_magnitude: bool, slots: int):
+@functools.partial(jax.jit, static_argnames=("num_pages", "sign_magnitude", "slots", "batch"))
+def ring_launch(q, codes, scale, *, num_pages: int, sign_magnitude: bool, slots: int, batch: int = 2):
     hkv, group, d = q.shape
     page = codes.shape[1]
     blocks = -(-num_pages // mgpu_sketch.BLOCK_PAGES)
@@ -164,7 +164,7 @@ def ring_launch(q, codes, scale, *, num_pages: int, sign_magnitude: bool, slots:
     codes_smem = plgpu.RefUnion(swizzled((slots, mgpu_sketch.BLOCK_PAGES, half), jnp.uint8, half),
                                 swizzled((slots, mgpu_sketch.BLOCK_PAGES, d), jnp.int4, half))
     kernel = functools.partial(
-        _kernel, batch=2, offsets=page, widen=_widen if sign_magnitude else _widen_twos_complement,
+        _kernel, batch=batch, offsets=page, widen=_widen if sign_magnitude else _widen_twos_complement,
         rescale=SM_SCALE * LOG2E * (SUBNORMAL if sign_magnitude else 1.0))
     out = plgpu.kernel(
         lambda q_ref, c_ref, s_ref, o_ref, views, *rest: kernel(q_ref, c_ref, s_ref, o_ref, *views, *rest),
@@ -197,12 +197,18 @@ def _sm(c):
     return jnp.asarray(pack_sign_magnitude(np.asarray(c)))
 
 
+def _ring(sign_magnitude: bool, slots: int, batch: int = 2):
+    return functools.partial(ring_launch, sign_magnitude=sign_magnitude, slots=slots, batch=batch)
+
+
 KERNELS = {
     "engine": (engine_launch, _twos),
-    "sign_magnitude_16": (functools.partial(ring_launch, sign_magnitude=True, slots=16), _sm),
-    "twos_ring_8": (functools.partial(ring_launch, sign_magnitude=False, slots=8), _twos),
-    "sign_magnitude_ring_8": (functools.partial(ring_launch, sign_magnitude=True, slots=8), _sm),
-    "sign_magnitude_ring_4": (functools.partial(ring_launch, sign_magnitude=True, slots=4), _sm),
+    "sign_magnitude_ring_4": (_ring(True, 4), _sm),
+    "twos_ring_4": (_ring(False, 4), _twos),
+    "sign_magnitude_ring_6": (_ring(True, 6), _sm),
+    "sign_magnitude_ring_4_batch_1": (_ring(True, 4, 1), _sm),
+    "sign_magnitude_ring_3_batch_1": (_ring(True, 3, 1), _sm),
+    "sign_magnitude_ring_2_batch_1": (_ring(True, 2, 1), _sm),
 }
 
 
