@@ -94,17 +94,22 @@ def _widen_twos_complement(tile):
 
 
 def _kernel(q_ref, codes_ref, scale_ref, out_ref, codes_u8, codes_i4, q_smem, scale_smem, out_smem, ready,
-            q_ready, scale_ready, *, batch: int, rescale: float, offsets: int, widen):
+            q_ready, scale_ready, *, batch: int, rescale: float, offsets: int, widen, blocked: bool):
     """`mgpu_sketch._kernel` with a ring of `codes_u8.shape[0]` tile slots (a slot takes offset o + slots as soon as
     every thread holds offset o in registers) and the widening `widen`."""
     block = lax.axis_index("pages")
     head = lax.axis_index("heads")
     pages = pl.ds(block * mgpu_sketch.BLOCK_PAGES, mgpu_sketch.BLOCK_PAGES)
     slots = codes_u8.shape[0]
+
+    def tile(o):  # offset o's codes of this CTA's pages
+        return codes_ref.at[head, block, o] if blocked else codes_ref.at[head, o, pages]
+
     plgpu.copy_gmem_to_smem(q_ref.at[head], q_smem, q_ready)
-    plgpu.copy_gmem_to_smem(scale_ref.at[head, :, pages], scale_smem, scale_ready)
+    plgpu.copy_gmem_to_smem(scale_ref.at[head, block] if blocked else scale_ref.at[head, :, pages], scale_smem,
+                            scale_ready)
     for o in range(slots):
-        plgpu.copy_gmem_to_smem(codes_ref.at[head, o, pages], codes_u8.at[o], ready.at[o])
+        plgpu.copy_gmem_to_smem(tile(o), codes_u8.at[o], ready.at[o])
     wgmma_layout = plgpu.Layout.WGMMA
     shape = (mgpu_sketch.BLOCK_PAGES, 8)
     m = plgpu.layout_cast(jnp.full(shape, NEG_INF, jnp.float32), wgmma_layout)
@@ -125,7 +130,7 @@ def _kernel(q_ref, codes_ref, scale_ref, out_ref, codes_u8, codes_i4, q_smem, sc
             for o, s in zip(offsets_of_group, slots_of_group):
                 @pl.when(o + slots < offsets)
                 def _refill(o=o, s=s):
-                    plgpu.copy_gmem_to_smem(codes_ref.at[head, o + slots, pages], codes_u8.at[s], ready.at[s])
+                    plgpu.copy_gmem_to_smem(tile(o + slots), codes_u8.at[s], ready.at[s])
 
         def scores(*acc_refs):
             for acc_ref, k in zip(acc_refs, tiles):
@@ -145,10 +150,20 @@ def _kernel(q_ref, codes_ref, scale_ref, out_ref, codes_u8, codes_i4, q_smem, sc
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-@functools.partial(jax.jit, static_argnames=("num_pages", "sign_magnitude", "slots", "batch"))
-def ring_launch(q, codes, scale, *, num_pages: int, sign_magnitude: bool, slots: int, batch: int = 2):
+def to_blocks(codes, scale):
+    """The page layout [Hkv, page, P, ...] -> blocks of 64 pages, each block's tiles contiguous: codes [Hkv, P / 64,
+    page, 64, D / 2], scales [Hkv, P / 64, page, 64]."""
+    hkv, page, p = scale.shape
+    b = mgpu_sketch.BLOCK_PAGES
+    return (codes.reshape(hkv, page, p // b, b, -1).transpose(0, 2, 1, 3, 4),
+            scale.reshape(hkv, page, p // b, b).transpose(0, 2, 1, 3))
+
+
+@functools.partial(jax.jit, static_argnames=("num_pages", "sign_magnitude", "slots", "batch", "blocked"))
+def ring_launch(q, codes, scale, *, num_pages: int, sign_magnitude: bool, slots: int, batch: int = 2,
+                blocked: bool = False):
     hkv, group, d = q.shape
-    page = codes.shape[1]
+    page = codes.shape[2] if blocked else codes.shape[1]
     blocks = -(-num_pages // mgpu_sketch.BLOCK_PAGES)
     half = d // 2
     q_dtype = jnp.float16 if sign_magnitude else jnp.bfloat16
@@ -164,7 +179,7 @@ def ring_launch(q, codes, scale, *, num_pages: int, sign_magnitude: bool, slots:
     codes_smem = plgpu.RefUnion(swizzled((slots, mgpu_sketch.BLOCK_PAGES, half), jnp.uint8, half),
                                 swizzled((slots, mgpu_sketch.BLOCK_PAGES, d), jnp.int4, half))
     kernel = functools.partial(
-        _kernel, batch=batch, offsets=page, widen=_widen if sign_magnitude else _widen_twos_complement,
+        _kernel, batch=batch, offsets=page, blocked=blocked, widen=_widen if sign_magnitude else _widen_twos_complement,
         rescale=SM_SCALE * LOG2E * (SUBNORMAL if sign_magnitude else 1.0))
     out = plgpu.kernel(
         lambda q_ref, c_ref, s_ref, o_ref, views, *rest: kernel(q_ref, c_ref, s_ref, o_ref, *views, *rest),
@@ -197,19 +212,20 @@ def _sm(c):
     return jnp.asarray(pack_sign_magnitude(np.asarray(c)))
 
 
-def _ring(sign_magnitude: bool, slots: int, batch: int = 2):
-    return functools.partial(ring_launch, sign_magnitude=sign_magnitude, slots=slots, batch=batch)
+def _ring(sign_magnitude: bool, slots: int, batch: int = 2, blocked: bool = False):
+    return functools.partial(ring_launch, sign_magnitude=sign_magnitude, slots=slots, batch=batch, blocked=blocked)
 
 
 KERNELS = {
     "engine": (engine_launch, _twos),
     "sign_magnitude_ring_4": (_ring(True, 4), _sm),
     "twos_ring_4": (_ring(False, 4), _twos),
-    "sign_magnitude_ring_6": (_ring(True, 6), _sm),
-    "sign_magnitude_ring_4_batch_1": (_ring(True, 4, 1), _sm),
-    "sign_magnitude_ring_3_batch_1": (_ring(True, 3, 1), _sm),
-    "sign_magnitude_ring_2_batch_1": (_ring(True, 2, 1), _sm),
+    "twos_16_blocked": (_ring(False, 16, blocked=True), _twos),
+    "twos_ring_4_blocked": (_ring(False, 4, blocked=True), _twos),
+    "sign_magnitude_ring_4_blocked": (_ring(True, 4, blocked=True), _sm),
+    "sign_magnitude_ring_2_batch_1_blocked": (_ring(True, 2, 1, blocked=True), _sm),
 }
+BLOCKED = {name for name in KERNELS if name.endswith("_blocked")}
 
 
 def check(group: int, tokens: int, seed: int) -> dict:
@@ -227,6 +243,8 @@ def check(group: int, tokens: int, seed: int) -> dict:
         packed = sketch.to_page_layout(pack(codes), PAGE)
         padded = (jnp.pad(packed, ((0, 0), (0, 0), (0, extra), (0, 0)), constant_values=0x5A),
                   jnp.pad(sketch.to_page_layout(scale, PAGE), ((0, 0), (0, 0), (0, extra)), constant_values=7.0))
+        if name in BLOCKED:
+            padded = to_blocks(*padded)
         got = np.asarray(fn(q, *padded, num_pages=t // PAGE), np.float64)
         errs[name] = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
     return {"seed": seed, "group": group, "tokens": tokens, "rel_err": errs, "ok": max(errs.values()) < 1e-6}
@@ -248,22 +266,25 @@ def main():
         pages = tokens // PAGE
         codes = [jax.random.bits(k, (HKV, PAGE, pages, D // 2), jnp.uint8) for k in keys[:LAYERS]]
         scales = [jax.random.uniform(k, (HKV, PAGE, pages), jnp.float32, 0.01, 0.05) for k in keys[LAYERS:]]
+        blocked = [to_blocks(c, s) for c, s in zip(codes, scales)]
+        inputs = {name: ([b[0] for b in blocked], [b[1] for b in blocked]) if name in BLOCKED else (codes, scales)
+                  for name in KERNELS}
         runs = {(name, r): jax.jit(lambda q, c, s, f=f, r=r: [
             f(q[i] + jnp.bfloat16(j), c[i], s[i], num_pages=pages) for j in range(r) for i in range(LAYERS)])
             for name, (f, _) in KERNELS.items() for r in (1, PASSES)}
         for name in KERNELS:
-            jax.block_until_ready(runs[name, 1](q, codes, scales))
+            jax.block_until_ready(runs[name, 1](q, *inputs[name]))
         per_pass = {name: [] for name in KERNELS}
         for _ in range(ROUNDS):
             for name in KERNELS:
-                once, repeated = (lambda name=name, r=r: runs[name, r](q, codes, scales) for r in (1, PASSES))
+                once, repeated = (lambda name=name, r=r: runs[name, r](q, *inputs[name]) for r in (1, PASSES))
                 per_pass[name].append(common.gpu_ms_per_pass(once, repeated, PASSES, 20))
             print(tokens, json.dumps(per_pass), flush=True)
         result["contexts"][str(tokens)] = {
             "sketch_bytes_30_layers": sum(c.nbytes + s.nbytes for c, s in zip(codes, scales)),
             "gpu_ms_per_pass_of_30_layers": {n: stats(v) for n, v in per_pass.items()}, "rounds": per_pass}
         path.write_text(json.dumps(result, indent=1) + "\n")
-        del codes, scales, runs
+        del codes, scales, runs, blocked, inputs
 
 
 if __name__ == "__main__":
