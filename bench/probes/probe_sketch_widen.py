@@ -66,14 +66,14 @@ def pack_sign_magnitude(codes: np.ndarray) -> np.ndarray:
     return words.astype(np.uint32).view(np.uint8).reshape(*codes.shape[:-1], 64)
 
 
-def _widen(tile):
+def _widen(tile, dtype=jnp.float16):
     """int4 [64, D] in WGMMA_UPCAST_4X (each register 8 codes of one word) -> float16 [64, D] in WGMMA's layout,
     pair k of a word as the thread's pair in the k-th 8 columns (as `mgpu_sketch._as_wgmma_operand`)."""
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
-                       return_type=plgpu.ShapeDtypeStruct(tile.shape, jnp.float16, layout=plgpu.Layout.WGMMA))
+                       return_type=plgpu.ShapeDtypeStruct(tile.shape, dtype, layout=plgpu.Layout.WGMMA))
     def widen(_, x):
         i32 = ir.IntegerType.get_signless(32)
-        f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
+        f16x2 = ir.VectorType.get((2,), ir.F16Type.get() if dtype == jnp.float16 else ir.BF16Type.get())
         regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape(x.shape), dtype=object)
         for idx, reg in np.ndenumerate(x.registers):
             word = mgpu_utils.bitcast(reg, i32)
@@ -159,15 +159,22 @@ def to_blocks(codes, scale):
             scale.reshape(hkv, page, p // b, b).transpose(0, 2, 1, 3))
 
 
-@functools.partial(jax.jit, static_argnames=("num_pages", "sign_magnitude", "slots", "batch", "blocked"))
+# A bfloat16 subnormal code is code * 2^-133: the query goes in scaled by 2^40 (exact) so that the products stay
+# normal float32 numbers, and the score's scale takes 2^93 back.
+BF16_SUBNORMAL, BF16_QUERY = 2.0 ** 133, 2.0 ** 40
+
+
+@functools.partial(jax.jit, static_argnames=("num_pages", "sign_magnitude", "slots", "batch", "blocked", "bf16"))
 def ring_launch(q, codes, scale, *, num_pages: int, sign_magnitude: bool, slots: int, batch: int = 2,
-                blocked: bool = False):
+                blocked: bool = False, bf16: bool = False):
     hkv, group, d = q.shape
     page = codes.shape[2] if blocked else codes.shape[1]
     blocks = -(-num_pages // mgpu_sketch.BLOCK_PAGES)
     half = d // 2
-    q_dtype = jnp.float16 if sign_magnitude else jnp.bfloat16
-    q_pad = jnp.pad(q[..., mgpu_sketch._wgmma_channels(d)], ((0, 0), (0, 8 - group), (0, 0))).astype(q_dtype)
+    q_dtype = jnp.float16 if sign_magnitude and not bf16 else jnp.bfloat16
+    q_pad = jnp.pad(q[..., mgpu_sketch._wgmma_channels(d)], ((0, 0), (0, 8 - group), (0, 0)))
+    q_pad = q_pad * jnp.bfloat16(BF16_QUERY) if sign_magnitude and bf16 else q_pad.astype(q_dtype)
+    subnormal = (BF16_SUBNORMAL / BF16_QUERY if bf16 else SUBNORMAL) if sign_magnitude else 1.0
 
     def swizzled(shape, dtype, swizzle_bytes):
         elements = swizzle_bytes * 8 // jnp.iinfo(dtype).bits if jnp.issubdtype(dtype, jnp.integer) else \
@@ -179,8 +186,9 @@ def ring_launch(q, codes, scale, *, num_pages: int, sign_magnitude: bool, slots:
     codes_smem = plgpu.RefUnion(swizzled((slots, mgpu_sketch.BLOCK_PAGES, half), jnp.uint8, half),
                                 swizzled((slots, mgpu_sketch.BLOCK_PAGES, d), jnp.int4, half))
     kernel = functools.partial(
-        _kernel, batch=batch, offsets=page, blocked=blocked, widen=_widen if sign_magnitude else _widen_twos_complement,
-        rescale=SM_SCALE * LOG2E * (SUBNORMAL if sign_magnitude else 1.0))
+        _kernel, batch=batch, offsets=page, blocked=blocked,
+        widen=functools.partial(_widen, dtype=q_dtype) if sign_magnitude else _widen_twos_complement,
+        rescale=SM_SCALE * LOG2E * subnormal)
     out = plgpu.kernel(
         lambda q_ref, c_ref, s_ref, o_ref, views, *rest: kernel(q_ref, c_ref, s_ref, o_ref, *views, *rest),
         out_type=jax.ShapeDtypeStruct((hkv, blocks * mgpu_sketch.BLOCK_PAGES, 8), jnp.float32),
@@ -212,18 +220,17 @@ def _sm(c):
     return jnp.asarray(pack_sign_magnitude(np.asarray(c)))
 
 
-def _ring(sign_magnitude: bool, slots: int, batch: int = 2, blocked: bool = False):
-    return functools.partial(ring_launch, sign_magnitude=sign_magnitude, slots=slots, batch=batch, blocked=blocked)
+def _ring(sign_magnitude: bool, slots: int, batch: int = 2, blocked: bool = False, bf16: bool = False):
+    return functools.partial(ring_launch, sign_magnitude=sign_magnitude, slots=slots, batch=batch, blocked=blocked,
+                             bf16=bf16)
 
 
 KERNELS = {
     "engine": (engine_launch, _twos),
     "sign_magnitude_ring_4": (_ring(True, 4), _sm),
-    "twos_ring_4": (_ring(False, 4), _twos),
-    "twos_16_blocked": (_ring(False, 16, blocked=True), _twos),
-    "twos_ring_4_blocked": (_ring(False, 4, blocked=True), _twos),
-    "sign_magnitude_ring_4_blocked": (_ring(True, 4, blocked=True), _sm),
-    "sign_magnitude_ring_2_batch_1_blocked": (_ring(True, 2, 1, blocked=True), _sm),
+    "sign_magnitude_bf16_ring_4": (_ring(True, 4, bf16=True), _sm),
+    "sign_magnitude_bf16_16": (_ring(True, 16, bf16=True), _sm),
+    "sign_magnitude_bf16_ring_2_batch_1": (_ring(True, 2, 1, bf16=True), _sm),
 }
 BLOCKED = {name for name in KERNELS if name.endswith("_blocked")}
 
