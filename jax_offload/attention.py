@@ -1,6 +1,7 @@
-"""Which attention implementation runs, and the jit-compiled layer steps for a KV cache in GPU memory.
+"""Which attention implementation runs, and the jit-compiled layer steps: over a KV cache in GPU memory, a paged
+pool, streamed host blocks and chosen pages (the runners compose them).
 
-On a GPU the Pallas (Triton) kernels run; elsewhere their plain-XLA twins with identical semantics, because
+On a GPU the Pallas kernels run; elsewhere their plain-XLA twins with identical semantics, because
 Pallas interpret mode is an emulator meant for checking kernels, far too slow for whole models.
 """
 from __future__ import annotations
@@ -365,10 +366,10 @@ def dense_stored_layer(
     position: jax.Array, tail_len: jax.Array, num_keys: jax.Array, buffer: jax.Array, host, device,
     tp: TensorParallel | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """A whole decode layer over a one-buffer layer kept in GPU memory (the dense layers of Quest) as one program:
-    attention over its first `num_keys` stored keys, then the tail and the rest of the layer. With the Pallas
-    kernels one paged-kernel call reads every KV head's rows in key order from the stored layout (no copy of the
-    layer); the jnp path rearranges the layer. `host`, `device`: `HostKVStore.gather_places`.
+    """A whole decode layer over a one-buffer layer kept in GPU memory (the dense layers of sketch and Quest decode)
+    as one program: attention over its first `num_keys` stored keys, then the tail and the rest of the layer. With
+    the Pallas kernels one paged-kernel call reads every KV head's rows in key order from the stored layout (no copy
+    of the layer); the jnp path rearranges the layer. `host`, `device`: `HostKVStore.gather_places`.
     -> (hidden, tail with the token's K, V)."""
     q, tail, state = _decode_inputs(cfg, layer, x, inv_freq, tail, position, tail_len, tp)
 

@@ -7,7 +7,6 @@ import math
 from pathlib import Path
 
 from jax_offload.kv.kv_cache_dtype import check_kv_cache_dtype
-from jax_offload.sparse.xattention import XAttention
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -176,8 +175,8 @@ class EngineConfig:
     xattn_stride: int | None = None
     xattn_block: int | None = None
     xattn_density: float | None = None
-    # Continuous batching (several prompts, KV in GPU memory): running requests at most, tokens per prefill step
-    # (padding included), and the share of device memory the weights and the paged KV pool may fill.
+    # Continuous batching (several prompts, KV in GPU memory or offloaded): running requests at most, tokens per
+    # prefill step (padding included), and the share of device memory the weights and the paged KV pool may fill.
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
     gpu_memory_utilization: float = 0.9
@@ -185,7 +184,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # A request's tokens independent of the requests run with it (see `LLM`).
     batch_invariant: bool = False
-    # Reuse the KV blocks of earlier prompts' equal prefixes (GPU pool of continuous batching; see `LLM`).
+    # Reuse the KV blocks of earlier prompts' equal prefixes (continuous batching's GPU pool or host store; see `LLM`).
     enable_prefix_caching: bool = False
     # GiB of pinned host memory that keep prefix-cache blocks evicted from the GPU pool, to copy back on a hit.
     prefix_cache_host_gb: float = 0.0
@@ -193,14 +192,6 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # CacheBlend: the share of a reused segment's tokens recomputed from layer 1 on (`blend`).
     blend_recompute_ratio: float = 0.15
-
-    def xattention(self) -> XAttention | None:
-        """The XAttention prefill policy, or None for full prefill."""
-        if self.prefill_policy != "xattention":
-            return None
-        if self.xattn_density is not None:
-            return XAttention(stride=self.xattn_stride, block=self.xattn_block, top_fraction=self.xattn_density)
-        return XAttention(self.xattn_threshold, self.xattn_stride, self.xattn_block)
 
     def validate(self, model: ModelConfig) -> "EngineConfig":
         """Checks every option; returns a copy with `max_model_len` and the offload defaults filled in."""
@@ -238,9 +229,10 @@ class EngineConfig:
             raise ValueError(f"decode_policy {config.decode_policy!r} is unknown; valid: {', '.join(DECODE_POLICIES)}.")
         page_given = [name for name in PAGE_POLICY_DEFAULTS if getattr(config, name) is not None]
         if config.decode_policy not in PAGE_POLICIES and page_given:
-            raise ValueError(f"{_names_apply(page_given)} only with decode_policy 'sketch' or 'quest'.")
+            raise ValueError(f"{_names_apply(page_given)} only with decode_policy 'sketch' or 'quest', "
+                             f"got {config.decode_policy!r}.")
         if config.decode_policy != "sketch" and config.sketch_dtype is not None:
-            raise ValueError("sketch_dtype applies only with decode_policy='sketch'.")
+            raise ValueError(f"sketch_dtype applies only with decode_policy='sketch', got {config.decode_policy!r}.")
         defaults = {}
         if config.decode_policy in PAGE_POLICIES:
             defaults |= PAGE_POLICY_DEFAULTS
@@ -255,13 +247,15 @@ class EngineConfig:
         given = [name for name in (*XATTN_DEFAULTS, XATTN_DENSITY) if getattr(self, name) is not None]
         if self.prefill_policy != "xattention":
             if given:
-                raise ValueError(f"{_names_apply(given)} only with prefill_policy='xattention'.")
+                raise ValueError(f"{_names_apply(given)} only with prefill_policy='xattention', "
+                                 f"got {self.prefill_policy!r}.")
             return self
         defaults = {n: d for n, d in XATTN_DEFAULTS.items() if getattr(self, n) is None}
         density = self.xattn_density
         if density is not None:  # the density decides instead of a threshold
             if self.xattn_threshold is not None:
-                raise ValueError("xattn_threshold and xattn_density each decide what XAttention keeps; give one.")
+                raise ValueError(f"xattn_threshold ({self.xattn_threshold!r}) and xattn_density ({density!r}) each "
+                                 "decide what XAttention keeps; give one.")
             if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
                 raise ValueError(f"xattn_density must be a number in (0, 1], got {density!r}.")
             del defaults["xattn_threshold"]
@@ -295,7 +289,7 @@ class EngineConfig:
             raise ValueError(f"prefix_cache_host_gb must be a number >= 0, got {gb!r}.")
         if gb and not self.enable_prefix_caching:
             raise ValueError(
-                "prefix_cache_host_gb keeps evicted prefix-cache blocks: it needs enable_prefix_caching=True.")
+                f"prefix_cache_host_gb={gb!r} keeps evicted prefix-cache blocks: it needs enable_prefix_caching=True.")
         if gb and self.offload:
             raise ValueError("prefix_cache_host_gb keeps blocks evicted from the GPU pool; an offloaded KV cache "
                              f"keeps its prefixes in its host store already: leave it 0, got {gb!r}.")

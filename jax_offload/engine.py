@@ -27,6 +27,7 @@ from jax_offload.precision import step_jit
 from jax_offload.sampling import SamplingParams, sample_token
 from jax_offload.serving.block_manager import cache_tag
 from jax_offload.serving.engine import BatchEngine
+from jax_offload.sparse import xattention
 from jax_offload.tensor_parallel import TensorParallel, check_devices, sharded_model_config, to_host
 
 Prompt = str | Sequence[int] | Segments
@@ -38,8 +39,9 @@ class LLM:
 
     Several prompts run together (continuous batching, `jax_offload.serving`): with the KV cache in GPU memory
     over a paged pool allocated at the first such call and kept; offloaded, over the host store, which then holds
-    max_model_len tokens of all running requests together. One prompt, Quest decode or XAttention prefill run
-    requests one after another, each from a fresh KV cache.
+    max_model_len tokens of all running requests together. One prompt also runs on the batch engine with its KV in
+    GPU memory and the Pallas kernels, or with prefix caching; otherwise one prompt, and sketch or Quest decode and
+    XAttention prefill, run requests one after another, each from a fresh KV cache.
 
     `tensor_parallel_size` N splits every layer over N devices by KV-head groups (the KV cache too, offloaded or
     not, and the paged pool of continuous batching).
@@ -171,7 +173,7 @@ class LLM:
                                          tp)
         else:
             self._runner = DeviceRunner(model_config, params, self._inv_freq, self.dtype, self.attention_impl, tp,
-                                        engine.xattention())
+                                        xattention.policy_of(engine))
         self._batch_engine: BatchEngine | None = None
         self._blend: BlendRunner | None = None
 
@@ -266,7 +268,9 @@ class LLM:
                 or not e.prefix_cache_host_gb:
             raise ValueError(
                 "Segments prompts run with the KV cache in GPU memory on one device, full prefill, "
-                "enable_prefix_caching=True and prefix_cache_host_gb > 0 (where their KV is kept).")
+                "enable_prefix_caching=True and prefix_cache_host_gb > 0 (where their KV is kept); got "
+                f"offload={e.offload}, tensor_parallel_size={self.tp.size}, prefill_policy={e.prefill_policy!r}, "
+                f"enable_prefix_caching={e.enable_prefix_caching}, prefix_cache_host_gb={e.prefix_cache_host_gb}.")
         if self._blend is None:
             self._blend = BlendRunner(self.model_config, self.params, self._inv_freq, self.dtype, self.attention_impl,
                                       SegmentStore(int(e.prefix_cache_host_gb * 2**30)), e.blend_recompute_ratio,
@@ -274,8 +278,8 @@ class LLM:
         return self._blend
 
     def _batches(self) -> bool:
-        """Whether several prompts run together: full attention in prefill and decode (Quest and XAttention run
-        one request at a time)."""
+        """Whether several prompts run together: full attention in prefill and decode (sketch and Quest decode and
+        XAttention prefill run one request at a time)."""
         e = self.engine_config
         return e.prefill_policy == "full" and (not e.offload or e.decode_policy == "full")
 

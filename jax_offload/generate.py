@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the KV cache stores K and V: auto (the model's dtype), fp8 (float8_e4m3fn) or int8, "
                         "the last two with a scale per token and KV head: half the memory and PCIe bytes")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
-                   help="several prompts in GPU memory: reuse the KV of earlier prompts' equal prefixes (off)")
+                   help="reuse the KV of earlier prompts' equal prefixes, in GPU memory or offloaded (off)")
     p.add_argument("--prefix-cache-host-gb", type=float, default=0.0,
                    help="with prefix caching: GiB of pinned host memory keeping blocks evicted from the GPU pool (0)")
     p.add_argument("--blend-recompute-ratio", type=float, default=0.15,
@@ -145,7 +145,8 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError("give a prompt with --prompt TEXT or --prompt-file PATH")
     empty = [i for i, p in enumerate(prompts) if not all(part.strip() for part in ([p] if isinstance(p, str) else p))]
     if empty:
-        raise ValueError("the prompt is empty" if len(prompts) == 1 else f"prompt {empty[0] + 1} is empty")
+        where = "the prompt" if len(prompts) == 1 else f"prompt {empty[0] + 1}"
+        raise ValueError(f"{where} is empty; give text that is not only whitespace")
 
     import jax
 

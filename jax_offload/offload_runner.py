@@ -48,6 +48,7 @@ from jax_offload.kv.kv_cache_dtype import bytes_per_vector
 from jax_offload.kv.ring import BlockRing, Key, group_size, grouped
 from jax_offload.models.params import ModelParams
 from jax_offload.progress import LaggedProgress
+from jax_offload.sparse import xattention
 from jax_offload.sparse.quest import QuestPages
 from jax_offload.sparse.sketch import KeySketch
 from jax_offload.tensor_parallel import TensorParallel, to_host
@@ -93,7 +94,7 @@ class OffloadRunner:
         self.store = HostKVStore(
             cfg.num_layers, num_blocks, engine.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, tp, places,
             kv_cache_dtype=engine.kv_cache_dtype)
-        self.xattn = engine.xattention()
+        self.xattn = xattention.policy_of(engine)
         self.last_decode_pcie_bytes = 0  # bytes the last decode step moved from host to GPU
         self.last_prefill_pcie_bytes = 0  # bytes the last prefill moved from host to GPU
         self.prefill_block_counts: list[jax.Array] = []  # per layer, XAttention's [selected, visible] blocks
@@ -150,7 +151,8 @@ class OffloadRunner:
         them, as chunked prefill would."""
         if blocks is not None:
             if set(self.store.places) != {"blocks"}:
-                raise ValueError("A block table needs every layer's blocks in the host store (decode_policy 'full').")
+                raise ValueError("A block table needs every layer's blocks in the host store (decode_policy 'full'); "
+                                 f"this store keeps layers as {sorted(set(self.store.places))}.")
             if len(blocks) < prompt_len // self.block_size:
                 raise ValueError(f"A block table of {len(blocks)} blocks cannot hold a {prompt_len}-token prompt.")
         if cached_blocks and (blocks is None or self.xattn is not None or cached_blocks * self.block_size >= prompt_len):

@@ -26,15 +26,6 @@ from jax_offload.config import ModelConfig
 AXIS = "tp"
 
 
-def _shard_map():
-    """`jax.shard_map` (jax >= 0.7, `check_vma`), else the experimental one (`check_rep`)."""
-    if hasattr(jax, "shard_map"):
-        return functools.partial(jax.shard_map, check_vma=False)
-    from jax.experimental.shard_map import shard_map
-
-    return functools.partial(shard_map, check_rep=False)
-
-
 def check_devices(size: int) -> None:
     """Whether JAX sees devices for a mesh of `size` (the model-side check is `ModelConfig.tensor_parallel_sizes`)."""
     if size > jax.device_count():
@@ -103,7 +94,8 @@ class TensorParallel:
         if self.size == 1:
             return fn
         specs = functools.partial(jax.tree.map, _spec, is_leaf=lambda a: a is None)
-        return _shard_map()(fn, mesh=self.mesh, in_specs=specs(tuple(in_axes)), out_specs=specs(out_axes))
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=specs(tuple(in_axes)), out_specs=specs(out_axes),
+                             check_vma=False)
 
 
 @functools.lru_cache(maxsize=None)

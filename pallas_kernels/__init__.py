@@ -1,4 +1,6 @@
-"""Pallas attention kernels with LSE (Triton on NVIDIA GPUs, interpret mode elsewhere).
+"""Pallas kernels: attention with its LSE or online-softmax state (dense, paged, block-sparse, streamed), XAttention's
+estimate, sketch scoring and a batch-invariant matmul; Triton on NVIDIA GPUs, Mosaic GPU on Hopper for prefill
+attention and sketch scoring, interpret mode elsewhere.
 
 See README.md in this directory for semantics, layouts and tuning notes.
 """
@@ -23,7 +25,7 @@ from pallas_kernels.decode import (
     default_decode_config,
 )
 from pallas_kernels.fold import fold_splits
-from pallas_kernels.matmul import matmul, matmul_xla
+from pallas_kernels.matmul import matmul
 from pallas_kernels.merge import merge_states, merge_states_n
 from pallas_kernels.paged_decode import (
     paged_decode_attention_kv_with_lse,
@@ -65,7 +67,6 @@ __all__ = [
     "fold_splits",
     "mask_to_block_lists",
     "matmul",
-    "matmul_xla",
     "merge_into_state",
     "merge_softmax_stats",
     "merge_states",

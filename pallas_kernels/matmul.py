@@ -1,15 +1,13 @@
 """A batch-invariant matmul: row i of x @ w has the same bits whatever the other rows and their count.
 
 cuBLAS picks its algorithm (tiling, split-K, reduction order) from the shape, so on a GPU row 0 of
-`x[:M] @ w` changes with M (`../shared/probes/matmul_invariance.py`): a request's tokens then depend on which
-requests share its step. Here every output element is one float32 sum of `block_k`-wide tile products in
-ascending K order, from zero, rounded once to the output dtype; `block_k` depends on K alone. The tiles over
-rows and columns (`block_m`, `block_n`) only decide which program computes an element, so they are picked per
-call for speed: wide tiles for prefill, narrow ones for decode batches, where the weight must be read by many
-programs at once to reach HBM speed. Their bits are the same (tested on the H200 with
-`bench/probes/probe_matmul.py`, and in interpret mode by tests/test_batch_invariance.py).
-
-`matmul_xla` is XLA's own dot.
+`x[:M] @ w` changes with M: a request's tokens then depend on which requests share its step (by default 5 of 16
+prompts kept their tokens batched on the H200, `bench/results/runs/h200_batch_invariance/`). Here every output
+element is one float32 sum of `block_k`-wide tile products in ascending K order, from zero, rounded once to the
+output dtype; `block_k` depends on K alone. The tiles over rows and columns (`block_m`, `block_n`) only decide
+which program computes an element, so they are picked per call for speed: wide tiles for prefill, narrow ones for
+decode batches, where the weight must be read by many programs at once to reach HBM speed. Their bits are the same
+(tested on the H200 with `bench/probes/probe_matmul.py`, and in interpret mode by tests/test_batch_invariance.py).
 """
 
 from __future__ import annotations
@@ -116,7 +114,3 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=N
                   num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
     return out.reshape(*x.shape[:-1], n)
 
-
-def matmul_xla(x: jax.Array, w: jax.Array, *, out_dtype=None) -> jax.Array:
-    """XLA's `x @ w` in `out_dtype` (default x's)."""
-    return (x @ w).astype(out_dtype or x.dtype)

@@ -348,7 +348,7 @@ def test_bad_options(tmp_root, options, message):
     (dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1, got 0"),
     (dict(max_num_batched_tokens=2.5), "max_num_batched_tokens must be an integer >= 1, got 2.5"),
     (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be a number in \(0, 1\], got 1.5"),
-    (dict(prefix_cache_host_gb=1), "prefix_cache_host_gb keeps evicted prefix-cache blocks: it needs"),
+    (dict(prefix_cache_host_gb=1), "prefix_cache_host_gb=1 keeps evicted prefix-cache blocks: it needs"),
     (dict(enable_prefix_caching=True, prefix_cache_host_gb=-1), "prefix_cache_host_gb must be a number >= 0"),
     (dict(enable_prefix_caching=True, offload=True, decode_policy="quest"),
      "enable_prefix_caching=True with offload=True needs decode_policy 'full' and prefill_policy 'full'"),

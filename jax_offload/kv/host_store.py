@@ -226,19 +226,13 @@ class HostKVStore:
         return self._blocks[layer]
 
     def gather_places(self, layer: int) -> tuple:
-        """`gather_rows`'s (host, device) for a "pages" layer: where it lives and where its pages go. With one
+        """`gather_rows`'s (host, device) for a "gpu" or "pages" layer: where it lives and where its rows go. With one
         device, shardings; under tensor parallelism, memory spaces, for the gather each device runs on its own
         shard (inside `shard_map`)."""
         if self.tp.size == 1:
             return self.tp.sharding(None, self._sharding[layer].memory_kind), self.tp.sharding(None, "device")
         space = jax.memory.Space
         return space.Device if self._sharding[layer].memory_kind == "device" else space.Host, space.Device
-
-    def gather_pages(self, layer: int, rows: jax.Array) -> jax.Array:
-        """`gather_rows` of a "pages" layer, as a call of its own."""
-        if self.places[layer] != "pages":
-            raise RuntimeError(f"Layer {layer} is not kept as pages; only 'pages' layers gather pages.")
-        return gather_rows(self._blocks[layer], rows, *self.gather_places(layer))
 
     def reset(self) -> None:
         """Forgets every request: every block counts as unwritten again."""

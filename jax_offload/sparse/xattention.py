@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from jax_offload.config import XATTN_DEFAULTS, EngineConfig
 
 # Bytes of float32 antidiagonal scores one estimate call may hold; longer prompts are estimated in query chunks.
 SCORE_BYTES = 1 << 30
@@ -22,10 +23,20 @@ SCORE_BYTES = 1 << 30
 
 @dataclasses.dataclass(frozen=True)
 class XAttention:
-    threshold: float = 0.9  # softmax mass each query block's selected key blocks must reach
+    # Softmax mass each query block's selected key blocks must reach (the engine's default).
+    threshold: float = XATTN_DEFAULTS["xattn_threshold"]
     stride: int = 8  # antidiagonal stride of the estimate
     block: int = 128  # tokens per selection block (queries and keys)
     top_fraction: float | None = None  # instead of the threshold: this fraction of each row's visible blocks
+
+
+def policy_of(engine: EngineConfig) -> XAttention | None:
+    """The XAttention prefill policy of a validated engine config, or None for full prefill."""
+    if engine.prefill_policy != "xattention":
+        return None
+    if engine.xattn_density is not None:
+        return XAttention(stride=engine.xattn_stride, block=engine.xattn_block, top_fraction=engine.xattn_density)
+    return XAttention(engine.xattn_threshold, engine.xattn_stride, engine.xattn_block)
 
 
 def visible_blocks(nqb: int, nkb: int, q_offset, kv_len, block: int) -> jax.Array:
