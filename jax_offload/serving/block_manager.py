@@ -53,8 +53,8 @@ class BlockManager:
         if not isinstance(host_tier_blocks, int) or host_tier_blocks < 0:
             raise ValueError(f"host_tier_blocks must be an integer >= 0, got {host_tier_blocks!r}.")
         if host_tier_blocks and (host_tier is None or not enable_prefix_caching):
-            raise ValueError(f"A host tier of {host_tier_blocks} blocks holds prefix-cache blocks: it needs a host_tier "
-                             f"and enable_prefix_caching=True, got {enable_prefix_caching!r}.")
+            raise ValueError(f"A host tier of {host_tier_blocks} blocks holds prefix-cache blocks: it needs a "
+                             f"host_tier and enable_prefix_caching=True, got {enable_prefix_caching!r}.")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching, self._tag = enable_prefix_caching, tag
         self._tier, self.host_tier_blocks = host_tier, host_tier_blocks
