@@ -55,7 +55,8 @@ def _local(tp: TensorParallel | None, fn, in_axes: tuple, out_axes):
     return fn if tp is None else tp.per_head(fn, in_axes, out_axes)
 
 
-def split_qkv(cfg: ModelConfig, tp: TensorParallel | None, layer: LayerParams, x, positions, inv_freq):
+def split_qkv(cfg: ModelConfig, tp: TensorParallel | None, layer: LayerParams, x: jax.Array, positions: jax.Array,
+              inv_freq: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q, k, v of the layer, pinned to be split by heads (each device computes its own from its wqkv columns)."""
     q, k, v = decoder.attention_inputs(cfg, layer, x, positions, inv_freq)
     return (q, k, v) if tp is None else tp.constrain((q, k, v), HEADS)
@@ -66,8 +67,10 @@ def _empty_state(tp: TensorParallel | None, q: jax.Array) -> AttentionState:
     return state if tp is None else tp.constrain(state, STATE_HEADS)
 
 
-def paged_decode_attention(impl: str, q, k_pages, v_pages, tables, seq_lens, tp: TensorParallel | None = None,
-                           batch_invariant: bool = False):
+def paged_decode_attention(impl: str, q: jax.Array, k_pages: jax.Array | QuantizedKV,
+                           v_pages: jax.Array | QuantizedKV, tables: jax.Array, seq_lens: jax.Array,
+                           tp: TensorParallel | None = None,
+                           batch_invariant: bool = False) -> jax.Array:
     """Decode attention of q [B, Hq, D] over a paged pool [num_blocks, block_size, Hkv, D] (block tables [B, n],
     lengths [B]) -> o [B, Hq, D], each device over its heads. Batch-invariant (Pallas only): o float32 from the
     fixed DECODE_SPLIT splits folded in key order, the bits of the offloaded decode (`decode_state`); otherwise o
@@ -97,8 +100,11 @@ def paged_decode_attention(impl: str, q, k_pages, v_pages, tables, seq_lens, tp:
     return _local(tp, local, (1, HEADS, HEADS, None, None), 1)(q, k_pages, v_pages, tables, seq_lens)
 
 
-def prefill_attention(impl: str, q, k, v, *, causal: bool, q_offset=0, kv_len=None, kv_start=None, q_positions=None,
-                      out_dtype=None, tp: TensorParallel | None = None):
+def prefill_attention(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
+                      q_offset: int | jax.Array = 0, kv_len: int | jax.Array | None = None,
+                      kv_start: jax.Array | None = None, q_positions: jax.Array | None = None,
+                      out_dtype: jnp.dtype | None = None,
+                      tp: TensorParallel | None = None) -> tuple[jax.Array, jax.Array]:
     """Attention with LSE of a query chunk [B, T, Hq, D] over keys [B, S, Hkv, D]; o in `out_dtype`
     (default q's dtype; float32 for a partial state that will be merged). `kv_start` [B, T]: each query's first
     visible key (packed sequences); `q_positions` [B, T]: the queries' positions, ascending (queries picked from
@@ -115,7 +121,8 @@ def prefill_attention(impl: str, q, k, v, *, causal: bool, q_offset=0, kv_len=No
     return _local(tp, local, in_axes, (HEADS, LSE_HEADS))(q, k, v, q_offset, kv_len, *rows)
 
 
-def xattn_select(impl: str, xattn: XAttention, q, k, *, q_offset, kv_len, tp: TensorParallel | None = None):
+def xattn_select(impl: str, xattn: XAttention, q: jax.Array, k: jax.Array, *, q_offset: int | jax.Array,
+                 kv_len: int | jax.Array, tp: TensorParallel | None = None) -> jax.Array:
     """XAttention's block mask [1, Hq, nqb, nkb] (`xattention.select`), each device choosing for its heads."""
     def local(q, k, q_offset, kv_len):
         return xattention.select(xattn, impl, q, k, q_offset=q_offset, kv_len=kv_len)
@@ -123,8 +130,9 @@ def xattn_select(impl: str, xattn: XAttention, q, k, *, q_offset, kv_len, tp: Te
     return _local(tp, local, (HEADS, HEADS, None, None), MASK_HEADS)(q, k, q_offset, kv_len)
 
 
-def xattn_attention(impl: str, xattn: XAttention, q, k, v, mask, *, causal: bool, kv_len=None, out_dtype=None,
-                    tp: TensorParallel | None = None):
+def xattn_attention(impl: str, xattn: XAttention, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
+                    causal: bool, kv_len: int | jax.Array | None = None, out_dtype: jnp.dtype | None = None,
+                    tp: TensorParallel | None = None) -> tuple[jax.Array, jax.Array]:
     """`xattention.attention` -> (o, lse), each device over its heads' chosen blocks."""
     def local(q, k, v, mask, kv_len):
         return xattention.attention(xattn, impl, q, k, v, mask, causal=causal, kv_len=kv_len, out_dtype=out_dtype)
@@ -132,8 +140,8 @@ def xattn_attention(impl: str, xattn: XAttention, q, k, v, mask, *, causal: bool
     return _local(tp, local, (HEADS, HEADS, HEADS, MASK_HEADS, None), (HEADS, LSE_HEADS))(q, k, v, mask, kv_len)
 
 
-def prompt_attention(impl: str, xattn: XAttention | None, q, k, v, prompt_len,
-                     tp: TensorParallel | None = None) -> tuple[jax.Array, jax.Array]:
+def prompt_attention(impl: str, xattn: XAttention | None, q: jax.Array, k: jax.Array, v: jax.Array,
+                     prompt_len: int | jax.Array, tp: TensorParallel | None = None) -> tuple[jax.Array, jax.Array]:
     """Causal attention of a whole (padded) prompt, full or XAttention's blocks -> (o in q's dtype, [selected,
     visible] key blocks as int32 [2]; both 0 for full attention)."""
     if xattn is None:
@@ -197,7 +205,7 @@ def decode_layer_in_device(
 
 
 def attend(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState, *, causal: bool,
-           kv_len=None, tp: TensorParallel | None = None) -> AttentionState:
+           kv_len: int | jax.Array | None = None, tp: TensorParallel | None = None) -> AttentionState:
     """Continues `state` of queries q [B, T, Hq, D] over keys [B, S, Hkv, D]; causal keys are the queries'
     own (positions aligned with the queries), otherwise keys wholly before them."""
     def local(q, k, v, state, kv_len):
@@ -211,7 +219,8 @@ def attend(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, state: Attention
 
 
 def attend_and_finish(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState, *,
-                      causal: bool, kv_len=None, tp: TensorParallel | None = None) -> jax.Array:
+                      causal: bool, kv_len: int | jax.Array | None = None,
+                      tp: TensorParallel | None = None) -> jax.Array:
     """`attend`, then the final normalisation as the in-GPU kernels do it: o float32 [B, T, Hq, D]."""
     def local(q, k, v, state, kv_len):
         if impl == "pallas" and q.shape[1] > 1:

@@ -52,6 +52,7 @@ from jax_offload.sparse import xattention
 from jax_offload.sparse.quest import QuestPages
 from jax_offload.sparse.sketch import KeySketch
 from jax_offload.tensor_parallel import TensorParallel, to_host
+from pallas_kernels import AttentionState
 
 
 class OffloadRunner:
@@ -124,7 +125,8 @@ class OffloadRunner:
         """The store keys of the request's logical `blocks` of `layer`."""
         return [(layer, self._blocks[b]) for b in blocks]
 
-    def attend_groups(self, ring: BlockRing, layer_groups: list[list[Key]], q, state):
+    def attend_groups(self, ring: BlockRing, layer_groups: list[list[Key]], q: jax.Array,
+                      state: AttentionState) -> AttentionState:
         """Continues the attention state over each of the layer's groups, handing each group's slots back."""
         for g in layer_groups:
             state = attend_blocks(self.impl, q, tuple(ring.take()), state, tp=self.tp)

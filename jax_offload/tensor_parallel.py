@@ -67,7 +67,7 @@ class TensorParallel:
         """Split on `head_axis` (None: replicated), in `memory_kind` ("device", "pinned_host"; None: default)."""
         return NamedSharding(self.mesh, _spec(head_axis), memory_kind=memory_kind)
 
-    def zeros(self, shape: tuple[int, ...], dtype, head_axis: int | None) -> jax.Array:
+    def zeros(self, shape: tuple[int, ...], dtype: jnp.dtype, head_axis: int | None) -> jax.Array:
         """Zeros split on `head_axis`, each device making only its own part."""
         if self.size == 1:
             return jnp.zeros(shape, dtype)

@@ -56,7 +56,7 @@ def pinned_limit_bytes() -> int | None:
     return int(float(os.environ.get(PINNED_LIMIT_VAR, DEFAULT_PINNED_LIMIT_GB)) * 2**30)
 
 
-def to_stored_layout(kv):
+def to_stored_layout(kv: jax.Array | kv_format.QuantizedKV) -> jax.Array | kv_format.QuantizedKV:
     """[2, T, Hkv, D] (K|V) -> [Hkv, T / PAGE_UNIT, 2, PAGE_UNIT, D], each leaf of a stored KV array."""
     def one(kv):
         _, t, hkv, d = kv.shape
@@ -65,7 +65,7 @@ def to_stored_layout(kv):
     return jax.tree.map(one, kv)
 
 
-def from_stored_layout(pages):
+def from_stored_layout(pages: jax.Array | kv_format.QuantizedKV) -> jax.Array | kv_format.QuantizedKV:
     """[Hkv, n, 2, PAGE_UNIT, D] -> [2, n * PAGE_UNIT, Hkv, D] (K|V), each leaf of a stored KV array."""
     def one(pages):
         hkv, n, _, unit, d = pages.shape

@@ -22,6 +22,7 @@ a bf16 sink, SageAttention's smoothing, a Hadamard rotation) won them back. Both
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -59,7 +60,7 @@ def quantize(kv_cache_dtype: str, x: jax.Array) -> QuantizedKV:
     return QuantizedKV((jnp.round(scaled) if values_dtype == jnp.int8 else scaled).astype(values_dtype), scales)
 
 
-def values_of(stored) -> jax.Array:
+def values_of(stored: jax.Array | QuantizedKV) -> jax.Array:
     """The values of a stored KV array in any form (for its shape and dtype)."""
     return stored.values if isinstance(stored, QuantizedKV) else stored
 
@@ -86,7 +87,7 @@ def unpack(stored: jax.Array | QuantizedKV) -> jax.Array | QuantizedKV:
     return QuantizedKV(values, scales)
 
 
-def dequantize(stored, dtype) -> jax.Array:
+def dequantize(stored: jax.Array | QuantizedKV, dtype: jnp.dtype) -> jax.Array:
     """A stored KV array (any form, packed or not) -> values in `dtype` (exact for fp8 and int8 into bfloat16 or
     float32)."""
     stored = unpack(stored)
@@ -100,12 +101,13 @@ def round_trip(kv_cache_dtype: str, x: jax.Array) -> jax.Array:
     return x if kv_cache_dtype == "auto" else dequantize(quantize(kv_cache_dtype, x), x.dtype)
 
 
-def encode(kv_cache_dtype: str, x: jax.Array, dtype) -> jax.Array | QuantizedKV:
+def encode(kv_cache_dtype: str, x: jax.Array, dtype: jnp.dtype) -> jax.Array | QuantizedKV:
     """x [..., D] as the cache stores it ("auto": cast to `dtype`, the model's)."""
     return x.astype(dtype) if kv_cache_dtype == "auto" else quantize(kv_cache_dtype, x)
 
 
-def empty(kv_cache_dtype: str, shape: tuple[int, ...], dtype, make=jnp.zeros) -> jax.Array | QuantizedKV:
+def empty(kv_cache_dtype: str, shape: tuple[int, ...], dtype: jnp.dtype,
+          make: Callable[..., jax.Array] = jnp.zeros) -> jax.Array | QuantizedKV:
     """A zero-filled stored KV array of `shape` [..., D]; `make(shape, dtype)` allocates each leaf (e.g. on a
     mesh)."""
     if kv_cache_dtype == "auto":
@@ -113,7 +115,7 @@ def empty(kv_cache_dtype: str, shape: tuple[int, ...], dtype, make=jnp.zeros) ->
     return QuantizedKV(make(shape, _FORMATS[kv_cache_dtype][0]), make((*shape[:-1], 1), jnp.float32))
 
 
-def bytes_per_vector(kv_cache_dtype: str, head_dim: int, dtype) -> int:
+def bytes_per_vector(kv_cache_dtype: str, head_dim: int, dtype: jnp.dtype) -> int:
     """Bytes one stored vector of head_dim elements (one token's K or V of one KV head) takes."""
     if kv_cache_dtype == "auto":
         return head_dim * jnp.dtype(dtype).itemsize

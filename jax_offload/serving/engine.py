@@ -19,7 +19,7 @@ from jax_offload.sampling import SamplingParams
 from jax_offload.serving.block_manager import BlockManager, cache_tag
 from jax_offload.serving.model_runner import ModelRunner, default_num_blocks, kv_block_bytes
 from jax_offload.serving.offload_model_runner import OffloadModelRunner
-from jax_offload.serving.scheduler import Scheduler, Step
+from jax_offload.serving.scheduler import Scheduler, SchedulerStats, Step
 from jax_offload.serving.sequence import Sequence, SequenceStatus
 from jax_offload.tensor_parallel import TensorParallel
 
@@ -267,7 +267,7 @@ class BatchEngine:
                                   refresh=False)
 
     @property
-    def stats(self):
+    def stats(self) -> SchedulerStats:
         """Preemptions, swaps and recomputes so far (they accumulate across `generate` calls)."""
         return self.scheduler.stats
 

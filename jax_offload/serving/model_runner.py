@@ -483,11 +483,11 @@ class ModelRunner:
 
     # ---- HostTier: prefix-cache blocks evicted from the pool ----------------------------------------------------
 
-    def save(self, block: int):
+    def save(self, block: int) -> tuple[jax.Array, jax.Array]:
         """A host copy of one pool block's KV (every layer, K and V)."""
         return self._copy_to_host(np.array([block], np.int32))
 
-    def load(self, saved, block: int) -> None:
+    def load(self, saved: tuple[jax.Array, jax.Array], block: int) -> None:
         """Writes a `save`d copy into pool block `block`."""
         self._copy_from_host(saved, np.array([block], np.int32))
 

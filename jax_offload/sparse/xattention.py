@@ -39,7 +39,7 @@ def policy_of(engine: EngineConfig) -> XAttention | None:
     return XAttention(engine.xattn_threshold, engine.xattn_stride, engine.xattn_block)
 
 
-def visible_blocks(nqb: int, nkb: int, q_offset, kv_len, block: int) -> jax.Array:
+def visible_blocks(nqb: int, nkb: int, q_offset: int | jax.Array, kv_len: int | jax.Array, block: int) -> jax.Array:
     """bool [nqb, nkb]: key blocks that some real row (position < kv_len) of each query block can see, for
     query block i holding positions q_offset + i * block + [0, block)."""
     first_row = q_offset + jnp.arange(nqb, dtype=jnp.int32) * block
@@ -54,7 +54,8 @@ def _query_chunk(policy: XAttention, num_heads: int, num_keys: int) -> int:
     return max(policy.block, int(SCORE_BYTES / per_row) // policy.block * policy.block)
 
 
-def select(policy: XAttention, impl: str, q: jax.Array, k: jax.Array, *, q_offset, kv_len) -> jax.Array:
+def select(policy: XAttention, impl: str, q: jax.Array, k: jax.Array, *, q_offset: int | jax.Array,
+           kv_len: int | jax.Array) -> jax.Array:
     """bool [1, Hq, nqb, nkb]: the key blocks each head's query blocks attend. q [1, T, Hq, D] holds positions
     q_offset..; keys k [1, S, Hkv, D] positions 0.., those >= kv_len hidden."""
     b, nqb, nkb = policy.block, -(-q.shape[1] // policy.block), -(-k.shape[1] // policy.block)
@@ -85,7 +86,7 @@ def _top_fraction(sums: jax.Array, vis: jax.Array, fraction: float, q_offset, bl
     return forced | ((rank < want[:, None]) & vis & ~forced)
 
 
-def block_counts(mask: jax.Array, q_offset, kv_len, block: int) -> jax.Array:
+def block_counts(mask: jax.Array, q_offset: int | jax.Array, kv_len: int | jax.Array, block: int) -> jax.Array:
     """int32 [2]: selected and causally visible (query block, key block) pairs, all heads; their ratio is the
     density of the selection."""
     vis = visible_blocks(mask.shape[2], mask.shape[3], q_offset, kv_len, block)
@@ -93,7 +94,8 @@ def block_counts(mask: jax.Array, q_offset, kv_len, block: int) -> jax.Array:
 
 
 def attention(policy: XAttention, impl: str, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
-              causal: bool, q_offset=0, kv_len=None, out_dtype=None) -> tuple[jax.Array, jax.Array]:
+              causal: bool, q_offset: int | jax.Array = 0, kv_len: int | jax.Array | None = None,
+              out_dtype: jnp.dtype | None = None) -> tuple[jax.Array, jax.Array]:
     """Attention of q over the key blocks `mask` [1, Hq, nqb, nkb] lists: (o, natural-log lse) like
     `attention_with_lse`."""
     blocks, counts = pallas_kernels.mask_to_block_lists(mask)
