@@ -13,8 +13,8 @@ A float8_e4m3fn or int8 pool (the fp8 or int8 KV cache) comes with float32 scale
 in the pool's layout with a last axis of 1; the kernels dequantize each tile in registers (`_common.load_kv_rows`).
 
 `paged_decode_attention_kv_with_lse` reads one pool that keeps a page's keys and values side by side,
-[num_pages, 2, page_size, Hkv, D] (the offloaded store's page layout): sketch and Quest decode read the pages they chose
-straight from the pinned host store with it, the kernel's loads crossing PCIe (zero copy).
+[num_pages, 2, page_size, Hkv, D] (the offloaded store's page layout): sketch and Quest decode read the pages they
+chose straight from the pinned host store with it, the kernel's loads crossing PCIe (zero copy).
 
 Semantics: q [B, Hq, D]; k_pages/v_pages [num_pages, page_size, Hkv, D]; block_tables int32
 [B, max_pages]; sequence b sees keys j < seq_lens[b], key j living at row j % page_size of

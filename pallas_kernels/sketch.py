@@ -10,9 +10,10 @@ log sum_{t in page} exp((q . codes_t) * scale_t * sm_scale). The sketch is read 
 memory. On a Hopper GPU an int4 sketch goes to `mgpu_sketch`'s kernel instead (TMA copies all in flight, wgmma):
 the same values to float32 rounding, ~10% less GPU time at 128K-256K tokens on an H100.
 
-Where the time goes (H200, 30 layers of 128K tokens, `bench/results/runs/h200_sketch_decode/probe_sketch_variants.h200.json`, before the
-float16 unpacking and the base-2 softmax took the kernel from 2.56 to 2.26 ms): the loads alone take 1.10 ms, the
-unpacking and dots 1.0 ms more, the softmax 0.5 ms; the sketch's HBM time is 0.45 ms. Unpacking in PTX and 4 warps
+Where the time goes (H200, 30 layers of 128K tokens,
+`bench/results/runs/h200_sketch_decode/probe_sketch_variants.h200.json`, before the float16 unpacking and the
+base-2 softmax took the kernel from 2.56 to 2.26 ms): the loads alone take 1.10 ms, the unpacking and dots 1.0 ms
+more, the softmax 0.5 ms; the sketch's HBM time is 0.45 ms. Unpacking in PTX and 4 warps
 a program then took it to 1.91 ms at 128K and 3.19 ms at 256K (from 2.14 / 3.94 in the same run); stacking 4 token
 offsets in one 16-row score tile (no exp spent on the padding rows of a group of 4) was slower
 (`bench/results/runs/h200_sketch_decode/probe_sketch_stacked.json`).

@@ -3,7 +3,7 @@
 Kernels (Pallas interpret mode): the batch-invariant matmul gives each row the same bits for every row count and
 launch config; decode attention over a paged pool, folded in fixed splits, gives each sequence the bits it gets
 alone and the bits of the offloaded decode's contiguous pieces. Engine (CPU, XLA's kernels, tiny Qwen3 in
-bfloat16): 10 prompts of 5..700 tokens alone, together, and offloaded give the same greedy and seeded tokens
+bfloat16): 6 prompts of 5..700 tokens alone, together, and offloaded give the same greedy and seeded tokens
 (chunked offloaded prefill equals in-GPU in tests/test_offload_bf16.py; tiny Llama and Qwen2, every max_num_seqs
 1..10, 60 tokens, block 256 and 512: bench/probes/probe_cpu_bf16_identity.py). On the CPU one prompt runs the
 one-request path and several the batch engine; their decode attention agrees because the paged twin attends one
