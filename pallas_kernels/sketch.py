@@ -188,8 +188,8 @@ def default_launch(num_pages: int, num_kv_heads: int, page_size: int) -> tuple[i
 
     Each program walks its offsets one load after another, so the kernel is fastest with 1-2K programs in flight:
     32 pages a program where that alone gives 2048, else 64 with the offsets split in up to 4 (H100,
-    `bench/results/runs/h100_sketch_decode_launch/probe_sketch_splits.h100.json`: 30 layers of 32K / 128K / 256K tokens in 0.78 / 1.73 / 2.98 ms
-    against 1.05 / 2.09 / 3.41 with 64 pages a program, unsplit)."""
+    `bench/results/runs/h100_sketch_decode_launch/probe_sketch_splits.h100.json`: 30 layers of 32K / 128K / 256K
+    tokens in 0.78 / 1.73 / 2.98 ms against 1.05 / 2.09 / 3.41 with 64 pages a program, unsplit)."""
     if -(-num_pages // 32) * num_kv_heads >= 2048:
         return 32, 1
     splits = 1
