@@ -53,6 +53,7 @@ from jax_offload.sparse.quest import QuestPages
 from jax_offload.sparse.sketch import KeySketch
 from jax_offload.tensor_parallel import TensorParallel, to_host
 from pallas_kernels import AttentionState
+from pallas_kernels.sketch import hopper_scores_int4_words
 
 
 class OffloadRunner:
@@ -90,8 +91,11 @@ class OffloadRunner:
                 self.pages = QuestPages(sparse_layers, num_pages, cfg.num_kv_heads, cfg.head_dim, engine.page_size,
                                         dtype, tp)
             else:
+                local_heads = cfg.num_kv_heads // tp.size
+                words = impl == "pallas" and hopper_scores_int4_words(
+                    dtype, local_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, engine.page_size, num_pages)
                 self.pages = KeySketch(sparse_layers, num_blocks * engine.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                       engine.page_size, engine.sketch_dtype, tp)
+                                       engine.page_size, engine.sketch_dtype, tp, words=words)
         self.store = HostKVStore(
             cfg.num_layers, num_blocks, engine.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, tp, places,
             kv_cache_dtype=engine.kv_cache_dtype)

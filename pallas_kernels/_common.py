@@ -17,6 +17,9 @@ LN2 = math.log(2.0)
 NEG_INF = float("-inf")
 # Triton's tensor-core dot needs every tile dimension to be at least 16.
 MIN_BLOCK = 16
+# An int4 key sketch's word rotated right by 4k bits and masked with this leaves its k-th pair of codes as two
+# 16-bit subnormals (the layout: pallas_kernels/sketch.py's docstring).
+INT4_PAIR_MASK = 0x80078007
 
 
 def check_block_lists(kv_blocks, kv_block_counts, batch: int, hq: int, nqb: int) -> tuple[jax.Array, jax.Array]:

@@ -7,8 +7,9 @@ conversion instructions), multiplies them with the KV head's query group on the 
 its float32 scale and folds the scores into a running per-page log-sum-exp, in base 2 (exp2 is one GPU
 instruction); the shares' log-sum-exps are combined after: float32 [Hkv, G, P] of
 log sum_{t in page} exp((q . codes_t) * scale_t * sm_scale). The sketch is read once and no per-token score reaches
-memory. On a Hopper GPU an int4 sketch goes to `mgpu_sketch`'s kernel instead (TMA copies all in flight, wgmma):
-the same values to float32 rounding, ~10% less GPU time at 128K-256K tokens on an H100.
+memory. On a Hopper GPU an int4 sketch stored as words (below) goes to `mgpu_sketch`'s kernel instead (TMA copies
+in flight, wgmma): the same values to float32 rounding, ~20% less GPU time at 128K-256K tokens on an H100
+(`bench/results/runs/h100_sketch_words/`).
 
 Where the time goes (H200, 30 layers of 128K tokens,
 `bench/results/runs/h200_sketch_decode/probe_sketch_variants.h200.json`, before the float16 unpacking and the
@@ -19,9 +20,18 @@ offsets in one 16-row score tile (no exp spent on the padding rows of a group of
 (`bench/results/runs/h200_sketch_decode/probe_sketch_stacked.json`).
 
 Layout (`jax_offload.sparse.sketch`): codes [Hkv, page_size, P, width], scales [Hkv, page_size, P]: token j of
-page p at [:, j, p], so one token offset of a block of pages is one contiguous tile. int4: byte i of a token holds
-channel i in its low nibble and channel i + D / 2 in its high nibble, each in 4-bit two's complement, so the two
-halves of q meet the two nibbles.
+page p at [:, j, p], so one token offset of a block of pages is one contiguous tile. int4 comes in two layouts, told
+apart by the codes' dtype, each the one its kernel widens fastest:
+- bytes (uint8, width D / 2; this kernel): byte i of a token holds channel i in its low nibble and channel i + D / 2
+  in its high nibble, each in 4-bit two's complement, so the two halves of q meet the two nibbles. Every byte
+  decodes alone, as Triton's elementwise asm needs (it hands an asm whichever 4 elements a thread holds).
+- words (uint32, width D / 8; the Hopper kernel): sign-magnitude codes (3-bit magnitude and a sign, in [-7, 7]),
+  word w of a token holding channels 4w + k ("low", k = 0..3) and D / 2 + 4w + k ("high"). The word rotated right by
+  4k bits and masked with INT4_PAIR_MASK leaves low code k's magnitude in bits 0-2 and its sign in bit 15, the high
+  code's in bits 16-18 and 31: the bits of two bfloat16 subnormals equal to the codes times 2^-133, so a pair widens
+  in two instructions. Unrotated, low code k's magnitude sits at bit 4k and its sign at bit (15 + 4k) mod 32, the
+  high code's at 16 + 4k and (31 + 4k) mod 32. (Read by this kernel, the codes of a word would need joins into the
+  tensor-core operand: 20-26% slower than the bytes on an H100, `bench/results/runs/h100_sketch_words/`.)
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ from pallas_kernels._common import (
     hopper_kernels_allowed,
     interpret_aware_jit,
     next_pow2,
+    on_hopper,
     resolve_interpret,
 )
 
@@ -198,17 +209,22 @@ def default_launch(num_pages: int, num_kv_heads: int, page_size: int) -> tuple[i
     return 64, splits
 
 
-def runs_on_hopper_kernel(q: jax.Array, codes: jax.Array, *, bits: int, interpret: bool | None = None,
-                          tuned: bool = False) -> bool:
-    """Whether `sketch_page_lse` takes the Hopper kernel (`mgpu_sketch`: TMA, wgmma) rather than the Triton one: int4
-    codes and whatever `mgpu_sketch.is_supported` asks (an sm_90 GPU, a bfloat16 q of head dim 128, G <= 8), unless
-    Triton launch parameters are given (`tuned`) or the environment sets JAX_OFFLOAD_HOPPER_ATTENTION=0 (which keeps
-    every attention-side kernel on Triton)."""
-    if bits != 4 or tuned or resolve_interpret(interpret):
+def hopper_scores_int4_words(q_dtype: jnp.dtype, num_kv_heads: int, group: int, head_dim: int, page_size: int,
+                             num_pages: int) -> bool:
+    """Whether an int4 sketch of this shape is best stored as words here: the Hopper kernel (`mgpu_sketch`: TMA,
+    wgmma) can score it (an sm_90 GPU, a bfloat16 q of head dim 128, G <= 8, whatever `mgpu_sketch.is_supported` asks)
+    and the environment does not set JAX_OFFLOAD_HOPPER_ATTENTION=0 (which keeps every attention-side kernel on
+    Triton)."""
+    if resolve_interpret(None) or not hopper_kernels_allowed():
         return False
-    if not hopper_kernels_allowed():
-        return False
+    q = jax.ShapeDtypeStruct((num_kv_heads, group, head_dim), q_dtype)
+    codes = jax.ShapeDtypeStruct((num_kv_heads, page_size, num_pages, head_dim // 8), jnp.uint32)
     return mgpu_sketch.is_supported(q, codes)
+
+
+def runs_on_hopper_kernel(codes: jax.Array, *, bits: int) -> bool:
+    """Whether `sketch_page_lse` takes the Hopper kernel rather than the Triton one: int4 codes stored as words."""
+    return bits == 4 and codes.dtype == jnp.uint32
 
 
 def sketch_page_lse(q: jax.Array, codes: jax.Array, scale: jax.Array, *, bits: int, num_pages: int | None = None,
@@ -218,15 +234,15 @@ def sketch_page_lse(q: jax.Array, codes: jax.Array, scale: jax.Array, *, bits: i
 
     Args:
       q: [Hkv, G, D] query heads grouped by their KV head (bfloat16, float16 or float32).
-      codes: [Hkv, page_size, P, width]: bits=4 uint8 with width D / 2 (two codes a byte, see the module
-        docstring); bits=8 int8 with width D.
+      codes: [Hkv, page_size, P, width]: bits=4 uint8 bytes with width D / 2 (the Triton kernel) or uint32 words
+        with width D / 8 (the Hopper kernel; see the module docstring); bits=8 int8 with width D.
       scale: float32 [Hkv, page_size, P], each token's scale.
       num_pages: score only the first num_pages <= P pages (static; default P). The kernel reads them in place, so
         a sketch allocated for the longest context is never sliced (a slice of its page axis would be a copy).
       sm_scale: default 1/sqrt(D). block_p: pages per program (power of two >= 16).
       splits: programs sharing a page's token offsets (a divisor of page_size), their log-sum-exps combined after.
-        block_p and splits default to `default_launch`; left unset, a Hopper GPU runs `mgpu_sketch`'s kernel
-        instead where it can (`runs_on_hopper_kernel`).
+        block_p and splits default to `default_launch`; the Hopper kernel takes none of the Triton kernel's launch
+        parameters.
 
     Returns:
       float32 [Hkv, G, num_pages]: log sum over each page's tokens of exp((q . codes) * scale * sm_scale).
@@ -238,17 +254,25 @@ def sketch_page_lse(q: jax.Array, codes: jax.Array, scale: jax.Array, *, bits: i
                          "[Hkv, page_size, P, width]")
     hkv, _, d = q.shape
     page, p = codes.shape[1:3]
-    width, code_dtype = (d // 2, jnp.uint8) if bits == 4 else (d, jnp.int8)
-    if codes.shape[3] != width or codes.dtype != code_dtype or (bits == 4 and d % 2):
+    if bits == 4:
+        layouts = [(d // 2, jnp.uint8)] + ([(d // 8, jnp.uint32)] if d % 8 == 0 else [])
+    else:
+        layouts = [(d, jnp.int8)]
+    if d % 2 or (codes.shape[3], codes.dtype) not in layouts:
+        allowed = " or ".join(f"[{hkv}, page_size, P, {w}] {jnp.dtype(t).name}" for w, t in layouts)
         raise ValueError(f"codes have shape {codes.shape} and dtype {codes.dtype}; allowed for bits={bits} and head "
-                         f"dim {d}: [{hkv}, page_size, P, {width}] {jnp.dtype(code_dtype).name}")
+                         f"dim {d}: {allowed}")
     if scale.shape != (hkv, page, p):
         raise ValueError(f"scale has shape {scale.shape}; allowed: ({hkv}, {page}, {p})")
     num_pages = p if num_pages is None else int(num_pages)
     if not 1 <= num_pages <= p:
         raise ValueError(f"num_pages={num_pages}; allowed: 1 to the sketch's {p} pages")
-    if runs_on_hopper_kernel(q, codes, bits=bits, interpret=interpret,
-                             tuned=block_p is not None or splits is not None):
+    if runs_on_hopper_kernel(codes, bits=bits):
+        if block_p is not None or splits is not None or resolve_interpret(interpret) or not mgpu_sketch.is_supported(
+                q, codes):
+            raise ValueError(f"int4 words (codes {codes.shape} uint32) are scored by the Hopper kernel only, which "
+                             f"cannot run this call (q {q.shape} {q.dtype}, block_p={block_p}, splits={splits}, "
+                             f"interpret={interpret}, on Hopper: {on_hopper()}); store the sketch as bytes")
         return mgpu_sketch.sketch_page_lse_mgpu(q, codes, scale, num_pages=num_pages, sm_scale=sm_scale)
     auto_block, auto_splits = default_launch(num_pages, hkv, page)
     block_p = auto_block if block_p is None else block_p

@@ -151,10 +151,11 @@ def test_pallas_path_equals_jnp_path(model_dir, policy):
 @pytest.mark.skipif(not on_hopper(), reason="the Hopper sketch kernel runs on sm_90 GPUs only")
 def test_bfloat16_sketch_on_the_hopper_kernel_equals_the_triton_kernel(tmp_path_factory, monkeypatch):
     """In bfloat16 with head dim 128 on a Hopper GPU the engine scores the sketch with the Mosaic GPU kernel
-    (pallas_kernels/mgpu_sketch.py). With the Triton kernel instead (the one checked against float64 on the CPU) and
-    nothing else changed, decode chooses the same pages: the same logits, bit for bit. (Against the jnp path the
-    test would be ill-posed in bfloat16: the two paths' attention rounds differently, the next query moves, and a
-    random tiny model's near-tied pages swap: its full decode's greedy tokens part from the jnp path's too.)"""
+    (pallas_kernels/mgpu_sketch.py) over int4 words. With the Triton kernel instead (the one checked against float64
+    on the CPU, over int4 bytes) and nothing else changed, decode chooses the same pages: the same logits, bit for
+    bit. (Against the jnp path the test would be ill-posed in bfloat16: the two paths' attention rounds differently,
+    the next query moves, and a random tiny model's near-tied pages swap: its full decode's greedy tokens part from
+    the jnp path's too.)"""
     path = tiny_models.build_in(tmp_path_factory, "qwen3_d128", seed=MODEL_SEED)
     ids = np.random.default_rng(507).integers(3, tiny_models.VOCAB, size=300).tolist()
 
@@ -163,7 +164,7 @@ def test_bfloat16_sketch_on_the_hopper_kernel_equals_the_triton_kernel(tmp_path_
         llm = LLM(path, dtype="bfloat16", offload=True, block_size=64, num_ring_slots=2, attention_impl="pallas",
                   decode_policy="sketch", decode_budget=64, page_size=16, dense_layers=1)
         codes = llm._runner.pages.codes[1]
-        routed = runs_on_hopper_kernel(jnp.zeros((codes.shape[0], 2, 128), jnp.bfloat16), codes, bits=4)
+        routed = runs_on_hopper_kernel(codes, bits=4)
         return routed, _decode_logits(llm, ids, 30)
 
     on_hopper_kernel, hopper = decode()
@@ -232,7 +233,8 @@ def test_sketch_is_written_with_every_stored_block(model_dir, prefill, dtype):
         pages = written * 64 // 16
         kept_codes = sketch.from_page_layout(runner.pages.codes[layer][:, :, :pages])
         kept_scales = sketch.from_page_layout(runner.pages.scales[layer][:, :, :pages])
-        np.testing.assert_array_equal(np.asarray(kept_codes), np.asarray(sketch.pack_codes(codes, dtype)))
+        np.testing.assert_array_equal(np.asarray(kept_codes),
+                                      np.asarray(sketch.pack_codes(codes, dtype, runner.pages.words)))
         np.testing.assert_array_equal(np.asarray(kept_scales), np.asarray(scale))
     runner.finish()
 

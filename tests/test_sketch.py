@@ -11,6 +11,7 @@ import pallas_kernels
 from pallas_kernels import mgpu_sketch
 
 from jax_offload.sparse import sketch
+from jax_offload.tensor_parallel import TensorParallel
 
 QMAX = {"int4": 7, "int8": 127}
 
@@ -21,9 +22,9 @@ def _np_quantize(k: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(np.round(k / safe), -QMAX[dtype], QMAX[dtype]), scale
 
 
-@pytest.mark.parametrize("dtype", ["int4", "int8"])
-def test_quantization_and_packing_match_float64(dtype):
-    seed = 4100 + len(dtype)
+@pytest.mark.parametrize("dtype,words", [("int4", False), ("int4", True), ("int8", False)])
+def test_quantization_and_packing_match_float64(dtype, words):
+    seed = 4100 + len(dtype) + words
     rng = np.random.default_rng(seed)
     k = rng.standard_normal((3, 64, 32)).astype(np.float32) * rng.uniform(0.1, 5, (3, 64, 1)).astype(np.float32)
     k[1, 5] = 0.0  # a zero key: scale 0, codes 0
@@ -33,26 +34,53 @@ def test_quantization_and_packing_match_float64(dtype):
     # float32 division can land a code one step off only where k / scale sits on a rounding boundary.
     assert np.mean(np.asarray(codes) != ref_codes) < 1e-3, f"seed {seed}"
     assert np.asarray(codes)[1, 5].tolist() == [0] * 32 and float(scale[1, 5]) == 0.0
-    packed = sketch.pack_codes(codes, dtype)
-    assert packed.shape[-1] == (16 if dtype == "int4" else 32)
-    assert packed.dtype == (jnp.uint8 if dtype == "int4" else jnp.int8)
+    packed = sketch.pack_codes(codes, dtype, words)
+    width, stored_dtype = {(False, "int8"): (32, jnp.int8), (False, "int4"): (16, jnp.uint8),
+                           (True, "int4"): (4, jnp.uint32)}[words, dtype]
+    assert packed.shape[-1] == width and packed.dtype == stored_dtype
     np.testing.assert_array_equal(np.asarray(sketch.unpack_codes(packed, dtype)), np.asarray(codes))
-    if dtype == "int4":  # byte j: channel j and channel j + D/2 as 4-bit two's complement (the Hopper kernel's view)
-        c = np.asarray(codes).astype(np.uint8) & 0xF
-        np.testing.assert_array_equal(np.asarray(packed), c[..., :16] | (c[..., 16:] << 4))
-    err = np.abs(np.asarray(codes) * np.asarray(scale)[..., None] - k)
+    c = np.asarray(codes)
+    if dtype == "int4" and not words:  # byte j: channel j and channel j + D/2 as 4-bit two's complement
+        nibbles = c.astype(np.uint8) & 0xF
+        np.testing.assert_array_equal(np.asarray(packed), nibbles[..., :16] | (nibbles[..., 16:] << 4))
+    if words:  # word w rotated right by 4i and masked: channel 4w + i at bits 0-2 (sign 15), D/2 + 4w + i at 16-18
+        w = np.asarray(packed).astype(np.uint64)  # (sign 31), sign-magnitude
+        for i in range(4):
+            pair = ((w >> (4 * i)) | (w << (32 - 4 * i))) & 0x80078007
+            for half, bits in enumerate((pair, pair >> 16)):
+                value = (bits & 7).astype(np.int64) * np.where(bits & 0x8000, -1, 1)
+                np.testing.assert_array_equal(value, c.reshape(3, 64, 2, 4, 4)[..., half, :, i],
+                                              err_msg=f"seed {seed}, pair {i}")
+    err = np.abs(c * np.asarray(scale)[..., None] - k)
     assert np.all(err <= np.asarray(scale)[..., None] / 2 + 1e-6), f"seed {seed}: off by more than half a step"
 
 
-@pytest.mark.parametrize("dtype", ["int4", "int8"])
-def test_token_scores_and_page_mass_match_float64(dtype):
-    seed = 4200 + len(dtype)
+def test_key_sketch_records_int4_words():
+    """The sketch the engine keeps for the Hopper kernel (int4 words) holds a written block's quantized keys in the
+    page layout, as the byte layout does."""
+    seed = 4150
+    rng = np.random.default_rng(seed)
+    kv = jnp.asarray(rng.standard_normal((2, 32, 2, 128)), jnp.float32)  # [K|V, block, Hkv, D]
+    stores = {words: sketch.KeySketch([1], 96, 2, 128, 16, "int4", TensorParallel.create(1), words=words)
+              for words in (False, True)}
+    codes, _ = sketch.quantize_keys(kv[0].transpose(1, 0, 2), "int4")
+    for words, store in stores.items():
+        store.record(1, 1, kv)  # block 1: tokens 32..63, pages 2 and 3
+        assert store.codes[1].dtype == (jnp.uint32 if words else jnp.uint8), words
+        kept = sketch.unpack_codes(sketch.from_page_layout(store.codes[1])[:, 32:64], "int4")
+        np.testing.assert_array_equal(np.asarray(kept), np.asarray(codes), err_msg=f"seed {seed}, words {words}")
+        assert not np.asarray(store.codes[1][:, :, :2]).any()
+
+
+@pytest.mark.parametrize("dtype,words", [("int4", False), ("int4", True), ("int8", False)])
+def test_token_scores_and_page_mass_match_float64(dtype, words):
+    seed = 4200 + len(dtype) + words
     rng = np.random.default_rng(seed)
     hkv, g, t, d, page = 2, 3, 96, 32, 16
     q = rng.standard_normal((hkv, g, d)).astype(np.float32)
     k = rng.standard_normal((hkv, t, d)).astype(np.float32) * 2
     codes, scale = sketch.quantize_keys(jnp.asarray(k), dtype)
-    scores = sketch.token_scores(jnp.asarray(q), sketch.pack_codes(codes, dtype), scale, dtype)
+    scores = sketch.token_scores(jnp.asarray(q), sketch.pack_codes(codes, dtype, words), scale, dtype)
     c64, s64 = np.asarray(codes, np.float64), np.asarray(scale, np.float64)
     ref = np.einsum("hgd,htd->hgt", q.astype(np.float64), c64) * s64[:, None] / math.sqrt(d)
     np.testing.assert_allclose(np.asarray(scores), ref, rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
@@ -72,6 +100,13 @@ def test_token_scores_and_page_mass_match_float64(dtype):
 def test_unknown_sketch_dtype_is_one_clear_error():
     with pytest.raises(ValueError, match="sketch_dtype 'int2' is unknown; valid: int4, int8"):
         sketch.quantize_keys(jnp.ones((2, 4)), "int2")
+
+
+def test_int4_words_off_hopper_are_one_clear_error():
+    q = jnp.ones((2, 4, 128), jnp.bfloat16)
+    words = jnp.zeros((2, 16, 8, 16), jnp.uint32)
+    with pytest.raises(ValueError, match=r"int4 words \(codes \(2, 16, 8, 16\) uint32\) are scored by the Hopper"):
+        pallas_kernels.sketch_page_lse(q, words, jnp.ones((2, 16, 8)), bits=4, interpret=True)
 
 
 @pytest.mark.parametrize("dtype,pages,q_dtype,q_scale", [
@@ -110,7 +145,7 @@ def test_hopper_kernel_lowers_for_cuda():
     values are checked against float64 on the GPU by bench/probes/probe_sketch_mgpu.py."""
     for hkv, g, page, p in ((8, 4, 16, 2048), (2, 3, 4, 128)):
         shapes = (jax.ShapeDtypeStruct((hkv, g, 128), jnp.bfloat16),
-                  jax.ShapeDtypeStruct((hkv, page, p, 64), jnp.uint8),
+                  jax.ShapeDtypeStruct((hkv, page, p, 16), jnp.uint32),
                   jax.ShapeDtypeStruct((hkv, page, p), jnp.float32))
         fn = functools.partial(mgpu_sketch.sketch_page_lse_mgpu, num_pages=p - 3)
         jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))

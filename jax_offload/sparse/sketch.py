@@ -1,9 +1,9 @@
 """Sketch decode: each KV head reads the pages that hold the most of its query group's estimated attention mass.
 
 A low-bit copy of each sparse layer's post-RoPE keys (the sketch) stays in GPU memory: per token and KV head,
-symmetric integer codes (int4, two per byte, or int8) and one float32 scale. Each decode step scores every
-stored token with the real query, q . k_hat / sqrt(D), turns each query head's scores into an estimated softmax
-over the stored tokens, sums that mass over the head's GQA group and over each page, and lets every KV head read
+symmetric integer codes (int4, two a byte or eight a word, or int8) and one float32 scale. Each decode step scores
+every stored token with the real query, q . k_hat / sqrt(D), turns each query head's scores into an estimated
+softmax over the stored tokens, sums that mass over the head's GQA group and over each page, and lets every KV head read
 page 0 and its pages of largest estimated mass (the rule of `quest.top_pages`). The Pallas kernel reduces the
 scores to each page's log-sum-exp in registers (`pallas_kernels.sketch_page_lse`); the softmax over pages is
 small. With exact keys this is the true-mass oracle of `bench/eval_oracle.py`, which keeps full attention's NIAH
@@ -46,28 +46,50 @@ def quantize_keys(k: jax.Array, dtype: str) -> tuple[jax.Array, jax.Array]:
     return codes, scale
 
 
-def pack_codes(codes: jax.Array, dtype: str) -> jax.Array:
-    """int8 codes [..., D] -> what the sketch stores: int8 as they are; int4 as uint8 [..., D / 2], byte j holding
-    channel j (low nibble) and channel j + D / 2 (high nibble), each in 4-bit two's complement (what the Hopper
-    kernel's int4 view of the bytes reads)."""
+_PAIR_SHIFTS = np.arange(4, dtype=np.uint32) * 4
+
+
+def pack_codes(codes: jax.Array, dtype: str, words: bool = False) -> jax.Array:
+    """int8 codes [..., D] -> what the sketch stores (`pallas_kernels.sketch`'s layouts): int8 as they are; int4 as
+    bytes, uint8 [..., D / 2] (byte j: channel j in the low nibble, channel j + D / 2 in the high one, each in 4-bit
+    two's complement), or with `words` as uint32 [..., D / 8] of eight sign-magnitude codes each."""
     if check_sketch_dtype(dtype) == "int8":
         return codes
-    half = codes.shape[-1] // 2
-    lo, hi = (codes[..., :half].astype(jnp.uint8) & 0xF), (codes[..., half:].astype(jnp.uint8) & 0xF)
-    return lo | (hi << 4)
+    d = codes.shape[-1]
+    if not words:
+        half = d // 2
+        lo, hi = (codes[..., :half].astype(jnp.uint8) & 0xF), (codes[..., half:].astype(jnp.uint8) & 0xF)
+        return lo | (hi << 4)
+    if d % 8:
+        raise ValueError(f"int4 words pack a head dim that is a multiple of 8; got {d}")
+    c = codes.astype(jnp.int32).reshape(*codes.shape[:-1], 2, d // 8, 4)  # [..., low/high, word, k]
+    mag, sign = jnp.abs(c).astype(jnp.uint32), (c < 0).astype(jnp.uint32)
+    k = jnp.asarray(_PAIR_SHIFTS)
+    fields = ((mag[..., 0, :, :] << k) | (sign[..., 0, :, :] << ((15 + k) % 32))
+              | (mag[..., 1, :, :] << (16 + k)) | (sign[..., 1, :, :] << ((31 + k) % 32)))
+    return jnp.sum(fields, axis=-1, dtype=jnp.uint32)  # the fields' bits are disjoint
 
 
 def unpack_codes(packed: jax.Array, dtype: str) -> jax.Array:
-    """The inverse of `pack_codes` -> int8 codes [..., D]."""
+    """The inverse of `pack_codes` (the int4 layout told by the dtype) -> int8 codes [..., D]."""
     if check_sketch_dtype(dtype) == "int8":
         return packed
-    lo = ((packed & 0xF) ^ 8).astype(jnp.int8) - 8  # sign extension of a 4-bit two's complement value
-    hi = ((packed >> 4) ^ 8).astype(jnp.int8) - 8
-    return jnp.concatenate([lo, hi], axis=-1)
+    if packed.dtype == jnp.uint8:
+        lo = ((packed & 0xF) ^ 8).astype(jnp.int8) - 8  # sign extension of a 4-bit two's complement value
+        hi = ((packed >> 4) ^ 8).astype(jnp.int8) - 8
+        return jnp.concatenate([lo, hi], axis=-1)
+    words = packed[..., None]
+    k = jnp.asarray(_PAIR_SHIFTS)
+
+    def code(mag_bit, sign_bit):
+        mag = ((words >> mag_bit) & 7).astype(jnp.int8)
+        return jnp.where((words >> sign_bit) & 1 == 1, -mag, mag).reshape(*packed.shape[:-1], 4 * packed.shape[-1])
+
+    return jnp.concatenate([code(k, (15 + k) % 32), code(16 + k, (31 + k) % 32)], axis=-1)
 
 
 def token_scores(q: jax.Array, packed: jax.Array, scale: jax.Array, dtype: str) -> jax.Array:
-    """Estimated attention logits of every sketched token: q [Hkv, G, D], packed codes [Hkv, T, D or D/2], scales
+    """Estimated attention logits of every sketched token: q [Hkv, G, D], packed codes [Hkv, T, width], scales
     [Hkv, T] -> float32 [Hkv, G, T] = (q . codes) * scale / sqrt(D). The codes are small integers, exact in any
     float dtype, so q . codes is q's products summed in float32."""
     codes = unpack_codes(packed, dtype).astype(q.dtype)
@@ -137,16 +159,17 @@ class SketchScore:
 
 class KeySketch:
     """The key sketch of every sparse layer, on the GPU, for up to `num_tokens` tokens per layer, in the page layout
-    of `to_page_layout` (P = num_tokens / page_size): codes [Hkv, page_size, P, D / 2] uint8 (int4) or [Hkv,
-    page_size, P, D] int8, scales [Hkv, page_size, P] float32."""
+    of `to_page_layout` (P = num_tokens / page_size): codes [Hkv, page_size, P, width] in `pack_codes`' layout
+    (int8; int4 bytes, or int4 words where the Hopper kernel will score them), scales [Hkv, page_size, P] float32."""
 
     def __init__(self, layers: list[int], num_tokens: int, num_kv_heads: int, head_dim: int, page_size: int,
-                 dtype: str, tp: TensorParallel):
+                 dtype: str, tp: TensorParallel, words: bool = False):
         """Under tensor parallelism each device keeps the sketch of its own KV heads."""
         self.layers, self.page_size, self.dtype = set(layers), page_size, check_sketch_dtype(dtype)
+        self.words = words and dtype == "int4"
         self.num_slots = num_tokens // page_size
-        width = head_dim // 2 if dtype == "int4" else head_dim
-        code_dtype = jnp.uint8 if dtype == "int4" else jnp.int8
+        width, code_dtype = {"int8": (head_dim, jnp.int8), "int4": (head_dim // 2, jnp.uint8),
+                             "words": (head_dim // 8, jnp.uint32)}["words" if self.words else dtype]
         pages = (num_kv_heads, page_size, self.num_slots)
         self.codes = {l: tp.zeros((*pages, width), code_dtype, 0) for l in layers}
         self.scales = {l: tp.zeros(pages, jnp.float32, 0) for l in layers}
@@ -164,12 +187,13 @@ class KeySketch:
         if layer in self.layers:
             first = np.int32(block_index * kv.shape[1] // self.page_size)
             self.codes[layer], self.scales[layer] = _record(self.codes[layer], self.scales[layer], kv, first,
-                                                            self.dtype, self.page_size)
+                                                            self.dtype, self.page_size, self.words)
 
 
-@functools.partial(step_jit, static_argnums=(4, 5), donate_argnums=(0, 1))
-def _record(codes: jax.Array, scales: jax.Array, kv: jax.Array, first_page: jax.Array, dtype: str, page_size: int):
+@functools.partial(step_jit, static_argnums=(4, 5, 6), donate_argnums=(0, 1))
+def _record(codes: jax.Array, scales: jax.Array, kv: jax.Array, first_page: jax.Array, dtype: str, page_size: int,
+            words: bool):
     new_codes, new_scales = quantize_keys(kv[0].transpose(1, 0, 2), dtype)
-    new_codes = to_page_layout(pack_codes(new_codes, dtype), page_size)
+    new_codes = to_page_layout(pack_codes(new_codes, dtype, words), page_size)
     return (jax.lax.dynamic_update_slice(codes, new_codes, (0, 0, first_page, 0)),
             jax.lax.dynamic_update_slice(scales, to_page_layout(new_scales, page_size), (0, 0, first_page)))
