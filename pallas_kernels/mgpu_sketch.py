@@ -111,7 +111,7 @@ def _widen(tile):
 
 
 def _kernel(q_ref, codes_ref, scale_ref, out_ref, codes_words, codes_i4, q_smem, scale_smem, out_smem, ready,
-            q_ready, scale_ready, *, batch: int, pairs: int, rescale: float):
+            q_ready, scale_ready, *, batch: int, rescale: float):
     block = lax.axis_index("pages")
     head = lax.axis_index("heads")
     pages = pl.ds(block * BLOCK_PAGES, BLOCK_PAGES)
@@ -147,19 +147,14 @@ def _kernel(q_ref, codes_ref, scale_ref, out_ref, codes_words, codes_i4, q_smem,
                 def _refill(o=o, slot=slot):
                     fetch(o + slots, slot)
 
-        def scores(*acc_refs):  # offset i * pairs + j meets query copy j, in accumulator i
-            for i, acc_ref in enumerate(acc_refs):
-                for j in range(pairs):
-                    plgpu.wgmma(acc_ref, tiles[i * pairs + j], q_smem.at[j].transpose((1, 0)))
+        def scores(*acc_refs):
+            for acc_ref, k in zip(acc_refs, tiles):
+                plgpu.wgmma(acc_ref, k, q_smem.transpose((1, 0)))
             return [acc_ref[...] for acc_ref in acc_refs]
 
-        s = pl.run_scoped(scores, *[plgpu.ACC(shape, jnp.float32) for _ in range(batch // pairs)])
-        rows = [lax.broadcast_in_dim(mosaic_load(scale_smem.at[o], layout=wgmma_layout.reduce(1)) * rescale, shape,
-                                     [0]) for o in offsets_of_group]
-        if pairs == 2:  # columns 0-3 hold the first offset's scores, 4-7 the second's
-            first = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout) < _GROUP_PAD // 2
-            rows = [jnp.where(first, a, b) for a, b in zip(rows[::2], rows[1::2])]
-        s = [x * r for x, r in zip(s, rows)]
+        s = pl.run_scoped(scores, *[plgpu.ACC(shape, jnp.float32) for _ in range(batch)])
+        rows = [mosaic_load(scale_smem.at[o], layout=wgmma_layout.reduce(1)) for o in offsets_of_group]
+        s = [x * lax.broadcast_in_dim(r * rescale, shape, [0]) for x, r in zip(s, rows)]
         m_new = functools.reduce(jnp.maximum, s, m)
         return m_new, l * jnp.exp2(m - m_new) + functools.reduce(jnp.add, [jnp.exp2(x - m_new) for x in s])
 
@@ -170,15 +165,13 @@ def _kernel(q_ref, codes_ref, scale_ref, out_ref, codes_words, codes_i4, q_smem,
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the write lands before the kernel ends
 
 
-@functools.partial(jax.jit, static_argnames=("num_pages", "sm_scale", "pairs"))
-def _launch(q, codes, scale, *, num_pages: int, sm_scale: float, pairs: int):
+@functools.partial(jax.jit, static_argnames=("num_pages", "sm_scale"))
+def _launch(q, codes, scale, *, num_pages: int, sm_scale: float):
     hkv, group, d = q.shape
     page = codes.shape[1]
     blocks = -(-num_pages // BLOCK_PAGES)
     half = d // 2
-    copies = [jnp.pad(q[..., _wgmma_channels(d)], ((0, 0), (j * 4, _GROUP_PAD - group - j * 4), (0, 0)))
-              for j in range(pairs)]
-    q_pad = jnp.stack(copies, axis=1) * jnp.bfloat16(_Q_LIFT)  # [Hkv, pairs, 8, D]
+    q_pad = jnp.pad(q[..., _wgmma_channels(d)], ((0, 0), (0, _GROUP_PAD - group), (0, 0))) * jnp.bfloat16(_Q_LIFT)
 
     def swizzled(shape, dtype, swizzle_bytes):
         elements = swizzle_bytes * 8 // jnp.iinfo(dtype).bits if jnp.issubdtype(dtype, jnp.integer) else \
@@ -191,13 +184,13 @@ def _launch(q, codes, scale, *, num_pages: int, sm_scale: float, pairs: int):
     codes_smem = plgpu.RefUnion(swizzled((slots, BLOCK_PAGES, d // 8), jnp.uint32, half),
                                 swizzled((slots, BLOCK_PAGES, d), jnp.int4, half))
     batch = math.gcd(_OFFSETS_A_WAIT, page)
-    kernel = functools.partial(_kernel, batch=batch, pairs=pairs, rescale=sm_scale * LOG2E * _CODE_LIFT / _Q_LIFT)
+    kernel = functools.partial(_kernel, batch=batch, rescale=sm_scale * LOG2E * _CODE_LIFT / _Q_LIFT)
     out = plgpu.kernel(
         lambda q_ref, c_ref, s_ref, o_ref, views, *rest: kernel(q_ref, c_ref, s_ref, o_ref, *views, *rest),
         out_type=jax.ShapeDtypeStruct((hkv, blocks * BLOCK_PAGES, _GROUP_PAD), jnp.float32),
         scratch_types=(
             codes_smem,
-            swizzled((pairs, _GROUP_PAD, d), jnp.bfloat16, 128),
+            swizzled((_GROUP_PAD, d), jnp.bfloat16, 128),
             plgpu.SMEM((page, BLOCK_PAGES), jnp.float32),
             plgpu.SMEM((BLOCK_PAGES, _GROUP_PAD), jnp.float32),
             plgpu.Barrier(num_barriers=slots),  # a slot's code tile is in
@@ -208,10 +201,7 @@ def _launch(q, codes, scale, *, num_pages: int, sm_scale: float, pairs: int):
         grid_names=("pages", "heads"),
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
     )(q_pad, codes, scale)
-    lse = out[:, :num_pages, :group]
-    if pairs == 2:  # the even offsets' and the odd offsets' log-sum-exps of each page
-        lse = jnp.logaddexp(lse, out[:, :num_pages, 4:4 + group])
-    return jnp.moveaxis(lse, 2, 1)
+    return jnp.moveaxis(out[:, :num_pages, :group], 2, 1)
 
 
 def sketch_page_lse_mgpu(q: jax.Array, codes: jax.Array, scale: jax.Array, *, num_pages: int | None = None,
@@ -225,6 +215,4 @@ def sketch_page_lse_mgpu(q: jax.Array, codes: jax.Array, scale: jax.Array, *, nu
     num_pages = p if num_pages is None else int(num_pages)
     if not 1 <= num_pages <= p:
         raise ValueError(f"num_pages={num_pages}; allowed: 1 to the sketch's {p} pages")
-    pairs = 2 if q.shape[1] <= _GROUP_PAD // 2 and page % 2 == 0 else 1
-    return _launch(q, codes, scale.astype(jnp.float32), num_pages=num_pages, sm_scale=check_sm_scale(sm_scale, d),
-                   pairs=pairs)
+    return _launch(q, codes, scale.astype(jnp.float32), num_pages=num_pages, sm_scale=check_sm_scale(sm_scale, d))
