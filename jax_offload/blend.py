@@ -31,11 +31,11 @@ import numpy as np
 from jax_offload.attention import embed_tokens, prefill_attention
 from jax_offload.buckets import cache_bucket, prompt_bucket
 from jax_offload.config import ModelConfig
+from jax_offload.kv.content_key import chained_key
 from jax_offload.models import decoder
 from jax_offload.models.params import LayerParams, ModelParams
 from jax_offload.models.rope import cos_sin
 from jax_offload.precision import step_jit
-from jax_offload.serving.block_manager import chained_key
 from jax_offload.tensor_parallel import host_memory_kind
 
 

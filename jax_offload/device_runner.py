@@ -22,8 +22,8 @@ class DeviceRunner:
 
     def __init__(self, cfg: ModelConfig, params: ModelParams, inv_freq: jax.Array, dtype: jnp.dtype, impl: str,
                  tp: TensorParallel, xattn: XAttention | None = None):
-        self.cfg, self.params, self.inv_freq, self.dtype, self.impl, self.xattn = cfg, params, inv_freq, dtype, impl, xattn
-        self.tp = tp
+        self.cfg, self.params, self.inv_freq, self.dtype = cfg, params, inv_freq, dtype
+        self.impl, self.xattn, self.tp = impl, xattn, tp
         self._k: list[jax.Array] = []
         self._v: list[jax.Array] = []
         self.prefill_block_counts: list[jax.Array] = []  # per layer, XAttention's [selected, visible] blocks
@@ -36,7 +36,9 @@ class DeviceRunner:
         progress: Callable[[float], None] | None = None,
         keep_all: bool = True,
     ) -> tuple[jax.Array, int]:
-        """ids [1, T] padded prompt -> (final hidden states [1, T, hidden], 0: position of the first row)."""
+        """ids [1, T] padded prompt -> (final hidden states [1, T, hidden], 0: position of the first row). The KV
+        cache is sized for `total_len` tokens; every row is kept whatever `keep_all` says (the argument is the
+        offloaded runner's, which the engine calls the same way)."""
         cfg = self.cfg
         x = embed_tokens(self.params.embed, ids)
         cache_len = max(cache_bucket(total_len), x.shape[1])

@@ -154,7 +154,8 @@ class OffloadRunner:
         does not grow with the prompt. `progress(tokens)` is told how much is done as work completes. `blocks`
         is the request's block table (default: the store's blocks 0, 1, ...; full attention only), whose first
         `cached_blocks` already hold the prompt's KV (a cached prefix): prefill then runs chunk by chunk after
-        them, as chunked prefill would."""
+        them, as chunked prefill would. `total_len` is the in-GPU runner's argument (it sizes that runner's cache;
+        the store here is sized for max_model_len)."""
         if blocks is not None:
             if set(self.store.places) != {"blocks"}:
                 raise ValueError("A block table needs every layer's blocks in the host store (decode_policy 'full'); "

@@ -22,6 +22,14 @@ MIN_BLOCK = 16
 INT4_PAIR_MASK = 0x80078007
 
 
+def check_pallas_head_dim(d: int) -> None:
+    """The Triton kernels' head dims: a power of two in [16, 256]."""
+    if d < 16 or d > 256 or d & (d - 1):
+        raise ValueError(
+            f"head_dim={d} is not supported by the Pallas kernel; allowed: a power of two in "
+            "[16, 256] (use attention_with_lse_xla otherwise)")
+
+
 def check_block_lists(kv_blocks, kv_block_counts, batch: int, hq: int, nqb: int) -> tuple[jax.Array, jax.Array]:
     """Block-sparse attention's lists, checked: -> int32 kv_blocks [B, Hq, nqb, max_blocks] and int32 counts
     [B, Hq, nqb] clamped to [0, max_blocks]."""

@@ -28,6 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import mgpu_attention
 from pallas_kernels._common import (
+    check_pallas_head_dim,
     empty_softmax_state,
     finish_online_softmax,
     load_rows,
@@ -51,7 +52,7 @@ from pallas_kernels._common import (
 from pallas_kernels.state import AttentionState, check_state, empty_state, finish_state
 
 
-def default_attention_config(dtype) -> dict[str, int]:
+def default_attention_config(dtype: jnp.dtype) -> dict[str, int]:
     """Block sizes and launch parameters tuned on an H200 (see bench/bench_kernels.py).
 
     float32 uses exact (non-tf32) dots, which run on CUDA cores and need smaller tiles.
@@ -199,15 +200,8 @@ _attention_pallas = interpret_aware_jit(
                         "block_k", "num_warps", "num_stages"))
 
 
-def _check_pallas_head_dim(d: int) -> None:
-    if d < 16 or d > 256 or d & (d - 1):
-        raise ValueError(
-            f"head_dim={d} is not supported by the Pallas kernel; allowed: a power of two in "
-            "[16, 256] (use attention_with_lse_xla otherwise)")
-
-
-def runs_on_hopper_kernel(q: jax.Array, k: jax.Array, v: jax.Array, out_dtype=None, *, finish: bool = True,
-                          interpret: bool | None = None, q_positions: jax.Array | None = None,
+def runs_on_hopper_kernel(q: jax.Array, k: jax.Array, v: jax.Array, out_dtype: jnp.dtype | None = None, *,
+                          finish: bool = True, interpret: bool | None = None, q_positions: jax.Array | None = None,
                           tuned: bool = False) -> bool:
     """Whether `attention_with_lse` / `attention_state` take the Hopper kernel (`mgpu_attention`: Mosaic GPU, TMA
     loads, wgmma, warp specialisation) for these arguments rather than the Triton one: on an sm_90 GPU, with
@@ -225,7 +219,7 @@ def runs_on_hopper_kernel(q: jax.Array, k: jax.Array, v: jax.Array, out_dtype=No
 def _launch(q, k, v, state, *, causal, q_offset, kv_len, sm_scale, out_dtype, finish, interpret,
             block_q, block_k, num_warps, num_stages, kv_start=None, q_positions=None):
     batch, tq, hq, tk, hkv, d = check_attention_shapes(q, k, v, 4)
-    _check_pallas_head_dim(d)
+    check_pallas_head_dim(d)
     if state is not None:
         check_state(state, batch, tq, hq, d)
     cfg = default_attention_config(q.dtype)
@@ -250,10 +244,10 @@ def _launch(q, k, v, state, *, causal, q_offset, kv_len, sm_scale, out_dtype, fi
 
 
 def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
-                       q_offset=0, kv_len=None, kv_start: jax.Array | None = None,
-                       q_positions: jax.Array | None = None, sm_scale: float | None = None,
-                       out_dtype=None, state: AttentionState | None = None,
-                       interpret: bool | None = None, block_q: int | None = None,
+                       q_offset: int | jax.Array = 0, kv_len: int | jax.Array | None = None,
+                       kv_start: jax.Array | None = None, q_positions: jax.Array | None = None,
+                       sm_scale: float | None = None, out_dtype: jnp.dtype | None = None,
+                       state: AttentionState | None = None, interpret: bool | None = None, block_q: int | None = None,
                        block_k: int | None = None, num_warps: int | None = None,
                        num_stages: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Flash attention forward with GQA, causal offset, per-batch key length and LSE.
@@ -290,8 +284,8 @@ def attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool
 
 
 def attention_state(q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState | None = None, *,
-                    causal: bool = False, q_offset=0, kv_len=None, kv_start: jax.Array | None = None,
-                    q_positions: jax.Array | None = None,
+                    causal: bool = False, q_offset: int | jax.Array = 0, kv_len: int | jax.Array | None = None,
+                    kv_start: jax.Array | None = None, q_positions: jax.Array | None = None,
                     sm_scale: float | None = None,
                     interpret: bool | None = None, block_q: int | None = None, block_k: int | None = None,
                     num_warps: int | None = None, num_stages: int | None = None) -> AttentionState:
@@ -397,8 +391,9 @@ def _attention_state_xla(q, k, v, state, q_offset, kv_len, q_positions, kv_start
 
 
 def attention_state_xla(q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState | None = None, *,
-                        causal: bool = False, q_offset=0, kv_len=None, kv_start: jax.Array | None = None,
-                        q_positions: jax.Array | None = None, sm_scale: float | None = None) -> AttentionState:
+                        causal: bool = False, q_offset: int | jax.Array = 0, kv_len: int | jax.Array | None = None,
+                        kv_start: jax.Array | None = None, q_positions: jax.Array | None = None,
+                        sm_scale: float | None = None) -> AttentionState:
     """Continues `state` (None: no key seen yet) over the keys k, v: the jnp twin's resumable form.
 
     Same arguments and visibility as `attention_with_lse`; keys of this call sit at positions 0..Tk-1,
@@ -418,9 +413,10 @@ def attention_state_xla(q: jax.Array, k: jax.Array, v: jax.Array, state: Attenti
 
 
 def attention_with_lse_xla(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
-                           q_offset=0, kv_len=None, kv_start: jax.Array | None = None,
-                           q_positions: jax.Array | None = None, sm_scale: float | None = None,
-                           out_dtype=None, state: AttentionState | None = None,
+                           q_offset: int | jax.Array = 0, kv_len: int | jax.Array | None = None,
+                           kv_start: jax.Array | None = None, q_positions: jax.Array | None = None,
+                           sm_scale: float | None = None, out_dtype: jnp.dtype | None = None,
+                           state: AttentionState | None = None,
                            interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """jnp twin of `attention_with_lse` (same arguments and results; `interpret` is ignored).
 

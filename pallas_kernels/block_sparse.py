@@ -43,6 +43,7 @@ from pallas_kernels._common import (
     cdiv,
     check_attention_shapes,
     check_out_dtype,
+    check_pallas_head_dim,
     check_sm_scale,
     compiler_params,
     dot_precision,
@@ -56,11 +57,7 @@ from pallas_kernels._common import (
     per_batch,
     resolve_interpret,
 )
-from pallas_kernels.attention import (
-    _check_pallas_head_dim,
-    default_attention_config,
-    runs_on_hopper_kernel,
-)
+from pallas_kernels.attention import default_attention_config, runs_on_hopper_kernel
 from pallas_kernels.state import AttentionState, finish_state
 
 
@@ -224,8 +221,8 @@ _block_sparse_pallas = interpret_aware_jit(
 
 def block_sparse_attention_with_lse(
         q: jax.Array, k: jax.Array, v: jax.Array, kv_blocks: jax.Array,
-        kv_block_counts: jax.Array, *, block_size: int = 128, causal: bool = False, q_offset=0,
-        kv_len=None, sm_scale: float | None = None, out_dtype=None,
+        kv_block_counts: jax.Array, *, block_size: int = 128, causal: bool = False, q_offset: int | jax.Array = 0,
+        kv_len: int | jax.Array | None = None, sm_scale: float | None = None, out_dtype: jnp.dtype | None = None,
         interpret: bool | None = None, block_k: int | None = None, num_warps: int | None = None,
         num_stages: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Flash attention over the listed key blocks of every query block, with GQA and LSE.
@@ -256,7 +253,7 @@ def block_sparse_attention_with_lse(
     """
     d, kv_blocks, counts, q_offset, kv_len = _check_block_args(
         q, k, v, kv_blocks, kv_block_counts, block_size, q_offset, kv_len)
-    _check_pallas_head_dim(d)
+    check_pallas_head_dim(d)
     tuned = any(x is not None for x in (block_k, num_warps, num_stages))
     if (runs_on_hopper_kernel(q, k, v, out_dtype, interpret=interpret, tuned=tuned)
             and mgpu_block_sparse.is_supported(q, k, v, block_size=block_size,
@@ -346,8 +343,8 @@ def _block_sparse_xla(q, k, v, kv_blocks, counts, q_offset, kv_len, *, causal, s
 
 def block_sparse_attention_with_lse_xla(
         q: jax.Array, k: jax.Array, v: jax.Array, kv_blocks: jax.Array,
-        kv_block_counts: jax.Array, *, block_size: int = 128, causal: bool = False, q_offset=0,
-        kv_len=None, sm_scale: float | None = None, out_dtype=None,
+        kv_block_counts: jax.Array, *, block_size: int = 128, causal: bool = False, q_offset: int | jax.Array = 0,
+        kv_len: int | jax.Array | None = None, sm_scale: float | None = None, out_dtype: jnp.dtype | None = None,
         interpret: bool | None = None, block_k: int | None = None, num_warps: int | None = None,
         num_stages: int | None = None) -> tuple[jax.Array, jax.Array]:
     """jnp twin of `block_sparse_attention_with_lse` (same arguments and results; `interpret`,

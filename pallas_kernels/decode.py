@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
+    check_pallas_head_dim,
     decode_key_tile,
     empty_softmax_state,
     finish_online_softmax,
@@ -41,7 +42,7 @@ from pallas_kernels._common import (
     per_batch,
     resolve_interpret,
 )
-from pallas_kernels.attention import _check_pallas_head_dim, attention_with_lse_xla
+from pallas_kernels.attention import attention_with_lse_xla
 from pallas_kernels.fold import fold_splits
 from pallas_kernels.merge import merge_stack
 from pallas_kernels.state import AttentionState, check_state
@@ -55,7 +56,7 @@ _TARGET_PROGRAMS = 128
 DECODE_SPLIT = 256
 
 
-def default_decode_config(dtype) -> dict[str, int]:
+def default_decode_config(dtype: jnp.dtype) -> dict[str, int]:
     """Launch parameters tuned on an H200 (see bench/bench_kernels.py)."""
     if jnp.dtype(dtype) == jnp.float32:
         return dict(block_k=32, num_warps=4, num_stages=2)
@@ -147,8 +148,8 @@ _decode_pallas = interpret_aware_jit(
                      "num_stages"))
 
 
-def decode_attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_len=None,
-                              sm_scale: float | None = None, out_dtype=None,
+def decode_attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_len: int | jax.Array | None = None,
+                              sm_scale: float | None = None, out_dtype: jnp.dtype | None = None,
                               interpret: bool | None = None,
                               block_k: int | None = None, num_splits: int | None = None,
                               num_warps: int | None = None,
@@ -170,7 +171,7 @@ def decode_attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_le
       o [B, Hq, D] in out_dtype (default q.dtype) and lse [B, Hq] float32 (natural log).
     """
     batch, _, hq, seq, hkv, d = check_attention_shapes(q, k, v, 3)
-    _check_pallas_head_dim(d)
+    check_pallas_head_dim(d)
     cfg = default_decode_config(q.dtype)
     block_k = fit_block(block_k or cfg["block_k"], seq)
     interpret = resolve_interpret(interpret)
@@ -187,8 +188,8 @@ def decode_attention_with_lse(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_le
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
 
 
-def decode_attention_with_lse_xla(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_len=None,
-                                  sm_scale: float | None = None, out_dtype=None,
+def decode_attention_with_lse_xla(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_len: int | jax.Array | None = None,
+                                  sm_scale: float | None = None, out_dtype: jnp.dtype | None = None,
                                   interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """jnp twin of `decode_attention_with_lse` (exact float32 statistics; `interpret` ignored)."""
     check_attention_shapes(q, k, v, 3)
@@ -197,8 +198,8 @@ def decode_attention_with_lse_xla(q: jax.Array, k: jax.Array, v: jax.Array, *, k
     return o[:, 0], lse[..., 0]
 
 
-def decode_state(q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState, *, kv_len=None,
-                 sm_scale: float | None = None, split_len: int = DECODE_SPLIT,
+def decode_state(q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState, *,
+                 kv_len: int | jax.Array | None = None, sm_scale: float | None = None, split_len: int = DECODE_SPLIT,
                  interpret: bool | None = None) -> AttentionState:
     """Continues the attention state of one query token per sequence over k/v, split for parallelism.
 
@@ -215,7 +216,7 @@ def decode_state(q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState
       split_len: keys per split (static), a multiple of 16.
     """
     batch, _, hq, seq, hkv, d = check_attention_shapes(q, k, v, 3)
-    _check_pallas_head_dim(d)
+    check_pallas_head_dim(d)
     check_state(state, batch, 1, hq, d)
     if split_len < MIN_BLOCK or split_len % MIN_BLOCK:
         raise ValueError(f"split_len={split_len}; allowed: a positive multiple of {MIN_BLOCK}")

@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
+    check_pallas_head_dim,
     decode_key_tile,
     LOG2E,
     MIN_BLOCK,
@@ -54,7 +55,6 @@ from pallas_kernels._common import (
     per_batch,
     resolve_interpret,
 )
-from pallas_kernels.attention import _check_pallas_head_dim
 from pallas_kernels.decode import (
     _TARGET_PROGRAMS,
     DECODE_SPLIT,
@@ -222,7 +222,7 @@ def paged_decode_state(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, blo
     block_tables, seq_lens = _check_paged_args(q, k_pages, v_pages, block_tables, seq_lens, k_scales, v_scales)
     batch, hq, d = q.shape
     num_pages, page_size, hkv, _ = k_pages.shape
-    _check_pallas_head_dim(d)
+    check_pallas_head_dim(d)
     check_state(state, batch, 1, hq, d)
     if split_len < MIN_BLOCK or split_len % MIN_BLOCK:
         raise ValueError(f"split_len={split_len}; allowed: a positive multiple of {MIN_BLOCK}")
@@ -287,7 +287,7 @@ def _check_paged_args(q, k_pages, v_pages, block_tables, seq_lens, k_scales=None
 
 def paged_decode_attention_with_lse(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                     block_tables: jax.Array, seq_lens: jax.Array, *,
-                                    sm_scale: float | None = None, out_dtype=None,
+                                    sm_scale: float | None = None, out_dtype: jnp.dtype | None = None,
                                     interpret: bool | None = None, block_k: int | None = None,
                                     num_splits: int | None = None, num_warps: int | None = None,
                                     num_stages: int | None = None, k_scales: jax.Array | None = None,
@@ -372,7 +372,7 @@ def _launch(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, *, page_size,
     batch, _, d = q.shape
     hkv = k_rows.shape[1]
     max_pages = block_tables.shape[1]
-    _check_pallas_head_dim(d)
+    check_pallas_head_dim(d)
     cfg = default_decode_config(q.dtype)
     # A power of two <= page_size (larger requests shrink to the page), so it divides the page.
     block_k = fit_block(block_k or cfg["block_k"], page_size)
@@ -411,7 +411,7 @@ def _gather_pages(k_pages, v_pages, block_tables, seq_lens):
 
 def paged_decode_attention_with_lse_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                         block_tables: jax.Array, seq_lens: jax.Array, *,
-                                        sm_scale: float | None = None, out_dtype=None,
+                                        sm_scale: float | None = None, out_dtype: jnp.dtype | None = None,
                                         interpret: bool | None = None, k_scales: jax.Array | None = None,
                                         v_scales: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """jnp twin of `paged_decode_attention_with_lse` (exact float32; `interpret` ignored).

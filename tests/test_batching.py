@@ -278,9 +278,9 @@ def test_block_manager_accounting():
     assert a.block_table == [] and blocks.num_free == 4
     c = _seq(2, 64)
     blocks.allocate(c, 64)
-    assert blocks.num_free == 0 and blocks.can_append(b)
+    assert blocks.num_free == 0 and blocks.new_blocks_to_append(b) == 0
     b.num_cached = 32
-    assert not blocks.can_append(b)
+    assert blocks.new_blocks_to_append(b) == 1
     with pytest.raises(RuntimeError, match="needs 1 blocks but only 0 are free"):
         blocks.allocate(_seq(3, 1), 1)
     blocks.free(b)

@@ -17,7 +17,7 @@ import re
 import string
 
 from jax_offload.engine import template_ends
-from jax_offload.eval.ruler import _essay_sentences, _fresh
+from jax_offload.eval.ruler import essay_sentences, fresh_value
 
 INSTRUCTION = "Read the documents below and answer the question about them.\n\n"
 
@@ -35,13 +35,13 @@ def make_qa_set(tokenizer, num_questions: int = 200, num_docs: int = 60, docs_pe
                 sentences_per_doc: int = 6, seed: int = 0) -> tuple[list[str], list[Question]]:
     """(document texts, questions) of the set."""
     rng = random.Random(seed)
-    essay = _essay_sentences()
+    essay = essay_sentences()
     taken: set[str] = set()
     docs, facts = [], []
     for _ in range(num_docs):
         start = rng.randrange(len(essay) - sentences_per_doc)
         sentences = [" ".join(s) for s in essay[start:start + sentences_per_doc]]
-        pairs = [(_fresh("words", rng, taken), _fresh("numbers", rng, taken)) for _ in range(2)]
+        pairs = [(fresh_value("words", rng, taken), fresh_value("numbers", rng, taken)) for _ in range(2)]
         taken.update(k for pair in pairs for k in pair)
         for slot, (key, value) in zip(sorted(rng.sample(range(1, sentences_per_doc), 2)), pairs):
             sentences.insert(slot, f"One of the special magic numbers for {key} is: {value}.")

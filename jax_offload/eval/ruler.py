@@ -103,7 +103,7 @@ class NiahSample:
 
 
 @lru_cache(maxsize=None)
-def _essay_sentences() -> tuple[tuple[str, ...], ...]:
+def essay_sentences() -> tuple[tuple[str, ...], ...]:
     """The essay as sentences, each a tuple of words."""
     text = re.sub(r"\s+", " ", (DATA_DIR / "persuasion.txt").read_text(encoding="utf-8")).strip()
     # A sentence ends at . ! or ? (maybe followed by a closing quote or bracket) before a space and
@@ -118,7 +118,7 @@ def _key_words() -> tuple[tuple[str, ...], tuple[str, ...]]:
     return read("adjectives.txt"), read("nouns.txt")
 
 
-def _fresh(kind: str, rng: random.Random, taken: set[str]) -> str:
+def fresh_value(kind: str, rng: random.Random, taken: set[str]) -> str:
     """A random value of `kind` that is not in `taken`."""
     while True:
         if kind == "numbers":
@@ -136,7 +136,7 @@ def _distinct(kind: str, rng: random.Random, count: int, taken: set[str]) -> lis
     """`count` fresh values of `kind`, none in `taken`; `taken` is extended with them."""
     out = []
     for _ in range(count):
-        out.append(_fresh(kind, rng, taken))
+        out.append(fresh_value(kind, rng, taken))
         taken.add(out[-1])
     return out
 
@@ -151,8 +151,8 @@ class _Distractors:
 
     def __getitem__(self, i: int) -> tuple[str, ...]:
         while len(self._needles) <= i:
-            key = _fresh(self._cfg.key_type, self._rng, self._forbidden)
-            value = _fresh(self._cfg.value_type, self._rng, self._forbidden)
+            key = fresh_value(self._cfg.key_type, self._rng, self._forbidden)
+            value = fresh_value(self._cfg.value_type, self._rng, self._forbidden)
             self._needles.append(tuple(NEEDLE.format(type=self._cfg.value_type, key=key, value=value).split(" ")))
         return self._needles[i]
 
@@ -184,7 +184,7 @@ def _haystack_units(cfg: TaskConfig, n: int, distractors: _Distractors) -> tuple
         return blocks, [len(b.split(" ")) for b in blocks], "\n"
     if cfg.haystack == "needle":
         return (*_take_words(distractors.__getitem__, n), "\n")
-    sentences = _essay_sentences()
+    sentences = essay_sentences()
     return (*_take_words(lambda i: sentences[i % len(sentences)], n), " ")
 
 

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
-from collections.abc import Sequence as Seq
 from typing import Any, NamedTuple, Protocol
 
-import numpy as np
-
+from jax_offload.kv.content_key import chained_key
 from jax_offload.serving.sequence import Sequence
 
 
@@ -158,9 +156,6 @@ class BlockManager:
             if block not in self._key_of and key not in self._block_of:
                 self._key_of[block], self._block_of[key] = key, block
 
-    def can_append(self, seq: Sequence) -> bool:
-        return self.num_free >= self.new_blocks_to_append(seq)
-
     def append(self, seq: Sequence) -> None:
         """Makes room for the KV its next decode step writes (a new block when the last one is full)."""
         for _ in range(self.new_blocks_to_append(seq)):
@@ -221,8 +216,3 @@ class BlockManager:
         self._key_of[block], self._block_of[key] = key, block
         return block
 
-
-def chained_key(previous: bytes, tokens: Seq[int]) -> bytes:
-    """The key of tokens after the key `previous`: a block's after the block before it (the tag for the first), a
-    CacheBlend segment's after its engine's tag."""
-    return hashlib.sha256(previous + np.asarray(tokens, np.int64).tobytes()).digest()
