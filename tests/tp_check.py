@@ -94,9 +94,9 @@ def devices(seed: int, models: list[str]) -> None:
           fp8_error=float(np.abs(ref_logits - tp1_logits["sketch_chunked"]).max()),
           tokens=tokens, ref_tokens=ref_tokens)
     # Batched in GPU memory at TP=2 is the preempted case below (Qwen3): the first model (until 2026-11-27, commit
-    # 45eb088), the second (until 07ab582) and the third (until 06cf93d) ran it here too.
-    for model in models:
-        _emit(case="batched", model=Path(model).name, mode="chunked", **_batched(model, seed))
+    # 45eb088), the second (until 07ab582) and the third (until 06cf93d) ran it here too. Batched offloaded: the first
+    # model only (one KV head, repeated on both devices; the other two ran it until 6cf7026), to keep the suite's time.
+    _emit(case="batched", model=Path(models[0]).name, mode="chunked", **_batched(models[0], seed))
     _emit(case="preempted", model=Path(models[1]).name, **_preempted(models[1], seed))
     _emit(case="collectives", steps=_collectives(models[0]))
 
