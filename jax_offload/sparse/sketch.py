@@ -3,8 +3,8 @@
 A low-bit copy of each sparse layer's post-RoPE keys (the sketch) stays in GPU memory: per token and KV head,
 symmetric integer codes (int4, two a byte or eight a word, or int8) and one float32 scale. Each decode step scores
 every stored token with the real query, q . k_hat / sqrt(D), turns each query head's scores into an estimated
-softmax over the stored tokens, sums that mass over the head's GQA group and over each page, and lets every KV head read
-page 0 and its pages of largest estimated mass (the rule of `quest.top_pages`). The Pallas kernel reduces the
+softmax over the stored tokens, sums that mass over the head's GQA group and over each page, and lets every KV head
+read page 0 and its pages of largest estimated mass (the rule of `quest.top_pages`). The Pallas kernel reduces the
 scores to each page's log-sum-exp in registers (`pallas_kernels.sketch_page_lse`); the softmax over pages is
 small. With exact keys this is the true-mass oracle of `bench/eval_oracle.py`, which keeps full attention's NIAH
 score at Quest's budgets.
@@ -168,8 +168,10 @@ class KeySketch:
         self.layers, self.page_size, self.dtype = set(layers), page_size, check_sketch_dtype(dtype)
         self.words = words and dtype == "int4"
         self.num_slots = num_tokens // page_size
-        width, code_dtype = {"int8": (head_dim, jnp.int8), "int4": (head_dim // 2, jnp.uint8),
-                             "words": (head_dim // 8, jnp.uint32)}["words" if self.words else dtype]
+        if dtype == "int8":
+            width, code_dtype = head_dim, jnp.int8
+        else:
+            width, code_dtype = (head_dim // 8, jnp.uint32) if self.words else (head_dim // 2, jnp.uint8)
         pages = (num_kv_heads, page_size, self.num_slots)
         self.codes = {l: tp.zeros((*pages, width), code_dtype, 0) for l in layers}
         self.scales = {l: tp.zeros(pages, jnp.float32, 0) for l in layers}
