@@ -4,12 +4,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-# XLA's CPU backend at LLVM optimisation level 0 (of 3): the suite compiles hundreds of tiny programs and runs each a
-# few times, so compiling dominates (2026-11-26 on the 2-core machine: the whole suite in 472 s at level 0 against
-# 586 s at level 1 and 662-685 s at the default 3). Set before JAX starts its backend; a level already in XLA_FLAGS is
-# kept.
-if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# XLA's CPU backend compiling for speed of compilation: the suite compiles hundreds of tiny programs and runs each a
+# few times, so compiling dominates. LLVM at optimisation level 0 (of 3): the whole suite in 472 s against 586 s at
+# level 1 and 662-685 s at the default 3 (2026-11-26, the 2-core machine). The older elemental emitters instead of
+# the MLIR fusion emitters: a tiny Qwen3 generating in GPU memory, chunked-offloaded and with the sketch policy in
+# 8.5-9.6 s against 12.2-14.3 s (2026-11-27, the same machine), the same tokens. Set before JAX starts its backend;
+# a setting already in XLA_FLAGS is kept.
+COMPILE_FLAGS = {"--xla_backend_optimization_level": "0", "--xla_cpu_use_fusion_emitters": "false"}
+for flag, value in COMPILE_FLAGS.items():
+    if flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={value}".strip()
 
 import jax  # noqa: E402
 
