@@ -202,14 +202,16 @@ def interpret_aware_jit(fn, static_argnames: tuple[str, ...]):
     The interpreted kernel is a test vehicle on small shapes, where XLA's CPU backend spends
     ~3 s optimising nested loops that then run for milliseconds; level 0 compiles ~4x faster.
     The kernels' bit-level contracts (keys streamed in pieces give the bits of one call) hold in interpret mode
-    only if a tile's products and sums come out the same whatever the surrounding shapes: so with the fusion
-    emitters (XLA's default), even where XLA_FLAGS turns them off (the test suite does, to compile faster); the older
-    emitters give scores differing in the last bit between the two (jax 0.10.2).
+    only if a tile's products and sums come out the same whatever the surrounding shapes: so with XLA's fusion
+    emitters (its default), also where XLA_FLAGS turns them off (the test suite does under jax 0.10, to compile
+    faster); the older emitters give scores differing in the last bit between the two (jax 0.10.2).
     Compiled (Triton) calls and calls traced inside an outer jax.jit (where jax rejects
     per-call compiler options) keep the default options. `fn` must take a static `interpret`.
     """
-    fast = jax.jit(fn, static_argnames=static_argnames,
-                   compiler_options={"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": True})
+    options = {"xla_backend_optimization_level": 0}
+    if "--xla_cpu_use_fusion_emitters=false" in os.environ.get("XLA_FLAGS", ""):  # an XLA that has the option
+        options["xla_cpu_use_fusion_emitters"] = True
+    fast = jax.jit(fn, static_argnames=static_argnames, compiler_options=options)
     normal = jax.jit(fn, static_argnames=static_argnames)
 
     def call(*args, interpret: bool, **kwargs):

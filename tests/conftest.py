@@ -1,5 +1,6 @@
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -7,13 +8,26 @@ from pathlib import Path
 # XLA's CPU backend compiling for speed of compilation: the suite compiles hundreds of tiny programs and runs each a
 # few times, so compiling dominates. LLVM at optimisation level 0 (of 3): the whole suite in 472 s against 586 s at
 # level 1 and 662-685 s at the default 3 (2026-11-26, the 2-core machine). The older elemental emitters instead of
-# the MLIR fusion emitters: a tiny Qwen3 generating in GPU memory, chunked-offloaded and with the sketch policy in
-# 8.5-9.6 s against 12.2-14.3 s (2026-11-27, the same machine), the same tokens. Set before JAX starts its backend;
-# a setting already in XLA_FLAGS is kept.
+# the MLIR fusion emitters, where this XLA still has them (jax 0.10; 0.11 has only the fusion emitters): the whole
+# suite in 512.82 s against 12 min 39 s wall the same morning (2026-11-27, the same machine), the same results.
+# Set before JAX starts its backend, once for the run (xdist's workers and the tests' subprocesses inherit
+# XLA_FLAGS); a setting already in XLA_FLAGS is kept.
 COMPILE_FLAGS = {"--xla_backend_optimization_level": "0", "--xla_cpu_use_fusion_emitters": "false"}
-for flag, value in COMPILE_FLAGS.items():
-    if flag not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={value}".strip()
+FLAGS_SET_VAR = "JAX_OFFLOAD_TEST_XLA_FLAGS_SET"
+
+
+def _xla_knows(flag: str) -> bool:
+    """Whether this XLA accepts `flag` in XLA_FLAGS (an unknown one stops the process when XLA starts)."""
+    env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                          capture_output=True).returncode == 0
+
+
+if not os.environ.get(FLAGS_SET_VAR):
+    for flag, value in COMPILE_FLAGS.items():
+        if flag not in os.environ.get("XLA_FLAGS", "") and _xla_knows(f"{flag}={value}"):
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={value}".strip()
+    os.environ[FLAGS_SET_VAR] = "1"
 
 import jax  # noqa: E402
 
