@@ -45,7 +45,7 @@ def _device_runs(model_dirs) -> list[dict]:
         [sys.executable, str(HERE / "tp_check.py"), "devices", str(PROMPT_SEED), *map(str, model_dirs.values())],
         # conftest.py's compile flags (the subprocess compiles dozens of tiny programs and runs each once or twice;
         # TP and its TP=1 reference are compiled alike) and 4 virtual devices.
-        env=_cpu_env(XLA_FLAGS=f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=4"),
+        env=_cpu_env(XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"),
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
