@@ -111,7 +111,7 @@ def _widen(tile):
 
 
 def _kernel(q_ref, codes_ref, scale_ref, out_ref, codes_words, codes_i4, q_smem, scale_smem, out_smem, ready,
-            q_ready, scale_ready, *, batch: int, rescale: float, pipelined: bool):
+            q_ready, scale_ready, *, batch: int, rescale: float):
     block = lax.axis_index("pages")
     head = lax.axis_index("heads")
     pages = pl.ds(block * BLOCK_PAGES, BLOCK_PAGES)
@@ -132,61 +132,41 @@ def _kernel(q_ref, codes_ref, scale_ref, out_ref, codes_words, codes_i4, q_smem,
     plgpu.barrier_wait(q_ready)
     plgpu.barrier_wait(scale_ready)
 
-    def offsets_of(g):
-        return [g * batch + i for i in range(batch)]
-
-    def tiles_of(g):
-        """Group g's code tiles, widened in registers; their slots then take the offsets a ring ahead."""
-        slots_of_group = [lax.rem(o, slots) for o in offsets_of(g)] if slots < offsets else offsets_of(g)
+    def group(g, carry):
+        m, l = carry
+        offsets_of_group = [g * batch + i for i in range(batch)]
+        slots_of_group = [lax.rem(o, slots) for o in offsets_of_group] if slots < offsets else offsets_of_group
         tiles = []
         for slot in slots_of_group:
             plgpu.barrier_wait(ready.at[slot])
             tiles.append(_widen(mosaic_load(codes_i4.at[slot], layout=plgpu.Layout.WGMMA_UPCAST_4X)))
         if slots < offsets:
-            plgpu.commit_smem()  # every thread holds these slots' codes
-            for o, slot in zip(offsets_of(g), slots_of_group):
+            plgpu.commit_smem()  # every thread holds these slots' codes: the slots take the offsets a ring ahead
+            for o, slot in zip(offsets_of_group, slots_of_group):
                 @pl.when(o + slots < offsets)
                 def _refill(o=o, slot=slot):
                     fetch(o + slots, slot)
-        return tiles
-
-    def scores_of(g, meanwhile=lambda: ()):
-        """Group g's raw scores; `meanwhile` runs while its wgmmas are on the tensor cores."""
-        tiles = tiles_of(g)
 
         def scores(*acc_refs):
             for acc_ref, k in zip(acc_refs, tiles):
                 plgpu.wgmma(acc_ref, k, q_smem.transpose((1, 0)))
-            done = meanwhile()
-            return [acc_ref[...] for acc_ref in acc_refs], done
+            return [acc_ref[...] for acc_ref in acc_refs]
 
-        return pl.run_scoped(scores, *[plgpu.ACC(shape, jnp.float32) for _ in range(batch)])
-
-    def fold(m, l, s, g):
-        rows = [mosaic_load(scale_smem.at[o], layout=wgmma_layout.reduce(1)) for o in offsets_of(g)]
+        s = pl.run_scoped(scores, *[plgpu.ACC(shape, jnp.float32) for _ in range(batch)])
+        rows = [mosaic_load(scale_smem.at[o], layout=wgmma_layout.reduce(1)) for o in offsets_of_group]
         s = [x * lax.broadcast_in_dim(r * rescale, shape, [0]) for x, r in zip(s, rows)]
         m_new = functools.reduce(jnp.maximum, s, m)
         return m_new, l * jnp.exp2(m - m_new) + functools.reduce(jnp.add, [jnp.exp2(x - m_new) for x in s])
 
-    groups = offsets // batch
-    if pipelined:  # group g's products on the tensor cores while group g - 1's scores fold into (m, l)
-        def group(g, carry):
-            m, l, s_prev = carry
-            s, (m, l) = scores_of(g, lambda: fold(m, l, s_prev, g - 1))
-            return m, l, s
-
-        m, l, s_last = lax.fori_loop(1, groups, group, (m, l, scores_of(0)[0]))
-        m, l = fold(m, l, s_last, groups - 1)
-    else:
-        m, l = lax.fori_loop(0, groups, lambda g, c: fold(*c, scores_of(g)[0], g), (m, l))
+    m, l = lax.fori_loop(0, offsets // batch, group, (m, l))
     out_smem[...] = (m + jnp.log2(l)) * LN2
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_smem, out_ref.at[head, pages])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the write lands before the kernel ends
 
 
-@functools.partial(jax.jit, static_argnames=("num_pages", "sm_scale", "pipelined"))
-def _launch(q, codes, scale, *, num_pages: int, sm_scale: float, pipelined: bool = True):
+@functools.partial(jax.jit, static_argnames=("num_pages", "sm_scale"))
+def _launch(q, codes, scale, *, num_pages: int, sm_scale: float):
     hkv, group, d = q.shape
     page = codes.shape[1]
     blocks = -(-num_pages // BLOCK_PAGES)
@@ -204,8 +184,7 @@ def _launch(q, codes, scale, *, num_pages: int, sm_scale: float, pipelined: bool
     codes_smem = plgpu.RefUnion(swizzled((slots, BLOCK_PAGES, d // 8), jnp.uint32, half),
                                 swizzled((slots, BLOCK_PAGES, d), jnp.int4, half))
     batch = math.gcd(_OFFSETS_A_WAIT, page)
-    kernel = functools.partial(_kernel, batch=batch, rescale=sm_scale * LOG2E * _CODE_LIFT / _Q_LIFT,
-                               pipelined=pipelined)
+    kernel = functools.partial(_kernel, batch=batch, rescale=sm_scale * LOG2E * _CODE_LIFT / _Q_LIFT)
     out = plgpu.kernel(
         lambda q_ref, c_ref, s_ref, o_ref, views, *rest: kernel(q_ref, c_ref, s_ref, o_ref, *views, *rest),
         out_type=jax.ShapeDtypeStruct((hkv, blocks * BLOCK_PAGES, _GROUP_PAD), jnp.float32),
