@@ -165,9 +165,8 @@ def _kernel(q_ref, codes_ref, scale_ref, out_ref, codes_words, codes_i4, q_smem,
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the write lands before the kernel ends
 
 
-@functools.partial(jax.jit, static_argnames=("num_pages", "sm_scale", "tile_slots", "offsets_a_wait"))
-def _launch(q, codes, scale, *, num_pages: int, sm_scale: float, tile_slots: int = _TILE_SLOTS,
-            offsets_a_wait: int = _OFFSETS_A_WAIT):
+@functools.partial(jax.jit, static_argnames=("num_pages", "sm_scale"))
+def _launch(q, codes, scale, *, num_pages: int, sm_scale: float):
     hkv, group, d = q.shape
     page = codes.shape[1]
     blocks = -(-num_pages // BLOCK_PAGES)
@@ -181,10 +180,10 @@ def _launch(q, codes, scale, *, num_pages: int, sm_scale: float, tile_slots: int
                                                     plgpu.SwizzleTransform(swizzle_bytes)))
 
     # The code tiles as TMA writes them (words) and as the kernel reads them (int4): one buffer, two views.
-    slots = min(tile_slots, page)
+    slots = min(_TILE_SLOTS, page)
     codes_smem = plgpu.RefUnion(swizzled((slots, BLOCK_PAGES, d // 8), jnp.uint32, half),
                                 swizzled((slots, BLOCK_PAGES, d), jnp.int4, half))
-    batch = math.gcd(offsets_a_wait, page)
+    batch = math.gcd(_OFFSETS_A_WAIT, page)
     kernel = functools.partial(_kernel, batch=batch, rescale=sm_scale * LOG2E * _CODE_LIFT / _Q_LIFT)
     out = plgpu.kernel(
         lambda q_ref, c_ref, s_ref, o_ref, views, *rest: kernel(q_ref, c_ref, s_ref, o_ref, *views, *rest),
