@@ -34,10 +34,10 @@ def block_k_for(k: int) -> int:
 
 def default_matmul_config(m: int, k: int, n: int) -> dict[str, int]:
     """Launch parameters by row count and weight size, the fastest measured on the H200 for the Llama-3.1-8B and
-    Qwen3-0.6B projections (bench/probes/probe_matmul.h200.json, probe_matmul_decode.h200.json); any choice gives
-    the same bits."""
+    Qwen3-0.6B projections (bench/probes/probe_matmul.h200.json,
+    bench/results/runs/h200_batch_invariance/probe_matmul_decode.h200.json); any choice gives the same bits."""
     large = k * n >= 100 * 2**20
-    if m <= 16:  # bench/probes/probe_matmul_decode.h200.json
+    if m <= 16:  # probe_matmul_decode.h200.json (above)
         cfg = dict(block_m=16, block_n=32, num_warps=4, num_stages=6)
     elif m <= 512 and not large:
         cfg = dict(block_m=64, block_n=64, num_warps=4, num_stages=4)
