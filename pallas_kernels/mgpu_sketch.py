@@ -21,11 +21,12 @@ before one wait. Once every thread holds a group's codes, their slots take the o
 offsets are a loop, not unrolled: 16 unrolled tiles overflowed the instruction cache (H200, 30 layers of 256K: 1.88
 ms against 2.07 for groups of four unrolled, `bench/results/runs/h200_sketch_persistent/`). The words and the ring
 took 3.4-4.6% off at 256K and 6-9% at 128K against the two's-complement bytes with all 16 tiles in shared memory
-(H100, three calls; 99 registers a thread against 117 and ~25 KiB of shared memory a CTA against ~74 KiB, so five CTAs
-share an SM instead of three: `bench/results/runs/h100_sketch_words/`). The query's channels are permuted to the
-order the codes land in (`_wgmma_channels`), so no code moves. Each token's scale and the softmax scale go on in
-float32 and the tiles fold into a running per-page log-sum-exp in base 2. The sketch is read once, by TMA, and no
-per-token score reaches memory.
+(H100, three calls; 99 registers a thread against 117 and ~25 KiB of shared memory a CTA against ~74 KiB, so four CTAs
+share an SM, held back by registers, instead of three: `bench/results/runs/h100_sketch_words/`). Rings of 2, 3, 8 or 16
+slots, or one offset a wait (62 registers, eight CTAs an SM), time the same or slower
+(`bench/results/runs/h100_sketch_slots/`). The query's channels are permuted to the order the codes land in
+(`_wgmma_channels`), so no code moves. Each token's scale and the softmax scale go on in float32 and the tiles fold
+into a running per-page log-sum-exp in base 2. The sketch is read once, by TMA, and no per-token score reaches memory.
 """
 
 from __future__ import annotations
