@@ -7,8 +7,10 @@ codes uint32 [Hkv, page_size, P, D / 8], sign-magnitude int4 codes eight to a wo
 
 Why a second kernel: the Triton one walks a page's token offsets one load after another and reads the sketch at
 ~65% of the rate XLA reads the same bytes at; here every tile is in flight before the first is used (H100, 30
-layers, GPU time: 256K tokens in 2.05-2.30 ms over the seven calls that timed it, against Triton's 2.59-2.73 and
-XLA's read of the same bytes in 1.54-1.77; `bench/results/runs/h100_sketch_relabel/`).
+layers, 256K tokens in 2.05-2.30 ms over the seven calls that timed it, against Triton's 2.59-2.73 and XLA's read
+of the same bytes in 1.54-1.77, all by the wall-time estimate of `bench/results/runs/h100_sketch_relabel/`). Read
+from a trace instead, one 256K launch takes 55 us at 80% of the H100's DRAM peak, the engine's 30-layer scoring 1.91
+ms (`bench/results/runs/h100_sketch_timeline/`).
 
 How: one CTA (one warpgroup) per (64 pages, KV head). Its token offsets' code tiles ([64 pages, D / 2] bytes, 4 KiB
 each) come by TMA into a ring of 4 slots. Offset after offset it reads a tile as int4 through a second view of the
