@@ -1,0 +1,92 @@
+"""Where a sketch decode step's time goes at 128K (Llama-3.1-8B shape, random bf16, offloaded, budget 4096, page 16,
+2 dense layers, block 4096, ring 4): one generate of 12 tokens after a warm-up, recorded with jax.profiler.trace.
+For the decode steps (the trace's last window as long as decode steps 2-12 took by the engine's own clock) it writes
+the GPU time per step by kernel (names with their digits dropped), the union of busy GPU time, and the step's wall
+time. Writes probe_decode_timeline.json under $OUT.
+
+    python bench/probes/probe_decode_timeline.py
+"""
+import dataclasses
+import glob
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from common import model_config, random_params, run_metadata  # noqa: E402
+from jax_offload import LLM, SamplingParams  # noqa: E402
+from jax_offload.kv.ring import group_size  # noqa: E402
+
+CTX, BLOCK, TOKENS = int(os.environ.get("CTX", 131072)), int(os.environ.get("BLOCK", 4096)), 12
+SHAPE, LAYERS = os.environ.get("SHAPE", "llama-3.1-8b"), os.environ.get("LAYERS")  # a smaller model: a CPU smoke test
+
+
+def main():
+    cfg = model_config(SHAPE, int(LAYERS) if LAYERS else None)
+    cfg = dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings, CTX + 2 * BLOCK))
+    params = random_params(cfg, jnp.bfloat16)
+    llm = LLM.from_params(cfg, params, dtype="bfloat16", offload=True, block_size=BLOCK, num_ring_slots=4,
+                          max_model_len=CTX + TOKENS + BLOCK, decode_policy="sketch", decode_budget=min(4096, CTX // 4),
+                          page_size=16, dense_layers=2, sketch_dtype="int4")
+    rng = np.random.default_rng(0)
+    sampling = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+
+    def run(n):
+        return llm.generate([rng.integers(0, cfg.vocab_size, size=n).tolist()], sampling)[0]
+
+    for k in range(1, 2 * group_size(4) + 2):
+        run(k * BLOCK)
+    run(BLOCK + 7)
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            out = run(CTX)
+        data = jax.profiler.ProfileData.from_file(glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)[0])
+    steps = [s * 1e3 for s in out.decode_token_seconds]
+    events, lines = [], {}
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            lines[line.name] = len(list(line.events))
+            if line.name.startswith("Stream"):
+                events += [(re.sub(r"[._]?\d+", "", e.name)[:70], e.start_ns, e.end_ns, line.name) for e in line.events]
+    if not events:
+        raise SystemExit(f"no GPU kernels in the trace (steps {steps} ms)")
+    events.sort(key=lambda e: e[1])
+    end = max(e[2] for e in events)
+    window = sum(steps[1:]) * 1e6  # ns: decode steps 2..12
+    inside = [e for e in events if e[1] >= end - window]
+    per_name = {}
+    for name, s, t, _ in inside:
+        per_name.setdefault(name, []).append((t - s) / 1e3)
+    busy, cur_s, cur_t = 0, None, None
+    for _, s, t, _ in inside:  # union of busy intervals over streams
+        if cur_t is None or s > cur_t:
+            busy += 0 if cur_t is None else cur_t - cur_s
+            cur_s, cur_t = s, t
+        else:
+            cur_t = max(cur_t, t)
+    busy += 0 if cur_t is None else cur_t - cur_s
+    n = len(steps) - 1
+    result = {**run_metadata(), "ctx": CTX, "decode_step_ms": steps, "prefill_s": out.prefill_seconds,
+              "gpu_lines": lines, "window_ms": window / 1e6, "gpu_busy_ms_per_step": busy / 1e6 / n,
+              "per_kernel_ms_per_step": dict(sorted(
+                  ((k, {"count_per_step": len(v) / n, "ms_per_step": sum(v) / 1e3 / n}) for k, v in per_name.items()),
+                  key=lambda kv: -kv[1]["ms_per_step"]))}
+    Path(os.environ.get("OUT", "."), "probe_decode_timeline.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "per_kernel_ms_per_step"}))
+    for k, v in list(result["per_kernel_ms_per_step"].items())[:25]:
+        print(f"{v['ms_per_step']:8.3f} ms {v['count_per_step']:7.1f}x  {k}")
+
+
+if __name__ == "__main__":
+    main()
