@@ -120,34 +120,47 @@ def gpu_ms_per_pass(once, repeated, passes: int, calls: int) -> float:
     return (t_r - t1) / (passes - 1) * 1e3
 
 
+def profiled(run):
+    """`run()` under jax.profiler.trace; returns the trace as a `jax.profiler.ProfileData`."""
+    import glob
+    import tempfile
+
+    import jax
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            run()
+        return jax.profiler.ProfileData.from_file(
+            glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0])
+
+
+def gpu_kernels(data) -> list[tuple[str, int, int]]:
+    """(name, start ns, end ns) of every kernel and copy the GPUs' streams ran in a trace."""
+    return [(e.name, e.start_ns, e.end_ns) for plane in data.planes if plane.name.startswith("/device:GPU")
+            for line in plane.lines if line.name.startswith("Stream") for e in line.events]
+
+
 def gpu_span_ms(fn, calls: int) -> list[float]:
     """GPU time in ms of each of `calls` waited calls of `fn`, read from a profiler trace: from the start of the
     call's first GPU kernel to the end of its last, gaps between them included. It counts no host work, which
     (t_R - t_1) / (R - 1) of `gpu_ms_per_pass` does where the host's share of a call grows with the program: on an
     H100, 30 layers of sketch scoring span 1.86 ms on the GPU while that estimate gave 2.10-2.16
     (bench/results/runs/h100_sketch_timeline/)."""
-    import glob
-    import tempfile
-
     import jax
 
+    def run():
+        for i in range(calls):
+            with jax.profiler.TraceAnnotation(f"gpu_span_call_{i}"):
+                jax.block_until_ready(fn())
+
     jax.block_until_ready(fn())
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
-            for i in range(calls):
-                with jax.profiler.TraceAnnotation(f"gpu_span_call_{i}"):
-                    jax.block_until_ready(fn())
-        data = jax.profiler.ProfileData.from_file(
-            glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0])
-    kernels, windows = [], []
-    for plane in data.planes:
-        for line in plane.lines:
-            if plane.name.startswith("/device:GPU") and line.name.startswith("Stream"):
-                kernels += [(e.start_ns, e.end_ns) for e in line.events]
-            windows += [(e.start_ns, e.end_ns) for e in line.events if e.name.startswith("gpu_span_call_")]
+    data = profiled(run)
+    kernels = gpu_kernels(data)
+    windows = sorted((e.start_ns, e.end_ns) for plane in data.planes for line in plane.lines for e in line.events
+                     if e.name.startswith("gpu_span_call_"))
     spans, counts = [], []
-    for lo, hi in sorted(windows):
-        inside = [(start, end) for start, end in kernels if lo <= start < hi]
+    for lo, hi in windows:
+        inside = [(start, end) for _, start, end in kernels if lo <= start < hi]
         counts.append(len(inside))
         if inside:
             spans.append((max(end for _, end in inside) - min(start for start, _ in inside)) / 1e6)

@@ -7,22 +7,19 @@ time. Writes probe_decode_timeline.json under $OUT.
     python bench/probes/probe_decode_timeline.py
 """
 import dataclasses
-import glob
 import json
 import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import model_config, random_params, run_metadata  # noqa: E402
+from common import gpu_kernels, model_config, profiled, random_params, run_metadata  # noqa: E402
 from jax_offload import LLM, SamplingParams  # noqa: E402
 from jax_offload.kv.ring import group_size  # noqa: E402
 
@@ -46,19 +43,13 @@ def main():
     for k in range(1, 2 * group_size(4) + 2):
         run(k * BLOCK)
     run(BLOCK + 7)
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp):
-            out = run(CTX)
-        data = jax.profiler.ProfileData.from_file(glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)[0])
+    outs = []
+    data = profiled(lambda: outs.append(run(CTX)))
+    out = outs[0]
     steps = [s * 1e3 for s in out.decode_token_seconds]
-    events, lines = [], {}
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            lines[line.name] = len(list(line.events))
-            if line.name.startswith("Stream"):
-                events += [(re.sub(r"[._]?\d+", "", e.name)[:70], e.start_ns, e.end_ns, line.name) for e in line.events]
+    lines = {line.name: len(list(line.events)) for plane in data.planes if plane.name.startswith("/device:GPU")
+             for line in plane.lines}
+    events = [(re.sub(r"[._]?\d+", "", name)[:70], start, end) for name, start, end in gpu_kernels(data)]
     if not events:
         raise SystemExit(f"no GPU kernels in the trace (steps {steps} ms)")
     events.sort(key=lambda e: e[1])
@@ -66,10 +57,10 @@ def main():
     window = sum(steps[1:]) * 1e6  # ns: decode steps 2..12
     inside = [e for e in events if e[1] >= end - window]
     per_name = {}
-    for name, s, t, _ in inside:
+    for name, s, t in inside:
         per_name.setdefault(name, []).append((t - s) / 1e3)
     busy, cur_s, cur_t = 0, None, None
-    for _, s, t, _ in inside:  # union of busy intervals over streams
+    for _, s, t in inside:  # union of busy intervals over streams
         if cur_t is None or s > cur_t:
             busy += 0 if cur_t is None else cur_t - cur_s
             cur_s, cur_t = s, t
