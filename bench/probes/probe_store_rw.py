@@ -6,7 +6,7 @@ with `_read_consecutive`, where full attention keeps one buffer per block. This 
 block for both places at two layer sizes (a cost that grows with the layer, not the block, shows up as a ratio
 between the sizes) and saves the compiled modules of the one-buffer write and read.
 
-    python bench/probes/probe_store_rw.py --contexts 32768,131072 --out $OUT/store_rw 2> $OUT/store_rw/stderr.txt
+    mkdir -p $OUT/store_rw; python bench/probes/probe_store_rw.py --contexts 32768,131072 --out $OUT/store_rw 2> $OUT/store_rw/stderr.txt
 
 Keep stderr: XLA's host offloader logs "Found an instruction ... which does device compute in host memory space.
 Converting into host compute" when it runs an op of a module on the CPU instead of moving only a slice.
