@@ -69,7 +69,8 @@ def phase_decode(a) -> dict:
     params = random_params(cfg, jnp.bfloat16)
     rng = np.random.default_rng(0)
     bs, tokens = a.block_size, a.decode_tokens
-    max_len = max(a.contexts) + tokens + bs
+    warm_up_blocks = 2 * group_size(a.ring_slots) + 1  # the longest warm-up prompt, in blocks
+    max_len = max(max(a.contexts), warm_up_blocks * bs) + tokens + bs
     pages_per_block = bs // a.page_size
 
     def make(**kw):
@@ -87,7 +88,7 @@ def phase_decode(a) -> dict:
     def warm_up(llm):
         # Every decode shape: dense layers stream groups of 1 .. half-the-ring blocks, the tail starts empty
         # or not; none depends on the context length.
-        for k in range(1, 2 * group_size(a.ring_slots) + 2):
+        for k in range(1, warm_up_blocks + 1):
             run(llm, k * bs)
         run(llm, bs + 7)
 
@@ -173,7 +174,7 @@ def phase_decode(a) -> dict:
         del llm, runner, pages
         gc.collect()
     n = a.breakdown_ctx
-    full = make(max_model_len=n + tokens + bs)
+    full = make(max_model_len=max(n, warm_up_blocks * bs) + tokens + bs)
     warm_up(full)
     full_prefill_s, full_decode = run(full, n)
     print(json.dumps({"full_offloaded_decode_ms": full_decode, "full_prefill_s": full_prefill_s}), flush=True)
