@@ -152,8 +152,10 @@ class LLM:
             raise ValueError(
                 f"The parameters are laid out for {params.layers[0].num_shards} devices, not tensor_parallel_size {n}."
             )
-        llm._setup(model_config, engine, params, tokenizer, set(model_config.eos_token_ids), attention_impl,
-                   TensorParallel.create(n))
+        tp = TensorParallel.create(n)
+        if n == 1:  # on the mesh as loaded ones are: mixed placements beside the store's blocks compile again
+            params = jax.device_put(params, tp.sharding(None))
+        llm._setup(model_config, engine, params, tokenizer, set(model_config.eos_token_ids), attention_impl, tp)
         return llm
 
     def _setup(self, model_config, engine, params, tokenizer, eos_ids, attention_impl, tp: TensorParallel) -> None:

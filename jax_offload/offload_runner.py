@@ -172,7 +172,11 @@ class OffloadRunner:
         self.prefill_block_counts = [jnp.zeros(2, jnp.int32)] * self.cfg.num_layers
         if self.mode == "chunked" or cached_blocks:
             ids = ids[:, : round_up(prompt_len, self.block_size)]  # layerwise pads further
-            out = self._prefill_chunked(ids, prompt_len, progress, keep_all, cached_blocks)
+            self.store.start_mirror(prompt_len // self.block_size)
+            try:
+                out = self._prefill_chunked(ids, prompt_len, progress, keep_all, cached_blocks)
+            finally:
+                self.store.stop_mirror()
         else:
             out = self._prefill_layerwise(embed_tokens(self.params.embed, ids), prompt_len, progress), 0
         self._tail_len = prompt_len % self.block_size

@@ -90,6 +90,37 @@ def test_back_to_back_requests_leak_no_state(models):
     assert long_then_short[0] == long_then_short[2] == one_by_one[0], f"{seed}, prompt seed 11"
 
 
+def test_an_engine_from_params_compiles_nothing_new_for_a_longer_prompt(models):
+    """Parameters handed to `LLM.from_params` (here from NumPy, uncommitted, as random or converted weights come)
+    join the mesh the store's blocks live on, so a chunk's programs see one placement whatever its groups of
+    blocks: after a prompt that met every group size, a longer one compiles nothing. (Before, a chunk's second
+    group compiled again for each size: ~13 s on the first 128K prompt of the 8B shape,
+    `bench/results/runs/h200_sketch_prefill/`.)"""
+    import jax
+    import jax.numpy as jnp
+
+    path, _, where = models["llama3"]
+    loaded = LLM(path, dtype="bfloat16", offload=True)
+    params = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), loaded.params)
+    llm = LLM.from_params(loaded.model_config, params, dtype="bfloat16", offload=True, block_size=32,
+                          num_ring_slots=6)
+    rng = np.random.default_rng(208)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    llm.generate([_ids(rng, 4 * 32 + 5)], one)  # chunks with groups (1), (2), (3), (3, 1)
+    compiles = []
+
+    def count(event: str, duration: float, **_) -> None:
+        if event.endswith("backend_compile_duration"):
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        llm.generate([_ids(rng, 7 * 32 + 5)], one)  # adds (3, 2), (3, 3), (3, 3, 1)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert not compiles, f"{where}, prompt seed 208: {len(compiles)} programs compiled for the longer prompt"
+
+
 def test_host_store_is_written_in_place(models):
     """Blocks are written into the buffers allocated with the store: across 10 requests of random lengths every
     block keeps its address, and pinned host memory stays what it was after the first request (50 requests until

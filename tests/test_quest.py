@@ -123,6 +123,34 @@ def test_full_budget_equals_full_decode(model_dir, policy):
     assert quest.generate([ids], GREEDY)[0].token_ids == full.generate([ids], GREEDY)[0].token_ids
 
 
+def test_prefill_mirror_reads_the_same_bits(model_dir, monkeypatch):
+    """A chunked prefill reads a "pages" layer's earlier blocks from the prefill mirror (pinned copies of their
+    own, which overlap compute on a GPU) where the copies fit, from the layer's one buffer where they do not: the
+    same logits to the bit either way, and the mirror is gone once the prefill ends."""
+    from jax_offload.kv import host_store
+
+    ids = np.random.default_rng(507).integers(3, tiny_models.VOCAB, size=200).tolist()
+    where = f"model seed {MODEL_SEED}, prompt seed 507"
+    runs = {}
+    for mirrored in (True, False):
+        llm = _sparse(model_dir, 48, "sketch")
+        store, sources = llm._runner.store, []
+        if not mirrored:  # pinned memory for the store and nothing more
+            monkeypatch.setattr(host_store, "pinned_limit_bytes", lambda: store.host_bytes)
+        fetch = store.fetch
+
+        def spy(keys, store=store, sources=sources, fetch=fetch):
+            if store.places[keys[0][0]] == "pages":
+                sources.append(store._mirror is not None and all(key in store._mirror for key in keys))
+            return fetch(keys)
+
+        monkeypatch.setattr(store, "fetch", spy)
+        runs[mirrored] = _decode_logits(llm, ids, 3)
+        assert sources and set(sources) == {mirrored}, f"{where}: mirrored {mirrored}, reads {sources}"
+        assert store._mirror is None, where
+    np.testing.assert_array_equal(runs[True], runs[False], err_msg=where)
+
+
 def test_budget_past_max_model_len_reads_every_page(model_dir, policy="quest"):
     """A budget larger than the whole store (max_model_len 256, budget 1024) reads every page: full decode (the
     runner caps the budget for every page policy alike)."""

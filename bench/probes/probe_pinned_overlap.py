@@ -13,7 +13,7 @@ Times, per group of `--group` blocks, ms (median, min-max of `--repeats` rounds)
   blocks+comp  compute and the next group's `device_put`, dispatched together (the full policy's ring)
   slice+comp   compute and the next group's slice program, dispatched together (the pages ring today)
   fused        one program doing compute and the next group's slice (an in-program copy XLA may overlap)
-  fused_stream the same with the slice on a second GPU stream (`compute_on2(..., compute_type="gpu_stream:1")`;
+  fused_stream the same with the slice on a second GPU stream (`compute_on(..., compute_type="gpu_stream:1")`;
                XLA_FLAGS=--xla_gpu_experimental_stream_annotation=true may be needed)
 Overlap shows as a pair costing about the larger of its parts rather than their sum.
 
@@ -61,10 +61,11 @@ def fused(x: jax.Array, layer: jax.Array, first: jax.Array, count: int, steps: i
 
 @functools.partial(jax.jit, static_argnums=(3, 4))
 def fused_stream(x: jax.Array, layer: jax.Array, first: jax.Array, count: int, steps: int):
-    from jax.experimental.compute_on import compute_on2
+    from jax.experimental import compute_on
 
+    on_stream = getattr(compute_on, "compute_on2", compute_on.compute_on)  # jax 0.10 / 0.11
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
-    read = compute_on2(lambda layer, first: jax.device_put(jax.lax.dynamic_slice_in_dim(layer, first, count), device),
+    read = on_stream(lambda layer, first: jax.device_put(jax.lax.dynamic_slice_in_dim(layer, first, count), device),
                        compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)
     return compute(x, steps), read(layer, first)
 

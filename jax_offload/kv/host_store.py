@@ -14,6 +14,12 @@ Each layer lives in one of three places:
     pages a sparse policy selects, from any block, over PCIe (zero copy); the jnp path gathers them in one pass
     on the host and moves them as one transfer (`gather_rows`).
 
+A chunked prefill reads each chunk's earlier blocks back. XLA runs a program that slices a pinned buffer in order
+with the compute programs (`bench/results/runs/h200_sketch_prefill/`: a slice program and a matmul cost their sum on
+an H100; in one program too, and a second stream is refused), while a `device_put` of whole pinned arrays overlaps
+compute. So during a chunked prefill the blocks written to "pages" layers are also kept as pinned buffers of their
+own (the prefill mirror, `start_mirror`), read the way "blocks" layers are, and dropped when the prefill ends.
+
 Under tensor parallelism every buffer is split on its KV-head axis over the mesh: each device's heads live in
 pinned memory attached to that device and cross only its own link.
 
@@ -43,6 +49,7 @@ PLACES = ("gpu", "blocks", "pages")
 # GPU backend starts).
 PINNED_LIMIT_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 DEFAULT_PINNED_LIMIT_GB = 64
+MIRROR_HEADROOM_BYTES = 2 * 2**30  # pinned memory left free beside the store and a prefill mirror
 
 
 def available_host_bytes() -> int:
@@ -140,8 +147,10 @@ class HostKVStore:
                 f"stops at {limit / 2**30:.0f} GiB; set {PINNED_LIMIT_VAR}={wanted} before the process starts JAX "
                 f"(the CLI does it from --max-model-len), or lower max_model_len."
             )
-        self.tp = tp
+        self.tp, self.host_memory_kind = tp, host_memory_kind
         self.device = tp.sharding(0, memory_kind="device")  # a fetched block: [Hkv, ...] on the GPUs
+        self._block_sharding = tp.sharding(0, host_memory_kind)  # a "blocks" layer's block, or a mirrored one
+        self._mirror: dict[tuple[int, int], jax.Array] | None = None
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         # A one-buffer layer ("gpu", "pages") is [num_blocks, Hkv, ...]: split on axis 1; a block on axis 0.
         self._sharding = [tp.sharding(0 if p == "blocks" else 1, "device" if p == "gpu" else host_memory_kind)
@@ -175,6 +184,27 @@ class HostKVStore:
         return jax.tree.map(lambda layer, new: jax.lax.dynamic_update_slice(
             layer, jax.device_put(new[None], sharding), (index,) + (0,) * (layer.ndim - 1)), layer, new)
 
+    @staticmethod
+    @functools.partial(jax.jit, static_argnums=(1, 2))
+    def _stored_block(kv: jax.Array, kv_cache_dtype: str, dtype) -> jax.Array:
+        """A GPU block as a "blocks" layer stores it (packed, stored layout), still on the GPU."""
+        return kv_format.pack(to_stored_layout(kv_format.encode(kv_cache_dtype, kv, dtype)))
+
+    def start_mirror(self, num_blocks: int) -> bool:
+        """Keeps a copy of each block written to a "pages" layer from now on as a pinned buffer of its own, so that a
+        chunked prefill's reads of up to `num_blocks` blocks per layer overlap compute (module docstring); only
+        where the copies fit in pinned and host memory beside the store. Returns whether it mirrors."""
+        need = num_blocks * self.places.count("pages") * self.block_bytes
+        limit = pinned_limit_bytes() if self.host_memory_kind == "pinned_host" else None
+        fits = (self.host_memory_kind != "device" and need <= available_host_bytes()
+                and (limit is None or self.host_bytes + need + MIRROR_HEADROOM_BYTES <= limit))
+        self._mirror = {} if fits and need else None
+        return self._mirror is not None
+
+    def stop_mirror(self) -> None:
+        """Drops the prefill mirror (its pinned buffers return to XLA's pool)."""
+        self._mirror = None
+
     def write(self, layer: int, index: int, kv: jax.Array) -> None:
         """Stores a GPU block kv [2, block_size, Hkv, D] (as the layer computed it: `round_trip` values) as block
         `index` of `layer`, encoded as the store keeps it; the copy is asynchronous."""
@@ -183,6 +213,9 @@ class HostKVStore:
         how = (self._sharding[layer], self.kv_cache_dtype, jnp.dtype(self.dtype))
         if self.places[layer] != "blocks":
             self._blocks[layer] = self._write_into_layer(self._blocks[layer], kv, np.int32(index), *how)
+            if self._mirror is not None and self.places[layer] == "pages":
+                block = self._stored_block(kv, self.kv_cache_dtype, jnp.dtype(self.dtype))
+                self._mirror[layer, index] = jax.device_put(block, self._block_sharding)
         else:
             self._blocks[layer][index] = self._write_block(self._blocks[layer][index], kv, *how)
         self._written[layer, index] = True
@@ -190,14 +223,16 @@ class HostKVStore:
     def fetch(self, keys: Sequence[tuple[int, int]]) -> list[jax.Array]:
         """Starts moving the blocks `keys` [(layer, index), ...] to the GPU (asynchronously); blocks of a "gpu"
         or "pages" layer must be of one layer, and each run of consecutive ones is read as one slice (XAttention's
-        chunked prefill fetches the blocks it chose, with gaps). Reading a block that holds no live data is a
-        bug."""
+        chunked prefill fetches the blocks it chose, with gaps), unless the prefill mirror holds them all. Reading a
+        block that holds no live data is a bug."""
         for layer, index in keys:
             if not self._written[layer, index]:
                 raise RuntimeError(f"Block {index} of layer {layer} holds no live KV (never written, or forgotten).")
         layer = keys[0][0]
         if self.places[layer] == "blocks":
             return jax.device_put([self._blocks[l][i] for l, i in keys], self.device)
+        if self._mirror is not None and all(key in self._mirror for key in keys):
+            return jax.device_put([self._mirror[key] for key in keys], self.device)
         if any(l != layer for l, _ in keys):
             raise RuntimeError(f"Blocks {keys} of a one-buffer layer must be blocks of one layer.")
         runs = [[keys[0][1]]]
@@ -237,10 +272,14 @@ class HostKVStore:
     def reset(self) -> None:
         """Forgets every request: every block counts as unwritten again."""
         self._written[:] = False
+        self._mirror = None
 
     def forget(self, blocks: Sequence[int]) -> None:
         """Forgets one request's blocks (in every layer) when it finishes or gives them up."""
         self._written[:, list(blocks)] = False
+        if self._mirror is not None:
+            gone = set(blocks)
+            self._mirror = {key: block for key, block in self._mirror.items() if key[1] not in gone}
 
     def live_blocks(self) -> list[int]:
         """The blocks that hold live KV in some layer."""
