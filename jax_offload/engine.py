@@ -143,7 +143,8 @@ class LLM:
     ) -> "LLM":
         """An engine over parameters already in memory (e.g. random weights at a real shape, for benchmarks).
         Without a tokenizer, prompts must be token ids and outputs carry ids only. With `tensor_parallel_size` N the
-        parameters must already be laid out for N devices (`LayerParams.num_shards`, placed on the mesh)."""
+        parameters must already be laid out for N devices (`LayerParams.num_shards`, placed on the mesh); on one
+        device they are placed on the engine's one-device mesh, as loaded parameters are."""
         llm = cls.__new__(cls)
         engine = EngineConfig(**options).validate(model_config)
         n = engine.tensor_parallel_size
