@@ -81,6 +81,13 @@ def from_stored_layout(pages: jax.Array | kv_format.QuantizedKV) -> jax.Array | 
     return jax.tree.map(one, pages)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def stored_block(kv: jax.Array, kv_cache_dtype: str, dtype: jnp.dtype) -> jax.Array:
+    """A GPU block [2, T, Hkv, D] as a "blocks" layer (or the prefill mirror) stores it: encoded, in the stored
+    layout, packed; still on the GPU."""
+    return kv_format.pack(to_stored_layout(kv_format.encode(kv_cache_dtype, kv, dtype)))
+
+
 def _host_compute(fn):
     """`fn` run on the host CPU next to the pinned buffers it reads (compute_on moved in jax 0.11)."""
     from jax.experimental import compute_on
@@ -173,7 +180,7 @@ class HostKVStore:
     @staticmethod
     @functools.partial(jax.jit, static_argnums=(2, 3, 4), donate_argnums=(0,))
     def _write_block(old, kv: jax.Array, sharding, kv_cache_dtype: str, dtype):
-        new = kv_format.pack(to_stored_layout(kv_format.encode(kv_cache_dtype, kv, dtype)))
+        new = stored_block(kv, kv_cache_dtype, dtype)
         return jax.lax.dynamic_update_slice(old, jax.device_put(new, sharding), (0,) * old.ndim)
 
     @staticmethod
@@ -183,12 +190,6 @@ class HostKVStore:
         # [1, Hkv, ...]: the layer's head axis
         return jax.tree.map(lambda layer, new: jax.lax.dynamic_update_slice(
             layer, jax.device_put(new[None], sharding), (index,) + (0,) * (layer.ndim - 1)), layer, new)
-
-    @staticmethod
-    @functools.partial(jax.jit, static_argnums=(1, 2))
-    def _stored_block(kv: jax.Array, kv_cache_dtype: str, dtype) -> jax.Array:
-        """A GPU block as a "blocks" layer stores it (packed, stored layout), still on the GPU."""
-        return kv_format.pack(to_stored_layout(kv_format.encode(kv_cache_dtype, kv, dtype)))
 
     def start_mirror(self, num_blocks: int) -> bool:
         """Keeps a copy of each block written to a "pages" layer from now on as a pinned buffer of its own, so that a
@@ -214,7 +215,7 @@ class HostKVStore:
         if self.places[layer] != "blocks":
             self._blocks[layer] = self._write_into_layer(self._blocks[layer], kv, np.int32(index), *how)
             if self._mirror is not None and self.places[layer] == "pages":
-                block = self._stored_block(kv, self.kv_cache_dtype, jnp.dtype(self.dtype))
+                block = stored_block(kv, self.kv_cache_dtype, jnp.dtype(self.dtype))
                 self._mirror[layer, index] = jax.device_put(block, self._block_sharding)
         else:
             self._blocks[layer][index] = self._write_block(self._blocks[layer][index], kv, *how)
@@ -277,9 +278,6 @@ class HostKVStore:
     def forget(self, blocks: Sequence[int]) -> None:
         """Forgets one request's blocks (in every layer) when it finishes or gives them up."""
         self._written[:, list(blocks)] = False
-        if self._mirror is not None:
-            gone = set(blocks)
-            self._mirror = {key: block for key, block in self._mirror.items() if key[1] not in gone}
 
     def live_blocks(self) -> list[int]:
         """The blocks that hold live KV in some layer."""
