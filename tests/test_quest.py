@@ -123,17 +123,19 @@ def test_full_budget_equals_full_decode(model_dir, policy):
     assert quest.generate([ids], GREEDY)[0].token_ids == full.generate([ids], GREEDY)[0].token_ids
 
 
-def test_prefill_mirror_reads_the_same_bits(model_dir, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefill_mirror_reads_the_same_bits(model_dir, monkeypatch, dtype):
     """A chunked prefill reads a "pages" layer's earlier blocks from the prefill mirror (pinned copies of their
     own, which overlap compute on a GPU) where the copies fit, from the layer's one buffer where they do not: the
     same logits to the bit either way, and the mirror is gone once the prefill ends."""
     from jax_offload.kv import host_store
 
     ids = np.random.default_rng(507).integers(3, tiny_models.VOCAB, size=200).tolist()
-    where = f"model seed {MODEL_SEED}, prompt seed 507"
+    where = f"model seed {MODEL_SEED}, prompt seed 507, {dtype}"
     runs = {}
     for mirrored in (True, False):
-        llm = _sparse(model_dir, 48, "sketch")
+        llm = LLM(model_dir, dtype=dtype, offload=True, block_size=64, num_ring_slots=2, decode_policy="sketch",
+                  decode_budget=48, page_size=16, dense_layers=1)
         store, sources = llm._runner.store, []
         if not mirrored:  # pinned memory for the store and nothing more
             monkeypatch.setattr(host_store, "pinned_limit_bytes", lambda: store.host_bytes)
