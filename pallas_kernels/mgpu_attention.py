@@ -100,8 +100,6 @@ _CONSUMER_REGS = 240
 _PRODUCER_REGS = 24
 
 DEFAULT_CONFIG = dict(block_q=64, block_kv=128, max_concurrent_steps=2)
-# Experiment: O stored from registers straight to global memory (no shared-memory staging, no TMA).
-DIRECT_OUT = False
 
 
 def _semantics(name: str):
@@ -183,7 +181,7 @@ def _resolve_config(tk, block_q, block_kv, steps) -> dict[str, int]:
 
 def _plan_smem(cfg, d, in_dtype, out_dtype, finish: bool) -> tuple[bool, int]:
     """(alias O with Q/K?, bytes): alias only when the plain layout does not fit."""
-    separate_o = jnp.dtype(out_dtype) != jnp.dtype(in_dtype) and not DIRECT_OUT
+    separate_o = jnp.dtype(out_dtype) != jnp.dtype(in_dtype)
     args = (cfg["block_q"], cfg["block_kv"], cfg["max_concurrent_steps"], d, jnp.dtype(in_dtype).itemsize,
             jnp.dtype(out_dtype).itemsize if separate_o else None)
     row_outs = 1 if finish else 2
@@ -194,8 +192,7 @@ def _plan_smem(cfg, d, in_dtype, out_dtype, finish: bool) -> tuple[bool, int]:
 
 
 def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *refs, block_q, block_kv, steps, group, causal,
-                      scale_log2, num_q_tiles, packed, resume, listed, finish, alias_out, separate_o, interpret,
-                      direct_out):
+                      scale_log2, num_q_tiles, packed, resume, listed, finish, alias_out, separate_o, interpret):
     if packed:  # per-row starts [B, Tq]; per CTA (smallest start, largest of warpgroup 0, of warpgroup 1)
         start_ref, bounds_ref, *refs = refs
     if resume:
@@ -471,18 +468,13 @@ def _attention_kernel(qoff_ref, kvlen_ref, q_ref, k_ref, v_ref, *refs, block_q, 
             tile_out, row_outs = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0]), (lse,)
         else:
             tile_out, row_outs = acc, (m_i, l_i)
-        if direct_out:
-            o_gmem = out_refs[0].at[batch, rows, q_head]
-            o_gmem[...] = tile_out.astype(out_refs[0].dtype)
-        else:
-            o_tile = o_smem.at[wg]
-            o_tile[...] = tile_out.astype(o_smem.dtype)
+        o_tile = o_smem.at[wg]
+        o_tile[...] = tile_out.astype(o_smem.dtype)
         for n, x in enumerate(row_outs):
             row_tile = rows_smem.at[n, wg]
             row_tile[...] = x
         plgpu.commit_smem()
-        if not direct_out:
-            plgpu.copy_smem_to_gmem(o_tile, out_refs[0].at[batch, rows, q_head])
+        plgpu.copy_smem_to_gmem(o_tile, out_refs[0].at[batch, rows, q_head])
         for n, ref in enumerate(out_refs[1:]):
             plgpu.copy_smem_to_gmem(rows_smem.at[n, wg], ref.at[batch, q_head, rows])
         # Only until the copies have read shared memory: their writes land before the kernel ends, and the SM
@@ -541,9 +533,9 @@ def _pad_axis(x, axis: int, size: int, value=0):
 
 
 @functools.partial(jax.jit, static_argnames=("finish", "causal", "sm_scale", "out_dtype", "block_q", "block_kv",
-                                             "max_concurrent_steps", "semantics", "interpret", "direct_out"))
+                                             "max_concurrent_steps", "semantics", "interpret"))
 def _attention_mgpu(q, k, v, q_offset, kv_len, kv_start, state, block_lists=None, *, finish, causal, sm_scale,
-                    out_dtype, block_q, block_kv, max_concurrent_steps, semantics, interpret, direct_out=False):
+                    out_dtype, block_q, block_kv, max_concurrent_steps, semantics, interpret):
     """The kernel's launch. block_lists (block-sparse attention, `mgpu_block_sparse`): None, or (blocks int32
     [B, Hq, num_q_tiles, M], counts int32 [B, Hq, num_q_tiles, 3]). CTA (b, h, tile) then visits the key blocks
     blocks[b, h, tile, :counts[..., 0]] (ascending, each a block some row of the CTA may see) instead of every
@@ -577,8 +569,7 @@ def _attention_mgpu(q, k, v, q_offset, kv_len, kv_start, state, block_lists=None
     tile_dtype = out_dtype if finish else jnp.dtype(jnp.float32)
     alias_out, _ = _plan_smem(cfg, d, q.dtype, tile_dtype, finish)
     alias_out = alias_out and not interpret  # the CPU interpreter has no RefUnion (and no memory limit)
-    direct_out = direct_out and not interpret
-    separate_o = tile_dtype != jnp.dtype(q.dtype) and not direct_out
+    separate_o = tile_dtype != jnp.dtype(q.dtype)
 
     def tiled(shape, dtype):
         # 128-byte swizzle with (8, 128 B) tiles: the layout wgmma reads and TMA writes without bank conflicts.
@@ -600,7 +591,7 @@ def _attention_mgpu(q, k, v, q_offset, kv_len, kv_start, state, block_lists=None
         _attention_kernel, block_q=block_q, block_kv=block_kv, steps=max_concurrent_steps, group=hq // hkv,
         causal=causal, scale_log2=sm_scale * LOG2E, num_q_tiles=num_q_tiles, packed=kv_start is not None,
         resume=state is not None, listed=block_lists is not None, finish=finish, alias_out=alias_out,
-        separate_o=separate_o, interpret=interpret, direct_out=direct_out)
+        separate_o=separate_o, interpret=interpret)
     rows_f32 = jax.ShapeDtypeStruct((batch, hq, tq_pad), jnp.float32)
     out_type = (jax.ShapeDtypeStruct((batch, tq_pad, hq, d), tile_dtype),) + (rows_f32,) * (1 if finish else 2)
     out = plgpu.kernel(
@@ -659,8 +650,7 @@ def _launch(q, k, v, state, *, finish, causal, q_offset, kv_lengths, kv_start, s
     kv_len = jnp.clip(per_batch(tk if kv_lengths is None else kv_lengths, batch, "kv_lengths"), 0, tk)
     return _attention_mgpu(q, k, v, q_offset, kv_len, per_row(kv_start, batch, tq), state, block_lists,
                            finish=finish, causal=bool(causal), sm_scale=check_sm_scale(sm_scale, d),
-                           out_dtype=out_dtype, semantics=semantics, interpret=bool(interpret),
-                           direct_out=DIRECT_OUT, **cfg)
+                           out_dtype=out_dtype, semantics=semantics, interpret=bool(interpret), **cfg)
 
 
 def attention_with_lse_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, q_offset=None,
