@@ -173,6 +173,7 @@ def phase_long(a) -> dict:
                "first_step_ms": out.decode_token_seconds[0] * 1e3 if out.decode_token_seconds else None,
                "prefill_density_mean": (float(np.mean(out.prefill_density)) if out.prefill_density else None),
                "prefill_pcie_GB": llm._runner.last_prefill_pcie_bytes / 1e9,
+               "prefill_mirrored": llm._runner.last_prefill_mirrored,
                "pinned_host_GiB": llm._runner.store.host_bytes_held() / GiB, "gpu_memory": gpu_memory()}
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -213,11 +214,17 @@ def main() -> None:
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     if "long" in a.phases.split(","):
-        # XLA reads its pinned-pool limit when the GPU backend starts: size it for the long prompt's fp8 store.
+        # XLA reads its pinned-pool limit when the GPU backend starts: size it for the long prompt's fp8 store and,
+        # for the page policies, the chunked prefill's mirror of their page layers (as the CLI does).
+        from jax_offload.kv.host_store import MIRROR_HEADROOM_BYTES
+
         cfg = model_config(a.shape, a.num_layers)
         tokens = a.long_ctx + a.long_tokens + a.long_block_size
-        store = cfg.num_layers * tokens * 2 * cfg.num_kv_heads * (cfg.head_dim + 4)
-        os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(int(store / GiB) + 8))
+        layer = tokens * 2 * cfg.num_kv_heads * (cfg.head_dim + 4)
+        pinned = cfg.num_layers * layer
+        if set(a.long_policies) - {"full"}:
+            pinned += (cfg.num_layers - 2) * layer + MIRROR_HEADROOM_BYTES
+        os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(int(pinned / GiB) + 8))
     for name in a.phases.split(","):
         start = time.perf_counter()
         result = {**run_metadata(), "phase": name, "args": {k: str(v) for k, v in vars(a).items()},

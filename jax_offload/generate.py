@@ -75,12 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _make_room_for_pinned_kv(model_dir: Path, args: argparse.Namespace) -> None:
     """Raises XLA's pinned host pool limit (read when JAX starts its GPU backend, so before that) to what the
-    offloaded KV store of --max-model-len tokens takes, when that is past the default and the user set none."""
-    from jax_offload.config import OFFLOAD_DEFAULTS, ModelConfig, round_up
-    from jax_offload.kv.host_store import DEFAULT_PINNED_LIMIT_GB, PINNED_LIMIT_VAR
+    offloaded KV store of --max-model-len tokens takes, when that is past the default and the user set none. With
+    a page policy (sketch, Quest) and chunked prefill, it also makes room for the prefill mirror (a second copy of
+    the page layers' blocks while a prompt is prefilled, `HostKVStore.start_mirror`), as far as the host's memory
+    goes: without it those layers' reads are serialized with compute on some hosts."""
+    from jax_offload.config import OFFLOAD_DEFAULTS, PAGE_POLICIES, PAGE_POLICY_DEFAULTS, ModelConfig, round_up
+    from jax_offload.kv import host_store
     from jax_offload.kv.kv_cache_dtype import KV_CACHE_DTYPES, bytes_per_vector
 
-    if PINNED_LIMIT_VAR in os.environ:
+    if host_store.PINNED_LIMIT_VAR in os.environ:
         return
     cfg = ModelConfig.from_hf(model_dir)
     if args.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -89,9 +92,16 @@ def _make_room_for_pinned_kv(model_dir: Path, args: argparse.Namespace) -> None:
                       args.block_size or OFFLOAD_DEFAULTS["block_size"])
     # The model's dtype is at most 2 bytes an element on a GPU (bfloat16 or float16).
     vector = bytes_per_vector(args.kv_cache_dtype, cfg.head_dim, "bfloat16")
-    gib = cfg.num_layers * tokens * 2 * cfg.num_kv_heads * vector / 2**30
-    if gib > DEFAULT_PINNED_LIMIT_GB:
-        os.environ[PINNED_LIMIT_VAR] = str(int(gib) + 4)
+    layer_gib = tokens * 2 * cfg.num_kv_heads * vector / 2**30
+    gib = cfg.num_layers * layer_gib
+    chunked = args.prefill == "chunked" or (args.prefill is None and args.prefill_policy != "xattention")
+    if args.decode_policy in PAGE_POLICIES and chunked:
+        page_layers = cfg.num_layers - (args.dense_layers if args.dense_layers is not None
+                                        else PAGE_POLICY_DEFAULTS["dense_layers"])
+        with_mirror = gib + max(page_layers, 0) * layer_gib + host_store.MIRROR_HEADROOM_BYTES / 2**30
+        gib = max(gib, min(with_mirror, host_store.total_host_bytes() / 2**30))
+    if gib > host_store.DEFAULT_PINNED_LIMIT_GB:
+        os.environ[host_store.PINNED_LIMIT_VAR] = str(int(gib) + 4)
 
 
 def read_prompts(path: Path) -> list[str | list[str]]:

@@ -102,6 +102,7 @@ class OffloadRunner:
         self.xattn = xattention.policy_of(engine)
         self.last_decode_pcie_bytes = 0  # bytes the last decode step moved from host to GPU
         self.last_prefill_pcie_bytes = 0  # bytes the last prefill moved from host to GPU
+        self.last_prefill_mirrored = False  # whether the last prefill read its page layers from the mirror
         self.prefill_block_counts: list[jax.Array] = []  # per layer, XAttention's [selected, visible] blocks
         self._keys: jax.Array | None = None  # chunked XAttention: the current layer's keys, for the estimate
         self._tails: list[jax.Array | None] = []
@@ -169,10 +170,11 @@ class OffloadRunner:
         self._written = [cached_blocks] * self.cfg.num_layers
         self._tails = [None] * self.cfg.num_layers
         self.last_prefill_pcie_bytes = 0
+        self.last_prefill_mirrored = False
         self.prefill_block_counts = [jnp.zeros(2, jnp.int32)] * self.cfg.num_layers
         if self.mode == "chunked" or cached_blocks:
             ids = ids[:, : round_up(prompt_len, self.block_size)]  # layerwise pads further
-            self.store.start_mirror(prompt_len // self.block_size)
+            self.last_prefill_mirrored = self.store.start_mirror(prompt_len // self.block_size)
             try:
                 out = self._prefill_chunked(ids, prompt_len, progress, keep_all, cached_blocks)
             finally:

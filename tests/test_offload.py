@@ -178,3 +178,30 @@ def test_bad_engine_options(model, kwargs, message, monkeypatch):
         LLM(path, dtype="float32", offload=True, **kwargs)
     ids = _ids(np.random.default_rng(5), 20)
     assert len(in_gpu.generate([ids], GREEDY)[0].token_ids) == GREEDY.max_tokens
+
+
+@pytest.mark.parametrize("argv, host_gib, expected_gib", [
+    # Llama-3.1-8B's shape, 512K tokens of fp8 KV: 1.03 GiB a layer, the store 33.0 GiB. Set: the need + 4 GiB.
+    (["--decode-policy", "full"], 128, None),  # the store fits the default 64 GiB
+    (["--decode-policy", "sketch"], 128, 69),  # + the 30 page layers' mirror (30.9) + 2 GiB headroom = 65.9
+    (["--decode-policy", "quest", "--dense-layers", "0"], 128, 72),  # 32 page layers: 33 + 33 + 2
+    (["--decode-policy", "sketch", "--prefill-policy", "xattention"], 128, None),  # layerwise: no mirror
+    (["--decode-policy", "sketch"], 48, None),  # no room for the mirror on this host: the store's need only
+])
+def test_cli_sizes_the_pinned_limit_for_the_prefill_mirror(tmp_path, monkeypatch, argv, host_gib, expected_gib):
+    import json
+
+    from jax_offload import generate
+    from jax_offload.kv import host_store
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "max_position_embeddings": 131072}))
+    monkeypatch.delenv(host_store.PINNED_LIMIT_VAR, raising=False)
+    monkeypatch.setattr(host_store, "total_host_bytes", lambda: host_gib * 2**30)
+    args = generate.build_parser().parse_args(
+        ["--offload", "--kv-cache-dtype", "fp8", "--max-model-len", str(1 << 19), "--prompt", "x", *argv])
+    generate._make_room_for_pinned_kv(tmp_path, args)
+    got = host_store.os.environ.get(host_store.PINNED_LIMIT_VAR)
+    assert got == (None if expected_gib is None else str(expected_gib)), (argv, host_gib, got)

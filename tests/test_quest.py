@@ -149,6 +149,7 @@ def test_prefill_mirror_reads_the_same_bits(model_dir, monkeypatch, dtype):
         monkeypatch.setattr(store, "fetch", spy)
         runs[mirrored] = _decode_logits(llm, ids, 3)
         assert sources and set(sources) == {mirrored}, f"{where}: mirrored {mirrored}, reads {sources}"
+        assert llm._runner.last_prefill_mirrored == mirrored, where
         assert store._mirror is None, where
     np.testing.assert_array_equal(runs[True], runs[False], err_msg=where)
 

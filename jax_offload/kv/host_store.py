@@ -56,6 +56,10 @@ def available_host_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def total_host_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def pinned_limit_bytes() -> int | None:
     """How much pinned host memory XLA will allocate on this backend; None where it sets no limit (CPU)."""
     if jax.default_backend() != "gpu":
