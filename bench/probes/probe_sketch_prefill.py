@@ -95,13 +95,14 @@ def main() -> None:
             row = {"policy": policy, "prefill": mode, "mirror": how != ["nomirror"], "ctx": ctx, "prefill_s": stats(runs), "runs": runs,
                    "cold_s": cold, "warm_up_s": warm_up_s, "warm_up_events": warm_up_events,
                    "cold_events": cold_events, "timed_events": _compile_seconds()}
+            row["mirrored"] = getattr(llm._runner, "last_prefill_mirrored", None)
             rows.append(row)
             print(json.dumps(row), flush=True)
+            (a.out / "probe_sketch_prefill.json").write_text(json.dumps(
+                {"meta": run_metadata(), "root": str(a.root), "args": {k: str(v) for k, v in vars(a).items()},
+                 "rows": rows}, indent=1))
         del llm
         gc.collect()
-    (a.out / "probe_sketch_prefill.json").write_text(json.dumps(
-        {"meta": run_metadata(), "root": str(a.root), "args": {k: str(v) for k, v in vars(a).items()}, "rows": rows},
-        indent=1))
 
 
 if __name__ == "__main__":
