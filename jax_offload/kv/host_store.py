@@ -169,11 +169,13 @@ class HostKVStore:
         zeros = kv_format.pack(self._empty(self.block_shape, 0))
         self._blocks: list = []  # per layer: a list of blocks, or one buffer (each a stored KV array)
         for place, sharding in zip(places, self._sharding):
-            if place != "blocks":
-                layer = self._empty((num_blocks, *self.block_shape), 1)
-                self._blocks.append(jax.device_put(layer, sharding, may_alias=False))
-            else:
+            if place == "blocks":
                 self._blocks.append([jax.device_put(zeros, sharding, may_alias=False) for _ in range(num_blocks)])
+                continue
+            # A host layer's zeros are made on the GPU and copied out one layer at a time: queued together, every
+            # layer's GPU zeros could be alive at once (bench/results/runs/h100_memory_peak/).
+            layer = jax.device_put(self._empty((num_blocks, *self.block_shape), 1), sharding)
+            self._blocks.append(jax.block_until_ready(layer))
         self._written = np.zeros((num_layers, num_blocks), bool)
 
     def _empty(self, shape: tuple[int, ...], head_axis: int):
