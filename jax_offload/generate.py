@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+COMPILATION_CACHE_BYTES = 2 * 2**30
+
 
 class _ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:
@@ -30,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     p.add_argument("--json", action="store_true", help="print one JSON line per output instead of streaming")
+    p.add_argument("--compilation-cache-dir",
+                   help="where compiled programs are kept for the next run ('' for nowhere; default "
+                        "$JAX_OFFLOAD_CACHE/xla, or JAX_COMPILATION_CACHE_DIR where set)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--offload", action="store_true", help="keep the KV cache in pinned host memory")
@@ -104,6 +109,26 @@ def _make_room_for_pinned_kv(model_dir: Path, args: argparse.Namespace) -> None:
         os.environ[host_store.PINNED_LIMIT_VAR] = str(int(gib) + 4)
 
 
+def _keep_compiled_programs(path: str | None) -> None:
+    """JAX's persistent compilation cache: a later run of the same configuration loads its programs instead of
+    compiling them again (and, on a GPU, XLA's autotuning results), up to COMPILATION_CACHE_BYTES, the least
+    recently used dropped first. An explicit JAX_COMPILATION_CACHE_DIR wins over the default."""
+    import jax
+
+    from jax_offload.default_model import cache_root
+
+    if path is None:
+        if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+            return
+        path = str(cache_root() / "xla")
+    if not path:
+        return
+    jax.config.update("jax_compilation_cache_dir", path)
+    # Every program, however quick to compile: a first answer is many small ones.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_BYTES)
+
+
 def read_prompts(path: Path) -> list[str | list[str]]:
     """The prompts of a --prompt-file: one per line of a .jsonl file (a list of strings for a line with
     "segments"), else the file's whole text."""
@@ -166,6 +191,7 @@ def _run(args: argparse.Namespace) -> int:
     model_dir = args.model if args.model is not None else ensure_default_model(quiet=args.json)
     if args.offload:
         _make_room_for_pinned_kv(model_dir, args)
+    _keep_compiled_programs(args.compilation_cache_dir)
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     llm = LLM(
         model_dir,

@@ -47,14 +47,22 @@ def test_logits_and_greedy_tokens_match_transformers(models, prompt):
     assert out.token_ids == ref_tokens
 
 
-def test_cli_answers_paris_with_speed():
-    run = subprocess.run(
-        [sys.executable, "-m", "jax_offload.generate", "--prompt", "What is the capital of France?"],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert run.returncode == 0, run.stderr
-    assert "Paris" in run.stdout
-    assert "tokens/s" in run.stdout
+def test_cli_answers_paris_with_speed_and_keeps_its_programs(tmp_path):
+    """The CLI answers, and keeps its compiled programs: a second run loads every one of them (compiles nothing
+    new into the cache) and answers the same."""
+    cache = tmp_path / "xla"
+    argv = [sys.executable, "-m", "jax_offload.generate", "--prompt", "What is the capital of France?",
+            "--compilation-cache-dir", str(cache)]
+    answers, entries = [], []
+    for _ in range(2):
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        assert "Paris" in run.stdout
+        assert "tokens/s" in run.stdout
+        answers.append(run.stdout.split("\n[prefill")[0])
+        entries.append(sorted(p.name for p in cache.glob("*-cache")))
+    assert entries[0] and entries[1] == entries[0], entries
+    assert answers[1] == answers[0]
 
 
 def test_offloaded_engine_finds_needles(models):

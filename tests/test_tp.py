@@ -155,5 +155,8 @@ def test_bad_tensor_parallel_size(model_dirs, options, message):
 def test_cli_passes_tensor_parallel_size(model_dirs, capsys):
     from jax_offload.generate import main
 
-    assert main(["--model", str(model_dirs["qwen3"]), "--prompt", "w1 w2", "--tensor-parallel-size", "3"]) == 2
+    # No compilation cache: in this process it would stay on for the tests after this one.
+    argv = ["--model", str(model_dirs["qwen3"]), "--prompt", "w1 w2", "--tensor-parallel-size", "3",
+            "--compilation-cache-dir", ""]
+    assert main(argv) == 2
     assert "tensor_parallel_size 3 does not split" in capsys.readouterr().err
