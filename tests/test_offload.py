@@ -190,6 +190,7 @@ def test_bad_engine_options(model, kwargs, message, monkeypatch):
 ])
 def test_cli_sizes_the_pinned_limit_for_the_prefill_mirror(tmp_path, monkeypatch, argv, host_gib, expected_gib):
     import json
+    import os
 
     from jax_offload import generate
     from jax_offload.kv import host_store
@@ -203,5 +204,5 @@ def test_cli_sizes_the_pinned_limit_for_the_prefill_mirror(tmp_path, monkeypatch
     args = generate.build_parser().parse_args(
         ["--offload", "--kv-cache-dtype", "fp8", "--max-model-len", str(1 << 19), "--prompt", "x", *argv])
     generate._make_room_for_pinned_kv(tmp_path, args)
-    got = host_store.os.environ.get(host_store.PINNED_LIMIT_VAR)
+    got = os.environ.get(host_store.PINNED_LIMIT_VAR)
     assert got == (None if expected_gib is None else str(expected_gib)), (argv, host_gib, got)
