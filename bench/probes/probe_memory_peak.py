@@ -3,7 +3,7 @@
 
 Every jitted function the offload runner, the store, the ring and the sketch call (module-level, found by name), and
 `jax.device_put`, is wrapped to wait for its result and read the device's peak_bytes_in_use: each rise of the peak is
-charged to the program that just ran (with the chunk/step count at that point). Llama-3.1-8B shape, random bf16
+charged to the program that just ran (with how many times it had run). Llama-3.1-8B shape, random bf16
 weights, fp8 KV, chunked prefill in --block-size chunks with XAttention at a fixed density, as `bench_kv_fp8.py
 --phases long` runs it, one prompt per policy (each in its own process: the peak is the process's).
 
