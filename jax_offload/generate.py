@@ -234,7 +234,7 @@ def _run(args: argparse.Namespace) -> int:
         print(
             f"\n[prefill {len(out.prompt_token_ids)} tokens: {out.prefill_tokens_per_second:.1f} tokens/s | "
             f"decode {len(out.token_ids)} tokens: {out.decode_tokens_per_second:.1f} tokens/s; "
-            "a first run includes jit compilation]"
+            "the first run of a configuration includes compiling it]"
         )
         return 0
     outs = llm.generate(ids, params, progress=not args.json)
