@@ -216,14 +216,12 @@ def main() -> None:
     if "long" in a.phases.split(","):
         # XLA reads its pinned-pool limit when the GPU backend starts: size it for the long prompt's fp8 store and,
         # for the page policies, the chunked prefill's mirror of their page layers (as the CLI does).
-        from jax_offload.kv.host_store import MIRROR_HEADROOM_BYTES
+        from jax_offload.kv.host_store import pinned_bytes
 
         cfg = model_config(a.shape, a.num_layers)
         tokens = a.long_ctx + a.long_tokens + a.long_block_size
-        layer = tokens * 2 * cfg.num_kv_heads * (cfg.head_dim + 4)
-        pinned = cfg.num_layers * layer
-        if set(a.long_policies) - {"full"}:
-            pinned += (cfg.num_layers - 2) * layer + MIRROR_HEADROOM_BYTES
+        pinned = pinned_bytes(cfg.num_layers, tokens, cfg.num_kv_heads, cfg.head_dim, "fp8", "bfloat16",
+                              mirror_layers=cfg.num_layers - 2 if set(a.long_policies) - {"full"} else None)
         os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(int(pinned / GiB) + 8))
     for name in a.phases.split(","):
         start = time.perf_counter()

@@ -86,7 +86,7 @@ def _make_room_for_pinned_kv(model_dir: Path, args: argparse.Namespace) -> None:
     goes: without it those layers' reads are serialized with compute on some hosts."""
     from jax_offload.config import OFFLOAD_DEFAULTS, PAGE_POLICIES, PAGE_POLICY_DEFAULTS, ModelConfig, round_up
     from jax_offload.kv import host_store
-    from jax_offload.kv.kv_cache_dtype import KV_CACHE_DTYPES, bytes_per_vector
+    from jax_offload.kv.kv_cache_dtype import KV_CACHE_DTYPES
 
     if host_store.PINNED_LIMIT_VAR in os.environ:
         return
@@ -96,15 +96,15 @@ def _make_room_for_pinned_kv(model_dir: Path, args: argparse.Namespace) -> None:
     tokens = round_up(args.max_model_len or cfg.max_position_embeddings,
                       args.block_size or OFFLOAD_DEFAULTS["block_size"])
     # The model's dtype is at most 2 bytes an element on a GPU (bfloat16 or float16).
-    vector = bytes_per_vector(args.kv_cache_dtype, cfg.head_dim, "bfloat16")
-    layer_gib = tokens * 2 * cfg.num_kv_heads * vector / 2**30
-    gib = cfg.num_layers * layer_gib
+    shape = (cfg.num_layers, tokens, cfg.num_kv_heads, cfg.head_dim, args.kv_cache_dtype, "bfloat16")
+    need = host_store.pinned_bytes(*shape)
     chunked = args.prefill == "chunked" or (args.prefill is None and args.prefill_policy != "xattention")
     if args.decode_policy in PAGE_POLICIES and chunked:
         page_layers = cfg.num_layers - (args.dense_layers if args.dense_layers is not None
                                         else PAGE_POLICY_DEFAULTS["dense_layers"])
-        with_mirror = gib + max(page_layers, 0) * layer_gib + host_store.MIRROR_HEADROOM_BYTES / 2**30
-        gib = max(gib, min(with_mirror, host_store.total_host_bytes() / 2**30))
+        with_mirror = host_store.pinned_bytes(*shape, mirror_layers=max(page_layers, 0))
+        need = max(need, min(with_mirror, host_store.total_host_bytes()))
+    gib = need / 2**30
     if gib > host_store.DEFAULT_PINNED_LIMIT_GB:
         os.environ[host_store.PINNED_LIMIT_VAR] = str(int(gib) + 4)
 

@@ -60,6 +60,15 @@ def total_host_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def pinned_bytes(num_layers: int, tokens: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str, dtype,
+                 mirror_layers: int | None = None) -> int:
+    """Pinned host bytes an offloaded store of `tokens` tokens in each of `num_layers` layers takes; with
+    `mirror_layers`, plus a chunked prefill's mirror of that many page layers and its headroom (`start_mirror`)."""
+    layer = 2 * tokens * num_kv_heads * kv_format.bytes_per_vector(kv_cache_dtype, head_dim, dtype)
+    mirror = 0 if mirror_layers is None else mirror_layers * layer + MIRROR_HEADROOM_BYTES
+    return num_layers * layer + mirror
+
+
 def pinned_limit_bytes() -> int | None:
     """How much pinned host memory XLA will allocate on this backend; None where it sets no limit (CPU)."""
     if jax.default_backend() != "gpu":
