@@ -199,12 +199,16 @@ class HostKVStore:
         return jax.lax.dynamic_update_slice(old, jax.device_put(new, sharding), (0,) * old.ndim)
 
     @staticmethod
-    @functools.partial(jax.jit, static_argnums=(3, 4, 5), donate_argnums=(0,))
-    def _write_into_layer(layer, kv: jax.Array, index: jax.Array, sharding, kv_cache_dtype: str, dtype):
+    @functools.partial(jax.jit, static_argnums=(3, 4, 5, 6), donate_argnums=(0,))
+    def _write_into_layer(layer, kv: jax.Array, index: jax.Array, sharding, kv_cache_dtype: str, dtype,
+                          mirrored: bool = False):
+        """(the layer with block `index` written, and with `mirrored` the block as the prefill mirror keeps it, still
+        on the GPU: `stored_block` of the same encoding, made once for both; else None)."""
         new = to_stored_layout(kv_format.encode(kv_cache_dtype, kv, dtype))
         # [1, Hkv, ...]: the layer's head axis
-        return jax.tree.map(lambda layer, new: jax.lax.dynamic_update_slice(
+        layer = jax.tree.map(lambda layer, new: jax.lax.dynamic_update_slice(
             layer, jax.device_put(new[None], sharding), (index,) + (0,) * (layer.ndim - 1)), layer, new)
+        return layer, kv_format.pack(new) if mirrored else None
 
     def start_mirror(self, num_blocks: int) -> bool:
         """Keeps a copy of each block written to a "pages" layer from now on as a pinned buffer of its own, so that a
@@ -228,9 +232,10 @@ class HostKVStore:
             raise RuntimeError(f"Block {index} is outside the store's {self.num_blocks} blocks.")
         how = (self._sharding[layer], self.kv_cache_dtype, jnp.dtype(self.dtype))
         if self.places[layer] != "blocks":
-            self._blocks[layer] = self._write_into_layer(self._blocks[layer], kv, np.int32(index), *how)
-            if self._mirror is not None and self.places[layer] == "pages":
-                block = stored_block(kv, self.kv_cache_dtype, jnp.dtype(self.dtype))
+            mirrored = self._mirror is not None and self.places[layer] == "pages"
+            self._blocks[layer], block = self._write_into_layer(self._blocks[layer], kv, np.int32(index), *how,
+                                                                mirrored)
+            if mirrored:
                 self._mirror[layer, index] = jax.device_put(block, self._block_sharding)
         else:
             self._blocks[layer][index] = self._write_block(self._blocks[layer][index], kv, *how)
