@@ -269,10 +269,11 @@ def chunk_begin(
 
 @functools.partial(step_jit, static_argnums=(0,), static_argnames=("tp",))
 def attend_blocks(impl: str, q: jax.Array, blocks: tuple[jax.Array, ...], state: AttentionState,
-                  tp: TensorParallel | None = None) -> AttentionState:
-    """Continues the state of a chunk's (or a token's) queries over earlier host blocks, all visible."""
+                  kv_len: jax.Array | None = None, tp: TensorParallel | None = None) -> AttentionState:
+    """Continues the state of a chunk's (or a token's) queries over earlier host blocks, all visible, or their
+    first `kv_len` keys (the rest pads the group: the kernels never load keys past kv_len)."""
     k, v = _join_blocks(blocks, q.dtype)
-    return attend(impl, q, k, v, state, causal=False, tp=tp)
+    return attend(impl, q, k, v, state, causal=False, kv_len=kv_len, tp=tp)
 
 
 @functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",))
@@ -502,12 +503,15 @@ def layerwise_layer(
 
 
 @functools.partial(step_jit, donate_argnums=(0,))
-def gather_keys(keys: jax.Array, blocks: tuple[jax.Array, ...], start: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Writes the keys of consecutive host blocks (first key at `start`) into the layer's key buffer
-    [1, max_len, Hkv, D]; also returns a value computed from the blocks on every device (one key element per
-    head), to tell when their slots are free."""
-    k, _ = _join_blocks(blocks, keys.dtype)
-    return jax.lax.dynamic_update_slice(keys, k, (0, start, 0, 0)), k[0, 0, :, 0]
+def gather_keys(keys: jax.Array, blocks: tuple[jax.Array, ...], starts: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Writes the keys of host blocks into the layer's key buffer [1, max_len, Hkv, D], block i's first key at
+    starts[i] (a padded group's repeats all go to the current chunk's place, which its own keys overwrite next);
+    also returns a value computed from the blocks on every device (one key element per head), to tell when their
+    slots are free."""
+    for i, block in enumerate(blocks):
+        k, _ = _join_blocks((block,), keys.dtype)
+        keys = jax.lax.dynamic_update_slice(keys, k, (0, starts[i], 0, 0))
+    return keys, k[0, 0, :, 0]
 
 
 @functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",))
@@ -527,10 +531,11 @@ def xattn_chunk_select(
 
 
 def _mask_columns(mask: jax.Array, blocks: jax.Array, block_size: int, xattn_block: int) -> jax.Array:
-    """The columns of host blocks `blocks` (int32 [n]) of a chunk's mask, in that order: [1, Hq, nqb, n * per]."""
+    """The columns of host blocks `blocks` (int32 [n]; -1 pads a group, and its columns are all False) of a
+    chunk's mask, in that order: [1, Hq, nqb, n * per]."""
     b, hq, nqb, _ = mask.shape
     per = block_size // xattn_block
-    cols = mask.reshape(b, hq, nqb, -1, per)[:, :, :, blocks]
+    cols = mask.reshape(b, hq, nqb, -1, per)[:, :, :, jnp.maximum(blocks, 0)] & (blocks >= 0)[:, None]
     return cols.reshape(b, hq, nqb, -1)
 
 

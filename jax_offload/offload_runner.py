@@ -45,7 +45,7 @@ from jax_offload.buckets import prompt_bucket
 from jax_offload.config import PAGE_POLICIES, EngineConfig, ModelConfig, round_up
 from jax_offload.kv.host_store import HostKVStore
 from jax_offload.kv.kv_cache_dtype import bytes_per_vector
-from jax_offload.kv.ring import BlockRing, Key, group_size, grouped
+from jax_offload.kv.ring import BlockRing, Key, group_size, grouped, padded
 from jax_offload.models.params import ModelParams
 from jax_offload.progress import LaggedProgress
 from jax_offload.sparse import xattention
@@ -131,10 +131,16 @@ class OffloadRunner:
         return [(layer, self._blocks[b]) for b in blocks]
 
     def attend_groups(self, ring: BlockRing, layer_groups: list[list[Key]], q: jax.Array,
-                      state: AttentionState) -> AttentionState:
-        """Continues the attention state over each of the layer's groups, handing each group's slots back."""
+                      state: AttentionState, pad: bool = False) -> AttentionState:
+        """Continues the attention state over each of the layer's groups, handing each group's slots back. With
+        `pad`, every group is padded to the full group size (prompt chunks: one program for every group; decode
+        does not pad, since its attention is cheap beside copying the repeats)."""
         for g in layer_groups:
-            state = attend_blocks(self.impl, q, tuple(ring.take()), state, tp=self.tp)
+            if pad:
+                blocks, kv_len = padded(ring.take(), self.group), np.int32(len(g) * self.block_size)
+                state = attend_blocks(self.impl, q, blocks, state, kv_len, tp=self.tp)
+            else:
+                state = attend_blocks(self.impl, q, tuple(ring.take()), state, tp=self.tp)
             ring.release(state.m, len(g))
         return state
 
@@ -204,7 +210,7 @@ class OffloadRunner:
             for l, layer in enumerate(layers):
                 q, kv, state = chunk_begin(self.cfg, layer, h, self.inv_freq, start, tp=self.tp)
                 if self.xattn is None:
-                    state = self.attend_groups(ring, groups[l], q, state)
+                    state = self.attend_groups(ring, groups[l], q, state, pad=True)
                     h = chunk_end(self.cfg, self.impl, layer, h, q, kv, length, state, tp=self.tp)
                 else:
                     h = self._xattn_chunk_layer(l, layer, h, q, kv, state, c, chunk_len)
@@ -227,15 +233,17 @@ class OffloadRunner:
         bs, start = self.block_size, np.int32(c * self.block_size)
         ring = BlockRing(self.store, self.num_slots, grouped(self._keys_of(l, range(c)), self.group))
         for g in grouped(range(c), self.group):
-            self._keys, done = gather_keys(self._keys, tuple(ring.take()), np.int32(g[0] * bs))
+            starts = np.array(g + [c] * (self.group - len(g)), np.int32) * bs
+            self._keys, done = gather_keys(self._keys, padded(ring.take(), self.group), starts)
             ring.release(done, len(g))
         mask, needed, self._keys, counts = xattn_chunk_select(
             self.impl, self.xattn, q, self._keys, kv, start, np.int32(chunk_len), tp=self.tp)
         chosen = [int(b) for b in np.flatnonzero(to_host(needed))]
         ring = BlockRing(self.store, self.num_slots, grouped(self._keys_of(l, chosen), self.group))
         for g in grouped(chosen, self.group):
-            state = xattn_attend_blocks(self.impl, self.xattn, q, tuple(ring.take()), jnp.asarray(g, jnp.int32),
-                                        mask, state, tp=self.tp)
+            ids = np.array(g + [-1] * (self.group - len(g)), np.int32)
+            state = xattn_attend_blocks(self.impl, self.xattn, q, padded(ring.take(), self.group), ids, mask, state,
+                                        tp=self.tp)
             ring.release(state.m, len(g))
         if self.store.places[l] != "gpu":
             self.last_prefill_pcie_bytes += (c + len(chosen)) * self.store.block_bytes

@@ -90,12 +90,16 @@ def test_back_to_back_requests_leak_no_state(models):
     assert long_then_short[0] == long_then_short[2] == one_by_one[0], f"{seed}, prompt seed 11"
 
 
-def test_an_engine_from_params_compiles_nothing_new_for_a_longer_prompt(models):
-    """Parameters handed to `LLM.from_params` (here from NumPy, uncommitted, as random or converted weights come)
-    join the mesh the store's blocks live on, so a chunk's programs see one placement whatever its groups of
-    blocks: after a prompt that met every group size, a longer one compiles nothing. (Before, a chunk's second
-    group compiled again for each size: ~13 s on the first 128K prompt of the 8B shape,
-    `bench/results/runs/h200_sketch_prefill/`.)"""
+@pytest.mark.parametrize("policy", [{}, dict(prefill_policy="xattention", xattn_stride=4, xattn_block=16)],
+                         ids=["full", "xattention"])
+def test_an_engine_from_params_compiles_nothing_new_for_a_longer_prompt(models, policy):
+    """A prompt chunk's programs compile once, whatever its groups of earlier blocks: parameters handed to
+    `LLM.from_params` (here from NumPy, uncommitted, as random or converted weights come) join the mesh the
+    store's blocks live on, so every group sees one placement, and every group is padded to the full group
+    size, so it has one shape. After a prompt whose chunks met one group of one block, a longer one compiles
+    nothing. (Before the first: a chunk's second group compiled again, ~13 s on the first 128K prompt of the 8B
+    shape, `bench/results/runs/h200_sketch_prefill/`; before the second: once per group length, 14 programs of
+    ~2 s each, `bench/results/runs/h100_first_prompt_compiles/`.)"""
     import jax
     import jax.numpy as jnp
 
@@ -103,10 +107,10 @@ def test_an_engine_from_params_compiles_nothing_new_for_a_longer_prompt(models):
     loaded = LLM(path, dtype="bfloat16", offload=True)
     params = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), loaded.params)
     llm = LLM.from_params(loaded.model_config, params, dtype="bfloat16", offload=True, block_size=32,
-                          num_ring_slots=6)
+                          num_ring_slots=6, prefill="chunked", **policy)
     rng = np.random.default_rng(208)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    llm.generate([_ids(rng, 4 * 32 + 5)], one)  # chunks with groups (1), (2), (3), (3, 1)
+    llm.generate([_ids(rng, 32 + 5)], one)  # the second chunk reads one group: (1)
     compiles = []
 
     def count(event: str, duration: float, **_) -> None:
@@ -115,7 +119,7 @@ def test_an_engine_from_params_compiles_nothing_new_for_a_longer_prompt(models):
 
     jax.monitoring.register_event_duration_secs_listener(count)
     try:
-        llm.generate([_ids(rng, 7 * 32 + 5)], one)  # adds (3, 2), (3, 3), (3, 3, 1)
+        llm.generate([_ids(rng, 7 * 32 + 5)], one)  # groups (2), (3), (3, 1), (3, 2), (3, 3), (3, 3, 1)
     finally:
         jax.monitoring.unregister_event_duration_listener(count)
     assert not compiles, f"{where}, prompt seed 208: {len(compiles)} programs compiled for the longer prompt"

@@ -33,15 +33,20 @@ p.add_argument("--shape", default="llama-3.1-8b")
 p.add_argument("--out", type=Path, required=True)
 a = p.parse_args()
 BENCH = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(a.root), str(BENCH)]
+sys.path.insert(0, str(BENCH))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from common import model_config, random_params, run_metadata, stats  # noqa: E402
+
+sys.path.insert(0, str(a.root))  # after `common`, which puts this checkout's root first
 from jax_offload import LLM, SamplingParams  # noqa: E402
 from jax_offload.kv.host_store import HostKVStore  # noqa: E402
+
+if not Path(sys.modules["jax_offload"].__file__).resolve().is_relative_to(a.root.resolve()):
+    raise SystemExit(f"jax_offload came from {sys.modules['jax_offload'].__file__}, not from --root {a.root}.")
 
 MIRROR = getattr(HostKVStore, "start_mirror", None)
 

@@ -21,6 +21,13 @@ def grouped(keys: Sequence[Key], size: int) -> list[list[Key]]:
     return [list(keys[i : i + size]) for i in range(0, len(keys), size)]
 
 
+def padded(blocks: Sequence[jax.Array], size: int) -> tuple[jax.Array, ...]:
+    """A group's blocks with its last one repeated up to `size`: a prefill's groups then have one shape, so the
+    programs that read them compile once instead of once per group length (each ~2 s for the 8B shape on an
+    H100); the reader masks the repeats out."""
+    return tuple(blocks) + (blocks[-1],) * (size - len(blocks))
+
+
 class BlockRing:
     """Streams groups of (layer, block) keys from the host store through `num_slots` GPU slots.
 
