@@ -68,9 +68,8 @@ class TensorParallel:
         return NamedSharding(self.mesh, _spec(head_axis), memory_kind=memory_kind)
 
     def zeros(self, shape: tuple[int, ...], dtype: jnp.dtype, head_axis: int | None) -> jax.Array:
-        """Zeros split on `head_axis`, each device making only its own part."""
-        if self.size == 1:
-            return jnp.zeros(shape, dtype)
+        """Zeros split on `head_axis`, each device making only its own part; on the mesh with one device too, so a
+        step sees the same placement in a buffer it starts from as in the one it returned (else it compiles twice)."""
         return _zeros_maker(tuple(shape), jnp.dtype(dtype), self.sharding(head_axis))()
 
     def replicate(self, tree: Any) -> Any:

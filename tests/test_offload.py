@@ -125,6 +125,31 @@ def test_an_engine_from_params_compiles_nothing_new_for_a_longer_prompt(models, 
     assert not compiles, f"{where}, prompt seed 208: {len(compiles)} programs compiled for the longer prompt"
 
 
+@pytest.mark.parametrize("policy", [{}, dict(decode_policy="sketch", decode_budget=64, page_size=16, dense_layers=1)],
+                         ids=["full", "sketch"])
+def test_a_second_decode_step_compiles_nothing(models, policy):
+    """The first decode step starts from tails and buffers the engine made, later ones from what a step returned:
+    both must sit on the mesh alike, or every decode layer compiles twice (~1.6-2 s each for the 8B shape)."""
+    import jax
+
+    path, _, where = models["qwen3"]
+    llm = LLM(path, dtype="bfloat16", offload=True, block_size=48, num_ring_slots=2, **policy)
+    ids = _ids(np.random.default_rng(209), 96)  # whole blocks: decode starts from an empty tail the engine made
+    llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # one decode step
+    compiles = []
+
+    def count(event: str, duration: float, **_) -> None:
+        if event.endswith("backend_compile_duration"):
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))  # and a second
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert not compiles, f"{where}, prompt seed 209: {len(compiles)} programs compiled for a second decode step"
+
+
 def test_host_store_is_written_in_place(models):
     """Blocks are written into the buffers allocated with the store: across 10 requests of random lengths every
     block keeps its address, and pinned host memory stays what it was after the first request (50 requests until
