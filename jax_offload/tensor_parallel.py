@@ -70,6 +70,8 @@ class TensorParallel:
     def zeros(self, shape: tuple[int, ...], dtype: jnp.dtype, head_axis: int | None) -> jax.Array:
         """Zeros split on `head_axis`, each device making only its own part; on the mesh with one device too, so a
         step sees the same placement in a buffer it starts from as in the one it returned (else it compiles twice)."""
+        if self.size == 1:  # made in place and relabelled: no program of its own per shape to compile
+            return jax.device_put(jnp.zeros(shape, dtype), self.sharding(head_axis))
         return _zeros_maker(tuple(shape), jnp.dtype(dtype), self.sharding(head_axis))()
 
     def replicate(self, tree: Any) -> Any:

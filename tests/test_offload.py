@@ -1,6 +1,8 @@
 """The offloaded engine reorders work only: it must give what the in-GPU engine gives."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -90,6 +92,24 @@ def test_back_to_back_requests_leak_no_state(models):
     assert long_then_short[0] == long_then_short[2] == one_by_one[0], f"{seed}, prompt seed 11"
 
 
+@contextlib.contextmanager
+def _compiles():
+    """The programs XLA compiles inside the block, one entry each."""
+    import jax
+
+    compiles = []
+
+    def count(event: str, duration: float, **_) -> None:
+        if event.endswith("backend_compile_duration"):
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+
+
 @pytest.mark.parametrize("policy", [{}, dict(prefill_policy="xattention", xattn_stride=4, xattn_block=16)],
                          ids=["full", "xattention"])
 def test_an_engine_from_params_compiles_nothing_new_for_a_longer_prompt(models, policy):
@@ -111,17 +131,8 @@ def test_an_engine_from_params_compiles_nothing_new_for_a_longer_prompt(models, 
     rng = np.random.default_rng(208)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     llm.generate([_ids(rng, 32 + 5)], one)  # the second chunk reads one group: (1)
-    compiles = []
-
-    def count(event: str, duration: float, **_) -> None:
-        if event.endswith("backend_compile_duration"):
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(count)
-    try:
+    with _compiles() as compiles:
         llm.generate([_ids(rng, 7 * 32 + 5)], one)  # groups (2), (3), (3, 1), (3, 2), (3, 3), (3, 3, 1)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(count)
     assert not compiles, f"{where}, prompt seed 208: {len(compiles)} programs compiled for the longer prompt"
 
 
@@ -130,23 +141,12 @@ def test_an_engine_from_params_compiles_nothing_new_for_a_longer_prompt(models, 
 def test_a_second_decode_step_compiles_nothing(models, policy):
     """The first decode step starts from tails and buffers the engine made, later ones from what a step returned:
     both must sit on the mesh alike, or every decode layer compiles twice (~1.6-2 s each for the 8B shape)."""
-    import jax
-
     path, _, where = models["qwen3"]
     llm = LLM(path, dtype="bfloat16", offload=True, block_size=48, num_ring_slots=2, **policy)
     ids = _ids(np.random.default_rng(209), 96)  # whole blocks: decode starts from an empty tail the engine made
     llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # one decode step
-    compiles = []
-
-    def count(event: str, duration: float, **_) -> None:
-        if event.endswith("backend_compile_duration"):
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(count)
-    try:
+    with _compiles() as compiles:
         llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))  # and a second
-    finally:
-        jax.monitoring.unregister_event_duration_listener(count)
     assert not compiles, f"{where}, prompt seed 209: {len(compiles)} programs compiled for a second decode step"
 
 
