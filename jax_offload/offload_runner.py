@@ -136,11 +136,10 @@ class OffloadRunner:
         `pad`, every group is padded to the full group size (prompt chunks: one program for every group; decode
         does not pad, since its attention is cheap beside copying the repeats)."""
         for g in layer_groups:
+            blocks, kv_len = tuple(ring.take()), None
             if pad:
-                blocks, kv_len = padded(ring.take(), self.group), np.int32(len(g) * self.block_size)
-                state = attend_blocks(self.impl, q, blocks, state, kv_len, tp=self.tp)
-            else:
-                state = attend_blocks(self.impl, q, tuple(ring.take()), state, tp=self.tp)
+                blocks, kv_len = padded(blocks, self.group), np.int32(len(g) * self.block_size)
+            state = attend_blocks(self.impl, q, blocks, state, kv_len, tp=self.tp)
             ring.release(state.m, len(g))
         return state
 
@@ -233,7 +232,7 @@ class OffloadRunner:
         bs, start = self.block_size, np.int32(c * self.block_size)
         ring = BlockRing(self.store, self.num_slots, grouped(self._keys_of(l, range(c)), self.group))
         for g in grouped(range(c), self.group):
-            starts = np.array(g + [c] * (self.group - len(g)), np.int32) * bs
+            starts = np.array(padded(g, self.group, fill=c), np.int32) * bs
             self._keys, done = gather_keys(self._keys, padded(ring.take(), self.group), starts)
             ring.release(done, len(g))
         mask, needed, self._keys, counts = xattn_chunk_select(
@@ -241,7 +240,7 @@ class OffloadRunner:
         chosen = [int(b) for b in np.flatnonzero(to_host(needed))]
         ring = BlockRing(self.store, self.num_slots, grouped(self._keys_of(l, chosen), self.group))
         for g in grouped(chosen, self.group):
-            ids = np.array(g + [-1] * (self.group - len(g)), np.int32)
+            ids = np.array(padded(g, self.group, fill=-1), np.int32)
             state = xattn_attend_blocks(self.impl, self.xattn, q, padded(ring.take(), self.group), ids, mask, state,
                                         tp=self.tp)
             ring.release(state.m, len(g))

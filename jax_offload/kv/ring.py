@@ -21,11 +21,11 @@ def grouped(keys: Sequence[Key], size: int) -> list[list[Key]]:
     return [list(keys[i : i + size]) for i in range(0, len(keys), size)]
 
 
-def padded(blocks: Sequence[jax.Array], size: int) -> tuple[jax.Array, ...]:
-    """A group's blocks with its last one repeated up to `size`: a prefill's groups then have one shape, so the
-    programs that read them compile once instead of once per group length (each ~2 s for the 8B shape on an
-    H100); the reader masks the repeats out."""
-    return tuple(blocks) + (blocks[-1],) * (size - len(blocks))
+def padded(group: Sequence, size: int, fill=None) -> tuple:
+    """A group (its blocks, or what goes with each) filled up to `size` with `fill`, or with its last entry: a
+    prefill's groups then have one shape, so the programs that read them compile once instead of once per group
+    length (each ~2 s for the 8B shape on an H100); the reader masks the repeats out."""
+    return tuple(group) + (group[-1] if fill is None else fill,) * (size - len(group))
 
 
 class BlockRing:
