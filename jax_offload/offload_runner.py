@@ -45,7 +45,7 @@ from jax_offload.buckets import prompt_bucket
 from jax_offload.config import PAGE_POLICIES, EngineConfig, ModelConfig, round_up
 from jax_offload.kv.host_store import HostKVStore
 from jax_offload.kv.kv_cache_dtype import bytes_per_vector
-from jax_offload.kv.ring import BlockRing, Key, group_size, grouped, padded
+from jax_offload.kv.ring import BlockRing, Key, decode_group_size, group_size, grouped, padded
 from jax_offload.models.params import ModelParams
 from jax_offload.progress import LaggedProgress
 from jax_offload.sparse import xattention
@@ -105,6 +105,7 @@ class OffloadRunner:
         self.last_prefill_mirrored = False  # whether the last prefill read its page layers from the mirror
         self.prefill_block_counts: list[jax.Array] = []  # per layer, XAttention's [selected, visible] blocks
         self._keys: jax.Array | None = None  # chunked XAttention: the current layer's keys, for the estimate
+        self._key_counts: dict[int, jax.Array] = {}
         self._tails: list[jax.Array | None] = []
         self._tail_len = 0
         self._written = [0] * cfg.num_layers  # the request's blocks stored so far, per layer
@@ -131,17 +132,23 @@ class OffloadRunner:
         return [(layer, self._blocks[b]) for b in blocks]
 
     def attend_groups(self, ring: BlockRing, layer_groups: list[list[Key]], q: jax.Array,
-                      state: AttentionState, pad: bool = False) -> AttentionState:
-        """Continues the attention state over each of the layer's groups, handing each group's slots back. With
-        `pad`, every group is padded to the full group size (prompt chunks: one program for every group; decode
-        does not pad, since its attention is cheap beside copying the repeats)."""
+                      state: AttentionState, whole_groups: bool = False) -> AttentionState:
+        """Continues the attention state over each of the layer's groups, handing each group's slots back. Each
+        group is padded with repeats of its last block (which the kernels skip, reading `kv_len` keys): to the
+        whole group size with `whole_groups` (prompt chunks: one program), else to a power of two (decode steps:
+        a few programs, and few repeats copied)."""
         for g in layer_groups:
-            blocks, kv_len = tuple(ring.take()), None
-            if pad:
-                blocks, kv_len = padded(blocks, self.group), np.int32(len(g) * self.block_size)
-            state = attend_blocks(self.impl, q, blocks, state, kv_len, tp=self.tp)
+            size = self.group if whole_groups else decode_group_size(len(g), self.group)
+            blocks = padded(tuple(ring.take()), size)
+            state = attend_blocks(self.impl, q, blocks, state, self._num_keys(len(g)), tp=self.tp)
             ring.release(state.m, len(g))
         return state
+
+    def _num_keys(self, num_blocks: int) -> jax.Array:
+        """The key count of `num_blocks` blocks, on the GPU (made once per count, not once per call)."""
+        if num_blocks not in self._key_counts:
+            self._key_counts[num_blocks] = jax.device_put(np.int32(num_blocks * self.block_size), self.tp.sharding(None))
+        return self._key_counts[num_blocks]
 
     # ---- prefill -------------------------------------------------------------------------------
 
@@ -209,7 +216,7 @@ class OffloadRunner:
             for l, layer in enumerate(layers):
                 q, kv, state = chunk_begin(self.cfg, layer, h, self.inv_freq, start, tp=self.tp)
                 if self.xattn is None:
-                    state = self.attend_groups(ring, groups[l], q, state, pad=True)
+                    state = self.attend_groups(ring, groups[l], q, state, whole_groups=True)
                     h = chunk_end(self.cfg, self.impl, layer, h, q, kv, length, state, tp=self.tp)
                 else:
                     h = self._xattn_chunk_layer(l, layer, h, q, kv, state, c, chunk_len)

@@ -150,6 +150,20 @@ def test_a_second_decode_step_compiles_nothing(models, policy):
     assert not compiles, f"{where}, prompt seed 209: {len(compiles)} programs compiled for a second decode step"
 
 
+def test_a_long_generation_compiles_few_decode_group_shapes(models):
+    """A decode step pads each group of stored blocks to a power of two: after a generation whose groups held 1 to 5
+    blocks (padded to 1, 2, 4 and 8), a longer one through groups of 6, 7 and 8 blocks compiles nothing. (Unpadded,
+    each group length compiled its own program: 3 more here, up to 8 for the default ring, ~1-2 s each for the 8B
+    shape on a GPU.)"""
+    path, _, where = models["llama3"]
+    llm = LLM(path, dtype="bfloat16", offload=True, block_size=16, num_ring_slots=16)
+    ids = _ids(np.random.default_rng(210), 19)
+    llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=4 * 16, ignore_eos=True))  # up to 5 blocks stored
+    with _compiles() as compiles:
+        llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=7 * 16, ignore_eos=True))  # up to 8
+    assert not compiles, f"{where}, prompt seed 210: {len(compiles)} programs compiled for groups of 6 to 8 blocks"
+
+
 def test_host_store_is_written_in_place(models):
     """Blocks are written into the buffers allocated with the store: across 10 requests of random lengths every
     block keeps its address, and pinned host memory stays what it was after the first request (50 requests until

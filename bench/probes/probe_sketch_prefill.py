@@ -10,6 +10,7 @@ POLICY:PREFILL[:nomirror]; "nomirror" turns the mirror off for an A/B in the sam
 
     python bench/probes/probe_sketch_prefill.py --configs full:chunked,sketch:chunked,sketch:chunked:nomirror --out $OUT/ab
     python bench/probes/probe_sketch_prefill.py --root OLD_TREE --configs sketch:chunked --out $OUT/old
+    python bench/probes/probe_sketch_prefill.py --configs sketch:chunked --kv-cache-dtype fp8 --xattn-density 0.05 ...
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ p.add_argument("--repeats", type=int, default=5)
 p.add_argument("--block-size", type=int, default=4096)
 p.add_argument("--ring-slots", type=int, default=16)
 p.add_argument("--shape", default="llama-3.1-8b")
+p.add_argument("--kv-cache-dtype", default="auto")
+p.add_argument("--xattn-density", type=float, default=None,
+               help="XAttention prefill at this density (default: full prefill attention)")
 p.add_argument("--out", type=Path, required=True)
 a = p.parse_args()
 BENCH = Path(__file__).resolve().parents[1]
@@ -80,6 +84,10 @@ def main() -> None:
         if hasattr(HostKVStore, "start_mirror"):  # "nomirror": the store reads "pages" blocks as before the mirror
             HostKVStore.start_mirror = MIRROR if how != ["nomirror"] else (lambda self, num_blocks: False)
         extra = dict(decode_policy=policy, decode_budget=4096, page_size=16, dense_layers=2) if policy != "full" else {}
+        if a.kv_cache_dtype != "auto":
+            extra["kv_cache_dtype"] = a.kv_cache_dtype
+        if a.xattn_density is not None:
+            extra.update(prefill_policy="xattention", xattn_density=a.xattn_density, xattn_stride=8, xattn_block=128)
         llm = LLM.from_params(cfg, params, dtype="bfloat16", offload=True, block_size=bs, num_ring_slots=a.ring_slots,
                               max_model_len=min(max(max(a.contexts), 10 * bs + 7) + bs, cfg.max_position_embeddings),
                               prefill=mode, **extra)

@@ -28,6 +28,13 @@ def padded(group: Sequence, size: int, fill=None) -> tuple:
     return tuple(group) + (group[-1] if fill is None else fill,) * (size - len(group))
 
 
+def decode_group_size(num_blocks: int, group: int) -> int:
+    """The size a decode step pads a group of `num_blocks` to: the next power of two, at most `group`. A long
+    generation then meets at most log2(group) + 1 group shapes, each compiled once, while a step copies at most
+    num_blocks - 1 repeated blocks (a prefill chunk pads to the whole group: its attention, not a copy, dominates)."""
+    return min(group, 1 << (num_blocks - 1).bit_length())
+
+
 class BlockRing:
     """Streams groups of (layer, block) keys from the host store through `num_slots` GPU slots.
 
