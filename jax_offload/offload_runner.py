@@ -147,7 +147,8 @@ class OffloadRunner:
     def _num_keys(self, num_blocks: int) -> jax.Array:
         """The key count of `num_blocks` blocks, on the GPU (made once per count, not once per call)."""
         if num_blocks not in self._key_counts:
-            self._key_counts[num_blocks] = jax.device_put(np.int32(num_blocks * self.block_size), self.tp.sharding(None))
+            count = np.int32(num_blocks * self.block_size)
+            self._key_counts[num_blocks] = jax.device_put(count, self.tp.sharding(None))
         return self._key_counts[num_blocks]
 
     # ---- prefill -------------------------------------------------------------------------------

@@ -47,10 +47,11 @@ Algorithm (FlashAttention-3 layout, one CTA = 3 warpgroups):
   * The two consumers take turns on the tensor cores (FA3's ping-pong): while one runs its softmax the other's
     wgmmas run. The turns are handed over through the hardware's named barriers (`bar.sync` / `bar.arrive`, as FA3
     does), not shared-memory mbarriers, whose waits are polled: 3-5% faster on an H100, the same bits
-    (`bench/results/runs/h100_mgpu_named_turns/`). On the GPU each step also overlaps inside a warpgroup (FA3's intra-warpgroup overlap): S_j = Q K_j^T
-    and step j - 1's O += P V are issued together and step j's softmax runs while P V is still on the tensor
-    cores; O is scaled by alpha_j after P V's wait, and P is rounded to the input dtype only then (a register an
-    in-flight wgmma reads must not be redefined before its wait, or ptxas serializes every wgmma). The same
+    (`bench/results/runs/h100_mgpu_named_turns/`). On the GPU each step also overlaps inside a warpgroup (FA3's
+    intra-warpgroup overlap): S_j = Q K_j^T and step j - 1's O += P V are issued together and step j's softmax
+    runs while P V is still on the tensor cores; O is scaled by alpha_j after P V's wait, and P is rounded to the
+    input dtype only then (a register an in-flight wgmma reads must not be redefined before its wait, or ptxas
+    serializes every wgmma). The same
     operations on O in the same order as one step at a time, which is what Mosaic GPU's CPU interpreter runs
     (it has neither run_state nor register wgmma operands): the same bits.
   * Key blocks [first, num_steps) are the ones some row of the CTA may see: blocks past the CTA's last

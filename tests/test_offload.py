@@ -153,8 +153,8 @@ def test_a_second_decode_step_compiles_nothing(models, policy):
 def test_a_long_generation_compiles_few_decode_group_shapes(models):
     """A decode step pads each group of stored blocks to a power of two: after a generation whose groups held 1 to 5
     blocks (padded to 1, 2, 4 and 8), a longer one through groups of 6, 7 and 8 blocks compiles nothing. (Unpadded,
-    each group length compiled its own program: 3 more here, up to 8 for the default ring, ~1-2 s each for the 8B
-    shape on a GPU.)"""
+    each group length compiled its own program: 3 more here, up to 7 in a long generation with the default ring, ~1 s
+    each for the 8B shape on an H100, `bench/results/runs/h100_decode_padding/`.)"""
     path, _, where = models["llama3"]
     llm = LLM(path, dtype="bfloat16", offload=True, block_size=16, num_ring_slots=16)
     ids = _ids(np.random.default_rng(210), 19)

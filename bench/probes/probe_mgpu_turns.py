@@ -83,7 +83,8 @@ def speed() -> list[dict]:
         samples = interleaved_samples(groups, a.rounds)
         flops = attn_flops(1, 32, t, t, 128, causal)
         row = {"shape": name, **{n: tflops_spread(flops, s) for n, s in samples.items()},
-               "named_over_mbarriers_per_round": [m / n for n, m in zip(samples["named barriers"], samples["mbarriers"])],
+               "named_over_mbarriers_per_round": [m / n for n, m in
+                                                  zip(samples["named barriers"], samples["mbarriers"])],
                "named_over_cudnn_per_round": [c / n for n, c in zip(samples["named barriers"], samples["cudnn"])]}
         rows.append(row)
         print(json.dumps({k: row[k] for k in ("shape", "named barriers", "mbarriers", "cudnn")}), flush=True)
