@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--offload", action="store_true", help="keep the KV cache in pinned host memory")
-    p.add_argument("--block-size", type=int, help="tokens per KV block (offload; default 1024)")
+    p.add_argument("--block-size", type=int, help="tokens per KV block (offload; default 4096)")
     p.add_argument("--ring-slots", type=int,
                    help="GPU slots the KV blocks stream through (offload; default 16 x the tensor parallel size)")
     p.add_argument("--prefill", help="chunked or layerwise (offload; default chunked, layerwise with XAttention)")

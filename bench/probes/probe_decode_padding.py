@@ -3,8 +3,8 @@
 Decode pads a layer's last group of stored blocks to a power of two (`kv.ring.decode_group_size`), so a generation
 compiles at most 4 group shapes with the default ring instead of one per group length; the price is copying the
 repeated blocks on the GPU. This times it where the repeats are most (3 blocks stored past the last whole group pad to
-4, 5 to 8, 7 to 8) and where there are none, Llama-3.1-8B shape, random bf16 weights, the default offload options
-(block 1024, 16 ring slots: groups of 8). Per context one prompt, `--tokens` decode steps; the first `--skip` steps
+4, 5 to 8, 7 to 8) and where there are none, Llama-3.1-8B shape, random bf16 weights, 1024-token blocks and 16 ring
+slots (the defaults when this ran: groups of 8). Per context one prompt, `--tokens` decode steps; the first `--skip` steps
 are left out of the median (they compile). Compiles are counted over each generation.
 `--rounds N` instead alternates, in one process, the padded groups with unpadded ones (`decode_group_size` replaced by
 the identity) for N rounds per context, each a generation of `--tokens` steps after `--skip`.
@@ -58,7 +58,7 @@ def main() -> None:
     jax.monitoring.register_event_duration_secs_listener(_record)
     cfg = model_config(a.shape)
     params = random_params(cfg, jnp.bfloat16)
-    llm = LLM.from_params(cfg, params, dtype="bfloat16", offload=True,
+    llm = LLM.from_params(cfg, params, dtype="bfloat16", offload=True, block_size=1024, num_ring_slots=16,
                           max_model_len=min(max(a.contexts) + a.tokens + 1024, cfg.max_position_embeddings))
     sampling = SamplingParams(temperature=0.0, max_tokens=a.tokens + 1, ignore_eos=True)
     rng = np.random.default_rng(0)
