@@ -22,9 +22,9 @@ def grouped(keys: Sequence[Key], size: int) -> list[list[Key]]:
 
 
 def padded(group: Sequence, size: int, fill=None) -> tuple:
-    """A group (its blocks, or what goes with each) filled up to `size` with `fill`, or with its last entry: a
-    prefill's groups then have one shape, so the programs that read them compile once instead of once per group
-    length (each ~2 s for the 8B shape on an H100); the reader masks the repeats out."""
+    """A group (its blocks, or what goes with each) filled up to `size` with `fill`, or with its last entry: groups
+    then come in a few shapes, so the programs that read them compile once per shape instead of once per group
+    length (each ~1-2 s for the 8B shape on an H100); the reader masks the repeats out."""
     return tuple(group) + (group[-1] if fill is None else fill,) * (size - len(group))
 
 
