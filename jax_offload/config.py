@@ -137,8 +137,9 @@ def _rope_from_dict(raw: dict) -> RopeConfig:
 # an H100, and 341 -> 206 ms at tensor parallel size 2: bench/results/runs/h100x2_tp_decode); the slots cost a few
 # hundred MiB at most. 4096-token blocks: a chunked prefill reads every earlier block back per chunk and a decode step
 # dispatches per group, so 1024-token blocks cost 4x the prefill and 1.2-1.8x the decode at 127K on the 8B shape
-# (H100: 55 s against 14 s in two runs each, 640 against 373 ms/token, bench/results/runs/h100_decode_defaults/), while every benchmark
-# ran 4096; a GPU tail block of every layer per running request (8B shape: 0.5 GiB) is their cost.
+# (H100: 55 s against 14 s in two runs each, 640 against 373 ms/token, bench/results/runs/h100_decode_defaults/),
+# while every benchmark ran 4096; a GPU tail block of every layer per running request (8B shape: 0.5 GiB) is their
+# cost.
 OFFLOAD_DEFAULTS = {"block_size": 4096, "num_ring_slots": 16, "prefill": "chunked", "decode_policy": "full"}
 # Options of the page-choosing decode policies (sketch and Quest), with their defaults.
 PAGE_POLICY_DEFAULTS = {"decode_budget": 4096, "page_size": 16, "dense_layers": 2}
