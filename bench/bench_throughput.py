@@ -161,8 +161,8 @@ def phase_batch1(args) -> dict:
 
     # The per-request path (a cache sized to the request, one call per layer), which the CPU's XLA twins take
     # and long prompts took before chunked prefill; first, before the batch engine's pool claims the GPU memory.
-    llm._run_request(prompt, sp, None)
-    per_request = [llm._run_request(prompt, sp, None) for _ in range(args.runs)]
+    llm._run_request(prompt, None, sp, None)
+    per_request = [llm._run_request(prompt, None, sp, None) for _ in range(args.runs)]
     llm.generate(prompt, sp)  # the path a single prompt takes: the batch engine (chunks past the step budget)
     batched = [llm.generate(prompt, sp)[0] for _ in range(args.runs)]
     per_token = [median_step(o) for o in batched]

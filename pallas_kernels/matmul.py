@@ -5,9 +5,11 @@ cuBLAS picks its algorithm (tiling, split-K, reduction order) from the shape, so
 prompts kept their tokens batched on the H200, `bench/results/runs/h200_batch_invariance/`). Here every output
 element is one float32 sum of `block_k`-wide tile products in ascending K order, from zero, rounded once to the
 output dtype; `block_k` depends on K alone. The tiles over rows and columns (`block_m`, `block_n`) only decide
-which program computes an element, so they are picked per call for speed: wide tiles for prefill, narrow ones for
-decode batches, where the weight must be read by many programs at once to reach HBM speed. Their bits are the same
-(tested on the H200 with `bench/probes/probe_matmul.py`, and in interpret mode by tests/test_batch_invariance.py).
+which program computes an element, and `k_unroll` how many K tiles a loop step loads, so they are picked per call
+for speed: wide tiles for prefill, narrow ones for decode batches, where the weight must be read by many programs at
+once, each with enough of it in flight, to reach HBM speed. Their bits are the same (tested on the H200 with
+`bench/probes/probe_matmul.py`, on an H100 in `bench/results/runs/h100_matmul_unroll/`, and in interpret mode by
+tests/test_batch_invariance.py).
 """
 
 from __future__ import annotations
@@ -33,12 +35,21 @@ def block_k_for(k: int) -> int:
 
 
 def default_matmul_config(m: int, k: int, n: int) -> dict[str, int]:
-    """Launch parameters by row count and weight size, the fastest measured on the H200 for the Llama-3.1-8B and
-    Qwen3-0.6B projections (bench/probes/probe_matmul.h200.json,
-    bench/results/runs/h200_batch_invariance/probe_matmul_decode.h200.json); any choice gives the same bits."""
+    """Launch parameters by row count and weight shape, the fastest measured for the Llama-3.1-8B and Qwen3-0.6B
+    projections (bench/probes/probe_matmul.h200.json; one to sixteen rows:
+    bench/results/runs/h100_matmul_unroll/); any choice gives the same bits."""
     large = k * n >= 100 * 2**20
-    if m <= 16:  # probe_matmul_decode.h200.json (above)
-        cfg = dict(block_m=16, block_n=32, num_warps=4, num_stages=6)
+    if m <= 16:
+        # One row tile: the weight's read sets the time, so each program keeps more of it in flight where the
+        # weight is wide (w_gate_up, LM head) or deep (w_down) enough to keep every SM busy with wider tiles.
+        if n >= 16384:
+            cfg = dict(block_m=16, block_n=128, k_unroll=2, num_warps=4, num_stages=4)
+        elif k >= 8192:
+            cfg = dict(block_m=16, block_n=64, k_unroll=4, num_warps=4, num_stages=4)
+        elif n > 4096:
+            cfg = dict(block_m=16, block_n=64, k_unroll=1, num_warps=4, num_stages=8)
+        else:
+            cfg = dict(block_m=16, block_n=32, k_unroll=1, num_warps=4, num_stages=6)
     elif m <= 512 and not large:
         cfg = dict(block_m=64, block_n=64, num_warps=4, num_stages=4)
     elif m <= 512:
@@ -46,26 +57,33 @@ def default_matmul_config(m: int, k: int, n: int) -> dict[str, int]:
     else:
         cfg = dict(block_m=128, block_n=256 if k * n >= 16 * 2**20 else 128, num_warps=8, num_stages=3)
     cfg["block_n"] = next(b for b in (256, 128, 64, 32, 16) if b <= cfg["block_n"] and n % b == 0)
+    tiles = k // block_k_for(k)
+    cfg["k_unroll"] = next(u for u in (cfg.get("k_unroll", 1), 2, 1) if tiles % u == 0)
     return cfg
 
 
-def _matmul_kernel(x_ref, w_ref, o_ref, *, block_k: int, transpose_w: bool, precision):
+def _matmul_kernel(x_ref, w_ref, o_ref, *, block_k: int, k_unroll: int, transpose_w: bool, precision):
+    # k_unroll tile products per loop step, in ascending order: the same sequence of products as one per step (so
+    # the same bits), with k_unroll times the bytes in each software-pipeline stage.
     def body(t, acc):
-        cols = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
-        w = plgpu.load(w_ref.at[:, cols] if transpose_w else w_ref.at[cols, :])
-        return acc + plgpu.dot(plgpu.load(x_ref.at[:, cols]), w, trans_b=transpose_w, precision=precision)
+        for u in range(k_unroll):
+            cols = pl.ds(pl.multiple_of((t * k_unroll + u) * block_k, block_k), block_k)
+            w = plgpu.load(w_ref.at[:, cols] if transpose_w else w_ref.at[cols, :])
+            acc = acc + plgpu.dot(plgpu.load(x_ref.at[:, cols]), w, trans_b=transpose_w, precision=precision)
+        return acc
 
-    acc = lax.fori_loop(0, x_ref.shape[1] // block_k, body, jnp.zeros(o_ref.shape, jnp.float32))
+    steps = x_ref.shape[1] // (block_k * k_unroll)
+    acc = lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, jnp.float32))
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def _matmul(x, w, *, transpose_w, out_dtype, interpret, block_m, block_n, num_warps, num_stages):
+def _matmul(x, w, *, transpose_w, out_dtype, interpret, block_m, block_n, k_unroll, num_warps, num_stages):
     m, k = x.shape
     n = w.shape[0] if transpose_w else w.shape[1]
     rows = -(-m // block_m) * block_m
     x = jnp.pad(x, ((0, rows - m), (0, 0)))  # padded rows are zeros, computed and dropped
     out = pl.pallas_call(
-        functools.partial(_matmul_kernel, block_k=block_k_for(k), transpose_w=transpose_w,
+        functools.partial(_matmul_kernel, block_k=block_k_for(k), k_unroll=k_unroll, transpose_w=transpose_w,
                           precision=dot_precision(x.dtype)),
         grid=(rows // block_m, n // block_n),
         in_specs=[pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
@@ -80,13 +98,13 @@ def _matmul(x, w, *, transpose_w, out_dtype, interpret, block_m, block_n, num_wa
     return out[:m]
 
 
-_matmul = interpret_aware_jit(_matmul, ("transpose_w", "out_dtype", "interpret", "block_m", "block_n", "num_warps",
-                                        "num_stages"))
+_matmul = interpret_aware_jit(_matmul, ("transpose_w", "out_dtype", "interpret", "block_m", "block_n", "k_unroll",
+                                        "num_warps", "num_stages"))
 
 
 def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=None, interpret: bool | None = None,
-           block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-           num_stages: int | None = None) -> jax.Array:
+           block_m: int | None = None, block_n: int | None = None, k_unroll: int | None = None,
+           num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
     """x [..., K] @ w [K, N] -> [..., N] in `out_dtype` (default x's), each row's bits independent of the rows
     computed with it.
 
@@ -94,8 +112,9 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=N
       x: [..., K]; w: [K, N] of x's dtype, K and N multiples of 16 ([N, K] with transpose_w: a tied embedding
         table as the LM head, read in place).
       interpret: None picks Triton on a GPU backend and interpret mode elsewhere.
-      block_m, block_n, num_warps, num_stages: launch parameters (powers of two, block_n dividing N; default
-        `default_matmul_config`); they change the speed, not the bits.
+      block_m, block_n, k_unroll, num_warps, num_stages: launch parameters (powers of two, block_n dividing N,
+        k_unroll the K tiles loaded per loop step, dividing K's tile count; default `default_matmul_config`); they
+        change the speed, not the bits.
     """
     k_axis = 1 if transpose_w else 0
     if w.ndim != 2 or x.shape[-1] != w.shape[k_axis]:
@@ -109,8 +128,12 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=N
     block_n = block_n or cfg["block_n"]
     if block_n < MIN_BLOCK or n % block_n:
         raise ValueError(f"block_n={block_n} for N={n}; allowed: a divisor of N, >= {MIN_BLOCK}")
+    tiles = x.shape[-1] // block_k_for(x.shape[-1])
+    k_unroll = k_unroll or cfg["k_unroll"]
+    if k_unroll < 1 or tiles % k_unroll:
+        raise ValueError(f"k_unroll={k_unroll} for K={x.shape[-1]} ({tiles} tiles); allowed: a divisor of {tiles}")
     out = _matmul(rows, w, transpose_w=transpose_w, out_dtype=jnp.dtype(out_dtype or x.dtype),
                   interpret=resolve_interpret(interpret), block_m=block_m or cfg["block_m"], block_n=block_n,
-                  num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
+                  k_unroll=k_unroll, num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
     return out.reshape(*x.shape[:-1], n)
 

@@ -54,9 +54,11 @@ def test_matmul_rows_are_batch_invariant(k, n, transpose_w):
     ref = np.asarray(x, np.float64) @ (w64.T if transpose_w else w64)
     full = _bits(pk.matmul(x, w, transpose_w=transpose_w))
     assert np.abs(full - ref).max() <= 2 ** -7 * np.abs(ref).max(), f"seed {seed}"
-    for m, block_m, block_n in [(1, 16, 32), (3, 64, 16), (17, 16, None), (70, 128, 32)]:
-        got = _bits(pk.matmul(x[:m], w, transpose_w=transpose_w, block_m=block_m, block_n=block_n))
-        assert np.array_equal(got, full[:m]), f"seed {seed}: rows of M={m} (tiles {block_m}x{block_n}) differ"
+    tiles = k // 64
+    for m, block_m, block_n, k_unroll in [(1, 16, 32, 1), (3, 64, 16, tiles), (17, 16, None, 1), (70, 128, 32, tiles)]:
+        got = _bits(pk.matmul(x[:m], w, transpose_w=transpose_w, block_m=block_m, block_n=block_n, k_unroll=k_unroll))
+        assert np.array_equal(got, full[:m]), \
+            f"seed {seed}: rows of M={m} (tiles {block_m}x{block_n}, {k_unroll} K tiles a step) differ"
 
 
 def test_paged_decode_state_is_batch_invariant_and_equals_pieces():
