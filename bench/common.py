@@ -140,6 +140,37 @@ def gpu_kernels(data) -> list[tuple[str, int, int]]:
             for line in plane.lines if line.name.startswith("Stream") for e in line.events]
 
 
+def decode_steps_by_kernel(data, steps_ms: list[float]) -> dict:
+    """GPU time of decode steps 2.. of a profiled generate, read from its trace: the kernels in the trace's last
+    window as long as those steps took by the engine's clock, per kernel name (digits dropped) and per step, with the
+    union of busy GPU time over the streams."""
+    import re
+
+    events = sorted(((re.sub(r"[._]?\d+", "", name)[:70], s, t) for name, s, t in gpu_kernels(data)),
+                    key=lambda e: e[1])
+    if not events:
+        raise SystemExit(f"no GPU kernels in the trace (steps {steps_ms} ms)")
+    window = sum(steps_ms[1:]) * 1e6  # ns
+    end = max(e[2] for e in events)
+    inside = [e for e in events if e[1] >= end - window]
+    per_name: dict[str, list[float]] = {}
+    for name, s, t in inside:
+        per_name.setdefault(name, []).append((t - s) / 1e3)
+    busy, cur_s, cur_t = 0, None, None
+    for _, s, t in inside:  # union of busy intervals over streams
+        if cur_t is None or s > cur_t:
+            busy += 0 if cur_t is None else cur_t - cur_s
+            cur_s, cur_t = s, t
+        else:
+            cur_t = max(cur_t, t)
+    busy += 0 if cur_t is None else cur_t - cur_s
+    n = len(steps_ms) - 1
+    return {"window_ms": window / 1e6, "gpu_busy_ms_per_step": busy / 1e6 / n,
+            "per_kernel_ms_per_step": dict(sorted(
+                ((k, {"count_per_step": len(v) / n, "ms_per_step": sum(v) / 1e3 / n}) for k, v in per_name.items()),
+                key=lambda kv: -kv[1]["ms_per_step"]))}
+
+
 def gpu_span_ms(fn, calls: int) -> list[float]:
     """GPU time in ms of each of `calls` waited calls of `fn`, read from a profiler trace: from the start of the
     call's first GPU kernel to the end of its last, gaps between them included. It counts no host work, which

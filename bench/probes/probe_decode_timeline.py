@@ -9,7 +9,6 @@ time. Writes probe_decode_timeline.json under $OUT.
 import dataclasses
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import gpu_kernels, model_config, profiled, random_params, run_metadata  # noqa: E402
+from common import decode_steps_by_kernel, model_config, profiled, random_params, run_metadata  # noqa: E402
 from jax_offload import LLM, SamplingParams  # noqa: E402
 from jax_offload.kv.ring import group_size  # noqa: E402
 
@@ -49,30 +48,8 @@ def main():
     steps = [s * 1e3 for s in out.decode_token_seconds]
     lines = {line.name: len(list(line.events)) for plane in data.planes if plane.name.startswith("/device:GPU")
              for line in plane.lines}
-    events = [(re.sub(r"[._]?\d+", "", name)[:70], start, end) for name, start, end in gpu_kernels(data)]
-    if not events:
-        raise SystemExit(f"no GPU kernels in the trace (steps {steps} ms)")
-    events.sort(key=lambda e: e[1])
-    end = max(e[2] for e in events)
-    window = sum(steps[1:]) * 1e6  # ns: decode steps 2..12
-    inside = [e for e in events if e[1] >= end - window]
-    per_name = {}
-    for name, s, t in inside:
-        per_name.setdefault(name, []).append((t - s) / 1e3)
-    busy, cur_s, cur_t = 0, None, None
-    for _, s, t in inside:  # union of busy intervals over streams
-        if cur_t is None or s > cur_t:
-            busy += 0 if cur_t is None else cur_t - cur_s
-            cur_s, cur_t = s, t
-        else:
-            cur_t = max(cur_t, t)
-    busy += 0 if cur_t is None else cur_t - cur_s
-    n = len(steps) - 1
     result = {**run_metadata(), "ctx": CTX, "decode_step_ms": steps, "prefill_s": out.prefill_seconds,
-              "gpu_lines": lines, "window_ms": window / 1e6, "gpu_busy_ms_per_step": busy / 1e6 / n,
-              "per_kernel_ms_per_step": dict(sorted(
-                  ((k, {"count_per_step": len(v) / n, "ms_per_step": sum(v) / 1e3 / n}) for k, v in per_name.items()),
-                  key=lambda kv: -kv[1]["ms_per_step"]))}
+              "gpu_lines": lines, **decode_steps_by_kernel(data, steps)}
     Path(os.environ.get("OUT", "."), "probe_decode_timeline.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "per_kernel_ms_per_step"}))
     for k, v in list(result["per_kernel_ms_per_step"].items())[:25]:

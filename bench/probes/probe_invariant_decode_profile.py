@@ -7,7 +7,6 @@ steps 2..16 the GPU time per step by kernel (names with their digits dropped) an
 import argparse
 import json
 import random
-import re
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import jax.numpy as jnp  # noqa: E402
 
-from common import gpu_kernels, model_config, profiled, random_params, run_metadata  # noqa: E402
+from common import decode_steps_by_kernel, model_config, profiled, random_params, run_metadata  # noqa: E402
 from jax_offload import LLM, SamplingParams  # noqa: E402
 
 p = argparse.ArgumentParser()
@@ -35,27 +34,8 @@ llm.generate(prompt, sampling)
 outs = []
 data = profiled(lambda: outs.append(llm.generate(prompt, sampling)[0]))
 steps = [s * 1e3 for s in outs[0].decode_token_seconds]
-events = sorted(((re.sub(r"[._]?\d+", "", name)[:70], s, t) for name, s, t in gpu_kernels(data)), key=lambda e: e[1])
-end = max(e[2] for e in events)
-window = sum(steps[1:]) * 1e6  # ns: decode steps 2..16
-inside = [e for e in events if e[1] >= end - window]
-per_name = {}
-for name, s, t in inside:
-    per_name.setdefault(name, []).append((t - s) / 1e3)
-busy, cur_s, cur_t = 0, None, None
-for _, s, t in inside:  # union of busy intervals over streams
-    if cur_t is None or s > cur_t:
-        busy += 0 if cur_t is None else cur_t - cur_s
-        cur_s, cur_t = s, t
-    else:
-        cur_t = max(cur_t, t)
-busy += 0 if cur_t is None else cur_t - cur_s
-n = len(steps) - 1
 result = {"meta": run_metadata(), "batch_invariant": a.batch_invariant, "ctx": a.ctx, "decode_step_ms": steps,
-          "gpu_busy_ms_per_step": busy / 1e6 / n,
-          "per_kernel_ms_per_step": dict(sorted(
-              ((k, {"count_per_step": len(v) / n, "ms_per_step": sum(v) / 1e3 / n}) for k, v in per_name.items()),
-              key=lambda kv: -kv[1]["ms_per_step"]))}
+          **decode_steps_by_kernel(data, steps)}
 a.out.mkdir(parents=True, exist_ok=True)
 name = "invariant" if a.batch_invariant else "default"
 (a.out / f"profile_{name}.json").write_text(json.dumps(result, indent=1))
