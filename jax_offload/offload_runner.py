@@ -105,7 +105,7 @@ class OffloadRunner:
         self.last_prefill_mirrored = False  # whether the last prefill read its page layers from the mirror
         self.prefill_block_counts: list[jax.Array] = []  # per layer, XAttention's [selected, visible] blocks
         self._keys: jax.Array | None = None  # chunked XAttention: the current layer's keys, for the estimate
-        self._key_counts: dict[int, jax.Array] = {}
+        self._key_counts: dict[int, jax.Array] = {}  # by block count: the kernels' kv_len, on the GPU
         self._tails: list[jax.Array | None] = []
         self._tail_len = 0
         self._written = [0] * cfg.num_layers  # the request's blocks stored so far, per layer

@@ -51,9 +51,8 @@ Algorithm (FlashAttention-3 layout, one CTA = 3 warpgroups):
     intra-warpgroup overlap): S_j = Q K_j^T and step j - 1's O += P V are issued together and step j's softmax
     runs while P V is still on the tensor cores; O is scaled by alpha_j after P V's wait, and P is rounded to the
     input dtype only then (a register an in-flight wgmma reads must not be redefined before its wait, or ptxas
-    serializes every wgmma). The same
-    operations on O in the same order as one step at a time, which is what Mosaic GPU's CPU interpreter runs
-    (it has neither run_state nor register wgmma operands): the same bits.
+    serializes every wgmma). The same operations on O in the same order as one step at a time, which is what
+    Mosaic GPU's CPU interpreter runs (it has neither run_state nor register wgmma operands): the same bits.
   * Key blocks [first, num_steps) are the ones some row of the CTA may see: blocks past the CTA's last
     query (causal) or kv_len, and (kv_start) below the CTA's smallest start, are never loaded. Blocks
     visible to every row of a warpgroup run without any mask; only the others build the (iota) mask. Both
