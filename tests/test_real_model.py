@@ -23,8 +23,9 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def models():
     model_dir = ensure_default_model(quiet=True)
-    # The reference in float64: PyTorch's float32 CPU kernels differ by machine (CI's logits were 4.8e-3 off ours on
-    # 2026-11-27, and off float64 by 2-4e-4 where ours were within 1e-5; on this 2-core machine both are 1e-4 off).
+    # The reference in float64: PyTorch's float32 CPU kernels differ by machine. On CI's machine of 2026-11-27 its
+    # float32 logits were 4.8e-3 from ours and 2-4e-4 from float64 where the printed ones of ours were within 1e-5; on
+    # the next machine both float32 runs were within 1e-4 of float64 (bench/results/suite_time.md).
     torch_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, use_safetensors=True).eval()
     return model_dir, torch_model, LLM(model_dir, dtype="float32")
 
