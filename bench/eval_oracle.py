@@ -27,6 +27,11 @@ selections alone:
            sketch8bN   the same from int8 keys
            sketch4cN   int4 codes per channel between each page's min and max key (Quest's bounds as the
                        quantization grid: codes 1/8 of the KV plus the bounds, 1/16)
+           sketch4rN   sketch4bN's pages read exactly, and every stored page it leaves out estimated: each query
+                       head also attends one key per such page, with the page's estimated log-mass (the log-sum-exp
+                       of its sketch logits) as its logit and the mean of its values as its value
+           qmeanN      qoracleN's pages, the others estimated as in sketch4rN from their true log-sum-exp: what
+                       the page-mean values alone lose
            +denseL     with a decode rule: the first L layers dense instead of 2 (the engine's `dense_layers`)
 
 A config is `full`, one rule, or a prefill and a decode rule joined by `+` (`xattn0.9+quest1024`). Per length and
@@ -60,10 +65,12 @@ STORE_BLOCK, PAGE_SIZE, DENSE_LAYERS = 256, 16, 2  # the engine's Quest setting 
 XATTN_BLOCK, XATTN_STRIDE = 128, 8
 CHUNK = 512  # query rows per attention step: scores are [heads, 512, T] float32
 PREFILL_KINDS = ("xattn", "xoracle")
-DECODE_KINDS = ("quest", "qoracle", "qsum", "qhead", "qfine", "sketch4b", "sketch8b", "sketch4c")
+DECODE_KINDS = ("quest", "qoracle", "qsum", "qhead", "qfine", "sketch4b", "sketch8b", "sketch4c", "sketch4r", "qmean")
+ESTIMATING_KINDS = ("sketch4r", "qmean")  # rules that also attend an estimate of each page they leave out
 POLICY_NAMES = {"quest": "quest", "qoracle": "quest_oracle", "qsum": "quest_group_sum", "qhead": "quest_per_head",
                 "qfine": "quest_half_pages", "sketch4b": "sketch_int4", "sketch8b": "sketch_int8",
-                "sketch4c": "sketch_int4_page_channel"}
+                "sketch4c": "sketch_int4_page_channel", "sketch4r": "sketch_int4_residual",
+                "qmean": "quest_oracle_residual"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +84,7 @@ def parse_config(name: str) -> Config:
     """A config name -> its prefill and decode rules; a bad name is one ValueError listing what is allowed."""
     prefill = decode = dense = None
     for part in ([] if name == "full" else name.split("+")):
-        match = re.fullmatch(r"([a-z]+(?:[48][bc])?)([0-9.]+)", part)
+        match = re.fullmatch(r"([a-z]+(?:[48][bcr])?)([0-9.]+)", part)
         kind = match[1] if match else None
         if kind in PREFILL_KINDS and prefill is None:
             threshold = float(match[2])
@@ -94,7 +101,7 @@ def parse_config(name: str) -> Config:
             dense = int(match[2])
         else:
             raise ValueError(f"Config {name!r}: part {part!r} is not one of xattnT, xoracleT (prefill) or questN, "
-                             "qoracleN, qsumN, qheadN, qfineN, sketch4bN, sketch8bN, sketch4cN (decode) with an optional denseL, at most one of each, joined by "
+                             "qoracleN, qsumN, qheadN, qfineN, sketch4bN, sketch8bN, sketch4cN, sketch4rN, qmeanN (decode) with an optional denseL, at most one of each, joined by "
                              "'+'; or 'full'.")
     if dense is not None:
         if decode is None:
@@ -128,6 +135,22 @@ def _softmax_over(s, allowed):
     m = jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1, keepdims=True)
     e = jnp.where(allowed, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
     return e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
+
+
+def _attend_with_estimate(s, allowed, v, est_lse, est_v):
+    """Softmax attention of scores s [R, Hkv, G, T] over the allowed keys of v [R, T, Hkv, D], joined by one
+    estimated key per left-out page: logit est_lse [R, Hkv, G, P] (-inf: no such key) and value est_v [R, Hkv, P,
+    D] -> float32 [R, Hkv, G, D]; every row has an allowed key."""
+    import jax
+    import jax.numpy as jnp
+
+    hp = jax.lax.Precision.HIGHEST
+    m = jnp.maximum(jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1), jnp.max(est_lse, axis=-1))[..., None]
+    e = jnp.where(allowed, jnp.exp(s - m), 0.0)
+    w = jnp.exp(est_lse - m)
+    num = (jnp.einsum("rngt,rtnd->rngd", e, v.astype(jnp.float32), precision=hp)
+           + jnp.einsum("rngp,rnpd->rngd", w, est_v, precision=hp))
+    return num / (jnp.sum(e, axis=-1) + jnp.sum(w, axis=-1))[..., None]
 
 
 def _prefill_attention(q, k, v, length, block_mask):
@@ -258,6 +281,7 @@ def _sketch_scores(kind: str, qg, k):
 def _decode_step_fn():
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from jax_offload.models import decoder
     from jax_offload.sparse import quest, sketch
@@ -283,21 +307,27 @@ def _decode_step_fn():
             s = jnp.einsum("rngd,rtnd->rngt", qg.astype(jnp.float32), kc.astype(jnp.float32),
                            precision=hp) / math.sqrt(d)
             p_full = _softmax_over(s, visible)
-            masks = []
+            num_pages_all = t // PAGE_SIZE
+            masks, estimates = [], []
             for r, rule in enumerate(rules):
+                no_estimate = jnp.full((hkv, hq // hkv, num_pages_all), -jnp.inf)
                 if rule is None:
                     masks.append(jnp.broadcast_to(visible, (hkv, t)))
+                    estimates.append(no_estimate)
                     continue
                 kind, budget, dense = rule
                 num_pages, budget_pages = stored // PAGE_SIZE, budget // PAGE_SIZE
                 if kind == "quest":
                     kmin, kmax = quest.page_bounds(kc[r], PAGE_SIZE)
                     choices = [quest.top_pages(quest.page_scores(q[r, 0], kmin, kmax), num_pages, budget_pages)]
-                elif kind == "qoracle":
+                elif kind in ("qoracle", "qmean"):
                     score = p_full[r].sum(1).reshape(hkv, t // PAGE_SIZE, PAGE_SIZE).sum(-1)
                     choices = [quest.top_pages(score, num_pages, budget_pages)]
+                    page_lse = sketch.page_lse(s[r], PAGE_SIZE)
                 elif kind.startswith("sketch"):
-                    score = sketch.page_mass(_sketch_scores(kind, qg[r], kc[r]), num_pages, PAGE_SIZE)
+                    page_lse = sketch.page_lse(_sketch_scores("sketch4b" if kind == "sketch4r" else kind, qg[r],
+                                                              kc[r]), PAGE_SIZE)
+                    score = sketch.mass_of_pages(page_lse, num_pages)
                     choices = [quest.top_pages(score, num_pages, budget_pages)]
                 elif kind == "qfine":
                     half = _head_bounds(qg[r], kc[r], PAGE_SIZE // 2)  # [Hkv, G, 2P]
@@ -313,8 +343,19 @@ def _decode_step_fn():
                     picked = picked.at[jnp.arange(hkv)[:, None], chosen].set(True)
                 sparse = (picked[:, keys // PAGE_SIZE] & (keys < stored)) | tail
                 masks.append(jnp.where(index < dense, visible, sparse))
+                if kind in ESTIMATING_KINDS:
+                    left_out = (~picked[:, :num_pages_all] & (jnp.arange(num_pages_all) < num_pages)
+                                & (index >= dense))[:, None]
+                    estimates.append(jnp.where(left_out, page_lse, -jnp.inf))
+                else:
+                    estimates.append(no_estimate)
             allowed = jnp.stack(masks)[:, :, None]  # [R, Hkv, 1, T]
             o = jnp.einsum("rngt,rtnd->rngd", _softmax_over(s, allowed), vc.astype(jnp.float32), precision=hp)
+            estimating = np.array([bool(rule) and rule[0] in ESTIMATING_KINDS for rule in rules])
+            if estimating.any():  # the other rows keep the plain softmax's arithmetic, bit for bit
+                page_values = vc.astype(jnp.float32).reshape(rows, num_pages_all, PAGE_SIZE, hkv, d).mean(2)
+                o_est = _attend_with_estimate(s, allowed, vc, jnp.stack(estimates), page_values.transpose(0, 2, 1, 3))
+                o = jnp.where(estimating[:, None, None, None], o_est, o)
             x = decoder.attention_output_and_mlp(cfg, layer, x, o.reshape(rows, 1, hq, d).astype(x.dtype))
             return x, (kc, vc)
 
