@@ -21,9 +21,10 @@ from pallas_kernels._common import LOG2E, NEG_INF, compiler_params, interpret_aw
 from pallas_kernels.state import AttentionState
 
 
-# Splits loaded together per loop step: their loads are issued at once and their latencies overlap, then they fold
-# one after another. A constant, so that every call runs the very same code.
-_SPLITS_PER_STEP = 8
+# Splits loaded together per loop step: their loads are issued at once, a step ahead of their fold, so that their
+# latency hides behind the previous step's folds (the fold is latency-bound: one program per KV head walks every
+# split). A constant, so that every call runs the very same code.
+_SPLITS_PER_STEP = 16
 
 
 def _fold_kernel(live_ref, o_ref, lse_ref, acc_ref, m_ref, l_ref, acc_out, m_out, l_out, *, group: int):
@@ -45,18 +46,24 @@ def _fold_kernel(live_ref, o_ref, lse_ref, acc_ref, m_ref, l_ref, acc_out, m_out
         new = (acc * w_old[:, None] + part, m_new, l * w_old + w_new)
         return tuple(jnp.where(live, x, y) for x, y in zip(new, carry))  # past the live splits: unchanged
 
-    def step(i, carry):
-        first = i * _SPLITS_PER_STEP
+    def load_step(i):
+        """The splits of loop step i (clamped to the last split past the end: loaded, never folded)."""
         loaded = []
         for u in range(_SPLITS_PER_STEP):
-            s = jnp.minimum(first + u, num_splits - 1)
+            s = jnp.minimum(i * _SPLITS_PER_STEP + u, num_splits - 1)
             loaded.append((plgpu.load(o_ref.at[s], mask=row_ok[:, None], other=0.0),
-                           plgpu.load(lse_ref.at[s], mask=row_ok, other=NEG_INF), first + u < num_live))
-        for o, lse, live in loaded:
-            carry = fold_one(carry, o, lse, live)
-        return carry
+                           plgpu.load(lse_ref.at[s], mask=row_ok, other=NEG_INF)))
+        return loaded
 
-    acc, m, l = lax.fori_loop(0, (num_live + _SPLITS_PER_STEP - 1) // _SPLITS_PER_STEP, step, (acc, m, l))
+    def step(i, carry_and_loaded):
+        carry, loaded = carry_and_loaded
+        upcoming = load_step(i + 1)  # issued before this step's folds, which do not need it
+        for u, (o, lse) in enumerate(loaded):
+            carry = fold_one(carry, o, lse, i * _SPLITS_PER_STEP + u < num_live)
+        return carry, upcoming
+
+    steps = (num_live + _SPLITS_PER_STEP - 1) // _SPLITS_PER_STEP
+    (acc, m, l), _ = lax.fori_loop(0, steps, step, ((acc, m, l), load_step(0)))
     plgpu.store(acc_out, acc, mask=row_ok[:, None])
     plgpu.store(m_out, m, mask=row_ok)
     plgpu.store(l_out, l, mask=row_ok)

@@ -61,6 +61,29 @@ def test_matmul_rows_are_batch_invariant(k, n, transpose_w):
             f"seed {seed}: rows of M={m} (tiles {block_m}x{block_n}, {k_unroll} K tiles a step) differ"
 
 
+def test_fold_splits_over_many_steps_equals_pieces_and_float64():
+    """40 splits (three of the fold's loop steps, the last partial), a row whose live splits end mid-step, empty
+    splits: one call equals the same splits folded in two calls (bits), and the float64 softmax merge."""
+    seed = 4103
+    rng = np.random.default_rng(seed)
+    s, b, hkv, g, d = 40, 2, 2, 3, 16
+    o = jnp.asarray(rng.standard_normal((s, b, hkv, g, d)), jnp.float32)
+    lse = np.asarray(4 * rng.standard_normal((s, b, hkv, g)), np.float32)
+    lse[rng.random(lse.shape) < 0.1] = -np.inf
+    live = np.array([s, 23])
+    state = pk.empty_state(b, 1, hkv * g, d)
+    one = pk.fold_splits(state, o, jnp.asarray(lse), jnp.asarray(live))
+    first = pk.fold_splits(state, o[:17], jnp.asarray(lse[:17]), jnp.asarray(np.minimum(live, 17)))
+    two = pk.fold_splits(first, o[17:], jnp.asarray(lse[17:]), jnp.asarray(live - 17))
+    assert all(np.array_equal(x, y) for x, y in zip(one, two)), f"seed {seed}"
+    got, _ = pk.finish_state(one)
+    for row in range(b):
+        w = np.exp(lse[:live[row], row].astype(np.float64))  # [S, Hkv, G]
+        want = np.einsum("shg,shgd->hgd", w, np.asarray(o[:live[row], row], np.float64)) / w.sum(0)[..., None]
+        np.testing.assert_allclose(np.asarray(got[row, 0]), want.reshape(hkv * g, d), rtol=1e-5, atol=1e-6,
+                                   err_msg=f"seed {seed}: row {row}")
+
+
 def test_paged_decode_state_is_batch_invariant_and_equals_pieces():
     seed = 4100
     rng = np.random.default_rng(seed)
