@@ -31,11 +31,14 @@ from pallas_kernels.state import AttentionState  # noqa: E402
 CHAIN, RUNS = 64, 7
 
 
-def column_fold(num_live, o_part, lse_part, acc, m, l, *, per_step, warps, stages, prefetch=False):
+def column_fold(num_live, o_part, lse_part, acc, m, l, *, per_step, warps, stages, prefetch=False, col_blocks=1):
     """The library's fold with m, l and each split's lse as [rows, 1] columns: o_part [S, B, Hkv, G, D], lse_part
     [S, B, Hkv, G, 1], acc [B, Hkv, G, D], m and l [B, Hkv, G, 1]. With `prefetch` each loop step first issues the
-    loads of the next step's splits, then folds the ones loaded the step before (their latency hidden)."""
+    loads of the next step's splits, then folds the ones loaded the step before (their latency hidden). With
+    `col_blocks` > 1 the head dim is cut among that many programs per KV head, each computing the same m and l
+    (the same operations, the same bits) for its own columns of acc: more SMs, more loads in flight."""
     num_splits, batch, hkv, group, d = o_part.shape
+    cols = d // col_blocks
 
     def kernel(live_ref, o_ref, lse_ref, acc_ref, m_ref, l_ref, acc_out, m_out, l_out):
         acc, m, l = acc_ref[...], m_ref[...], l_ref[...]
@@ -76,13 +79,13 @@ def column_fold(num_live, o_part, lse_part, acc, m, l, *, per_step, warps, stage
             acc, m, l = lax.fori_loop(0, steps, lambda i, carry: fold_step(i, carry, load_step(i)), (acc, m, l))
         acc_out[...], m_out[...], l_out[...] = acc, m, l
 
-    row = pl.BlockSpec((None, None, group, d), lambda bh: (bh // hkv, bh % hkv, 0, 0))
-    stat = pl.BlockSpec((None, None, group, 1), lambda bh: (bh // hkv, bh % hkv, 0, 0))
+    row = pl.BlockSpec((None, None, group, cols), lambda bh, c: (bh // hkv, bh % hkv, 0, c))
+    stat = pl.BlockSpec((None, None, group, 1), lambda bh, c: (bh // hkv, bh % hkv, 0, 0))
     return pl.pallas_call(
-        kernel, grid=(batch * hkv,),
-        in_specs=[pl.BlockSpec((None,), lambda bh: (bh // hkv,)),
-                  pl.BlockSpec((num_splits, None, None, group, d), lambda bh: (0, bh // hkv, bh % hkv, 0, 0)),
-                  pl.BlockSpec((num_splits, None, None, group, 1), lambda bh: (0, bh // hkv, bh % hkv, 0, 0)),
+        kernel, grid=(batch * hkv, col_blocks),
+        in_specs=[pl.BlockSpec((None,), lambda bh, c: (bh // hkv,)),
+                  pl.BlockSpec((num_splits, None, None, group, cols), lambda bh, c: (0, bh // hkv, bh % hkv, 0, c)),
+                  pl.BlockSpec((num_splits, None, None, group, 1), lambda bh, c: (0, bh // hkv, bh % hkv, 0, 0)),
                   row, stat, stat],
         out_specs=[row, stat, stat],
         out_shape=[jax.ShapeDtypeStruct(acc.shape, jnp.float32), jax.ShapeDtypeStruct(m.shape, jnp.float32),
@@ -134,9 +137,10 @@ def main() -> None:
                            jnp.asarray(rng.standard_normal((b, hkv * g, 1)), jnp.float32),
                            jnp.asarray(rng.random((b, hkv * g, 1)) + 1, jnp.float32))
     variants = {"library": library}
-    for per_step, warps, stages, prefetch in [(8, 4, 3, False), (8, 4, 3, True), (16, 4, 3, True), (32, 4, 3, True)]:
-        variants[f"columns ({per_step} a step, {warps} warps, {stages} stages{', prefetch' if prefetch else ''})"] = \
-            functools.partial(columns, per_step=per_step, warps=warps, stages=stages, prefetch=prefetch)
+    for per_step, warps, col_blocks in [(16, 4, 1), (16, 4, 2), (16, 4, 4), (16, 2, 4), (16, 1, 4), (16, 1, 8),
+                                        (32, 1, 8), (8, 1, 8)]:
+        variants[f"columns ({per_step} a step, {warps} warps, prefetch, {col_blocks} column blocks)"] = \
+            functools.partial(columns, per_step=per_step, warps=warps, stages=3, prefetch=True, col_blocks=col_blocks)
     results, reference = {}, None
     for name, fold in variants.items():
         try:
