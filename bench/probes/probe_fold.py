@@ -1,8 +1,9 @@
-"""Probe: why does `fold_splits` take ~42 us a call at 32K (batch 1, 8 KV heads, 128 splits of 256 keys) when its
-data is 2 MB? Times the library kernel against variants of its loop, each bit-compared with the library's result:
-the statistics m and l carried as [rows, 1] columns of the acc's 2-D layout (no 1-D <-> 2-D layout conversion in
-the loop), more or fewer splits loaded per step, fewer warps. Each figure: a jitted chain of 64 dependent folds,
-median of 7 runs (min-max), per fold.
+"""Probe: what bounds `fold_splits` at 32K (batch 1, 8 KV heads, 128 splits of 256 keys), whose data is 2 MB? It took
+~42 us a call in the decode step before its loads went a step ahead (`bench/results/runs/h100_fold_prefetch/`). Times
+the library kernel against variants of its loop, each bit-compared with the library's result: the statistics m and
+l carried as [rows, 1] columns of the acc's 2-D layout, loads a step ahead, the head dim cut among several programs
+per KV head, more or fewer splits a step, fewer warps. Each figure: a jitted chain of 64 dependent folds, median of 7
+runs (min-max), per fold.
 
     python bench/probes/probe_fold.py --out probe_fold.json
 """
