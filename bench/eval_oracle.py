@@ -309,8 +309,8 @@ def _decode_step_fn():
             p_full = _softmax_over(s, visible)
             num_pages_all = t // PAGE_SIZE
             masks, estimates = [], []
+            no_estimate = jnp.full((hkv, hq // hkv, num_pages_all), -jnp.inf)
             for r, rule in enumerate(rules):
-                no_estimate = jnp.full((hkv, hq // hkv, num_pages_all), -jnp.inf)
                 if rule is None:
                     masks.append(jnp.broadcast_to(visible, (hkv, t)))
                     estimates.append(no_estimate)
