@@ -2,15 +2,16 @@
 
 Llama-3.1-8B shape, random bf16 weights, one --ctx prompt on the batch engine (KV in GPU memory), greedy. Per TP
 size: the per-token decode times of --runs generations of --tokens tokens (after one warm-up), one more generation
-under JAX's profiler (summarised per track with `probe_tp_decode.summarise_trace`: each device's busy ms against
-the span, the longest kernels), and the latency of the step's collective alone: --layers x 2 all-reduces of one
-token's hidden state [1, hidden] bf16 in one program, as the decode step has them.
+under JAX's profiler (summarised per track: each device's busy ms against the span, the longest kernels), and the
+latency of the step's collective alone: --layers x 2 all-reduces of one token's hidden state [1, hidden] bf16 in one
+program, as the decode step has them.
 
     python bench/probes/probe_tp_in_gpu.py --tp 1 --out $OUT/in_gpu; python ... --tp 2 --out $OUT/in_gpu
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import shutil
@@ -19,10 +20,43 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import call_seconds, model_config, random_params, run_metadata, stats  # noqa: E402
-from probe_tp_decode import summarise_trace  # noqa: E402
+
+
+def load_trace(path: Path) -> tuple[list[dict], dict]:
+    """A Perfetto JSON trace (.json.gz) -> its events and the names of its tracks: {(pid, None): process name,
+    (pid, tid): thread name}."""
+    events = json.load(gzip.open(path))["traceEvents"]
+    names = {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name"):
+            names[(e["pid"], e.get("tid") if e["name"] == "thread_name" else None)] = e["args"]["name"]
+    return events, names
+
+
+def summarise_trace(path: Path) -> dict:
+    """Per track of a Perfetto JSON trace ("process / thread"): events, busy ms, span ms, the 5 longest names."""
+    events, names = load_trace(path)
+    tracks: dict = {}
+    for e in events:
+        if e.get("ph") == "X":
+            tracks.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e.get("dur", 0), e["name"]))
+    out = {}
+    for (pid, tid), spans in tracks.items():
+        spans.sort()
+        busy, end = 0.0, float("-inf")
+        for lo, hi, _ in spans:  # the union of the intervals
+            busy += max(0.0, hi - max(lo, end))
+            end = max(end, hi)
+        by_name: dict = {}
+        for lo, hi, name in spans:
+            by_name[name] = by_name.get(name, 0.0) + (hi - lo) / 1e3
+        top = sorted(by_name.items(), key=lambda kv: -kv[1])[:5]
+        out[f"{names.get((pid, None), pid)} / {names.get((pid, tid), tid)}"] = {
+            "events": len(spans), "busy_ms": busy / 1e3, "span_ms": (spans[-1][1] - spans[0][0]) / 1e3,
+            "longest_ms": dict(top)}
+    return out
 
 
 def all_reduce_latency(tp, hidden: int, count: int) -> dict:
