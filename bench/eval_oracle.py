@@ -57,13 +57,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import eval_sparse  # noqa: E402  (also puts the repository root on sys.path)
+from eval_sparse import CHUNK, causal_attention, causal_chunks, softmax_over  # noqa: E402
 
-from jax_offload.eval.niah import positive_int_list  # noqa: E402
-from jax_offload.eval.ruler import NiahSample, score_string_match_all  # noqa: E402
+from jax_offload.config import PAGE_POLICY_DEFAULTS, XATTN_DEFAULTS  # noqa: E402
+from jax_offload.eval.ruler import NiahSample  # noqa: E402
 
-STORE_BLOCK, PAGE_SIZE, DENSE_LAYERS = 256, 16, 2  # the engine's Quest setting in bench/eval_sparse.py
-XATTN_BLOCK, XATTN_STRIDE = 128, 8
-CHUNK = 512  # query rows per attention step: scores are [heads, 512, T] float32
+# The engine's Quest setting in bench/eval_sparse.py: its store blocks, and the engine's pages and dense layers.
+STORE_BLOCK = eval_sparse.BASE_OPTIONS["block_size"]
+PAGE_SIZE, DENSE_LAYERS = PAGE_POLICY_DEFAULTS["page_size"], PAGE_POLICY_DEFAULTS["dense_layers"]
+XATTN_BLOCK, XATTN_STRIDE = XATTN_DEFAULTS["xattn_block"], XATTN_DEFAULTS["xattn_stride"]
 PREFILL_KINDS = ("xattn", "xoracle")
 DECODE_KINDS = ("quest", "qoracle", "qsum", "qhead", "qfine", "sketch4b", "sketch8b", "sketch4c", "sketch4r", "qmean")
 ESTIMATING_KINDS = ("sketch4r", "qmean")  # rules that also attend an estimate of each page they leave out
@@ -127,16 +129,6 @@ def _options(config: Config, dtype: str) -> dict[str, Any]:
 # ---- attention under a mask -----------------------------------------------------------------------------------
 
 
-def _softmax_over(s, allowed):
-    """Softmax of float32 scores s [..., T] over the allowed keys; a row with nothing allowed is all 0 (padding
-    rows: never NaN, which would reach real rows through a later layer's p @ v)."""
-    import jax.numpy as jnp
-
-    m = jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1, keepdims=True)
-    e = jnp.where(allowed, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
-    return e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
-
-
 def _attend_with_estimate(s, allowed, v, est_lse, est_v):
     """Softmax attention of scores s [R, Hkv, G, T] over the allowed keys of v [R, T, Hkv, D], joined by one
     estimated key per left-out page: logit est_lse [R, Hkv, G, P] (-inf: no such key) and value est_v [R, Hkv, P,
@@ -153,53 +145,31 @@ def _attend_with_estimate(s, allowed, v, est_lse, est_v):
     return num / (jnp.sum(e, axis=-1) + jnp.sum(w, axis=-1))[..., None]
 
 
-def _prefill_attention(q, k, v, length, block_mask):
-    """Causal attention of q [T, Hq, D] over k, v [T, Hkv, D] (keys < length), float32, CHUNK rows at a time,
-    each query head only in the XATTN_BLOCK x XATTN_BLOCK tiles `block_mask` [Hq, nqb, nkb] allows (None: all)."""
+def _tiles_allowed(block_mask, num_kv_heads: int):
+    """`causal_attention`'s narrowing: each query head attends only in the XATTN_BLOCK x XATTN_BLOCK tiles
+    `block_mask` [Hq, nqb, nkb] allows."""
     import jax
     import jax.numpy as jnp
 
-    t, hq, d = q.shape
-    hkv = k.shape[1]
-    hp = jax.lax.Precision.HIGHEST
-    qs = q.astype(jnp.float32).reshape(t // CHUNK, CHUNK, hkv, hq // hkv, d) / math.sqrt(d)
-    k, v, keys = k.astype(jnp.float32), v.astype(jnp.float32), jnp.arange(t)
-
-    def rows(args):
-        qc, first = args
-        s = jnp.einsum("cngd,tnd->ngct", qc, k, precision=hp)
-        rows_at = first + jnp.arange(CHUNK)
-        allowed = (keys <= rows_at[:, None]) & (keys < length)  # [CHUNK, T]
-        if block_mask is not None:
-            tiles = jax.lax.dynamic_slice_in_dim(block_mask, first // XATTN_BLOCK, CHUNK // XATTN_BLOCK, axis=1)
-            tiles = jnp.repeat(jnp.repeat(tiles, XATTN_BLOCK, axis=1), XATTN_BLOCK, axis=2)[..., :t]  # [Hq, C, T]
-            allowed = allowed & tiles.reshape(hkv, hq // hkv, CHUNK, t)
-        return jnp.einsum("ngct,tnd->cngd", _softmax_over(s, allowed), v, precision=hp)
-
-    return jax.lax.map(rows, (qs, jnp.arange(0, t, CHUNK))).reshape(t, hq, d)
+    def allow(allowed, rows_at):
+        t = allowed.shape[-1]
+        tiles = jax.lax.dynamic_slice_in_dim(block_mask, rows_at[0] // XATTN_BLOCK, CHUNK // XATTN_BLOCK, axis=1)
+        tiles = jnp.repeat(jnp.repeat(tiles, XATTN_BLOCK, axis=1), XATTN_BLOCK, axis=2)[..., :t]  # [Hq, C, T]
+        return allowed & tiles.reshape(num_kv_heads, -1, CHUNK, t)
+    return allow
 
 
 def _true_block_mass(q, k, length):
     """Per query head the true causal softmax mass of every (query block, key block) tile, summed over the query
     block's real rows (< length) -> float32 [Hq, nqb, nkb], each real row contributing 1 in all."""
-    import jax
-    import jax.numpy as jnp
+    t, hq = q.shape[:2]
+    nb = t // XATTN_BLOCK
 
-    t, hq, d = q.shape
-    hkv, nb = k.shape[1], t // XATTN_BLOCK
-    hp = jax.lax.Precision.HIGHEST
-    qs = q.astype(jnp.float32).reshape(t // CHUNK, CHUNK, hkv, hq // hkv, d) / math.sqrt(d)
-    k, keys = k.astype(jnp.float32), jnp.arange(t)
-
-    def rows(args):
-        qc, first = args
-        s = jnp.einsum("cngd,tnd->ngct", qc, k, precision=hp)
-        rows_at = first + jnp.arange(CHUNK)
-        allowed = (keys <= rows_at[:, None]) & (keys < length) & (rows_at[:, None] < length)
-        p = _softmax_over(s, allowed)
+    def rows(s, allowed, rows_at):
+        p = softmax_over(s, allowed & (rows_at[:, None] < length))
         return p.reshape(hq, CHUNK // XATTN_BLOCK, XATTN_BLOCK, nb, XATTN_BLOCK).sum((2, 4))
 
-    per_chunk = jax.lax.map(rows, (qs, jnp.arange(0, t, CHUNK)))  # [chunks, Hq, C / block, nkb]
+    per_chunk = causal_chunks(q, k, length, rows)  # [chunks, Hq, C / block, nkb]
     return per_chunk.transpose(1, 0, 2, 3).reshape(hq, nb, nb)
 
 
@@ -220,7 +190,7 @@ def _prefill_layer_fn():
         nb = x.shape[1] // XATTN_BLOCK
         visible = xattention.visible_blocks(nb, nb, 0, length, XATTN_BLOCK)
         if rule is None:
-            mask = None
+            allow = None
             counts = jnp.stack([jnp.sum(visible), jnp.sum(visible)]).astype(jnp.int32) * cfg.num_heads
         else:
             kind, threshold = rule
@@ -232,8 +202,8 @@ def _prefill_layer_fn():
                 full_mask = pallas_kernels.select_blocks(sums[None], threshold=threshold,
                                                          block_size=XATTN_BLOCK) & visible
             counts = xattention.block_counts(full_mask, 0, length, XATTN_BLOCK)
-            mask = full_mask[0]
-        o = _prefill_attention(q[0], k[0], v[0], length, mask)
+            allow = _tiles_allowed(full_mask[0], cfg.num_kv_heads)
+        o = causal_attention(q[0], k[0], v[0], length, allow)
         return decoder.attention_output_and_mlp(cfg, layer, x, o[None].astype(x.dtype)), k[0], v[0], counts
 
     return prefill_layer
@@ -306,7 +276,7 @@ def _decode_step_fn():
             qg = q[:, 0].reshape(rows, hkv, hq // hkv, d)
             s = jnp.einsum("rngd,rtnd->rngt", qg.astype(jnp.float32), kc.astype(jnp.float32),
                            precision=hp) / math.sqrt(d)
-            p_full = _softmax_over(s, visible)
+            p_full = softmax_over(s, visible)
             num_pages_all = t // PAGE_SIZE
             masks, estimates = [], []
             no_estimate = jnp.full((hkv, hq // hkv, num_pages_all), -jnp.inf)
@@ -350,7 +320,7 @@ def _decode_step_fn():
                 else:
                     estimates.append(no_estimate)
             allowed = jnp.stack(masks)[:, :, None]  # [R, Hkv, 1, T]
-            o = jnp.einsum("rngt,rtnd->rngd", _softmax_over(s, allowed), vc.astype(jnp.float32), precision=hp)
+            o = jnp.einsum("rngt,rtnd->rngd", softmax_over(s, allowed), vc.astype(jnp.float32), precision=hp)
             estimating = np.array([bool(rule) and rule[0] in ESTIMATING_KINDS for rule in rules])
             if estimating.any():  # the other rows keep the plain softmax's arithmetic, bit for bit
                 page_values = vc.astype(jnp.float32).reshape(rows, num_pages_all, PAGE_SIZE, hkv, d).mean(2)
@@ -431,8 +401,6 @@ def load_model(model_dir: Path, dtype: str) -> Model:
 
 def evaluate(args: argparse.Namespace, model_dir: Path, dtype: str) -> None:
     """Runs every config over every length's prompts; one file per (length, config), as eval_sparse writes."""
-    import json
-
     from tqdm import tqdm
 
     configs = [parse_config(name) for name in args.configs]
@@ -454,59 +422,22 @@ def evaluate(args: argparse.Namespace, model_dir: Path, dtype: str) -> None:
             for p in tqdm(ps, desc=f"{prefill_rule or 'full'} prefill @ {n}", unit="prompt", leave=False):
                 outputs, density = run_prompt(model, p, prefill_rule, decode_rules, args.max_tokens, cache_len)
                 for rs, ids in zip(records, outputs):
-                    text = model.tokenizer.decode(ids, skip_special_tokens=True)
-                    rs.append({"task": p.task, "index": p.index, "prompt_tokens": p.length, "depths": p.depths,
-                               "expected": p.answers, "output": text, "output_token_ids": ids,
-                               "score": score_string_match_all([text], [p.answers]),
-                               "prefill_density": density if prefill_rule else None})
+                    rs.append(eval_sparse.prompt_record(p, model.tokenizer.decode(ids, skip_special_tokens=True), ids,
+                                                        prefill_density=density if prefill_rule else None))
             wall = round(time.perf_counter() - start, 2)
             for c, rs in zip(group, records):
-                scores = eval_sparse.task_scores(rs)
-                result = {
-                    "kind": "sparse_niah", "config": c.name, "options": _options(c, dtype), "length": n,
-                    "prompt_target": targets[n], "model": str(model_dir), "samples": args.samples,
-                    "seed": args.seed, "max_tokens": args.max_tokens,
-                    "prompts_sha256": eval_sparse.prompts_digest(ps), "scores": scores,
-                    "mean_score": sum(scores.values()) / len(scores), "records": rs,
-                    "wall_seconds_of_prefill_group": wall, "meta": meta,
-                }
-                name = eval_sparse.NIAH_FILE.format(length=n, config=c.name.replace("+", "-"))
-                (args.out / name).write_text(json.dumps(result, indent=1) + "\n")
+                result = eval_sparse.write_niah_result(args, c.name, _options(c, dtype), n, targets[n], model_dir, ps,
+                                                       rs, meta, wall_seconds_of_prefill_group=wall)
                 print(f"{c.name} @ {n} (prompts <= {targets[n]} tokens): mean score {result['mean_score']:.1f} "
-                      f"({', '.join(f'{s:.0f}' for s in scores.values())}), group {wall:.0f} s", flush=True)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, help="Hugging Face model directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--lengths", type=positive_int_list, default=[4096], help="comma-separated prompt lengths")
-    p.add_argument("--samples", type=int, default=10, help="prompts per task and length")
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--configs", type=lambda s: [c for c in s.split(",") if c],
-                   default="full,quest512,qoracle512,quest1024,qoracle1024".split(","))
-    p.add_argument("--dtype", help="weights' dtype (default: bfloat16 on a GPU, float32 otherwise)")
-    p.add_argument("--out", type=Path, required=True, help="where the result files go")
-    return p
+                      f"({', '.join(f'{s:.0f}' for s in result['scores'].values())}), group {wall:.0f} s", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = eval_sparse.run_parser(__doc__, parse_config, "full,quest512,qoracle512,quest1024,qoracle1024").parse_args(argv)
     try:
-        for name in args.configs:
-            parse_config(name)
         if args.samples < 1 or args.max_tokens < 2:
             raise ValueError("--samples must be at least 1 and --max-tokens at least 2.")
-        import jax
-
-        dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
-        if args.model is not None:
-            model_dir = args.model
-        else:
-            from jax_offload.default_model import ensure_default_model
-
-            model_dir = ensure_default_model()
-        evaluate(args, model_dir, dtype)
+        evaluate(args, *eval_sparse.model_and_dtype(args))
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -36,7 +36,6 @@ import argparse
 import functools
 import gc
 import hashlib
-import inspect
 import json
 import math
 import re
@@ -51,22 +50,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import run_metadata  # noqa: E402  (also puts the repository root on sys.path)
 
+from jax_offload.config import PAGE_POLICY_DEFAULTS, SKETCH_DEFAULTS, XATTN_DEFAULTS  # noqa: E402
 from jax_offload.eval.niah import positive_int_list  # noqa: E402
 from jax_offload.eval.ruler import TASKS, NiahSample, make_samples, score_string_match_all  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BASE_OPTIONS: dict[str, Any] = {"offload": True, "block_size": 256, "num_ring_slots": 2, "prefill": "chunked"}
+# The engine's defaults, written into every result file's options (the report and the mass pass read them there).
+PAGE_OPTIONS = {k: PAGE_POLICY_DEFAULTS[k] for k in ("page_size", "dense_layers")}
+XATTN_OPTIONS = {k: XATTN_DEFAULTS[k] for k in ("xattn_stride", "xattn_block")}
 # The parts a config name is made of: prefix -> (how its number is read, the LLM options it adds).
 PARTS: dict[str, tuple[Callable[[str], Any], Callable[[Any], dict[str, Any]]]] = {
-    "quest": (int, lambda budget: {"decode_policy": "quest", "decode_budget": budget, "page_size": 16,
-                                   "dense_layers": 2}),
-    "sketch": (int, lambda budget: {"decode_policy": "sketch", "decode_budget": budget, "page_size": 16,
-                                    "dense_layers": 2, "sketch_dtype": "int4"}),
+    "quest": (int, lambda budget: {"decode_policy": "quest", "decode_budget": budget, **PAGE_OPTIONS}),
+    "sketch": (int, lambda budget: {"decode_policy": "sketch", "decode_budget": budget, **PAGE_OPTIONS,
+                                    **SKETCH_DEFAULTS}),
     "xattn": (float, lambda threshold: {"prefill_policy": "xattention", "xattn_threshold": threshold,
-                                        "xattn_stride": 8, "xattn_block": 128}),
+                                        **XATTN_OPTIONS}),
 }
 NIAH_FILE, MASS_FILE = "sparse_niah_{length}_{config}.json", "quest_mass_{length}.json"
-MASS_CHUNK = 512  # query rows per attention step of the mass pass: scores are [heads, 512, T] float32
+CHUNK = 512  # query rows per float32 attention step (here and in eval_oracle.py): scores are [heads, 512, T]
 
 
 # ---- configs ------------------------------------------------------------------------------------------------
@@ -93,16 +95,19 @@ def config_options(name: str) -> dict[str, Any]:
     return options
 
 
-def _config_list(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError("--configs must name at least one config")
-    try:
-        for name in names:
-            config_options(name)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-    return names
+def config_list(check: Callable[[str], Any]) -> Callable[[str], list[str]]:
+    """The --configs type: comma-separated names, each passed to `check`, whose ValueError is argparse's error."""
+    def names_of(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        if not names:
+            raise argparse.ArgumentTypeError("--configs must name at least one config")
+        try:
+            for name in names:
+                check(name)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return names
+    return names_of
 
 
 def _base_options(text: str) -> dict[str, Any]:
@@ -128,20 +133,6 @@ def _literal(raw: str) -> Any:
         except ValueError:
             pass
     return raw
-
-
-def _check_llm_accepts(options_by_config: dict[str, dict[str, Any]]) -> None:
-    """Fails before any work if `LLM` lacks a keyword a config passes (e.g. options still being added)."""
-    from jax_offload import LLM
-
-    params = inspect.signature(LLM.__init__).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
-    for name, options in options_by_config.items():
-        unknown = sorted(set(options) - set(params))
-        if unknown:
-            raise ValueError(f"LLM does not accept option(s) {', '.join(unknown)} that config {name!r} passes; "
-                             "this engine version lacks them.")
 
 
 # ---- prompts and run metadata -------------------------------------------------------------------------------
@@ -204,20 +195,41 @@ def run_prompts(llm: Any, prompts: list[NiahSample], max_tokens: int, desc: str)
     for p in tqdm(prompts, desc=desc, unit="prompt", leave=False):
         out = llm.generate([p.prompt_ids], sampling)[0]
         density = getattr(out, "prefill_density", None)
-        records.append({
-            "task": p.task, "index": p.index, "prompt_tokens": p.length, "depths": p.depths,
-            "expected": p.answers, "output": out.text, "output_token_ids": list(out.token_ids),
-            "score": score_string_match_all([out.text], [p.answers]), "finish_reason": out.finish_reason,
-            "prefill_seconds": round(out.prefill_seconds, 4), "decode_seconds": round(out.decode_seconds, 4),
-            "prefill_density": None if density is None else [float(d) for d in density],
-        })
+        records.append(prompt_record(
+            p, out.text, out.token_ids, finish_reason=out.finish_reason,
+            prefill_seconds=round(out.prefill_seconds, 4), decode_seconds=round(out.decode_seconds, 4),
+            prefill_density=None if density is None else [float(d) for d in density]))
     return records
+
+
+def prompt_record(p: NiahSample, text: str, ids: list[int], **extra: Any) -> dict[str, Any]:
+    """A result file's record of one prompt: the prompt, the output, its RULER score, then `extra`."""
+    return {"task": p.task, "index": p.index, "prompt_tokens": p.length, "depths": p.depths, "expected": p.answers,
+            "output": text, "output_token_ids": list(ids), "score": score_string_match_all([text], [p.answers]),
+            **extra}
 
 
 def task_scores(records: list[dict[str, Any]]) -> dict[str, float]:
     """RULER string_match_all per task, in TASKS order."""
     return {t: score_string_match_all([r["output"] for r in rs], [r["expected"] for r in rs])
             for t in TASKS if (rs := [r for r in records if r["task"] == t])}
+
+
+def write_niah_result(args: argparse.Namespace, config: str, options: dict[str, Any], n: int, target: int,
+                      model_dir: Path, prompts: list[NiahSample], records: list[dict[str, Any]],
+                      meta: dict[str, Any], **timing: float) -> dict[str, Any]:
+    """Writes one (length, config)'s result file under args.out, as both engines write it; returns its content."""
+    scores = task_scores(records)
+    result = {
+        "kind": "sparse_niah", "config": config, "options": options, "length": n, "prompt_target": target,
+        "model": str(model_dir), "samples": args.samples, "seed": args.seed, "max_tokens": args.max_tokens,
+        "prompts_sha256": prompts_digest(prompts), "scores": scores,
+        "mean_score": sum(scores.values()) / len(scores), "records": records, **timing, "meta": meta,
+    }
+    # "+" is kept out of file names: some copy tools refuse it.
+    name = NIAH_FILE.format(length=n, config=config.replace("+", "-"))
+    (args.out / name).write_text(json.dumps(result, indent=1) + "\n")
+    return result
 
 
 def same_outputs(records: list[dict[str, Any]], reference: list[dict[str, Any]]) -> tuple[int, int]:
@@ -232,10 +244,8 @@ def evaluate(args: argparse.Namespace, model_dir: Path, base: dict[str, Any]) ->
     from jax_offload import LLM
 
     options = {name: base | config_options(name) for name in args.configs}
-    _check_llm_accepts(options)
     targets = {n: prompt_target(model_dir, base, n, args.max_tokens) for n in args.lengths}
     prompts = build_prompts(model_dir, targets, args.samples, args.seed)
-    digests = {n: prompts_digest(ps) for n, ps in prompts.items()}
     meta = metadata()
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[tuple[int, str], dict[str, Any]] = {}
@@ -251,17 +261,10 @@ def evaluate(args: argparse.Namespace, model_dir: Path, base: dict[str, Any]) ->
         for n in args.lengths:
             start = time.perf_counter()
             records = run_prompts(llm, prompts[n], args.max_tokens, f"{name} @ {n}")
-            scores = task_scores(records)
-            result = {
-                "kind": "sparse_niah", "config": name, "options": options[name], "length": n,
-                "prompt_target": targets[n], "model": str(model_dir), "samples": args.samples, "seed": args.seed,
-                "max_tokens": args.max_tokens, "prompts_sha256": digests[n], "scores": scores,
-                "mean_score": sum(scores.values()) / len(scores), "records": records,
-                "load_seconds": round(load_s, 2), "wall_seconds": round(time.perf_counter() - start, 2), "meta": meta,
-            }
+            result = write_niah_result(args, name, options[name], n, targets[n], model_dir, prompts[n], records, meta,
+                                       load_seconds=round(load_s, 2),
+                                       wall_seconds=round(time.perf_counter() - start, 2))
             results[(n, name)] = result
-            # "+" is kept out of file names: some copy tools refuse it.
-            (args.out / NIAH_FILE.format(length=n, config=name.replace("+", "-"))).write_text(json.dumps(result, indent=1) + "\n")
             agree = ""
             if (n, "full") in results and name != "full":
                 same, total = same_outputs(records, results[(n, "full")]["records"])
@@ -291,25 +294,51 @@ def summary_table(results: dict[tuple[int, str], dict[str, Any]], lengths: list[
 # ---- Quest attention mass -----------------------------------------------------------------------------------
 
 
-def _causal_attention_f32(q, k, v, chunk: int):
-    """Causal softmax attention in float32 (full precision matmuls), `chunk` query rows at a time.
-    q [T, Hq, D], k and v [T, Hkv, D] (query head h reads KV head h // (Hq / Hkv)) -> [T, Hq, D]."""
+def softmax_over(s, allowed):
+    """Softmax of float32 scores s [..., T] over the allowed keys; a row with nothing allowed is all 0 (padding
+    rows: never NaN, which would reach real rows through a later layer's p @ v)."""
+    import jax.numpy as jnp
+
+    m = jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1, keepdims=True)
+    e = jnp.where(allowed, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    return e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
+
+
+def causal_chunks(q, k, length, rows_fn: Callable):
+    """Causal float32 scores of q [T, Hq, D] over k [T, Hkv, D] (query head h reads KV head h // (Hq / Hkv)),
+    CHUNK query rows at a time: rows_fn(s [Hkv, G, CHUNK, T], allowed [CHUNK, T] (causal, keys < length), the
+    chunk's row positions [CHUNK]) per chunk -> its results stacked over the chunks."""
     import jax
     import jax.numpy as jnp
 
     t, hq, d = q.shape
     hkv = k.shape[1]
-    hp = jax.lax.Precision.HIGHEST
-    qs = q.astype(jnp.float32).reshape(t // chunk, chunk, hkv, hq // hkv, d) / math.sqrt(d)
-    k, v, keys = k.astype(jnp.float32), v.astype(jnp.float32), jnp.arange(t)
+    qs = q.astype(jnp.float32).reshape(t // CHUNK, CHUNK, hkv, hq // hkv, d) / math.sqrt(d)
+    k, keys = k.astype(jnp.float32), jnp.arange(t)
 
     def rows(args):
         qc, first = args
-        s = jnp.einsum("cngd,tnd->ngct", qc, k, precision=hp)
-        s = jnp.where(keys <= first + jnp.arange(chunk)[:, None], s, -jnp.inf)
-        return jnp.einsum("ngct,tnd->cngd", jax.nn.softmax(s, axis=-1), v, precision=hp)
+        s = jnp.einsum("cngd,tnd->ngct", qc, k, precision=jax.lax.Precision.HIGHEST)
+        rows_at = first + jnp.arange(CHUNK)
+        return rows_fn(s, (keys <= rows_at[:, None]) & (keys < length), rows_at)
 
-    return jax.lax.map(rows, (qs, jnp.arange(0, t, chunk))).reshape(t, hq, d)
+    return jax.lax.map(rows, (qs, jnp.arange(0, t, CHUNK)))
+
+
+def causal_attention(q, k, v, length, allow: Callable | None = None):
+    """Causal softmax attention in float32 of q [T, Hq, D] over k, v [T, Hkv, D] (keys < length) -> [T, Hq, D];
+    `allow(allowed [CHUNK, T], rows_at)` -> [Hkv, G, CHUNK, T] narrows the keys each query head attends."""
+    import jax
+    import jax.numpy as jnp
+
+    t, hq, d = q.shape
+    v = v.astype(jnp.float32)
+
+    def rows(s, allowed, rows_at):
+        allowed = allowed if allow is None else allow(allowed, rows_at)
+        return jnp.einsum("ngct,tnd->cngd", softmax_over(s, allowed), v, precision=jax.lax.Precision.HIGHEST)
+
+    return causal_chunks(q, k, length, rows).reshape(t, hq, d)
 
 
 def _quest_shares(q, k, length, block_size: int, page_size: int, budgets_pages: tuple[int, ...]):
@@ -364,7 +393,7 @@ def _mass_layer_fn() -> Callable:
     def layer_step(cfg, layer, x, length, inv_freq, block_size, page_size, budgets_pages):
         positions = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
         q, k, v = decoder.attention_inputs(cfg, layer, x, positions, inv_freq)
-        o = _causal_attention_f32(q[0], k[0], v[0], MASS_CHUNK)
+        o = causal_attention(q[0], k[0], v[0], length)
         shares = _quest_shares(jax.lax.dynamic_index_in_dim(q[0], length - 1, keepdims=False), k[0], length,
                                block_size, page_size, budgets_pages)
         return decoder.attention_output_and_mlp(cfg, layer, x, o[None]), shares
@@ -381,7 +410,7 @@ def prompt_shares(cfg: Any, params: Any, inv_freq: Any, ids: list[int], block_si
 
     from jax_offload.models import decoder
 
-    padded = -(-len(ids) // math.lcm(MASS_CHUNK, page_size)) * math.lcm(MASS_CHUNK, page_size)
+    padded = -(-len(ids) // math.lcm(CHUNK, page_size)) * math.lcm(CHUNK, page_size)
     x = decoder.embed(params, jnp.asarray([ids + [0] * (padded - len(ids))], jnp.int32))
     step, length = _mass_layer_fn(), jnp.int32(len(ids))
     budgets_pages = tuple(b // page_size for b in budgets)
@@ -654,42 +683,47 @@ class _ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run_parser(doc: str, check_config: Callable[[str], Any], default_configs: str) -> argparse.ArgumentParser:
+    """The arguments of a NIAH run, this script's and eval_oracle.py's."""
+    p = _ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="Hugging Face model directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--lengths", type=positive_int_list, default=[4096], help="comma-separated prompt lengths in tokens")
     p.add_argument("--samples", type=int, default=10, help="prompts per task and length")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--configs", type=_config_list, default=_config_list(
-        "full,quest512,quest1024,xattn0.8,xattn0.9,xattn0.95,xattn0.9+quest1024"))
-    p.add_argument("--base", type=_base_options, default={}, help="key=value,... added to or replacing the base "
-                   f"engine options {BASE_OPTIONS}")
-    p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on a GPU, float32 otherwise)")
-    p.add_argument("--mass", action="store_true", help="measure Quest's attention mass instead of running NIAH")
-    p.add_argument("--report", type=Path, metavar="DIR", help="write tables and a plot from the files in DIR")
+    p.add_argument("--configs", type=config_list(check_config), default=config_list(check_config)(default_configs))
+    p.add_argument("--dtype", help="the weights' dtype (default: bfloat16 on a GPU, float32 otherwise)")
     p.add_argument("--out", type=Path, required=True, help="where result files (or the report) go")
     return p
 
 
+def model_and_dtype(args: argparse.Namespace) -> tuple[Path, str]:
+    """--model or the default model (downloaded if missing), and --dtype or the backend's default."""
+    import jax
+
+    dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    if args.model is not None:
+        return args.model, dtype
+    from jax_offload.default_model import ensure_default_model
+
+    return ensure_default_model(), dtype
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    p = run_parser(__doc__, config_options, "full,quest512,quest1024,xattn0.8,xattn0.9,xattn0.95,xattn0.9+quest1024")
+    p.add_argument("--base", type=_base_options, default={}, help="key=value,... added to or replacing the base "
+                   f"engine options {BASE_OPTIONS}")
+    p.add_argument("--mass", action="store_true", help="measure Quest's attention mass instead of running NIAH")
+    p.add_argument("--report", type=Path, metavar="DIR", help="write tables and a plot from the files in DIR")
+    args = p.parse_args(argv)
     try:
         if args.report is not None:
             report(args.report, args.out)
             return 0
         if args.samples < 1 or args.max_tokens < 1:
             raise ValueError("--samples and --max-tokens must be at least 1.")
-        import jax
-
-        dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+        model_dir, dtype = model_and_dtype(args)
         base = BASE_OPTIONS | args.base | {"dtype": dtype}
-        if args.model is not None:
-            model_dir = args.model
-        else:
-            from jax_offload.default_model import ensure_default_model
-
-            model_dir = ensure_default_model()
         if args.mass:
             measure_mass(args, model_dir, base, dtype)
         else:
