@@ -49,6 +49,20 @@ SHAPES = {
 }
 
 
+def read_json(path: Path):
+    """A result file's content; large ones are kept gzipped (NAME.json.gz)."""
+    import gzip
+    import json
+
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "rt") as f:
+        return json.load(f)
+
+
+def result_files(folder: Path, pattern: str) -> list[Path]:
+    """The files of `folder` matching `pattern` (NAME.json), gzipped (NAME.json.gz) or not, sorted by name."""
+    return sorted([*folder.glob(pattern), *folder.glob(pattern + ".gz")], key=lambda p: p.name.removesuffix(".gz"))
+
+
 def model_config(shape: str, num_layers: int | None = None):
     from jax_offload.config import ModelConfig
 

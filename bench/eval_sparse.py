@@ -48,7 +48,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import run_metadata  # noqa: E402  (also puts the repository root on sys.path)
+from common import read_json, result_files, run_metadata  # noqa: E402  (also puts the repository root on sys.path)
 
 from jax_offload.config import PAGE_POLICY_DEFAULTS, SKETCH_DEFAULTS, XATTN_DEFAULTS  # noqa: E402
 from jax_offload.eval.niah import positive_int_list  # noqa: E402
@@ -505,8 +505,8 @@ def _config_order(result: dict[str, Any]) -> tuple:
 def load_results(src: Path) -> tuple[dict[int, list[dict[str, Any]]], dict[int, dict[str, Any]]]:
     """-> ({length: NIAH results in config order}, {length: Quest mass result}) of the files in `src`."""
     niah: dict[int, list[dict[str, Any]]] = {}
-    for path in sorted(src.glob("sparse_niah_*.json")):
-        result = json.loads(path.read_text())
+    for path in result_files(src, "sparse_niah_*.json"):
+        result = read_json(path)
         niah.setdefault(result["length"], []).append(result)
     for n, results in niah.items():
         results.sort(key=_config_order)
@@ -514,7 +514,7 @@ def load_results(src: Path) -> tuple[dict[int, list[dict[str, Any]]], dict[int, 
         if len(digests) > 1:
             raise ValueError(f"The {n}-token files in {src} were run on different prompts (another --samples, "
                              "--seed, tokenizer or max_model_len); put one run's files in a directory.")
-    mass = {r["length"]: r for r in (json.loads(p.read_text()) for p in sorted(src.glob("quest_mass_*.json")))}
+    mass = {r["length"]: r for r in map(read_json, result_files(src, "quest_mass_*.json"))}
     if not niah and not mass:
         raise FileNotFoundError(f"No sparse_niah_*.json or quest_mass_*.json files in {src}.")
     return dict(sorted(niah.items())), dict(sorted(mass.items()))

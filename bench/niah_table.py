@@ -11,12 +11,13 @@ engines agree, since the same prompt ids went to every engine.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import read_json  # noqa: E402  (also puts the repository root on sys.path)
 
 from jax_offload.eval.ruler import TASKS  # noqa: E402
 
@@ -43,7 +44,7 @@ def load(paths: list[Path]) -> dict[str, dict]:
     """-> {engine: {(task, length, index): record}}."""
     records: dict[str, dict] = defaultdict(dict)
     for path in paths:
-        data = json.loads(path.read_text())
+        data = read_json(path)
         label = engine_label(data["config"])
         # Files written before the torch backend dropped generate's stop token still end with it.
         stops = set() if data["config"].get("stop_token_in_output_ids") is False else stop_token_ids(data["config"]["model"])
@@ -114,7 +115,7 @@ def render(records: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("files", nargs="+", type=Path, help="JSON files written by jax_offload.eval.niah --out")
+    ap.add_argument("files", nargs="+", type=Path, help="JSON files (or .json.gz) written by jax_offload.eval.niah --out")
     args = ap.parse_args(argv)
     records = load(args.files)
     print(render(records))

@@ -2,7 +2,7 @@
 2 dense layers, block 4096, ring 4): one generate of 12 tokens after a warm-up, recorded with jax.profiler.trace.
 For the decode steps (the trace's last window as long as decode steps 2-12 took by the engine's own clock) it writes
 the GPU time per step by kernel (names with their digits dropped), the union of busy GPU time, and the step's wall
-time. Writes probe_decode_timeline.json under $OUT.
+time. Writes probe_decode_timeline.json under $OUT (an H100's: `bench/results/runs/h100_decode_timeline/`).
 
     python bench/probes/probe_decode_timeline.py
 """
