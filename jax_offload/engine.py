@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import numpy as np
 from tqdm import tqdm
 
 from convert.safetensors_loader import load_params
-from jax_offload.attention import check_attention_impl, default_attention_impl, embed_tokens
+from jax_offload.attention import check_attention_impl, default_attention_impl
 from jax_offload.blend import BlendRunner, Segments, SegmentStore
 from jax_offload.config import EngineConfig, ModelConfig
 from jax_offload.device_runner import DeviceRunner, pad_ids
@@ -22,11 +21,12 @@ from jax_offload.models import decoder
 from jax_offload.models.params import ModelParams
 from jax_offload.models.rope import inverse_frequencies
 from jax_offload.offload_runner import OffloadRunner
-from jax_offload.outputs import RequestOutput, first_stop
+from jax_offload.outputs import RequestDelta, RequestOutput
 from jax_offload.precision import step_jit
-from jax_offload.sampling import SamplingParams, sample_token
+from jax_offload.sampling import SamplingParams
+from jax_offload.serial_engine import SerialEngine
 from jax_offload.serving.block_manager import cache_tag
-from jax_offload.serving.engine import BatchEngine
+from jax_offload.serving.engine import BatchEngine, EngineLoad, run_requests
 from jax_offload.sparse import xattention
 from jax_offload.tensor_parallel import TensorParallel, check_devices, sharded_model_config, to_host
 
@@ -178,6 +178,7 @@ class LLM:
             self._runner = DeviceRunner(model_config, params, self._inv_freq, self.dtype, self.attention_impl, tp,
                                         xattention.policy_of(engine))
         self._batch_engine: BatchEngine | None = None
+        self._serial: SerialEngine | None = None
         self._blend: BlendRunner | None = None
 
     @property
@@ -228,7 +229,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generates for each prompt (raw text or token ids), outputs in prompt order; `params` is one
         SamplingParams for all or one per prompt; `on_text(i, delta)` streams prompt i's new text; `progress`
-        shows a bar (requests done and output tokens/s when batching, else tokens/s of a long prefill)."""
+        shows a bar (requests done and output tokens/s, and the prefill of a long prompt run alone)."""
         if isinstance(prompts, (str, Segments)) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], (int, np.integer))
         ):
@@ -239,16 +240,69 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"Got {len(params)} SamplingParams for {len(prompts)} prompts; give one, or one each.")
         each = [params] * len(prompts) if isinstance(params, SamplingParams) else params
-        if any(isinstance(p, Segments) for p in prompts):  # one request at a time (`_blend_runner`)
-            return [self._run_request(*self._prompt_and_prefill(p), s, None if on_text is None else (
-                lambda d, i=i: on_text(i, d)), progress) for i, (p, s) in enumerate(zip(prompts, each))]
-        encoded = [self.encode(p) for p in prompts]
-        if self._batches() and (len(encoded) > 1 or self._single_prompt_batches()):
-            return self._batch().generate(encoded, params, on_text, progress)
-        return [
-            self._run_request(ids, None, p, None if on_text is None else (lambda d, i=i: on_text(i, d)), progress)
-            for i, (ids, p) in enumerate(zip(encoded, each))
-        ]
+        if not any(isinstance(p, Segments) for p in prompts):
+            encoded = [self.encode(p) for p in prompts]
+            if self._batches() and (len(encoded) > 1 or self._single_prompt_batches()):
+                return self._batch().generate(encoded, params, on_text, progress)
+        engine = self._serial_engine()
+        if engine.has_unfinished():
+            raise RuntimeError("generate needs an idle engine; this one still has requests added by add_request.")
+        engine.progress = progress
+        ids = [f"generate-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, each):
+            prompt_ids, prefill = self._prompt_and_prefill(prompt)
+            engine.add_request(rid, prompt_ids, p, prefill)
+        return run_requests(engine, ids, on_text)
+
+    # ---- the incremental API (vLLM's LLMEngine shape), what the server drives ---------------------------------
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+        """Queues a request; it joins the running requests at a coming `step` (the batch engine's continuous
+        batching, where the options allow it; else one request after another)."""
+        if isinstance(prompt, Segments):
+            prompt_ids, prefill = self._prompt_and_prefill(prompt)
+            self._serial_engine().add_request(request_id, prompt_ids, params, prefill)
+        else:
+            self.request_engine().add_request(request_id, self.encode(prompt), params)
+
+    def step(self) -> list[RequestDelta]:
+        """One step of the request engine (and of Segments prompts'): what it added to each request."""
+        deltas = self.request_engine().step()
+        if self._serial is not None and self._serial is not self.request_engine():
+            deltas += self._serial.step()
+        return deltas
+
+    def abort(self, request_id: str) -> None:
+        """Drops a request wherever it is; its KV is free at once."""
+        self.request_engine().abort(request_id)
+        if self._serial is not None:
+            self._serial.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.request_engine().has_unfinished() or (self._serial is not None and self._serial.has_unfinished())
+
+    def load(self) -> EngineLoad:
+        """Requests running, waiting and swapped, and the KV they hold (the server's metrics)."""
+        load = self.request_engine().load()
+        if self._serial is not None and self._serial is not self.request_engine():
+            serial = self._serial.load()
+            load.running, load.waiting = load.running + serial.running, load.waiting + serial.waiting
+        return load
+
+    def host_store_bytes(self) -> tuple[int, int]:
+        """(bytes read from, bytes written to) the offloaded KV store so far; (0, 0) with the KV in GPU memory."""
+        store = getattr(self._runner, "store", None)
+        return (store.bytes_read, store.bytes_written) if store is not None else (0, 0)
+
+    def request_engine(self) -> BatchEngine | SerialEngine:
+        """The engine `add_request` feeds: the batch engine when the options let requests run together, else the
+        one-at-a-time engine."""
+        return self._batch() if self._batches() else self._serial_engine()
+
+    def _serial_engine(self) -> SerialEngine:
+        if self._serial is None:
+            self._serial = SerialEngine(self)
+        return self._serial
 
     def _prompt_and_prefill(self, prompt: Prompt):
         """(token ids, prefill or None) of one prompt: a `Segments` prompt prefills by CacheBlend."""
@@ -353,72 +407,9 @@ class LLM:
         with tqdm(total=len(ids), desc="prefill", unit="tok", unit_scale=True, leave=False) as bar:
             return self._runner.prefill(padded, len(ids), total_len, bar.update, keep_all)
 
-    def _decode_text(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-
-    def _run_request(
-        self, ids: list[int], prefill: Callable[[int], tuple[jax.Array, int, int]] | None, params: SamplingParams,
-        on_text: Callable[[str], None] | None, progress: bool = False
-    ) -> RequestOutput:
-        """One request: `prefill(total_len)` -> (hidden states, position of their first row, prompt tokens
-        reused), or the runner's own prefill."""
-        cfg = self.model_config
-        total_len = min(len(ids) + params.max_tokens, self.max_model_len)
-        seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (2**31))
-        key = jax.random.PRNGKey(seed)
-        knobs = (
-            jnp.float32(params.temperature),
-            jnp.float32(params.top_p),
-            np.int32(params.top_k),
-        )
-        stops = params.stop_strings
-        watch_text = bool(stops) or on_text is not None
-        generated: list[int] = []
-        text, finish_reason = "", "length"
-        try:
-            start = time.perf_counter()
-            if prefill is None:
-                hidden, first_position = self._prefill(ids, total_len, progress)
-                cached = 0
-            else:
-                hidden, first_position, cached = prefill(total_len)
-            logit_row = _last_logits(cfg, self.params, hidden, np.int32(len(ids) - 1 - first_position))
-            token = int(to_host(sample_token(logit_row, *knobs, jax.random.fold_in(key, 0))))
-            prefill_s = time.perf_counter() - start
-            density = self._prefill_density()
-            start = step_start = time.perf_counter()
-            step_seconds: list[float] = []
-            position = len(ids)
-            while True:
-                generated.append(token)
-                if token in self.eos_token_ids and not params.ignore_eos:
-                    generated.pop()
-                    finish_reason = "stop"
-                    break
-                if watch_text:
-                    new_text = self._decode_text(generated)
-                    cut = first_stop(new_text, stops)
-                    if cut is not None:
-                        new_text, finish_reason = new_text[:cut], "stop"
-                    if on_text is not None and len(new_text) > len(text):
-                        on_text(new_text[len(text) :])
-                    text = new_text
-                if finish_reason == "stop" or len(ids) + len(generated) >= total_len:
-                    break
-                x = embed_tokens(self.params.embed, np.full((1, 1), token, np.int32))
-                hidden = self._runner.decode(x, position)
-                logit_row = _last_logits(cfg, self.params, hidden, np.int32(0))
-                token = int(to_host(sample_token(logit_row, *knobs, jax.random.fold_in(key, len(generated)))))
-                now = time.perf_counter()
-                step_seconds.append(now - step_start)
-                step_start = now
-                position += 1
-            decode_s = time.perf_counter() - start
-            if not watch_text:
-                text = self._decode_text(generated)
-        finally:
-            self._runner.finish()
-        return RequestOutput(ids, text, generated, finish_reason, prefill_s, decode_s, step_seconds, density, cached)
+    def _last_logits(self, hidden: jax.Array, row: np.int32) -> jax.Array:
+        """float32 [vocab] logits of hidden state row `row` (of batch row 0)."""
+        return _last_logits(self.model_config, self.params, hidden, row)
 
     def _prefill_density(self) -> list[float] | None:
         if self.engine_config.prefill_policy != "xattention":

@@ -18,7 +18,6 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _ArgumentParser(prog="python -m jax_offload.generate", description=__doc__)
-    p.add_argument("--model", type=Path, help="Hugging Face model directory (default: SmolLM2-135M-Instruct)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path,
@@ -32,6 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     p.add_argument("--json", action="store_true", help="print one JSON line per output instead of streaming")
+    add_engine_options(p)
+    return p
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """The model and engine options, shared by the CLI and the server (`jax_offload.serve`): one definition."""
+    p.add_argument("--model", type=Path, help="Hugging Face model directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--compilation-cache-dir",
                    help="where compiled programs are kept for the next run ('' for nowhere; default "
                         "$JAX_OFFLOAD_CACHE/xla, or JAX_COMPILATION_CACHE_DIR where set)")
@@ -75,7 +81,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with prefix caching: GiB of pinned host memory keeping blocks evicted from the GPU pool (0)")
     p.add_argument("--blend-recompute-ratio", type=float, default=0.15,
                    help="'segments' prompts (CacheBlend): share of a reused part's tokens recomputed (0.15)")
-    return p
+
+# The options of add_engine_options that LLM takes under the same name.
+_LLM_OPTIONS = (
+    "max_model_len", "offload", "block_size", "prefill", "decode_policy", "decode_budget", "page_size",
+    "dense_layers", "sketch_dtype", "prefill_policy", "xattn_threshold", "xattn_stride", "xattn_block",
+    "xattn_density", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "tensor_parallel_size",
+    "batch_invariant", "enable_prefix_caching", "prefix_cache_host_gb", "kv_cache_dtype", "blend_recompute_ratio",
+)
+
+
+def load_llm(args: argparse.Namespace, quiet: bool = False):
+    """The `LLM` the engine options ask for (the default model, fetched once, if none is named)."""
+    import jax
+
+    from jax_offload import LLM
+    from jax_offload.default_model import ensure_default_model
+
+    model_dir = args.model if args.model is not None else ensure_default_model(quiet=quiet)
+    if args.offload:
+        _make_room_for_pinned_kv(model_dir, args)
+    _keep_compiled_programs(args.compilation_cache_dir)
+    dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    return LLM(model_dir, dtype=dtype, num_ring_slots=args.ring_slots,
+               **{name: getattr(args, name) for name in _LLM_OPTIONS})
 
 
 def _make_room_for_pinned_kv(model_dir: Path, args: argparse.Namespace) -> None:
@@ -183,44 +212,9 @@ def _run(args: argparse.Namespace) -> int:
         where = "the prompt" if len(prompts) == 1 else f"prompt {empty[0] + 1}"
         raise ValueError(f"{where} is empty; give text that is not only whitespace")
 
-    import jax
+    from jax_offload import Segments
 
-    from jax_offload import LLM, Segments
-    from jax_offload.default_model import ensure_default_model
-
-    model_dir = args.model if args.model is not None else ensure_default_model(quiet=args.json)
-    if args.offload:
-        _make_room_for_pinned_kv(model_dir, args)
-    _keep_compiled_programs(args.compilation_cache_dir)
-    dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
-    llm = LLM(
-        model_dir,
-        dtype=dtype,
-        max_model_len=args.max_model_len,
-        offload=args.offload,
-        block_size=args.block_size,
-        num_ring_slots=args.ring_slots,
-        prefill=args.prefill,
-        decode_policy=args.decode_policy,
-        decode_budget=args.decode_budget,
-        page_size=args.page_size,
-        dense_layers=args.dense_layers,
-        sketch_dtype=args.sketch_dtype,
-        prefill_policy=args.prefill_policy,
-        xattn_threshold=args.xattn_threshold,
-        xattn_stride=args.xattn_stride,
-        xattn_block=args.xattn_block,
-        xattn_density=args.xattn_density,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        tensor_parallel_size=args.tensor_parallel_size,
-        batch_invariant=args.batch_invariant,
-        enable_prefix_caching=args.enable_prefix_caching,
-        prefix_cache_host_gb=args.prefix_cache_host_gb,
-        kv_cache_dtype=args.kv_cache_dtype,
-        blend_recompute_ratio=args.blend_recompute_ratio,
-    )
+    llm = load_llm(args, quiet=args.json)
     chat = not args.no_chat_template
 
     def prepared(p):

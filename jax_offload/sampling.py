@@ -3,16 +3,25 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_offload.precision import step_jit
 
 
+# The most alternatives a token's log-probabilities list (OpenAI's limit for top_logprobs).
+MAX_LOGPROBS = 20
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. temperature 0 is greedy; top_k -1 and top_p 1 switch those filters off."""
+    """How to pick tokens. temperature 0 is greedy; top_k -1 and top_p 1 switch those filters off.
+    `logprobs` N: each drawn token comes with its log-probability and the N likeliest tokens' (of the model's
+    distribution before temperature and filters, as vLLM's). `min_tokens`: EOS cannot be drawn, and stop strings
+    do not end the request, before that many tokens."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -21,6 +30,8 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     stop: str | list[str] | None = None
+    logprobs: int | None = None
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not _finite_number(self.temperature) or self.temperature < 0:
@@ -31,6 +42,11 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}.")
         if not _integer(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.")
+        if self.logprobs is not None and (not _integer(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}.")
+        if not _integer(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got "
+                             f"{self.min_tokens!r}.")
         if self.seed is not None and not _integer(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}.")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -42,6 +58,39 @@ class SamplingParams:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+@dataclasses.dataclass
+class TokenLogprobs:
+    """A drawn token's natural-log probability and the likeliest tokens' (id, log-probability), best first."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class Drawn(NamedTuple):
+    """What a step draws for each row: token ids [B], and when some row asks for them, (the drawn token's
+    log-probability [B], the MAX_LOGPROBS likeliest ids [B, N] and their log-probabilities [B, N])."""
+
+    tokens: jax.Array
+    logprobs: tuple[jax.Array, jax.Array, jax.Array] | None = None
+
+
+def drawn_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`Drawn.logprobs` of tokens [B] drawn from float32 logits [B, vocab]."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    top_lp, top_ids = jax.lax.top_k(logp, MAX_LOGPROBS)
+    return jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
+
+
+def drawn_to_host(drawn: Drawn, n: int) -> list[tuple[int, TokenLogprobs | None]]:
+    """The first n rows of a step's draw, read from the device: (token, its log-probabilities or None)."""
+    tokens = np.asarray(drawn.tokens)[:n].tolist()
+    if drawn.logprobs is None:
+        return [(t, None) for t in tokens]
+    lp, ids, top = (np.asarray(a)[:n] for a in drawn.logprobs)
+    return [(t, TokenLogprobs(float(lp[i]), list(zip(ids[i].tolist(), top[i].tolist()))))
+            for i, t in enumerate(tokens)]
 
 
 def _finite_number(x: object) -> bool:

@@ -186,6 +186,9 @@ class HostKVStore:
             layer = jax.device_put(self._empty((num_blocks, *self.block_shape), 1), sharding)
             self._blocks.append(jax.block_until_ready(layer))
         self._written = np.zeros((num_layers, num_blocks), bool)
+        # Bytes moved between host and GPU since the store was made (the server's metrics), pages of sparse decode
+        # aside.
+        self.bytes_read = self.bytes_written = 0
 
     def _empty(self, shape: tuple[int, ...], head_axis: int):
         """A zero stored KV array of `shape` on the mesh, split on `head_axis`."""
@@ -240,6 +243,14 @@ class HostKVStore:
         else:
             self._blocks[layer][index] = self._write_block(self._blocks[layer][index], kv, *how)
         self._written[layer, index] = True
+        self._count(layer, 1, "bytes_written")
+
+    def _count(self, layer: int, num_blocks: int, counter: str) -> None:
+        """Adds what `num_blocks` blocks of `layer` carry over PCIe to a byte counter (a "gpu" layer's carry
+        nothing)."""
+        if self.places[layer] != "gpu":
+            per_block = sum(leaf.nbytes for leaf in jax.tree.leaves(self._blocks[layer])) // self.num_blocks
+            setattr(self, counter, getattr(self, counter) + num_blocks * per_block)
 
     def fetch(self, keys: Sequence[tuple[int, int]]) -> list[jax.Array]:
         """Starts moving the blocks `keys` [(layer, index), ...] to the GPU (asynchronously); blocks of a "gpu"
@@ -250,6 +261,7 @@ class HostKVStore:
             if not self._written[layer, index]:
                 raise RuntimeError(f"Block {index} of layer {layer} holds no live KV (never written, or forgotten).")
         layer = keys[0][0]
+        self._count(layer, len(keys), "bytes_read")
         if self.places[layer] == "blocks":
             return jax.device_put([self._blocks[l][i] for l, i in keys], self.device)
         if self._mirror is not None and all(key in self._mirror for key in keys):

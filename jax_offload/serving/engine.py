@@ -1,6 +1,7 @@
 """`BatchEngine`: continuous batching over the already loaded model pieces that `LLM` holds."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Collection, Sequence as Seq
 
@@ -14,8 +15,9 @@ from jax_offload.config import ModelConfig
 from jax_offload.kv.host_store import available_host_bytes
 from jax_offload.models.params import ModelParams
 from jax_offload.offload_runner import OffloadRunner
-from jax_offload.outputs import RequestOutput, first_stop
-from jax_offload.sampling import SamplingParams
+from jax_offload.detokenizer import Detokenizer
+from jax_offload.outputs import RequestDelta, RequestOutput
+from jax_offload.sampling import Drawn, SamplingParams, TokenLogprobs, drawn_to_host
 from jax_offload.serving.block_manager import BlockManager, cache_tag
 from jax_offload.serving.model_runner import ModelRunner, default_num_blocks, kv_block_bytes
 from jax_offload.serving.offload_model_runner import OffloadModelRunner
@@ -63,6 +65,13 @@ class BatchEngine:
         self.step_log: list[tuple[str, int, int, float]] = []
         # Decode steps of the last `generate` call dispatched before the previous step's tokens were read.
         self.overlapped_steps = 0
+        self._requests: dict[str, Sequence] = {}  # unfinished requests by id
+        self._next_index = 0  # arrival order: lower is older (the scheduler preempts the newest first)
+        # A decode step in flight whose draw the host has not read: (step, draw on the device, start time, KV
+        # tokens it reads).
+        self._pending: tuple[Step, Drawn, float, int] | None = None
+        self._last_read = 0.0
+        self._involved: list[Sequence] = []  # the sequences of the step running, for StepFailed
 
     @classmethod
     def in_gpu(
@@ -154,6 +163,98 @@ class BatchEngine:
                    max_model_len, tokenizer, eos_token_ids, max_num_seqs=slots,
                    max_num_batched_tokens=max_num_batched_tokens)
 
+    # ---- the incremental API (vLLM's LLMEngine shape): the server and `generate` run this one loop ------------
+
+    def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams) -> None:
+        """Queues a request; it joins the running batch at a coming step (prefix caching as configured)."""
+        if request_id in self._requests:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        seq = self._sequence(request_id, prompt_ids, params)
+        self.scheduler.add(seq)
+        self._requests[request_id] = seq
+
+    def abort(self, request_id: str) -> None:
+        """Drops a request wherever it is: its KV blocks (GPU pool, host swap space, host store) are free at
+        once. A draw still in flight for it is void. Unknown or finished ids are ignored."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return
+        seq.finish_reason = "abort"
+        seq.num_pending = 0
+        self.scheduler.abort(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests) or self._pending is not None
+
+    def load(self) -> EngineLoad:
+        s = self.scheduler
+        return EngineLoad(len(s.running) + (s.chunking is not None), len(s.waiting), len(s.swapped),
+                          self.blocks.num_used, self.blocks.num_blocks, self.runner.host_bytes_used)
+
+    def step(self) -> list[RequestDelta]:
+        """Runs one scheduled step (or reads the tokens of a decode step in flight) and returns what it added to
+        each request. In GPU memory, while only running requests decode, a decode step is dispatched before the
+        previous one's tokens are read, so the host's bookkeeping overlaps the device's work. If the step raises,
+        its requests (and those of a step in flight) are aborted and `StepFailed` names them; the engine goes on."""
+        deltas: list[RequestDelta] = []
+        self._involved = list(self._pending[0].seqs) if self._pending else []
+        try:
+            self._step(deltas)
+        except Exception as error:
+            failed = [seq.request_id for seq in self._involved if seq.request_id in self._requests]
+            self._pending = None
+            for rid in failed:
+                self.abort(rid)
+            raise StepFailed(failed, error) from error
+        return deltas
+
+    def _step(self, deltas: list[RequestDelta]) -> None:
+        pending = self._pending
+        if pending is not None and not self._can_run_ahead():
+            self._pending = None
+            self._read(*pending, deltas)
+            return
+        if not self.scheduler.has_work():
+            return
+        step = self.scheduler.schedule()
+        self._involved += [*step.seqs, *step.decodes]
+        start = time.perf_counter()
+        # KV tokens the step reads, before it adds a token.
+        kv_tokens = (step.chunk[1] if step.chunk else sum(seq.num_tokens for seq in step.seqs)) \
+            + sum(seq.num_tokens for seq in step.decodes)
+        if step.kind == "decode" and isinstance(self.runner, ModelRunner):
+            # Dispatch this step first, then read the previous one's tokens while the device computes.
+            drawn = self.runner.decode_async(step.seqs, (pending[0].seqs, pending[1]) if pending else None)
+            for seq in step.seqs:
+                seq.num_cached = seq.num_tokens
+                seq.num_pending += 1
+                if seq.num_tokens >= seq.max_len:
+                    self.scheduler.finish(seq)  # its last token is drawn: schedule it no more
+            self._pending = (step, drawn, start, kv_tokens)
+            if pending is not None:
+                self.overlapped_steps += 1
+                self._read(*pending, deltas)
+            return
+        if step.kind == "chunk":
+            (seq,), (begin, end) = step.seqs, step.chunk
+            draws = self.runner.prefill_chunk(seq, begin, end, step.decodes)
+            seq.num_cached = end
+            self.blocks.register(seq)
+            for running in step.decodes:
+                running.num_cached = running.num_tokens
+            if end < seq.num_tokens:  # a chunk before the last: its time counts towards the first token's
+                seq.prefill_seconds += time.perf_counter() - start
+            drawn_for = [*step.decodes, seq] if end == seq.num_tokens else step.decodes
+            self._took(Step("chunk", drawn_for), draws, start, kv_tokens, deltas, rows=1 + len(step.decodes))
+            return
+        run = self.runner.prefill if step.kind == "prefill" else self.runner.decode
+        draws = run(step.seqs)
+        for seq in step.seqs:
+            seq.num_cached = seq.num_tokens
+            if step.kind == "prefill":
+                self.blocks.register(seq)
+        self._took(step, draws, start, kv_tokens, deltas)
+
     def generate(
         self,
         prompts_ids: list[list[int]],
@@ -167,63 +268,23 @@ class BatchEngine:
             params = [params] * len(prompts_ids)
         if len(params) != len(prompts_ids):
             raise ValueError(f"Got {len(params)} SamplingParams for {len(prompts_ids)} prompts; give one, or one each.")
-        seqs = [self._sequence(i, ids, p) for i, (ids, p) in enumerate(zip(prompts_ids, params))]
-        for seq in seqs:
-            self.scheduler.add(seq)
+        if self.has_unfinished():
+            raise RuntimeError("generate needs an idle engine; this one still has requests added by add_request.")
+        for i, prompt in enumerate(prompts_ids):  # every prompt checked before any runs
+            self._check_prompt(f"Prompt {i}", prompt)
+        ids = [f"generate-{self._next_index + i}" for i in range(len(prompts_ids))]
+        for rid, prompt, p in zip(ids, prompts_ids, params):
+            self.add_request(rid, prompt, p)
         self.step_log = []
-        self._bar = tqdm(total=len(seqs), desc="requests", unit="req", disable=not progress, dynamic_ncols=True)
-        self._generated, self._began, self._last_read = 0, time.perf_counter(), 0.0
         self.overlapped_steps = 0
-        # A decode step in flight whose tokens the host has not read: (step, tokens on the device, start time, KV
-        # tokens it reads).
-        pending: tuple[Step, jax.Array, float, int] | None = None
-        while self.scheduler.has_work() or pending is not None:
-            if pending is not None and not self._can_run_ahead():
-                self._read(*pending, on_text)
-                pending = None
-                continue
-            step = self.scheduler.schedule()
-            start = time.perf_counter()
-            # KV tokens the step reads, before it adds a token.
-            kv_tokens = (step.chunk[1] if step.chunk else sum(seq.num_tokens for seq in step.seqs)) \
-                + sum(seq.num_tokens for seq in step.decodes)
-            if step.kind == "decode" and isinstance(self.runner, ModelRunner):
-                # Dispatch this step first, then read the previous one's tokens while the device computes.
-                tokens = self.runner.decode_async(step.seqs, (pending[0].seqs, pending[1]) if pending else None)
-                for seq in step.seqs:
-                    seq.num_cached = seq.num_tokens
-                    seq.num_pending += 1
-                    if seq.num_tokens >= seq.max_len:
-                        self.scheduler.finish(seq)  # its last token is drawn: schedule it no more
-                if pending is not None:
-                    self.overlapped_steps += 1
-                    self._read(*pending, on_text)
-                pending = (step, tokens, start, kv_tokens)
-                continue
-            if step.kind == "chunk":
-                (seq,), (begin, end) = step.seqs, step.chunk
-                tokens = self.runner.prefill_chunk(seq, begin, end, step.decodes)
-                seq.num_cached = end
-                self.blocks.register(seq)
-                for running in step.decodes:
-                    running.num_cached = running.num_tokens
-                if end < seq.num_tokens:  # a chunk before the last: its time counts towards the first token's
-                    seq.prefill_seconds += time.perf_counter() - start
-                drawn = [*step.decodes, seq] if end == seq.num_tokens else step.decodes
-                self._took(Step("chunk", drawn), tokens, start, kv_tokens, on_text, rows=1 + len(step.decodes))
-                continue
-            run = self.runner.prefill if step.kind == "prefill" else self.runner.decode
-            tokens = run(step.seqs)
-            for seq in step.seqs:
-                seq.num_cached = seq.num_tokens
-                if step.kind == "prefill":
-                    self.blocks.register(seq)
-            self._took(step, tokens, start, kv_tokens, on_text)
-        self._bar.close()
+        try:
+            outputs = run_requests(self, ids, on_text, progress)
+        finally:
+            self._pending = None  # only these requests' steps can be in flight
         if self.blocks.num_used or self.runner.host_bytes_used:
             raise RuntimeError(f"{self.blocks.num_used} KV blocks and {self.runner.host_bytes_used} host bytes "
                                "are still held after every request finished.")
-        return [self._output(seq) for seq in seqs]
+        return outputs
 
     def _can_run_ahead(self) -> bool:
         """Whether the next step may be scheduled before the tokens of the one in flight are read: it is then a
@@ -233,38 +294,31 @@ class BatchEngine:
             return False
         return sum(self.blocks.new_blocks_to_append(seq) for seq in s.running) <= self.blocks.num_free
 
-    def _read(self, step: Step, tokens: jax.Array, start: float, kv_tokens: int, on_text) -> None:
-        """Reads the tokens of a decode step dispatched without waiting (waiting for them now) and takes them."""
-        values = np.asarray(tokens)[: len(step.seqs)].tolist()
+    def _read(self, step: Step, drawn: Drawn, start: float, kv_tokens: int, deltas: list[RequestDelta]) -> None:
+        """Reads the draw of a decode step dispatched without waiting (waiting for it now) and takes it."""
+        draws = drawn_to_host(drawn, len(step.seqs))
         for seq in step.seqs:
             if seq.finish_reason is None:
                 seq.num_pending -= 1
         # A step overlapped with its successor's dispatch is timed from the later of its start and the previous
         # read: the time it added.
-        self._took(step, values, max(start, self._last_read), kv_tokens, on_text)
+        self._took(step, draws, max(start, self._last_read), kv_tokens, deltas)
 
-    def _took(self, step: Step, tokens: list[int], start: float, kv_tokens: int, on_text, rows: int | None = None
-              ) -> None:
-        """Takes a step's sampled tokens (one for each of step.seqs): timing, the sequences' outputs, the progress
-        bar. The step log counts `rows` sequences computed (default: those with a token)."""
+    def _took(self, step: Step, draws: list[tuple[int, TokenLogprobs | None]], start: float, kv_tokens: int,
+              deltas: list[RequestDelta], rows: int | None = None) -> None:
+        """Takes a step's draws (one for each of step.seqs): timing and the requests' outputs. The step log counts
+        `rows` sequences computed (default: those with a token)."""
         seconds = time.perf_counter() - start
         self._last_read = time.perf_counter()
         self.step_log.append((step.kind, len(step.seqs) if rows is None else rows, kv_tokens, seconds))
-        taken = finished = 0
-        for seq, token in zip(step.seqs, tokens):
+        for seq, (token, logprobs) in zip(step.seqs, draws):
             if seq.finish_reason is not None:
-                continue  # finished by a token read after this step was dispatched: its draw here is void
+                continue  # finished by a token read after this step was dispatched, or aborted: its draw is void
             if not seq.output_ids:
                 seq.prefill_seconds += seconds
             else:
                 seq.step_seconds.append(seconds)
-            self._append(seq, token, on_text)
-            taken += 1
-            finished += seq.finish_reason is not None
-        self._generated += taken
-        self._bar.update(finished)
-        self._bar.set_postfix_str(f"{self._generated / (time.perf_counter() - self._began):.0f} output tok/s",
-                                  refresh=False)
+            deltas.append(self._append(seq, token, logprobs))
 
     @property
     def stats(self) -> SchedulerStats:
@@ -273,48 +327,102 @@ class BatchEngine:
 
     # ---- requests -----------------------------------------------------------------------------------------
 
-    def _sequence(self, index: int, ids: Seq[int], params: SamplingParams) -> Sequence:
-        ids = [int(i) for i in ids]
-        if not ids:
-            raise ValueError(f"Prompt {index} is empty; give at least one token.")
+    def _check_prompt(self, name: str, ids: Seq[int]) -> None:
+        if not len(ids):
+            raise ValueError(f"{name} is empty; give at least one token.")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"Prompt {index} has {len(ids)} tokens; max_model_len {self.max_model_len} leaves no "
-                             "room to generate.")
+            raise ValueError(f"{name} has {len(ids)} tokens; max_model_len {self.max_model_len} leaves no room to "
+                             "generate.")
+
+    def _sequence(self, request_id: str, ids: Seq[int], params: SamplingParams) -> Sequence:
+        ids = [int(i) for i in ids]
+        self._check_prompt(f"Request {request_id!r}'s prompt", ids)
         seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (2**31))
         key = np.asarray(jax.random.PRNGKey(seed), np.uint32)
-        return Sequence(index, ids, params, key, min(len(ids) + params.max_tokens, self.max_model_len))
+        index = self._next_index
+        self._next_index += 1
+        return Sequence(index, ids, params, key, min(len(ids) + params.max_tokens, self.max_model_len),
+                        request_id=request_id, eos_ids=self.eos_token_ids,
+                        detokenizer=Detokenizer(self.tokenizer, params.stop_strings))
 
-    def _append(self, seq: Sequence, token: int, on_text: Callable[[int, str], None] | None) -> None:
+    def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> RequestDelta:
         """Takes a sampled token, and finishes the request on EOS, a stop string or its length (as `LLM` does)."""
         params = seq.params
-        seq.output_ids.append(token)
-        if token in self.eos_token_ids and not params.ignore_eos:
-            seq.output_ids.pop()
+        early = len(seq.output_ids) < params.min_tokens
+        if token in self.eos_token_ids and not params.ignore_eos and not early:
             seq.finish_reason = "stop"
-        elif params.stop_strings or on_text is not None:
-            text = self._decode_text(seq.output_ids)
-            cut = first_stop(text, params.stop_strings)
-            if cut is not None:
-                text, seq.finish_reason = text[:cut], "stop"
-            if on_text is not None and len(text) > len(seq.text):
-                on_text(seq.index, text[len(seq.text):])
-            seq.text = text
+            delta = RequestDelta(seq.request_id, [], "", [])
+        else:
+            seq.output_ids.append(token)
+            if params.logprobs is not None:
+                seq.logprobs.append(logprobs)
+            text, stopped = seq.detokenizer.add(token, check_stops=not early)
+            seq.text = seq.detokenizer.text
+            if stopped:
+                seq.finish_reason = "stop"
+            delta = RequestDelta(seq.request_id, [token], text, [logprobs] if params.logprobs is not None else [])
         # Read tokens only: one still in flight does not count towards the length.
         if seq.finish_reason is None and len(seq.prompt_ids) + len(seq.output_ids) >= seq.max_len:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
-            if not (params.stop_strings or on_text is not None):
-                seq.text = self._decode_text(seq.output_ids)
             seq.num_pending = 0  # a draw still in flight for it is void
             if seq.status != SequenceStatus.FINISHED:
                 self.scheduler.finish(seq)
-
-    def _decode_text(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+            self._requests.pop(seq.request_id, None)
+            delta.finish_reason, delta.output = seq.finish_reason, self._output(seq)
+        return delta
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(seq.prompt_ids, seq.text, seq.output_ids, seq.finish_reason, seq.prefill_seconds,
-                             sum(seq.step_seconds), seq.step_seconds, num_cached_tokens=seq.num_cached_tokens)
+                             sum(seq.step_seconds), seq.step_seconds, num_cached_tokens=seq.num_cached_tokens,
+                             logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+                             request_id=seq.request_id)
+
+
+def run_requests(engine, request_ids: list[str], on_text: Callable[[int, str], None] | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+    """Steps `engine` (its requests `request_ids` added) until they finish: their outputs in that order.
+    `on_text(i, delta)` streams request_ids[i]'s new text; `progress` shows a bar of finished requests with the
+    output tokens/s. Whatever happens, none of the requests is left in the engine."""
+    where = {rid: i for i, rid in enumerate(request_ids)}
+    outputs: dict[str, RequestOutput] = {}
+    began, generated = time.perf_counter(), 0
+    with tqdm(total=len(request_ids), desc="requests", unit="req", disable=not progress, dynamic_ncols=True) as bar:
+        try:
+            while len(outputs) < len(request_ids):
+                for delta in engine.step():
+                    generated += len(delta.token_ids)
+                    if on_text is not None and delta.text:
+                        on_text(where[delta.request_id], delta.text)
+                    if delta.output is not None:
+                        outputs[delta.request_id] = delta.output
+                        bar.update(1)
+                bar.set_postfix_str(f"{generated / (time.perf_counter() - began):.0f} output tok/s", refresh=False)
+        finally:
+            for rid in request_ids:
+                engine.abort(rid)
+    return [outputs[rid] for rid in request_ids]
+
+
+@dataclasses.dataclass
+class EngineLoad:
+    """Where an engine's requests are and what they hold (the server's metrics)."""
+
+    running: int
+    waiting: int
+    swapped: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks: int = 0
+    swap_bytes_used: int = 0
+
+
+class StepFailed(RuntimeError):
+    """An engine step raised: the requests it ran (`request_ids`) are aborted, the engine serves the others."""
+
+    def __init__(self, request_ids: list[str], error: BaseException):
+        super().__init__(f"An engine step failed ({type(error).__name__}: {error}); requests {request_ids} are "
+                         "aborted.")
+        self.request_ids, self.error = request_ids, error
 
 
 def _check_int(name: str, value: object, least: int) -> None:

@@ -38,7 +38,7 @@ from jax_offload.kv.host_store import available_host_bytes
 from jax_offload.models import decoder
 from jax_offload.models.params import LayerParams, ModelParams
 from jax_offload.precision import step_jit
-from jax_offload.sampling import sample_token
+from jax_offload.sampling import Drawn, TokenLogprobs, drawn_logprobs, drawn_to_host, sample_token
 from jax_offload.serving.sequence import Sequence
 from jax_offload.tensor_parallel import TensorParallel, host_memory_kind
 from pallas_kernels import DECODE_SPLIT
@@ -111,43 +111,67 @@ class SamplingBatch(NamedTuple):
     top_k: jax.Array  # int32 [B]
     keys: jax.Array  # uint32 [B, 2]
     steps: jax.Array  # int32 [B]: tokens the request has generated so far
+    ban_eos: jax.Array  # bool [B]: the request has fewer than min_tokens, so EOS may not be drawn
 
 
-def sampling_batch(seqs: list[Sequence], size: int) -> tuple[SamplingBatch, str]:
-    """Knobs of `seqs`, padded with greedy rows to `size`, and which draws the step compiles (static): "greedy"
-    when no row samples, "tempered" when some do but none filters by top-p / top-k, else "filtered". A greedy
-    batch compiles no sampler, and only a filtering row pays for the vocabulary sort."""
+class Draws(NamedTuple):
+    """What a step's sampler computes (static: each kind compiles once). `kind`: "greedy" when no row samples,
+    "tempered" when some do but none filters by top-p / top-k, else "filtered"; `logprobs`: whether some row asks
+    for log-probabilities; `banned`: the EOS ids, when some row may not draw them yet (else empty)."""
+
+    kind: str
+    logprobs: bool = False
+    banned: tuple[int, ...] = ()
+
+
+def sampling_batch(seqs: list[Sequence], size: int) -> tuple[SamplingBatch, Draws]:
+    """Knobs of `seqs`, padded with greedy rows to `size`, and what the step's sampler computes: a greedy batch
+    compiles no sampler, only a filtering row pays for the vocabulary sort, and only a row asking for them for
+    log-probabilities."""
     temperature = np.zeros(size, np.float32)
     top_p = np.ones(size, np.float32)
     top_k = np.full(size, -1, np.int32)
     keys = np.zeros((size, 2), np.uint32)
     steps = np.zeros(size, np.int32)
+    ban_eos = np.zeros(size, bool)
     for row, seq in enumerate(seqs):
         p = seq.params
         temperature[row], top_p[row], top_k[row] = p.temperature, p.top_p, p.top_k
         keys[row], steps[row] = seq.key, seq.num_generated
+        ban_eos[row] = seq.num_generated < p.min_tokens
     hot = temperature > 0
-    draws = ("greedy" if not hot.any() else "filtered" if (hot & ((top_p < 1) | (top_k > 0))).any()
-             else "tempered")
-    return SamplingBatch(temperature, top_p, top_k, keys, steps), draws
+    kind = ("greedy" if not hot.any() else "filtered" if (hot & ((top_p < 1) | (top_k > 0))).any()
+            else "tempered")
+    banned = tuple(sorted(seqs[0].eos_ids)) if seqs and ban_eos.any() else ()
+    draws = Draws(kind, any(seq.params.logprobs is not None for seq in seqs), banned)
+    return SamplingBatch(temperature, top_p, top_k, keys, steps, ban_eos), draws
 
 
-def sample(logits: jax.Array, s: SamplingBatch, draws: str) -> jax.Array:
-    """Token ids [B] from float32 logits [B, vocab]. Greedy rows take the argmax; rows with top-p or top-k run
-    `sample_token` itself; other rows draw from the tempered logits directly with the same key (sample_token
-    would drop at most the float rounding mass of its cumulative sum), which spares them a vocabulary sort.
-    `draws` (see `sampling_batch`) leaves out what no row needs: the sort over [B, vocab] logits costs more than
-    the rest of a large decode step's sampling. Each row takes its own kind of draw whatever `draws` is, so a
-    row's token never depends on the other rows."""
+def sample(logits: jax.Array, s: SamplingBatch, draws: Draws) -> Drawn:
+    """Token ids [B] (and their log-probabilities if `draws.logprobs`) from float32 logits [B, vocab]. Greedy rows
+    take the argmax; rows with top-p or top-k run `sample_token` itself; other rows draw from the tempered logits
+    directly with the same key (sample_token would drop at most the float rounding mass of its cumulative sum),
+    which spares them a vocabulary sort. `draws` leaves out what no row needs: the sort over [B, vocab] logits
+    costs more than the rest of a large decode step's sampling. Each row takes its own kind of draw whatever
+    `draws` is, so a row's token never depends on the other rows."""
+    raw = logits
+    if draws.banned:
+        banned = jnp.zeros(logits.shape[-1], bool).at[jnp.asarray(draws.banned)].set(True)
+        logits = jnp.where(s.ban_eos[:, None] & banned, -jnp.inf, logits)
+    tokens = _draw(logits, s, draws.kind)
+    return Drawn(tokens, drawn_logprobs(raw, tokens) if draws.logprobs else None)
+
+
+def _draw(logits: jax.Array, s: SamplingBatch, kind: str) -> jax.Array:
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if draws == "greedy":
+    if kind == "greedy":
         return tokens
     keys = jax.vmap(jax.random.fold_in)(s.keys, s.steps)
     hot = s.temperature > 0
     scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
     plain = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
     tokens = jnp.where(hot, plain, tokens)
-    if draws == "tempered":
+    if kind == "tempered":
         return tokens
     filtered = hot & ((s.top_p < 1) | (s.top_k > 0))
     # The plain function under the jit: a nested jit may not carry the step's compiler options.
@@ -218,7 +242,7 @@ def _chunk_layer(cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, 
 
 @functools.partial(step_jit, static_argnums=(0, 5))
 def sample_last(cfg: ModelConfig, params: ModelParams, hidden: jax.Array, index: jax.Array,
-                sampling: SamplingBatch, draws: str) -> jax.Array:
+                sampling: SamplingBatch, draws: Draws) -> Drawn:
     """The next token of each request b, from its last token's hidden state: hidden [..., hidden_size] with the
     leading axes flattened, at index[b]."""
     last = hidden.reshape(-1, hidden.shape[-1])[index]
@@ -228,10 +252,10 @@ def sample_last(cfg: ModelConfig, params: ModelParams, hidden: jax.Array, index:
 @functools.partial(step_jit, static_argnums=(0, 1, 10), static_argnames=("tp",), donate_argnums=(3, 4))
 def _decode_step(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tuple[jax.Array, ...],
                  v_pool: tuple[jax.Array, ...], inv_freq: jax.Array, tokens: jax.Array, seq_lens: jax.Array,
-                 tables: jax.Array, sampling: SamplingBatch, draws: str, tp: TensorParallel | None = None
-                 ) -> tuple[jax.Array, tuple, tuple]:
+                 tables: jax.Array, sampling: SamplingBatch, draws: Draws, tp: TensorParallel | None = None
+                 ) -> tuple[Drawn, tuple, tuple]:
     """The whole model for one token per sequence: tokens [B] at positions seq_lens - 1 (rows with seq_len 0 are
-    padding), block tables [B, max_blocks]. Returns the next tokens [B] and the updated pools."""
+    padding), block tables [B, max_blocks]. Returns the draw of the next tokens [B] and the updated pools."""
     block_size = jax.tree.leaves(k_pool[0])[0].shape[1]
     positions = jnp.maximum(seq_lens - 1, 0)
     block = tables[jnp.arange(tables.shape[0]), positions // block_size]
@@ -300,12 +324,12 @@ class ModelRunner:
         """Tokens a prefill of prompts of these lengths computes, padding included."""
         return prefill_bucket(sum(packed_length(n) for n in lengths))
 
-    def prefill(self, seqs: list[Sequence]) -> list[int]:
+    def prefill(self, seqs: list[Sequence]) -> list[tuple[int, TokenLogprobs | None]]:
         """Runs every token of each sequence (none cached yet), packed into one row, and samples the next one."""
         size = self.batch_size(len(seqs))
         x, last = self._prefill_packed(seqs, [s.num_tokens for s in seqs], size)
-        tokens = sample_last(self.cfg, self.params, x, self.tp.replicate(last), *self._sampling(seqs, size))
-        return np.asarray(tokens)[: len(seqs)].tolist()
+        drawn = sample_last(self.cfg, self.params, x, self.tp.replicate(last), *self._sampling(seqs, size))
+        return drawn_to_host(drawn, len(seqs))
 
     def _prefill_packed(self, seqs: list[Sequence], counts: list[int], size: int) -> tuple[jax.Array, np.ndarray]:
         """Runs the first counts[i] tokens of each sequence packed into one row: the hidden states and the row
@@ -342,7 +366,7 @@ class ModelRunner:
             slots[0, span] = self._slots(seq, pos)
         return ids, positions, starts, slots, [int(b + n - 1) for b, n in zip(begins, counts)]
 
-    def _sampling(self, seqs: list[Sequence], size: int) -> tuple[SamplingBatch, str]:
+    def _sampling(self, seqs: list[Sequence], size: int) -> tuple[SamplingBatch, Draws]:
         """`sampling_batch` on the devices that run the step."""
         batch, draws = sampling_batch(seqs, size)
         return self.tp.replicate(batch), draws
@@ -352,7 +376,8 @@ class ModelRunner:
         return np.asarray(seq.block_table, np.int32)[positions // self.block_size] * self.block_size \
             + positions % self.block_size
 
-    def prefill_chunk(self, seq: Sequence, start: int, end: int, decodes: list[Sequence] = ()) -> list[int]:
+    def prefill_chunk(self, seq: Sequence, start: int, end: int, decodes: list[Sequence] = ()
+                      ) -> list[tuple[int, TokenLogprobs | None]]:
         """Runs the sequence's tokens [start, end), the earlier ones already in the pool, and with them the last
         token of each of `decodes` (running sequences whose last tokens are read), one program a layer for both;
         -> the tokens drawn: one for each of `decodes`, then the prompt's next token after its last chunk."""
@@ -393,7 +418,7 @@ class ModelRunner:
         if final:
             rows[len(decodes)] = last
         out = sample_last(self.cfg, self.params, x, self.tp.replicate(rows), *self._sampling(drawn, size))
-        return np.asarray(out)[: len(drawn)].tolist()
+        return drawn_to_host(out, len(drawn))
 
     def _after_inputs(self, seq: Sequence, start: int, end: int):
         """(ids, positions, pool slots) [1, L] of the sequence's tokens [start > 0, end), and the pool blocks of its
@@ -423,10 +448,10 @@ class ModelRunner:
             tables[row, : len(seq.block_table)] = seq.block_table
         return tokens, seq_lens, tables
 
-    def decode_async(self, seqs: list[Sequence], previous: tuple[list[Sequence], jax.Array] | None = None
-                     ) -> jax.Array:
-        """Runs each sequence's last token and samples the next one, without waiting: the next tokens [batch
-        bucket] stay on the device. A sequence whose last token is still pending takes it from `previous` (the
+    def decode_async(self, seqs: list[Sequence], previous: tuple[list[Sequence], Drawn] | None = None
+                     ) -> Drawn:
+        """Runs each sequence's last token and samples the next one, without waiting: the draw [batch bucket]
+        stays on the device. A sequence whose last token is still pending takes it from `previous` (the
         sequences and the result of the step that drew it)."""
         size = self.batch_size(len(seqs))
         tokens, seq_lens, tables = self._decode_inputs(seqs, size)
@@ -437,7 +462,7 @@ class ModelRunner:
                 rows[row] = previous_row[id(seq)]
         tokens, rows, seq_lens, tables = self.tp.replicate((tokens, rows, seq_lens, tables))
         if previous:
-            tokens = _feed_tokens(previous[1], rows, tokens)
+            tokens = _feed_tokens(previous[1].tokens, rows, tokens)
         out, self.k_pool, self.v_pool = _decode_step(
             self.cfg, self.impl, self.params, self.k_pool, self.v_pool, self.inv_freq, tokens, seq_lens, tables,
             *self._sampling(seqs, size), tp=self.tp)
@@ -492,4 +517,8 @@ class ModelRunner:
         self._copy_from_host(saved, np.array([block], np.int32))
 
     def drop(self, seq: Sequence) -> None:
-        """Nothing to let go of: a sequence's pool blocks are all it holds, and the block manager frees them."""
+        """Lets go of a swapped-out sequence's host copy (one aborted while swapped); its pool blocks are the block
+        manager's to free."""
+        if seq.host_kv is not None:
+            seq.host_kv = None
+            self.host_bytes_used -= self._swap_blocks(seq)[1] * self.block_bytes

@@ -22,9 +22,9 @@ from jax_offload.attention import embed_tokens, pooled_decode_begin, pooled_deco
 from jax_offload.device_runner import pad_ids
 from jax_offload.kv.ring import BlockRing, grouped
 from jax_offload.offload_runner import OffloadRunner
+from jax_offload.sampling import TokenLogprobs, drawn_to_host
 from jax_offload.serving.model_runner import batch_buckets, sample_last, sampling_batch
 from jax_offload.serving.sequence import Sequence
-from jax_offload.tensor_parallel import to_host
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -64,12 +64,12 @@ class OffloadModelRunner:
         a bound on the one-request prefills' activations)."""
         return len(lengths) * self.runner.padded_length(max(lengths))
 
-    def prefill(self, seqs: list[Sequence]) -> list[int]:
+    def prefill(self, seqs: list[Sequence]) -> list[tuple[int, TokenLogprobs | None]]:
         """Runs each sequence's tokens after its cached prefix (`num_cached`, whole blocks), one sequence after
         another, and samples the next one."""
         return [self._prefill_one(seq) for seq in seqs]
 
-    def _prefill_one(self, seq: Sequence) -> int:
+    def _prefill_one(self, seq: Sequence) -> tuple[int, TokenLogprobs | None]:
         ids = seq.token_ids
         padded = pad_ids(ids, self.runner.padded_length(len(ids)))
         try:
@@ -81,9 +81,9 @@ class OffloadModelRunner:
         self._slot[seq.index] = slot
         self.tails = list(_put_tails(tuple(self.tails), np.int32(slot), tuple(tails)))
         last = np.asarray([len(ids) - first - 1], np.int32)
-        return int(to_host(sample_last(self.cfg, self.params, hidden, last, *sampling_batch([seq], 1)))[0])
+        return drawn_to_host(sample_last(self.cfg, self.params, hidden, last, *sampling_batch([seq], 1)), 1)[0]
 
-    def decode(self, seqs: list[Sequence]) -> list[int]:
+    def decode(self, seqs: list[Sequence]) -> list[tuple[int, TokenLogprobs | None]]:
         """Runs each sequence's last token and samples the next one; a tail that fills up is stored in the
         sequence's next block."""
         runner, bs = self.runner, self.block_size
@@ -110,7 +110,7 @@ class OffloadModelRunner:
                 block = seq.block_table[seq.num_cached // bs]
                 for l, tail in enumerate(_tails_at(tuple(self.tails), np.int32(self._slot[seq.index]))):
                     self.store.write(l, block, tail)
-        return to_host(out)[: len(seqs)].tolist()
+        return drawn_to_host(out, len(seqs))
 
     def _stream(self, seqs: list[Sequence], stored: list[int]):
         """Per layer and row, the row's stored blocks in ring groups (as one request groups them), and a ring

@@ -199,6 +199,24 @@ class Scheduler:
         self.swapper.drop(seq)
         self.blocks.free(seq)
 
+    def abort(self, seq: Sequence) -> None:
+        """Takes the sequence out wherever it is and lets go of its KV: pool blocks, swapped host copy, stored
+        blocks."""
+        if seq.status == SequenceStatus.FINISHED:
+            return
+        if seq is self.chunking:
+            self.chunking = None
+        elif seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.swapper.drop(seq)
+        if seq.block_table:
+            self.blocks.free(seq)
+
 
 def _age(seq: Sequence) -> int:
     return seq.index

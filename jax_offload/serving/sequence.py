@@ -40,7 +40,11 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     host_kv: object = None  # the swapped-out KV blocks (host arrays) while SWAPPED
     text: str = ""
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    request_id: str = ""
+    eos_ids: frozenset[int] = frozenset()  # the model's; min_tokens keeps the sampler from drawing them
+    detokenizer: object = None  # the request's `Detokenizer`
+    logprobs: list = dataclasses.field(default_factory=list)  # a `TokenLogprobs` per read token, if asked
     prefill_seconds: float = 0.0  # the step that gave its first token
     step_seconds: list[float] = dataclasses.field(default_factory=list)  # each decode step it took part in
 

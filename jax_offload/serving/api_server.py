@@ -1,0 +1,399 @@
+"""The OpenAI-compatible HTTP API (FastAPI) over an `EngineLoop`: completions, chat completions, models, health,
+metrics, tokenize and detokenize. Handlers check and tokenize requests and format answers; the engine thread does
+the rest."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import lru_cache
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from jax_offload.outputs import RequestDelta
+from jax_offload.sampling import SamplingParams, TokenLogprobs
+from jax_offload.serving.async_engine import EngineFailure, EngineLoop
+from jax_offload.serving.metrics import ServerMetrics
+from jax_offload.serving.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                          TokenizeRequest)
+
+
+def create_app(llm, served_model_name: str, api_key: str | None = None, max_waiting: int = 1024) -> FastAPI:
+    """The app serving `llm` as `served_model_name`; with `api_key`, /v1 requests need `Authorization: Bearer
+    KEY`; more than `max_waiting` requests waiting for their first token get 503 (back-pressure)."""
+    metrics = ServerMetrics()
+    engine = EngineLoop(llm, metrics.on_step)
+    api = _Api(llm, engine, metrics, served_model_name, max_waiting)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="jax_offload", lifespan=lifespan)
+    app.state.engine = engine
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1") and \
+                request.headers.get("authorization") != f"Bearer {api_key}":
+            return _error(BadRequest("A valid API key is needed: send 'Authorization: Bearer KEY'.", None, 401,
+                                     "authentication_error"))
+        return await call_next(request)
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(request: Request, error: BadRequest):
+        return _error(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError):
+        first = error.errors()[0]
+        if first.get("type") == "json_invalid":
+            return _error(BadRequest("The body is not valid JSON."))
+        where = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
+        return _error(BadRequest(f"{where or 'body'}: {first.get('msg')}", where))
+
+    @app.exception_handler(EngineFailure)
+    async def failed(request: Request, error: EngineFailure):
+        return _error(BadRequest(str(error), None, 500, "internal_error"))
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if engine.alive else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": api.started,
+                                            "owned_by": "jax_offload", "root": served_model_name,
+                                            "max_model_len": llm.max_model_len}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        api.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise BadRequest("Give either prompt or messages.", "prompt")
+        ids = api.chat_ids(body.messages) if body.messages is not None else api.text_ids(body.prompt)
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        api.check_model(body.model)
+        return {"prompt": api.decode(api.token_ids(body.tokens, "tokens"))}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await api.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await api.chat(body, request)
+
+    return app
+
+
+class _Api:
+    def __init__(self, llm, engine: EngineLoop, metrics: ServerMetrics, name: str, max_waiting: int):
+        self.llm, self.engine, self.metrics, self.name, self.max_waiting = llm, engine, metrics, name, max_waiting
+        self.started = int(time.time())
+        self.token_text = lru_cache(maxsize=1 << 16)(self._token_text)
+
+    # ---- inputs -----------------------------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.name:
+            raise BadRequest(f"The model {model!r} does not exist; this server serves {self.name!r}.", "model", 404,
+                             "not_found_error")
+
+    def text_ids(self, text: str) -> list[int]:
+        if self.llm.tokenizer is None:
+            raise BadRequest("This server has no tokenizer; send prompts as token ids.", "prompt")
+        return self.llm.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    def token_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
+        vocab = self.llm.model_config.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise BadRequest(f"Token id {bad[0]} is outside the vocabulary [0, {vocab}).", param)
+        return list(ids)
+
+    def chat_ids(self, messages) -> list[int]:
+        if self.llm.tokenizer is None or getattr(self.llm.tokenizer, "chat_template", None) is None:
+            raise BadRequest("This model has no chat template; use /v1/completions.", "messages")
+        return self.llm.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.llm.tokenizer.decode(ids, skip_special_tokens=True) if self.llm.tokenizer is not None else ""
+
+    def _token_text(self, token: int) -> str:
+        return self.llm.tokenizer.decode([token]) if self.llm.tokenizer is not None else f"token_id:{token}"
+
+    def prompts_of(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [self.text_ids(prompt)]
+        if all(isinstance(p, int) for p in prompt):
+            return [self.token_ids(prompt)]
+        return [self.text_ids(p) if isinstance(p, str) else self.token_ids(p) for p in prompt]
+
+    def params(self, body, prompt_len: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The request's SamplingParams; a prompt with max_tokens past max_model_len is refused, naming both."""
+        limit = self.llm.max_model_len
+        if prompt_len == 0:
+            raise BadRequest("The prompt is empty; give at least one token.", "prompt")
+        if max_tokens is None:
+            max_tokens = limit - prompt_len
+        if prompt_len + max(max_tokens, 1) > limit:
+            raise BadRequest(f"The prompt has {prompt_len} tokens and max_tokens is {max_tokens}: {prompt_len + max_tokens}"
+                             f" tokens, more than max_model_len {limit}. Shorten the prompt or lower max_tokens.",
+                             "max_tokens")
+        try:
+            return SamplingParams(
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k, max_tokens=max(max_tokens, 1),
+                ignore_eos=body.ignore_eos, seed=body.seed, stop=body.stop, logprobs=logprobs,
+                min_tokens=min(body.min_tokens, max(max_tokens, 1)))
+        except ValueError as error:
+            raise BadRequest(str(error)) from None
+
+    def admit(self, count: int) -> None:
+        if self.engine.num_waiting + count > self.max_waiting:
+            raise BadRequest(f"The server is overloaded: {self.engine.num_waiting} requests wait for their first "
+                             f"token (--max-waiting {self.max_waiting}); retry later.", None, 503, "server_overloaded")
+
+    # ---- running ----------------------------------------------------------------------------------------------
+
+    async def deltas(self, request_id: str, jobs: list[tuple[list[int], SamplingParams]]
+                     ) -> AsyncIterator[tuple[int, RequestDelta]]:
+        """(prompt index, delta) of every job, as the engine makes them; leaving early aborts those unfinished."""
+        for i, (ids, _) in enumerate(jobs):
+            self.metrics.arrived(f"{request_id}-{i}", len(ids))
+        if len(jobs) == 1:
+            try:
+                async for delta in self.engine.generate(f"{request_id}-0", *jobs[0]):
+                    yield 0, delta
+            finally:
+                self.metrics.left(f"{request_id}-0")
+            return
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def run(i: int, ids: list[int], params: SamplingParams) -> None:
+            try:
+                async for delta in self.engine.generate(f"{request_id}-{i}", ids, params):
+                    await merged.put((i, delta))
+            except Exception as error:  # noqa: BLE001 - handed to the consumer
+                await merged.put((i, error))
+
+        tasks = [asyncio.ensure_future(run(i, ids, p)) for i, (ids, p) in enumerate(jobs)]
+        try:
+            done = 0
+            while done < len(jobs):
+                i, item = await merged.get()
+                if isinstance(item, Exception):
+                    raise item
+                done += item.finished
+                yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            for i in range(len(jobs)):
+                self.metrics.left(f"{request_id}-{i}")
+
+    async def collect(self, request: Request, request_id: str, jobs) -> list[list[RequestDelta]]:
+        """Every delta of every job; a client gone before the end aborts them."""
+        per_job: list[list[RequestDelta]] = [[] for _ in jobs]
+
+        async def gather() -> None:
+            async for i, delta in self.deltas(request_id, jobs):
+                per_job[i].append(delta)
+
+        task = asyncio.ensure_future(gather())
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                return per_job
+        task.result()
+        return per_job
+
+    # ---- /v1/completions --------------------------------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest, request: Request):
+        body.check()
+        self.check_model(body.model)
+        prompts = self.prompts_of(body.prompt)
+        jobs = [(ids, self.params(body, len(ids), body.max_tokens, body.logprobs)) for ids in prompts]
+        generating = body.max_tokens != 0
+        self.admit(len(jobs) if generating else 0)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        echoed = [await self.echo(request_id, ids, body) for ids in prompts] if body.echo else None
+        if body.stream:
+            return _sse(self.stream_completion(request_id, body, jobs if generating else [], echoed))
+        per_job = await self.collect(request, request_id, jobs) if generating else [[] for _ in jobs]
+        choices = []
+        usage = {"prompt_tokens": sum(len(ids) for ids in prompts), "completion_tokens": 0}
+        for i, deltas in enumerate(per_job):
+            ids = [t for d in deltas for t in d.token_ids]
+            lps = [lp for d in deltas for lp in d.logprobs]
+            text = "".join(d.text for d in deltas)
+            usage["completion_tokens"] += len(ids)
+            logprobs = None
+            if body.logprobs is not None:
+                head_ids, head_lps, head_text = echoed[i] if echoed else ([], [], "")
+                logprobs = self.completion_logprobs(head_ids + ids, head_lps + lps, body.logprobs)
+            choice = {"index": i, "text": (echoed[i][2] if echoed else "") + text, "logprobs": logprobs,
+                      "finish_reason": deltas[-1].finish_reason if deltas else "length"}
+            if body.return_token_ids:
+                choice["token_ids"] = ids
+            choices.append(choice)
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.name,
+                "choices": choices, "usage": usage}
+
+    async def echo(self, request_id: str, ids: list[int], body: CompletionRequest):
+        """(ids, log-probabilities, text) of an echoed prompt; the log-probabilities only when asked."""
+        lps = await self.engine.prompt_logprobs(f"{request_id}-echo", ids, body.logprobs) \
+            if body.logprobs is not None else [None] * len(ids)
+        return ids, lps, self.decode(ids)
+
+    async def stream_completion(self, request_id: str, body: CompletionRequest, jobs, echoed):
+        created, usage = int(time.time()), {"prompt_tokens": 0, "completion_tokens": 0}
+
+        def chunk(choices: list[dict]) -> dict:
+            return {"id": request_id, "object": "text_completion", "created": created, "model": self.name,
+                    "choices": choices, **({"usage": None} if _usage_asked(body) else {})}
+
+        try:
+            for i, (ids, lps, text) in enumerate(echoed or []):
+                usage["prompt_tokens"] += len(ids)
+                logprobs = self.completion_logprobs(ids, lps, body.logprobs) if body.logprobs is not None else None
+                yield chunk([{"index": i, "text": text, "logprobs": logprobs,
+                              "finish_reason": None if jobs else "length"}])
+            if not echoed:
+                usage["prompt_tokens"] = sum(len(ids) for ids, _ in jobs)
+            offsets = [len(e[2]) for e in echoed] if echoed else [0] * len(jobs)
+            async for i, delta in self.deltas(request_id, jobs):
+                usage["completion_tokens"] += len(delta.token_ids)
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = self.completion_logprobs(delta.token_ids, delta.logprobs, body.logprobs, offsets[i])
+                offsets[i] += len(delta.text)
+                choice = {"index": i, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+                if body.return_token_ids:
+                    choice["token_ids"] = delta.token_ids
+                yield chunk([choice])
+            if _usage_asked(body):
+                usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+                yield {**chunk([]), "usage": usage}
+        except (BadRequest, EngineFailure) as error:
+            yield (error if isinstance(error, BadRequest) else BadRequest(str(error), None, 500, "internal_error")
+                   ).body()
+
+    def completion_logprobs(self, ids: list[int], lps: list[TokenLogprobs | None], n: int, offset: int = 0
+                            ) -> dict:
+        """OpenAI's completions `logprobs` object: each token's text, log-probability, the n likeliest (with the
+        token itself, as vLLM) and its text offset."""
+        tokens = [self.token_text(t) for t in ids]
+        offsets = []
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        top = []
+        for token, lp in zip(ids, lps):
+            if lp is None:
+                top.append(None)
+                continue
+            entries = {self.token_text(t): v for t, v in lp.top[:n]}
+            entries.setdefault(self.token_text(token), lp.logprob)
+            top.append(entries)
+        return {"tokens": tokens, "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
+                "top_logprobs": top, "text_offset": offsets}
+
+    # ---- /v1/chat/completions ---------------------------------------------------------------------------------
+
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        body.check()
+        self.check_model(body.model)
+        ids = self.chat_ids(body.messages)
+        num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        jobs = [(ids, self.params(body, len(ids), body.token_limit, num_logprobs))]
+        self.admit(1)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            return _sse(self.stream_chat(request_id, body, jobs))
+        (deltas,) = await self.collect(request, request_id, jobs)
+        lps = [lp for d in deltas for lp in d.logprobs]
+        tokens = [t for d in deltas for t in d.token_ids]
+        completion = len(tokens)
+        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
+                  "logprobs": self.chat_logprobs(tokens, lps, body.top_logprobs or 0) if body.logprobs else None,
+                  "finish_reason": deltas[-1].finish_reason if deltas else "length"}
+        if body.return_token_ids:
+            choice["token_ids"] = tokens
+        return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.name,
+                "choices": [choice], "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
+                                               "total_tokens": len(ids) + completion}}
+
+    async def stream_chat(self, request_id: str, body: ChatCompletionRequest, jobs):
+        created = int(time.time())
+
+        def chunk(choices: list[dict]) -> dict:
+            return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": self.name,
+                    "choices": choices, **({"usage": None} if _usage_asked(body) else {})}
+
+        completion = 0
+        try:
+            yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+            async for _, delta in self.deltas(request_id, jobs):
+                completion += len(delta.token_ids)
+                choice = {"index": 0, "delta": {"content": delta.text} if delta.text else {},
+                          "logprobs": self.chat_logprobs(delta.token_ids, delta.logprobs, body.top_logprobs or 0)
+                          if body.logprobs else None, "finish_reason": delta.finish_reason}
+                if body.return_token_ids:
+                    choice["token_ids"] = delta.token_ids
+                yield chunk([choice])
+            if _usage_asked(body):
+                prompt = len(jobs[0][0])
+                yield {**chunk([]), "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                                              "total_tokens": prompt + completion}}
+        except (BadRequest, EngineFailure) as error:
+            yield (error if isinstance(error, BadRequest) else BadRequest(str(error), None, 500, "internal_error")
+                   ).body()
+
+    def chat_logprobs(self, ids: list[int], lps: list[TokenLogprobs], n: int) -> dict:
+        def entry(token: int, logprob: float) -> dict:
+            text = self.token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [{**entry(t, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top[:n]]}
+                            for t, lp in zip(ids, lps)]}
+
+
+def _usage_asked(body) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    """Server-sent events: one `data:` line per chunk, then `data: [DONE]`. A client gone mid-stream cancels the
+    generator, whose cleanup aborts the request."""
+
+    async def events():
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _error(error: BadRequest) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
