@@ -443,37 +443,9 @@ def report(src: Path, out: Path) -> None:
                   f"transformers {lg['top1_agreement_in_gpu_vs_transformers']:.3f}."]
     (out / "offload.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    _plot(phases, meta, bw, kv_tok, out / "offload.png")
+    import plots
 
-
-def _plot(phases, meta, bw, kv_tok, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    rows = phases.get("chunked", {}).get("rows", [])
-    if rows:
-        ctx = [r["ctx"] for r in rows]
-        ax.errorbar(ctx, [r["decode_ms"]["median"] for r in rows],
-                    yerr=[[r["decode_ms"]["median"] - r["decode_ms"]["min"] for r in rows],
-                          [r["decode_ms"]["max"] - r["decode_ms"]["median"] for r in rows]],
-                    fmt="o-", label=f"ours offloaded (block {meta['block_size']})")
-        ax.plot(ctx, [r["host_blocks"] * meta["block_size"] * kv_tok / bw["median"] * 1e3 for r in rows], "k--",
-                label="PCIe floor")
-    for cache in ("dynamic", "offloaded"):
-        rs = [r for r in phases.get("hf", {}).get("rows", []) if r.get("cache") == cache and "error" not in r]
-        if rs:
-            ax.plot([r["ctx"] for r in rs], [r["decode_ms"]["median"] for r in rs], "s:", label=f"transformers {cache} cache")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("context tokens")
-    ax.set_ylabel("decode ms / token (median)")
-    ax.set_title(f"{meta['shape']} shape, bf16, {meta['device']}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plots.offload_decode(phases, out / "offload.png")
 
 
 # ---- driver ---------------------------------------------------------------------------------------

@@ -348,7 +348,9 @@ def report(sources: list[Path], out: Path) -> None:
                            "same mode' compares within one call, 'vs full chunked' across calls.")
             lines += ["", note + " Runs: " + "; ".join(f"{mode}: {when}" for mode, when in pre["runs"].items()) + "."]
     (out / "sparse.md").write_text("\n".join(lines) + "\n")
-    _plot(phases, out / "sparse.png", more if q else [])
+    import plots
+
+    plots.sparse_decode(phases, out / "sparse.png", more if q else [])
     print("\n".join(lines))
 
 
@@ -405,48 +407,6 @@ def _quest_breakdown(q: dict, rows: list[dict]) -> str:
             f"the page choice {fmt(b['selection_ms'])} ms; " + parts + "the whole step with the store in GPU memory "
             f"(choice, attention, the rest of the layers) {fmt(b['compute_only_ms'])} ms."
             + (f" Note: {b['note_added_afterwards']}" if "note_added_afterwards" in b else ""))
-
-
-def _plot(phases: dict, path: Path, quest_more: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    q, pre, dec = phases.get("quest"), phases.get("xattn_prefill"), phases.get("decode")
-    panels = [name for name, phase in (("decode", dec), ("quest", q), ("prefill", pre)) if phase]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-    axes = dict(zip(panels, axes[0]))
-    if dec:
-        ax = axes["decode"]
-        for policy in dict.fromkeys(r["policy"] for r in dec["rows"]):
-            rows = [r for r in dec["rows"] if r["policy"] == policy]
-            ax.plot([r["ctx"] for r in rows], [r["decode_ms"]["median"] for r in rows], "o-",
-                    label=f"{policy}, budget {dec['budget']}")
-        ax.plot([dec["full"]["ctx"]], [dec["full"]["decode_ms"]["median"]], "s", label="full offloaded decode")
-        ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms / token",
-               title="Offloaded decode, 8B shape")
-        ax.legend()
-    if q:
-        ax = axes["quest"]
-        rows = sorted(q["rows"] + [r for e in quest_more for r in e["rows"]], key=lambda r: r["ctx"])
-        ax.plot([r["ctx"] for r in rows], [r["decode_ms"]["median"] for r in rows], "o-", label=f"Quest, budget {q['budget']}")
-        b = q["breakdown"]
-        ax.plot([b["ctx"]], [b["full_offloaded_decode_ms"]["median"]], "s", label="full offloaded decode")
-        ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms / token",
-               title="Offloaded decode, 8B shape")
-        ax.legend()
-    if pre:
-        ax = axes["prefill"]
-        for mode in dict.fromkeys(r["mode"] for r in pre["rows"]):
-            for density, style in ((None, "o-"), (0.1, "s--")):
-                rows = [r for r in pre["rows"] if r["mode"] == mode and r["density"] == density]
-                ax.plot([r["ctx"] for r in rows], [r["prefill_s"]["median"] for r in rows], style,
-                        label=f"{mode}, {'full' if density is None else 'XAttention 10%'}")
-        ax.set(xscale="log", yscale="log", xlabel="prompt (tokens)", ylabel="prefill s", title="Prefill, 8B shape")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def run_phase(a) -> None:

@@ -372,6 +372,9 @@ def report(srcs: list[Path], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "throughput.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    import plots
+
+    plots.throughput(srcs, out / "throughput.png")
 
 
 def main() -> None:

@@ -335,6 +335,9 @@ def report(src: Path, out: Path) -> None:
               "order (float32 agrees within 1e-5, tests/test_tp.py)."]
     (out / "tp.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    import plots
+
+    plots.tensor_parallel(src, out / "tp.png")
 
 
 # ---- driver ---------------------------------------------------------------------------------------

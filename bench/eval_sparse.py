@@ -608,42 +608,6 @@ def _provenance(files: list[dict[str, Any]]) -> list[str]:
     return lines + [""]
 
 
-def _plot(niah: dict[int, list[dict[str, Any]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for (n, results), color in zip(niah.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4):
-        full = next((r["mean_score"] for r in results if r["config"] == "full"), None)
-        for policy, style, label in (("quest", "o-", ""), ("quest_oracle", "s:", ", oracle")):
-            points = sorted((r["options"]["decode_budget"], r["mean_score"]) for r in results
-                            if r["options"].get("decode_policy") == policy and "xattn_threshold" not in r["options"])
-            if points:
-                left.plot(*zip(*points), style, color=color, label=f"{n} tokens{label}")
-        for rule, style, label in (("xattn", "o-", ""), ("xoracle", "s:", ", oracle")):
-            points = sorted((r["options"]["xattn_threshold"], r["mean_score"]) for r in results
-                            if r["options"].get("prefill_rule", "xattn") == rule and "xattn_threshold" in r["options"]
-                            and "decode_policy" not in r["options"])
-            if points:
-                right.plot(*zip(*points), style, color=color, label=f"{n} tokens{label}")
-        for ax in (left, right):
-            if full is not None:
-                ax.axhline(full, color=color, linestyle="--", linewidth=1, label=f"{n} tokens, full")
-    left.set_xscale("log", base=2)
-    left.set(xlabel="Quest decode budget (tokens per KV head)", ylabel="mean NIAH score",
-             title="Quest decode")
-    right.set(xlabel="XAttention threshold", ylabel="mean NIAH score", title="XAttention prefill")
-    for ax in (left, right):
-        ax.grid(alpha=0.3)
-        if ax.has_data():
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-
-
 def report(src: Path, out: Path) -> None:
     """Writes OUT/sparse_niah.md (tables) and OUT/sparse_niah.png (score vs budget and vs threshold)."""
     niah, mass = load_results(src)
@@ -662,17 +626,20 @@ def report(src: Path, out: Path) -> None:
         lines += _mass_section(n, m)
     if niah:
         lines += ["`sparse_niah.png`: mean score against the Quest budget (questN configs) and against the XAttention "
-                  "threshold (xattnT configs), one line per length; dotted: the oracles; dashed: full.", ""]
+                  "threshold (xattnT configs), one line per length; dotted: the oracles; dashed: full. "
+                  "`niah_by_task.png`: each config's score per task.", ""]
     lines += _provenance(files) + [f"This report: `python {shlex.join(sys.argv)}`.", ""]
     out.mkdir(parents=True, exist_ok=True)
     (out / "sparse_niah.md").write_text("\n".join(lines))
     print("\n".join(lines))
     if niah:
         try:
-            _plot(niah, out / "sparse_niah.png")
+            import plots
         except ImportError:
             raise ImportError("matplotlib is missing (pip install -e '.[bench]'): sparse_niah.md is written, "
-                              "sparse_niah.png is not.") from None
+                              "its plots are not.") from None
+        plots.niah_by_budget(niah, out / "sparse_niah.png")
+        plots.niah_by_task(niah, out / "niah_by_task.png")
 
 
 # ---- command line -------------------------------------------------------------------------------------------
