@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import GiB, gpu_memory, h2d_bandwidth, model_config, random_params, run_metadata, stats  # noqa: E402
 
+from jax_offload.config import OFFLOAD_DEFAULTS, PAGE_POLICY_DEFAULTS, EngineConfig  # noqa: E402
 
 
 def _prompt(rng, cfg, n: int) -> list[int]:
@@ -45,10 +46,8 @@ def _prompt(rng, cfg, n: int) -> list[int]:
 
 
 def _policy_options(policy: str, a) -> dict:
-    if policy == "full":
-        return {}
-    extra = {"sketch_dtype": "int4"} if policy == "sketch" else {}
-    return dict(decode_policy=policy, decode_budget=a.budget, page_size=16, dense_layers=2, **extra)
+    """A decode policy's options; the rest (pages, dense layers, the sketch's dtype) are the engine's defaults."""
+    return {} if policy == "full" else dict(decode_policy=policy, decode_budget=a.budget)
 
 
 def phase_decode(a) -> dict:
@@ -160,8 +159,7 @@ def phase_long(a) -> dict:
     params = random_params(cfg, jnp.bfloat16)
     rng = np.random.default_rng(0)
     ids = _prompt(rng, cfg, n)
-    xattn = (dict(prefill_policy="xattention", xattn_density=a.long_density, xattn_stride=8, xattn_block=128)
-             if a.long_density > 0 else {})
+    xattn = dict(prefill_policy="xattention", xattn_density=a.long_density) if a.long_density > 0 else {}
     rows = []
     for policy in a.long_policies:
         llm = LLM.from_params(cfg, params, dtype="bfloat16", offload=True, block_size=a.long_block_size,
@@ -195,17 +193,17 @@ def main() -> None:
     p.add_argument("--num-layers", type=int, help="fewer layers, for a smoke run")
     p.add_argument("--ctx", type=int, default=131072)
     p.add_argument("--policies", type=lambda s: s.split(","), default=["full", "quest", "sketch"])
-    p.add_argument("--block-size", type=int, default=4096)
-    p.add_argument("--ring-slots", type=int, default=4)
-    p.add_argument("--budget", type=int, default=4096)
+    p.add_argument("--block-size", type=int, default=OFFLOAD_DEFAULTS["block_size"])
+    p.add_argument("--ring-slots", type=int, default=OFFLOAD_DEFAULTS["num_ring_slots"])
+    p.add_argument("--budget", type=int, default=PAGE_POLICY_DEFAULTS["decode_budget"])
     p.add_argument("--decode-tokens", type=int, default=12)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--kv-dtypes", type=lambda s: s.split(","), default=["auto", "fp8", "int8"])
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--batch-seqs", type=int, default=256)
+    p.add_argument("--gpu-memory-utilization", type=float, default=EngineConfig.gpu_memory_utilization)
+    p.add_argument("--batch-seqs", type=int, default=EngineConfig.max_num_seqs)
     p.add_argument("--batch-prompt", type=int, default=4096)
     p.add_argument("--batch-tokens", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     p.add_argument("--long-ctx", type=int, default=1 << 20)
     p.add_argument("--long-tokens", type=int, default=32)
     p.add_argument("--long-density", type=float, default=0.05)
@@ -220,8 +218,9 @@ def main() -> None:
 
         cfg = model_config(a.shape, a.num_layers)
         tokens = a.long_ctx + a.long_tokens + a.long_block_size
+        sparse_layers = cfg.num_layers - PAGE_POLICY_DEFAULTS["dense_layers"]
         pinned = pinned_bytes(cfg.num_layers, tokens, cfg.num_kv_heads, cfg.head_dim, "fp8", "bfloat16",
-                              mirror_layers=cfg.num_layers - 2 if set(a.long_policies) - {"full"} else None)
+                              mirror_layers=sparse_layers if set(a.long_policies) - {"full"} else None)
         os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(int(pinned / GiB) + 8))
     for name in a.phases.split(","):
         start = time.perf_counter()

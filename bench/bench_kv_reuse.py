@@ -31,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import gpu_memory, model_config, random_params, run_metadata, stats  # noqa: E402
 
+from jax_offload.config import OFFLOAD_DEFAULTS  # noqa: E402
+
 PHASES = ("blend", "prefix")
 
 
@@ -138,7 +140,7 @@ def main() -> None:
     p.add_argument("--ratios", default="0.15,0")
     p.add_argument("--prefix-tokens", type=int, default=32768)
     p.add_argument("--pool-prompts", type=float, default=1.5)
-    p.add_argument("--offload-block", type=int, default=4096)
+    p.add_argument("--offload-block", type=int, default=OFFLOAD_DEFAULTS["block_size"])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()

@@ -35,6 +35,8 @@ from common import (  # noqa: E402
     SHAPES, GiB, fmt, gpu_memory, h2d_bandwidth, model_config, random_params, run_metadata, run_phases, stats,
 )
 
+from jax_offload.config import OFFLOAD_DEFAULTS  # noqa: E402
+
 PHASES = ("chunked", "layerwise", "in_gpu", "overlap", "logits", "hf")
 
 
@@ -478,8 +480,8 @@ def main() -> None:
     p.add_argument("--shape", default="llama-3.1-8b")
     p.add_argument("--num-layers", type=int, help="fewer layers, for a smoke run")
     p.add_argument("--contexts", type=ints, default=[8192, 32768, 65536, 131072])
-    p.add_argument("--block-size", type=int, default=4096)
-    p.add_argument("--ring-slots", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=OFFLOAD_DEFAULTS["block_size"])
+    p.add_argument("--ring-slots", type=int, default=OFFLOAD_DEFAULTS["num_ring_slots"])
     p.add_argument("--layerwise-ctx", type=int, default=32768)
     p.add_argument("--in-gpu-contexts", type=ints, default=[8192])
     p.add_argument("--overlap-ctx", type=int, default=65536)

@@ -39,6 +39,8 @@ from common import (  # noqa: E402
     run_phases, stats,
 )
 
+from jax_offload.config import OFFLOAD_DEFAULTS, PAGE_POLICY_DEFAULTS, SKETCH_DEFAULTS, XATTN_DEFAULTS  # noqa: E402
+
 PHASES = ("decode", "xattn_kernel", "xattn_prefill")
 SCORING_PASSES = 4
 
@@ -211,7 +213,7 @@ def phase_xattn_kernel(a) -> dict:
     from jax_offload.sparse import xattention
 
     cfg = model_config(a.shape, a.num_layers)
-    t, hq, hkv, d, block = a.kernel_ctx, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 128
+    t, hq, hkv, d, block = a.kernel_ctx, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, XATTN_DEFAULTS["xattn_block"]
     key = jax.random.split(jax.random.PRNGKey(0), 3)
     q = jax.random.normal(key[0], (1, t, hq, d), jnp.bfloat16)
     k = jax.random.normal(key[1], (1, t, hkv, d), jnp.bfloat16)
@@ -231,7 +233,7 @@ def phase_xattn_kernel(a) -> dict:
         rows[-1]["speedup_vs_dense"] = rows[0]["s"]["median"] / rows[-1]["s"]["median"]
         print(json.dumps(rows[-1]), flush=True)
         del blocks, counts
-    policy = xattention.XAttention(threshold=0.9, stride=8, block=block)
+    policy = xattention.XAttention(threshold=0.9, stride=XATTN_DEFAULTS["xattn_stride"], block=block)
     estimate = jax.jit(lambda q, k: xattention.select(policy, "pallas", q, k, q_offset=0, kv_len=t))
     est = {"s": _timed(lambda: estimate(q, k), a.repeats)}
     print(json.dumps(est), flush=True)
@@ -261,7 +263,8 @@ def phase_xattn_prefill(a) -> dict:
         for ctx in a.contexts:
             ids = _prompt(rng, cfg, ctx)
             for density in [None] + (a.densities if ctx == max(a.contexts) else [0.1]):
-                runner.xattn = None if density is None else XAttention(stride=8, block=128, top_fraction=density)
+                runner.xattn = None if density is None else XAttention(
+                    stride=XATTN_DEFAULTS["xattn_stride"], block=XATTN_DEFAULTS["xattn_block"], top_fraction=density)
 
                 def prefill():
                     return llm.generate([ids], one)[0]
@@ -427,13 +430,13 @@ def main() -> None:
     p.add_argument("--num-layers", type=int)
     p.add_argument("--contexts", type=ints, default=[32768, 65536, 131072, 262144])
     p.add_argument("--breakdown-ctx", type=int, default=131072)
-    p.add_argument("--block-size", type=int, default=4096)
-    p.add_argument("--ring-slots", type=int, default=4)
-    p.add_argument("--budget", type=int, default=4096)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--dense-layers", type=int, default=2)
+    p.add_argument("--block-size", type=int, default=OFFLOAD_DEFAULTS["block_size"])
+    p.add_argument("--ring-slots", type=int, default=OFFLOAD_DEFAULTS["num_ring_slots"])
+    p.add_argument("--budget", type=int, default=PAGE_POLICY_DEFAULTS["decode_budget"])
+    p.add_argument("--page-size", type=int, default=PAGE_POLICY_DEFAULTS["page_size"])
+    p.add_argument("--dense-layers", type=int, default=PAGE_POLICY_DEFAULTS["dense_layers"])
     p.add_argument("--policies", type=lambda s: s.split(","), default=["sketch", "quest"])
-    p.add_argument("--sketch-dtype", default="int4")
+    p.add_argument("--sketch-dtype", default=SKETCH_DEFAULTS["sketch_dtype"])
     p.add_argument("--decode-tokens", type=int, default=12)
     p.add_argument("--repeats", type=int, default=5)
     floats = lambda s: [float(x) for x in s.split(",") if x]  # noqa: E731

@@ -39,6 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import SHAPES, GiB, fmt, h2d_bandwidth, model_config, random_params, run_metadata, stats  # noqa: E402
 
+from jax_offload.config import EngineConfig  # noqa: E402
+
 PHASES = ("ours", "hf", "batch1", "offload")
 BATCH1_SHAPE = "llama-3.1-8b"
 
@@ -144,6 +146,7 @@ def phase_batch1(args) -> dict:
     import jax
 
     from jax_offload import LLM, SamplingParams
+    from jax_offload.serving.engine import run_requests
 
     shape = "smoke" if args.shape == "smoke" else BATCH1_SHAPE
     ctx = 512 if args.shape == "smoke" else args.batch1_context
@@ -159,10 +162,16 @@ def phase_batch1(args) -> dict:
     def median_step(out) -> float:
         return sorted(out.decode_token_seconds)[15]  # median of 31 steps
 
-    # The per-request path (a cache sized to the request, one call per layer), which the CPU's XLA twins take
-    # and long prompts took before chunked prefill; first, before the batch engine's pool claims the GPU memory.
-    llm._run_request(prompt, None, sp, None)
-    per_request = [llm._run_request(prompt, None, sp, None) for _ in range(args.runs)]
+    def run_per_request():
+        engine = llm._serial_engine()
+        engine.add_request("batch1", prompt, sp)
+        return run_requests(engine, ["batch1"])[0]
+
+    # The per-request path (a cache sized to the request, one call per layer: the serial engine), which the CPU's
+    # XLA twins take and long prompts took before chunked prefill; first, before the batch engine's pool claims the
+    # GPU memory.
+    run_per_request()
+    per_request = [run_per_request() for _ in range(args.runs)]
     llm.generate(prompt, sp)  # the path a single prompt takes: the batch engine (chunks past the step budget)
     batched = [llm.generate(prompt, sp)[0] for _ in range(args.runs)]
     per_token = [median_step(o) for o in batched]
@@ -385,9 +394,9 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--hf-runs", type=int, default=5)
     p.add_argument("--num-seqs", type=int, default=256)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
+    p.add_argument("--gpu-memory-utilization", type=float, default=EngineConfig.gpu_memory_utilization)
     p.add_argument("--batch1-context", type=int, default=8192)
     p.add_argument("--offload-context", type=int, default=8192)
     p.add_argument("--offload-requests", type=int, default=8)

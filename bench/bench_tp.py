@@ -38,6 +38,8 @@ from common import (  # noqa: E402
     GiB, SHAPES, copy_rate, fmt, model_config, random_params, run_metadata, run_phases, stats,
 )
 
+from jax_offload.config import OFFLOAD_DEFAULTS  # noqa: E402
+
 PHASES = ("bandwidth", "offload", "in_gpu", "big", "load")
 DEFAULT_PHASES = "bandwidth,offload:1,offload:2,in_gpu:1,in_gpu:2,big:2,load:1,load:2"
 SMOKE = dict(shape="smoke", big_shape="smoke", load_shape="smoke", offload_ctx=1024, decode_ctx=256, prefill_ctx=512,
@@ -373,7 +375,7 @@ def main() -> None:
     p.add_argument("--prefill-ctx", type=int, default=32768)
     p.add_argument("--big-ctx", type=int, default=131072)
     p.add_argument("--big-tokens", type=int, default=32)
-    p.add_argument("--block-size", type=int, default=4096)
+    p.add_argument("--block-size", type=int, default=OFFLOAD_DEFAULTS["block_size"])
     p.add_argument("--ring-slots", type=int, help="default: the engine's, 16 x the TP size")
     p.add_argument("--decode-tokens", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)

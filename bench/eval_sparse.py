@@ -273,22 +273,6 @@ def evaluate(args: argparse.Namespace, model_dir: Path, base: dict[str, Any]) ->
                   f"{result['wall_seconds']:.0f} s (+{load_s:.0f} s load)", flush=True)
         del llm
         gc.collect()
-    print(summary_table(results, args.lengths, args.configs))
-
-
-def summary_table(results: dict[tuple[int, str], dict[str, Any]], lengths: list[int], configs: list[str]) -> str:
-    """Markdown: config x length mean scores, with output-for-output agreement with full where it ran."""
-    lines = ["| config | " + " | ".join(str(n) for n in lengths) + " |", "|---|" + "---:|" * len(lengths)]
-    for name in configs:
-        cells = []
-        for n in lengths:
-            result, full = results[(n, name)], results.get((n, "full"))
-            cell = f"{result['mean_score']:.1f}"
-            if full is not None and name != "full":
-                cell += " ({}/{} same)".format(*same_outputs(result["records"], full["records"]))
-            cells.append(cell)
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 # ---- Quest attention mass -----------------------------------------------------------------------------------
