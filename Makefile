@@ -13,7 +13,7 @@ ifeq ($(PYTHON),$(VENV)/bin/python)
 ENVIRONMENT := $(VENV)/bin/python
 endif
 
-.PHONY: setup setup-test run test
+.PHONY: setup setup-test run serve test
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -27,6 +27,9 @@ setup-test: $(ENVIRONMENT)
 
 run: setup
 	$(PYTHON) -m jax_offload.generate --prompt "$(PROMPT)"
+
+serve: setup
+	$(PYTHON) -m jax_offload.serve $(SERVE_ARGS)
 
 test: setup-test
 	$(PYTHON) -m jax_offload.default_model

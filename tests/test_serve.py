@@ -1,0 +1,242 @@
+"""The OpenAI-compatible server against the official `openai` client, on a real uvicorn server on a free port,
+over a tiny float32 Llama built here: its answers equal `LLM.generate`'s, streamed or not, alone or with many
+clients at once; bad input is a 4xx with OpenAI's error body; a client gone mid-stream frees its KV."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import threading
+import time
+
+import httpx2 as httpx  # the openai client's HTTP library
+import numpy as np
+import openai
+import pytest
+import uvicorn
+
+from jax_offload import LLM, SamplingParams
+from jax_offload.serving.api_server import create_app
+from tests.tiny_models import WORDS, build_in
+
+NAME = "tiny"
+MAX_MODEL_LEN = 512
+ENGINE = dict(dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=64, max_num_batched_tokens=1024,
+              attention_impl="xla")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_in(tmp_path_factory, "llama3", seed=7)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """A second engine over the same weights: `LLM.generate`'s answers."""
+    return LLM(model_dir, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    llm = LLM(model_dir, **ENGINE)
+    app = create_app(llm, NAME)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not uv.started:
+        assert time.monotonic() < deadline, "the server did not start in 60 s"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", llm
+    uv.should_exit = True
+    thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def idle(llm: LLM, timeout: float = 30.0) -> None:
+    """Waits until the server's engine holds no request and no KV block."""
+    deadline = time.monotonic() + timeout
+    while True:
+        load = llm.load()
+        if not llm.has_unfinished() and load.kv_blocks_used == 0 and load.swap_bytes_used == 0:
+            return
+        assert time.monotonic() < deadline, f"the engine still holds {load} after {timeout} s"
+        time.sleep(0.05)
+
+
+def test_completions_streamed_and_not_equal_generate(client, reference):
+    seed = 1
+    rng = random.Random(seed)
+    prompts = [words(rng, n) for n in (3, 17, 40)]
+    expected = reference.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    for prompt, want in zip(prompts, expected):
+        got = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, extra_body={
+            "ignore_eos": True})
+        assert got.choices[0].text == want.text, f"seed {seed}"
+        assert got.usage.completion_tokens == len(want.token_ids) == 12
+        assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+        stream = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text, f"seed {seed}"
+        assert chunks[-1].usage.completion_tokens == 12
+    # Several prompts in one request, as token ids: one choice each, in order.
+    ids = [reference.encode(p) for p in prompts]
+    got = client.completions.create(model=NAME, prompt=ids, max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [c.text for c in got.choices] == [w.text for w in expected]
+    assert [c.model_extra["token_ids"] for c in got.choices] == [w.token_ids for w in expected]
+
+
+def test_chat_streamed_and_not_equal_generate(client, reference):
+    messages = [{"role": "user", "content": "w4 w8 w15 w16 w23 w42"}]
+    want = reference.chat(messages, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0]
+    got = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert got.choices[0].message.content == want.text
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    lp = client.chat.completions.create(model=NAME, messages=messages, max_tokens=3, temperature=0, logprobs=True,
+                                        top_logprobs=2, extra_body={"ignore_eos": True}).choices[0].logprobs.content
+    assert len(lp) == 3 and all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == t.logprob for t in lp)
+
+
+def test_many_clients_at_once_equal_generate(server, reference):
+    """32 clients send different prompts, lengths and seeds at once; each answer equals LLM.generate's."""
+    seed = 2
+    rng = random.Random(seed)
+    jobs = [(words(rng, rng.randint(1, 120)), rng.randint(1, 24), rng.choice([0.0, 0.8]), rng.randint(0, 2**30))
+            for _ in range(32)]
+    expected = reference.generate([p for p, *_ in jobs], [
+        SamplingParams(temperature=t, max_tokens=m, seed=s, ignore_eos=True) for _, m, t, s in jobs])
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0) as aclient:
+            async def one(prompt, max_tokens, temperature, s, stream):
+                kwargs = dict(model=NAME, prompt=prompt, max_tokens=max_tokens, temperature=temperature, seed=s,
+                              extra_body={"ignore_eos": True})
+                if not stream:
+                    return (await aclient.completions.create(**kwargs)).choices[0].text
+                return "".join([c.choices[0].text async for c in await aclient.completions.create(**kwargs,
+                                                                                                     stream=True)])
+            return await asyncio.gather(*(one(*job, stream=i % 2 == 0) for i, job in enumerate(jobs)))
+
+    got = asyncio.run(main())
+    assert got == [e.text for e in expected], f"seed {seed}"
+    idle(server[1])
+
+
+def test_echo_logprobs_equal_log_softmax_of_logits(client, reference):
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs, max_tokens 0."""
+    ids = reference.encode("w1 w2 w3 w5 w8 w13 w21 w34")
+    got = client.completions.create(model=NAME, prompt=ids, max_tokens=0, echo=True, logprobs=3, temperature=0)
+    logits = reference.logits(ids).astype(np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    want = [logp[i - 1, ids[i]] for i in range(1, len(ids))]
+    lp = got.choices[0].logprobs
+    assert lp.token_logprobs[0] is None
+    np.testing.assert_allclose(lp.token_logprobs[1:], want, atol=1e-5)
+    assert got.choices[0].text == reference.tokenizer.decode(ids)
+    assert all(max(top.values()) == pytest.approx(logp[i].max(), abs=1e-5)
+               for i, top in enumerate(lp.top_logprobs[1:]))
+    # echo with a generated token: the prompt's log-probabilities, then the token's.
+    more = client.completions.create(model=NAME, prompt=ids, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    assert len(more.choices[0].logprobs.token_logprobs) == len(ids) + 1
+    np.testing.assert_allclose(more.choices[0].logprobs.token_logprobs[1:len(ids)], want, atol=1e-5)
+
+
+BAD = [
+    ("not json", '{"prompt": ', "not valid JSON"),
+    ("wrong type", {"prompt": "w1", "max_tokens": "many"}, "max_tokens"),
+    ("max_tokens < 1", {"prompt": "w1", "max_tokens": 0}, "max_tokens must be >= 1"),
+    ("temperature < 0", {"prompt": "w1", "temperature": -0.5}, "temperature must be >= 0"),
+    ("too long", {"prompt": " ".join(["w1"] * 500), "max_tokens": 20}, "500 tokens and max_tokens is 20"),
+    ("unknown model", {"model": "gpt-9", "prompt": "w1"}, "'gpt-9' does not exist"),
+    ("n > 1", {"prompt": "w1", "n": 2}, "n must be 1"),
+    ("token outside vocab", {"prompt": [5, 999999]}, "Token id 999999 is outside"),
+]
+
+
+@pytest.mark.parametrize("case, body, message", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_a_4xx_with_openai_error_body(server, case, body, message):
+    url = server[0] + "/v1/completions"
+    content = body if isinstance(body, str) else json.dumps({"model": NAME, "max_tokens": 4, **body})
+    r = httpx.post(url, content=content, headers={"content-type": "application/json"}, timeout=120)
+    assert 400 <= r.status_code < 500, (case, r.status_code, r.text)
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and message in error["message"], (case, error)
+    assert httpx.get(server[0] + "/health").status_code == 200
+
+
+def test_disconnect_mid_stream_frees_its_blocks(server):
+    url, llm = server
+    with httpx.stream("POST", url + "/v1/completions", json={
+            "model": NAME, "prompt": "w3 " * 200, "max_tokens": 200, "stream": True, "ignore_eos": True},
+                      timeout=120) as r:
+        events = (line for line in r.iter_lines() if line)
+        for _ in range(3):
+            assert next(events).startswith("data: ")
+        assert llm.load().kv_blocks_used > 0  # the request holds KV while it streams
+    idle(llm)
+
+
+def test_engine_failure_is_a_500_and_the_server_goes_on(server, client):
+    url, llm = server
+    engine = llm.request_engine()
+    real = engine.runner.prefill
+
+    def broken(seqs):
+        engine.runner.prefill = real
+        raise RuntimeError("injected")
+
+    engine.runner.prefill = broken
+    r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "w7 w8", "max_tokens": 4}, timeout=120)
+    assert r.status_code == 500 and "injected" in r.json()["error"]["message"]
+    assert client.completions.create(model=NAME, prompt="w7 w8", max_tokens=4).choices[0].text
+    idle(llm)
+
+
+def test_models_health_metrics_tokenize(server):
+    url, _ = server
+    assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == NAME
+    assert httpx.get(url + "/health").status_code == 200
+    tokens = httpx.post(url + "/tokenize", json={"prompt": "w1 w2 w3"}).json()["tokens"]
+    assert httpx.post(url + "/detokenize", json={"tokens": tokens}).json()["prompt"] == "w1 w2 w3"
+    metrics = httpx.get(url + "/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "prompt_tokens_total",
+                 "generation_tokens_total", "time_to_first_token_seconds_bucket",
+                 "time_per_output_token_seconds_bucket", "kv_cache_usage_perc", "prefix_cache_hits_total",
+                 "host_store_bytes_read"):
+        assert f"jax_offload:{name}" in metrics, name
+
+
+def test_api_key_is_required_when_set():
+    # The key is checked before anything reaches the engine, so the app needs none (nor its lifespan).
+    app = create_app(None, NAME, api_key="sekrit")
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            return await c.get("/v1/models"), await c.get("/v1/models", headers={"Authorization": "Bearer wrong"})
+
+    missing, wrong = asyncio.run(main())
+    assert missing.status_code == wrong.status_code == 401
+    assert missing.json()["error"]["type"] == "authentication_error"
