@@ -16,22 +16,12 @@ selections alone:
                        dense, 16-token pages: the engine's rule
            qoracleN    the same number of pages of the same candidates, chosen by their true softmax mass summed
                        over the GQA group (`quest.top_pages`): the most mass any choice of N tokens keeps
-           qsumN       Quest's bound with the GQA group's query heads summed instead of maxed (same budget)
-           qheadN      Quest's bound per query head: each of a group's G heads picks page 0 and its N/16/G - 1
-                       best pages, the KV head reads their union (at most N tokens)
-           qfineN      Quest's bound over 8-token halves of each page, the page scored by the larger (a tighter
-                       bound of the same pages, from twice the min/max metadata: 1/8 of the KV)
            sketch4bN   the engine's sketch policy (`jax_offload.sparse.sketch`): every stored key quantized to int4
                        with a per-token scale, each query head's softmax of q . k_hat over the stored keys summed
                        over the GQA group and the page; pages chosen as qoracleN chooses (same budget)
-           sketch8bN   the same from int8 keys
-           sketch4cN   int4 codes per channel between each page's min and max key (Quest's bounds as the
-                       quantization grid: codes 1/8 of the KV plus the bounds, 1/16)
            sketch4rN   sketch4bN's pages read exactly, and every stored page it leaves out estimated: each query
                        head also attends one key per such page, with the page's estimated log-mass (the log-sum-exp
                        of its sketch logits) as its logit and the mean of its values as its value
-           qmeanN      qoracleN's pages, the others estimated as in sketch4rN from their true log-sum-exp: what
-                       the page-mean values alone lose
            +denseL     with a decode rule: the first L layers dense instead of 2 (the engine's `dense_layers`)
 
 A config is `full`, one rule, or a prefill and a decode rule joined by `+` (`xattn0.9+quest1024`). Per length and
@@ -41,6 +31,11 @@ Files are those of `bench/eval_sparse.py` (`sparse_niah_{length}_{config}.json`,
 
     python bench/eval_oracle.py --model DIR --lengths 4096,8192 --samples 10 \\
         --configs full,quest512,qoracle512,quest1024,qoracle1024,xattn0.9,xoracle0.9 --out DIR
+
+Rules studied and dropped, their results in bench/results/runs/ (h200_oracle_variants, h200_oracle_fine,
+h100_sketch_oracle, h100_sketch_residual), in this file at commit 4c54d28: qsumN and qheadN (Quest's bound summed
+over the GQA group, or per query head), qfineN (over 8-token half pages), sketch8bN (int8 keys), sketch4cN (int4
+codes per channel within each page's bounds), qmeanN (qoracleN's pages, the others estimated from their true mass).
 """
 from __future__ import annotations
 
@@ -67,12 +62,10 @@ STORE_BLOCK = eval_sparse.BASE_OPTIONS["block_size"]
 PAGE_SIZE, DENSE_LAYERS = PAGE_POLICY_DEFAULTS["page_size"], PAGE_POLICY_DEFAULTS["dense_layers"]
 XATTN_BLOCK, XATTN_STRIDE = XATTN_DEFAULTS["xattn_block"], XATTN_DEFAULTS["xattn_stride"]
 PREFILL_KINDS = ("xattn", "xoracle")
-DECODE_KINDS = ("quest", "qoracle", "qsum", "qhead", "qfine", "sketch4b", "sketch8b", "sketch4c", "sketch4r", "qmean")
-ESTIMATING_KINDS = ("sketch4r", "qmean")  # rules that also attend an estimate of each page they leave out
-POLICY_NAMES = {"quest": "quest", "qoracle": "quest_oracle", "qsum": "quest_group_sum", "qhead": "quest_per_head",
-                "qfine": "quest_half_pages", "sketch4b": "sketch_int4", "sketch8b": "sketch_int8",
-                "sketch4c": "sketch_int4_page_channel", "sketch4r": "sketch_int4_residual",
-                "qmean": "quest_oracle_residual"}
+# decode rule -> the file's decode_policy
+POLICY_NAMES = {"quest": "quest", "qoracle": "quest_oracle", "sketch4b": "sketch_int4",
+                "sketch4r": "sketch_int4_residual"}
+ESTIMATING = "sketch4r"  # the rule that also attends an estimate of each page it leaves out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,14 +79,14 @@ def parse_config(name: str) -> Config:
     """A config name -> its prefill and decode rules; a bad name is one ValueError listing what is allowed."""
     prefill = decode = dense = None
     for part in ([] if name == "full" else name.split("+")):
-        match = re.fullmatch(r"([a-z]+(?:[48][bcr])?)([0-9.]+)", part)
+        match = re.fullmatch(r"([a-z]+(?:4[br])?)([0-9.]+)", part)
         kind = match[1] if match else None
         if kind in PREFILL_KINDS and prefill is None:
             threshold = float(match[2])
             if not 0.0 < threshold <= 1.0:
                 raise ValueError(f"Config {name!r}: threshold {threshold} is not in (0, 1].")
             prefill = (kind, threshold)
-        elif kind in DECODE_KINDS and decode is None:
+        elif kind in POLICY_NAMES and decode is None:
             budget = int(match[2])
             if budget < 2 * PAGE_SIZE or budget % PAGE_SIZE:
                 raise ValueError(f"Config {name!r}: budget {budget} must be a multiple of {PAGE_SIZE}, at least "
@@ -103,7 +96,7 @@ def parse_config(name: str) -> Config:
             dense = int(match[2])
         else:
             raise ValueError(f"Config {name!r}: part {part!r} is not one of xattnT, xoracleT (prefill) or questN, "
-                             "qoracleN, qsumN, qheadN, qfineN, sketch4bN, sketch8bN, sketch4cN, sketch4rN, qmeanN (decode) with an optional denseL, at most one of each, joined by "
+                             "qoracleN, sketch4bN, sketch4rN (decode) with an optional denseL, at most one of each, joined by "
                              "'+'; or 'full'.")
     if dense is not None:
         if decode is None:
@@ -212,41 +205,6 @@ def _prefill_layer_fn():
 # ---- decode ---------------------------------------------------------------------------------------------------
 
 
-def _head_bounds(qg, k, page_size: int):
-    """Quest's bound of every page for each query head: qg [Hkv, G, D], keys k [T, Hkv, D] -> float32 [Hkv, G,
-    T / page_size], the arithmetic of `quest.page_scores` before its max over the group."""
-    import jax
-    import jax.numpy as jnp
-
-    from jax_offload.sparse import quest
-
-    kmin, kmax = quest.page_bounds(k, page_size)
-    dot = functools.partial(jnp.einsum, "hgd,hpd->hgp", preferred_element_type=jnp.float32,
-                            precision=jax.lax.Precision.HIGHEST)
-    return dot(jnp.maximum(qg, 0).astype(kmax.dtype), kmax) + dot(jnp.minimum(qg, 0).astype(kmin.dtype), kmin)
-
-
-def _sketch_scores(kind: str, qg, k):
-    """A sketch rule's estimated logits: qg [Hkv, G, D], keys k [T, Hkv, D] -> float32 [Hkv, G, T]."""
-    import jax
-    import jax.numpy as jnp
-
-    from jax_offload.sparse import quest, sketch
-
-    kh = k.transpose(1, 0, 2)
-    if kind != "sketch4c":
-        dtype = "int4" if kind == "sketch4b" else "int8"
-        codes, scale = sketch.quantize_keys(kh, dtype)
-        return sketch.token_scores(qg, sketch.pack_codes(codes, dtype), scale, dtype)
-    kmin, kmax = (b.astype(jnp.float32) for b in quest.page_bounds(k, PAGE_SIZE))  # [Hkv, P, D]
-    step = jnp.where(kmax > kmin, (kmax - kmin) / 15, 1.0)
-    pages = kh.astype(jnp.float32).reshape(kh.shape[0], -1, PAGE_SIZE, kh.shape[-1])
-    codes = jnp.clip(jnp.round((pages - kmin[:, :, None]) / step[:, :, None]), 0, 15)
-    k_hat = (kmin[:, :, None] + codes * step[:, :, None]).reshape(kh.shape)
-    return jnp.einsum("hgd,htd->hgt", qg.astype(jnp.float32), k_hat,
-                      precision=jax.lax.Precision.HIGHEST) / math.sqrt(k.shape[-1])
-
-
 @functools.cache
 def _decode_step_fn():
     import jax
@@ -286,34 +244,21 @@ def _decode_step_fn():
                     estimates.append(no_estimate)
                     continue
                 kind, budget, dense = rule
-                num_pages, budget_pages = stored // PAGE_SIZE, budget // PAGE_SIZE
+                num_pages = stored // PAGE_SIZE
                 if kind == "quest":
-                    kmin, kmax = quest.page_bounds(kc[r], PAGE_SIZE)
-                    choices = [quest.top_pages(quest.page_scores(q[r, 0], kmin, kmax), num_pages, budget_pages)]
-                elif kind in ("qoracle", "qmean"):
+                    score = quest.page_scores(q[r, 0], *quest.page_bounds(kc[r], PAGE_SIZE))
+                elif kind == "qoracle":
                     score = p_full[r].sum(1).reshape(hkv, t // PAGE_SIZE, PAGE_SIZE).sum(-1)
-                    choices = [quest.top_pages(score, num_pages, budget_pages)]
-                    page_lse = sketch.page_lse(s[r], PAGE_SIZE)
-                elif kind.startswith("sketch"):
-                    page_lse = sketch.page_lse(_sketch_scores("sketch4b" if kind == "sketch4r" else kind, qg[r],
-                                                              kc[r]), PAGE_SIZE)
+                else:  # the sketch: int4 keys with a scale per token
+                    codes, scale = sketch.quantize_keys(kc[r].transpose(1, 0, 2), "int4")
+                    page_lse = sketch.page_lse(sketch.token_scores(qg[r], sketch.pack_codes(codes, "int4"), scale,
+                                                                   "int4"), PAGE_SIZE)
                     score = sketch.mass_of_pages(page_lse, num_pages)
-                    choices = [quest.top_pages(score, num_pages, budget_pages)]
-                elif kind == "qfine":
-                    half = _head_bounds(qg[r], kc[r], PAGE_SIZE // 2)  # [Hkv, G, 2P]
-                    score = half.reshape(hkv, -1, t // PAGE_SIZE, 2).max(-1).max(1)
-                    choices = [quest.top_pages(score, num_pages, budget_pages)]
-                else:
-                    bound = _head_bounds(qg[r], kc[r], PAGE_SIZE)  # [Hkv, G, P]
-                    choices = ([quest.top_pages(bound.sum(1), num_pages, budget_pages)] if kind == "qsum" else
-                               [quest.top_pages(bound[:, g], num_pages, budget_pages // bound.shape[1])
-                                for g in range(bound.shape[1])])
-                picked = jnp.zeros((hkv, t // PAGE_SIZE + 1), bool)
-                for chosen in choices:
-                    picked = picked.at[jnp.arange(hkv)[:, None], chosen].set(True)
+                chosen = quest.top_pages(score, num_pages, budget // PAGE_SIZE)
+                picked = jnp.zeros((hkv, t // PAGE_SIZE + 1), bool).at[jnp.arange(hkv)[:, None], chosen].set(True)
                 sparse = (picked[:, keys // PAGE_SIZE] & (keys < stored)) | tail
                 masks.append(jnp.where(index < dense, visible, sparse))
-                if kind in ESTIMATING_KINDS:
+                if kind == ESTIMATING:
                     left_out = (~picked[:, :num_pages_all] & (jnp.arange(num_pages_all) < num_pages)
                                 & (index >= dense))[:, None]
                     estimates.append(jnp.where(left_out, page_lse, -jnp.inf))
@@ -321,7 +266,7 @@ def _decode_step_fn():
                     estimates.append(no_estimate)
             allowed = jnp.stack(masks)[:, :, None]  # [R, Hkv, 1, T]
             o = jnp.einsum("rngt,rtnd->rngd", softmax_over(s, allowed), vc.astype(jnp.float32), precision=hp)
-            estimating = np.array([bool(rule) and rule[0] in ESTIMATING_KINDS for rule in rules])
+            estimating = np.array([bool(rule) and rule[0] == ESTIMATING for rule in rules])
             if estimating.any():  # the other rows keep the plain softmax's arithmetic, bit for bit
                 page_values = vc.astype(jnp.float32).reshape(rows, num_pages_all, PAGE_SIZE, hkv, d).mean(2)
                 o_est = _attend_with_estimate(s, allowed, vc, jnp.stack(estimates), page_values.transpose(0, 2, 1, 3))
