@@ -240,3 +240,86 @@ def test_api_key_is_required_when_set():
     missing, wrong = asyncio.run(main())
     assert missing.status_code == wrong.status_code == 401
     assert missing.json()["error"]["type"] == "authentication_error"
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_soak_1000_requests_64_clients(server, reference, capsys):
+    """1,000 requests from 64 clients at once, a tenth bad and a tenth gone mid-stream: every good answer equals
+    LLM.generate's, every bad one is a 4xx naming its problem, /health answers throughout, the KV pool is empty
+    at the end and the process's RSS is flat."""
+    url, llm = server
+    seed = 3
+    rng = random.Random(seed)
+    kinds = ["bad" if i % 10 == 0 else "gone" if i % 10 == 5 else "good" for i in range(1000)]
+    jobs = []
+    for i, kind in enumerate(kinds):
+        prompt, max_tokens = words(rng, rng.randint(1, 60)), rng.randint(1, 8)
+        temperature, s, stream = rng.choice([0.0, 0.7]), rng.randint(0, 2**30), rng.random() < 0.5
+        jobs.append((kind, prompt, max_tokens, temperature, s, stream, BAD[i // 10 % len(BAD)]))
+    good = [j for j in jobs if j[0] == "good"]
+    expected = iter(reference.generate([j[1] for j in good], [
+        SamplingParams(temperature=j[3], max_tokens=j[2], seed=j[4], ignore_eos=True) for j in good]))
+    want = {i: next(expected).text for i, j in enumerate(jobs) if j[0] == "good"}
+
+    async def main():
+        health: list[int] = []
+        done = asyncio.Event()
+        limit = asyncio.Semaphore(64)
+        async with httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=80)) as c:
+            async def watch():
+                while not done.is_set():
+                    health.append((await c.get("/health")).status_code)
+                    await asyncio.sleep(0.2)
+
+            async def one(i, kind, prompt, max_tokens, temperature, s, stream, bad):
+                async with limit:
+                    if kind == "bad":
+                        _, body, message = bad
+                        content = body if isinstance(body, str) else json.dumps({"model": NAME, "max_tokens": 4,
+                                                                                 **body})
+                        r = await c.post("/v1/completions", content=content,
+                                         headers={"content-type": "application/json"})
+                        return r.status_code, r.json()["error"]["message"], message
+                    body = {"model": NAME, "prompt": prompt, "max_tokens": max_tokens if kind == "good" else 64,
+                            "temperature": temperature, "seed": s, "ignore_eos": True, "stream": stream or
+                            kind == "gone"}
+                    if not body["stream"]:
+                        return (await c.post("/v1/completions", json=body)).json()["choices"][0]["text"]
+                    text = []
+                    async with c.stream("POST", "/v1/completions", json=body) as r:
+                        async for line in r.aiter_lines():
+                            if not line or line == "data: [DONE]":
+                                continue
+                            text.append(json.loads(line[6:])["choices"][0]["text"])
+                            if kind == "gone" and len(text) == 2:
+                                break  # the client leaves: the connection closes
+                    return "".join(text)
+
+            watcher = asyncio.ensure_future(watch())
+            first = await asyncio.gather(*(one(i, *job) for i, job in enumerate(jobs[:200])))
+            idle(llm)
+            rss_warm = rss_bytes()
+            rest = await asyncio.gather(*(one(i + 200, *job) for i, job in enumerate(jobs[200:])))
+            done.set()
+            await watcher
+            return first + rest, health, rss_warm
+
+    results, health, rss_warm = asyncio.run(main())
+    idle(llm)
+    rss_end = rss_bytes()
+    for i, (job, got) in enumerate(zip(jobs, results)):
+        if job[0] == "good":
+            assert got == want[i], f"request {i}, seed {seed}"
+        elif job[0] == "bad":
+            status, message, expected_message = got
+            assert 400 <= status < 500 and expected_message in message, (i, status, message)
+    assert health and all(code == 200 for code in health)
+    assert llm.load().kv_blocks_used == 0 and not llm.has_unfinished()
+    with capsys.disabled():
+        print(f"\nsoak: RSS {rss_warm / 2**20:.1f} MiB after 200 requests, {rss_end / 2**20:.1f} MiB after 1,000; "
+              f"/health answered {len(health)} times")
+    assert rss_end - rss_warm < 64 * 2**20, f"RSS grew {(rss_end - rss_warm) / 2**20:.1f} MiB"
