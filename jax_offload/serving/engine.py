@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Sequence as Seq
 
 import jax
@@ -24,6 +25,9 @@ from jax_offload.serving.offload_model_runner import OffloadModelRunner
 from jax_offload.serving.scheduler import Scheduler, SchedulerStats, Step
 from jax_offload.serving.sequence import Sequence, SequenceStatus
 from jax_offload.tensor_parallel import TensorParallel
+
+
+STEP_LOG_LENGTH = 1 << 20
 
 
 class BatchEngine:
@@ -60,9 +64,10 @@ class BatchEngine:
         # at a time in blocks anyway.
         self.scheduler = Scheduler(blocks, runner, max_num_seqs, max_num_batched_tokens, runner.prefill_tokens,
                                    chunked_prefill=isinstance(runner, ModelRunner))
-        # (kind, sequences computed, KV tokens read, seconds) of every step of the last `generate` call; kind
-        # "prefill" (whole prompts), "chunk" (one prompt's chunk and a token of each running sequence), "decode".
-        self.step_log: list[tuple[str, int, int, float]] = []
+        # (kind, sequences computed, KV tokens read, seconds) of the steps since the last `generate` call began (the
+        # newest STEP_LOG_LENGTH: a server's engine runs on); kind "prefill" (whole prompts), "chunk" (one prompt's
+        # chunk and a token of each running sequence), "decode".
+        self.step_log: deque[tuple[str, int, int, float]] = deque(maxlen=STEP_LOG_LENGTH)
         # Decode steps of the last `generate` call dispatched before the previous step's tokens were read.
         self.overlapped_steps = 0
         self._requests: dict[str, Sequence] = {}  # unfinished requests by id
@@ -275,7 +280,7 @@ class BatchEngine:
         ids = [f"generate-{self._next_index + i}" for i in range(len(prompts_ids))]
         for rid, prompt, p in zip(ids, prompts_ids, params):
             self.add_request(rid, prompt, p)
-        self.step_log = []
+        self.step_log.clear()
         self.overlapped_steps = 0
         try:
             outputs = run_requests(self, ids, on_text, progress)

@@ -1,0 +1,221 @@
+"""Serving benchmark in the style of vLLM's: the OpenAI server (`jax_offload.serving.api_server`) against the
+offline `LLM.generate` of the same requests on the same engine, in one process and one call.
+
+nano-vllm's workload (256 requests, prompt and output lengths uniform in 100..1024, token-id prompts, temperature
+0.6 with a seed per request, ignore_eos) on random bf16 weights at a real shape. The server runs in this process
+(uvicorn on a thread, the engine on its own); the client is a separate process (aiohttp, streaming
+/v1/completions), so the two share no interpreter. Phases:
+  offline   LLM.generate of all requests: a warm-up run, then --runs timed runs (output tok/s)
+  single    each of the --rate-requests first prompts alone through LLM.generate, max_tokens 1: the offline TTFT
+  inf       all requests sent at once, --runs runs: output tok/s, request/s, TTFT, TPOT, inter-token latency
+  rate R    --rate-requests requests with Poisson arrivals at R requests/s: the same figures, and the engine's
+            decode step over that run (its step log) beside the TPOT
+
+    python bench/bench_serve.py --shape qwen3-0.6b --out DIR          # one device call each shape
+    python bench/bench_serve.py --shape llama-3.1-8b --out DIR
+    python bench/bench_serve.py --shape smoke --out /tmp/serve         # CPU check of the script, < 1 min
+    python bench/bench_serve.py --report DIR --out bench/results       # serve.md from the serve_*.json files
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import fmt, model_config, random_params, run_metadata, stats  # noqa: E402
+
+
+def workload(shape: str, num: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's draws: prompts of randint(100, 1024) ids in [0, 10000], then max_tokens randint(100, 1024)."""
+    random.seed(seed)
+    lo, hi, vocab = (8, 48, 1000) if shape == "smoke" else (100, 1024, 10000)
+    prompts = [[random.randint(0, vocab) for _ in range(random.randint(lo, hi))] for _ in range(num)]
+    return prompts, [random.randint(lo, hi) for _ in range(num)]
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(int(round(q / 100 * (len(xs) - 1))), len(xs) - 1)]
+
+
+# ---- the client (its own process) --------------------------------------------------------------------------------
+
+
+async def client_run(url: str, prompts: list[list[int]], max_tokens: list[int], rate: float, seed: int) -> dict:
+    import aiohttp
+
+    rng = random.Random(seed)
+    records = [None] * len(prompts)
+
+    async def one(session, i: int, delay: float):
+        await asyncio.sleep(delay)
+        body = {"model": "bench", "prompt": prompts[i], "max_tokens": max_tokens[i], "temperature": 0.6,
+                "seed": i, "ignore_eos": True, "stream": True, "return_token_ids": True}
+        sent = time.perf_counter()
+        times, tokens = [], []
+        async with session.post(url + "/v1/completions", json=body) as r:
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ids = json.loads(line[6:])["choices"][0]["token_ids"]
+                if ids:
+                    times.append(time.perf_counter())
+                    tokens += ids
+        records[i] = {"sent": sent, "times": times, "tokens": tokens}
+
+    delays, t = [], 0.0
+    for _ in prompts:
+        delays.append(t)
+        t += rng.expovariate(rate) if rate != float("inf") else 0.0
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        began = time.perf_counter()
+        await asyncio.gather(*(one(session, i, d) for i, d in enumerate(delays)))
+        wall = time.perf_counter() - began
+    ttft = [r["times"][0] - r["sent"] for r in records]
+    tpot = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in records if len(r["times"]) > 1]
+    itl = [b - a for r in records for a, b in zip(r["times"], r["times"][1:])]
+    out_tokens = sum(len(r["tokens"]) for r in records)
+    return {"rate": rate, "requests": len(prompts), "wall_s": wall, "output_tokens": out_tokens,
+            "output_tok_s": out_tokens / wall, "request_s": len(prompts) / wall,
+            "ttft_ms": _ms(ttft), "tpot_ms": _ms(tpot), "itl_ms": _ms(itl),
+            "token_ids": [r["tokens"] for r in records]}
+
+
+def _ms(xs: list[float]) -> dict:
+    return {"p50": percentile(xs, 50) * 1e3, "p99": percentile(xs, 99) * 1e3, "mean": statistics.mean(xs) * 1e3}
+
+
+# ---- the server and the offline engine (this process) ------------------------------------------------------------
+
+
+def run(args) -> dict:
+    import jax
+    import uvicorn
+
+    from jax_offload import LLM, SamplingParams
+    from jax_offload.serving.api_server import create_app
+
+    cfg = model_config(args.shape)
+    params = random_params(cfg, jax.numpy.bfloat16)
+    prompts, max_tokens = workload(args.shape, args.num_requests)
+    llm = LLM.from_params(cfg, params, dtype="bfloat16", max_model_len=max(map(len, prompts)) + max(max_tokens) + 1,
+                          max_num_seqs=256, max_num_batched_tokens=16384)
+    sampling = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m, seed=i) for i, m in enumerate(max_tokens)]
+    result = {"meta": run_metadata(), "shape": args.shape, "requests": len(prompts),
+              "input_tokens": sum(map(len, prompts)), "output_tokens": sum(max_tokens)}
+
+    t = time.perf_counter()
+    offline_ids = [o.token_ids for o in llm.generate(prompts, sampling)]
+    result["warmup_s"] = time.perf_counter() - t
+    seconds = []
+    for _ in range(args.runs):
+        t = time.perf_counter()
+        llm.generate(prompts, sampling)
+        seconds.append(time.perf_counter() - t)
+    result["offline"] = {"seconds": stats(seconds), "output_tok_s": stats([sum(max_tokens) / s for s in seconds])}
+    single = []
+    for p in prompts[:args.rate_requests]:
+        t = time.perf_counter()
+        llm.generate([p], SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True, seed=0))
+        single.append(time.perf_counter() - t)
+    result["offline_ttft_ms"] = stats([s * 1e3 for s in single])
+
+    app = create_app(llm, "bench")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}"
+    engine = llm.request_engine()
+
+    def client(rate: float, num: int) -> dict:
+        spec = Path(args.out) / "client_spec.json"
+        spec.write_text(json.dumps({"url": url, "prompts": prompts[:num], "max_tokens": max_tokens[:num],
+                                    "rate": rate}))
+        engine.step_log.clear()
+        subprocess.run([sys.executable, __file__, "--client", str(spec)], check=True)
+        out = json.loads(spec.read_text())
+        decode = [s for kind, _, _, s in engine.step_log if kind == "decode"]
+        out["decode_step_ms"] = stats([s * 1e3 for s in decode]) if decode else None
+        out["same_tokens_as_offline"] = sum(a == b for a, b in zip(out.pop("token_ids"), offline_ids))
+        return out
+
+    client(float("inf"), len(prompts))  # warm-up: the server's first batch compiles nothing new, but the client
+    result["inf"] = [client(float("inf"), len(prompts)) for _ in range(args.runs)]
+    result["rates"] = [client(rate, args.rate_requests) for rate in args.rates]
+    server.should_exit = True
+    return result
+
+
+def report(folder: Path, out: Path) -> None:
+    lines = ["# Serving: the OpenAI server against offline `LLM.generate`", ""]
+    for path in sorted(folder.glob("serve_*.json")):
+        r = json.loads(path.read_text())
+        m = r["meta"]
+        inf = r["inf"]
+        served = stats([x["output_tok_s"] for x in inf])
+        ratio = served["median"] / r["offline"]["output_tok_s"]["median"]
+        lines += [f"## {r['shape']}: {m['device']}, jax {m['jax']}, {m['date']} ([{path.name}]({path.name}))", "",
+                  f"nano-vllm's workload: {r['requests']} requests, {r['input_tokens']} prompt and "
+                  f"{r['output_tokens']} output tokens; medians of {len(inf)} runs (min-max).", "",
+                  "| what | figure |", "|---|---|",
+                  f"| offline output tok/s | {fmt(r['offline']['output_tok_s'], digits=0)} |",
+                  f"| server output tok/s, infinite rate | {fmt(served, digits=0)} (**{ratio:.3f}x** offline) |",
+                  f"| server request/s, infinite rate | {fmt(stats([x['request_s'] for x in inf]))} |",
+                  f"| offline single-request TTFT ms | {fmt(r['offline_ttft_ms'], digits=1)} |", "",
+                  "| rate req/s | requests | out tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms "
+                  "| engine decode step ms | same tokens as offline |", "|---|---|---|---|---|---|---|---|"]
+        for x in inf[:1] + r["rates"]:
+            step = fmt(x["decode_step_ms"], digits=2) if x.get("decode_step_ms") else "-"
+            lines.append(f"| {x['rate']} | {x['requests']} | {x['output_tok_s']:.0f} | {x['ttft_ms']['p50']:.1f} / "
+                         f"{x['ttft_ms']['p99']:.1f} | {x['tpot_ms']['p50']:.2f} / {x['tpot_ms']['p99']:.2f} | "
+                         f"{x['itl_ms']['p50']:.2f} / {x['itl_ms']['p99']:.2f} | {step} | "
+                         f"{x['same_tokens_as_offline']} / {x['requests']} |")
+        lines.append("")
+    out.write_text("\n".join(lines))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen3-0.6b")
+    p.add_argument("--out", type=Path, required=False)
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 4.0, 16.0])
+    p.add_argument("--rate-requests", type=int, default=32)
+    p.add_argument("--client", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--report", type=Path)
+    args = p.parse_args()
+    if args.client:
+        spec = json.loads(args.client.read_text())
+        args.client.write_text(json.dumps(asyncio.run(client_run(spec["url"], spec["prompts"], spec["max_tokens"],
+                                                                 spec["rate"], seed=0))))
+        return
+    if args.report:
+        report(args.report, args.out / "serve.md")
+        return
+    if args.shape == "smoke":
+        args.num_requests, args.runs, args.rate_requests = 16, 2, 4
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"serve_{args.shape}.json").write_text(json.dumps(run(args), indent=1))
+
+
+if __name__ == "__main__":
+    main()
