@@ -157,7 +157,8 @@ def run(args) -> dict:
         out["same_tokens_as_offline"] = sum(a == b for a, b in zip(out.pop("token_ids"), offline_ids))
         return out
 
-    client(float("inf"), len(prompts))  # warm-up: the server's first batch compiles nothing new, but the client
+    client(float("inf"), len(prompts))  # warm-ups: the client's first connections, the small batches' shapes
+    client(max(args.rates), args.rate_requests)
     result["inf"] = [client(float("inf"), len(prompts)) for _ in range(args.runs)]
     result["rates"] = [client(rate, args.rate_requests) for rate in args.rates]
     server.should_exit = True
