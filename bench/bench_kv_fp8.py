@@ -36,13 +36,11 @@ from pathlib import Path
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import GiB, gpu_memory, h2d_bandwidth, model_config, random_params, run_metadata, stats  # noqa: E402
+from common import (  # noqa: E402
+    GiB, RandomModel, gpu_memory, h2d_bandwidth, model_config, random_params, run_metadata, stats,
+)
 
 from jax_offload.config import OFFLOAD_DEFAULTS, PAGE_POLICY_DEFAULTS, EngineConfig  # noqa: E402
-
-
-def _prompt(rng, cfg, n: int) -> list[int]:
-    return rng.integers(0, cfg.vocab_size, size=n).tolist()
 
 
 def _policy_options(policy: str, a) -> dict:
@@ -51,34 +49,23 @@ def _policy_options(policy: str, a) -> dict:
 
 
 def phase_decode(a) -> dict:
-    import jax.numpy as jnp
-    import numpy as np
-
-    from jax_offload import LLM, SamplingParams
     from jax_offload.kv.ring import group_size
 
-    cfg = model_config(a.shape, a.num_layers)
-    params = random_params(cfg, jnp.bfloat16)
-    rng = np.random.default_rng(0)
-    bs, n = a.block_size, min(a.ctx, cfg.max_position_embeddings - a.decode_tokens - 1)
+    m = RandomModel(a.shape, a.num_layers, tokens=a.decode_tokens)
+    cfg = m.cfg
+    bs, n = a.block_size, m.prompt_len(a.ctx)
     bandwidth = h2d_bandwidth()
     rows = []
     for policy in a.policies:
         for kv in a.kv_dtypes:
-            llm = LLM.from_params(cfg, params, dtype="bfloat16", offload=True, block_size=bs,
-                                  num_ring_slots=a.ring_slots,
-                                  max_model_len=min(max(n, 2 * group_size(a.ring_slots) * bs) + a.decode_tokens + bs,
-                                                    cfg.max_position_embeddings),
-                                  kv_cache_dtype=kv, **_policy_options(policy, a))
-
-            def run(length, tokens=a.decode_tokens):
-                return llm.generate([_prompt(rng, cfg, length)],
-                                    SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))[0]
-
+            llm = m.llm(offload=True, block_size=bs, num_ring_slots=a.ring_slots,
+                        max_model_len=min(max(n, 2 * group_size(a.ring_slots) * bs) + a.decode_tokens + bs,
+                                          cfg.max_position_embeddings),
+                        kv_cache_dtype=kv, **_policy_options(policy, a))
             # The timed prompt's decode shapes first: one full group of blocks, its last group, its tail.
             group = group_size(a.ring_slots)
-            run((group + (n // bs) % group) * bs + n % bs, 2)
-            out = run(n)
+            m.generate(llm, (group + (n // bs) % group) * bs + n % bs, 2)
+            out = m.generate(llm, n)
             runner = llm._runner
             row = {"policy": policy, "kv_cache_dtype": kv, "ctx": n, "prefill_s": out.prefill_seconds,
                    "decode_ms": stats([s * 1e3 for s in out.decode_token_seconds[1:]]),
@@ -102,22 +89,17 @@ def phase_decode(a) -> dict:
 
 def phase_batch(a) -> dict:
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
-    from jax_offload import LLM, SamplingParams
+    from jax_offload import SamplingParams
 
-    cfg = model_config(a.shape, a.num_layers)
-    params = random_params(cfg, jnp.bfloat16)
-    rng = np.random.default_rng(0)
-    prompts = [_prompt(rng, cfg, a.batch_prompt) for _ in range(a.batch_seqs)]
+    m = RandomModel(a.shape, a.num_layers)
+    prompts = [m.prompt(a.batch_prompt) for _ in range(a.batch_seqs)]
     sampling = SamplingParams(temperature=0.0, max_tokens=a.batch_tokens, ignore_eos=True)
     seq_len = a.batch_prompt + a.batch_tokens
     rows = []
     for kv in a.kv_dtypes:
-        llm = LLM.from_params(cfg, params, dtype="bfloat16", max_model_len=seq_len + 1, kv_cache_dtype=kv,
-                              max_num_seqs=a.batch_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                              gpu_memory_utilization=a.gpu_memory_utilization)
+        llm = m.llm(max_model_len=seq_len + 1, kv_cache_dtype=kv, max_num_seqs=a.batch_seqs,
+                    max_num_batched_tokens=a.max_num_batched_tokens, gpu_memory_utilization=a.gpu_memory_utilization)
         engine = llm._batch()
         blocks, block_size = engine.runner.num_blocks, engine.runner.block_size
         llm.generate(prompts[: max(1, a.batch_seqs // 8)], sampling)  # warm-up: compiles the steps
@@ -157,8 +139,7 @@ def phase_long(a) -> dict:
     rope = dataclasses.replace(cfg.rope, factor=factor)
     cfg = dataclasses.replace(cfg, max_position_embeddings=window, rope=rope)
     params = random_params(cfg, jnp.bfloat16)
-    rng = np.random.default_rng(0)
-    ids = _prompt(rng, cfg, n)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=n).tolist()
     xattn = dict(prefill_policy="xattention", xattn_density=a.long_density) if a.long_density > 0 else {}
     rows = []
     for policy in a.long_policies:

@@ -1,8 +1,7 @@
 """Offload engine benchmark on one GPU: Llama-3.1-8B shape, random bf16 weights.
 
 Each phase runs in a fresh process (so its peak GPU memory is its own) and writes phase_<name>.json:
-  chunked    ours, KV offloaded, chunked prefill: prefill and per-token decode at each context, and the
-             cost of the CLI's progress bar at 32K
+  chunked    ours, KV offloaded, chunked prefill: prefill and per-token decode at each context
   layerwise  ours, KV offloaded, layerwise prefill (peak memory reported on its own)
   in_gpu     ours, KV in GPU memory
   overlap    per phase (decode, chunked prefill, layerwise prefill): with transfers, transfers alone (the same
@@ -32,7 +31,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    SHAPES, GiB, fmt, gpu_memory, h2d_bandwidth, model_config, random_params, run_metadata, run_phases, stats,
+    SHAPES, GiB, RandomModel, fmt, gpu_memory, h2d_bandwidth, run_metadata, run_phases, stats,
 )
 
 from jax_offload.config import OFFLOAD_DEFAULTS  # noqa: E402
@@ -40,105 +39,45 @@ from jax_offload.config import OFFLOAD_DEFAULTS  # noqa: E402
 PHASES = ("chunked", "layerwise", "in_gpu", "overlap", "logits", "hf")
 
 
-class Bench:
-    """The model, the weights and the timing helpers one phase process uses."""
-
-    def __init__(self, args):
-        import jax
-        import numpy as np
-
-        self.args = args
-        self.cfg = model_config(args.shape, args.num_layers)
-        self.params = random_params(self.cfg, jax.numpy.bfloat16)
-        jax.block_until_ready(self.params)
-        self.rng = np.random.default_rng(0)
-        self.weights_GiB = sum(x.nbytes for x in jax.tree.leaves(self.params)) / GiB
-
-    def llm(self, **options):
-        from jax_offload import LLM
-
-        return LLM.from_params(self.cfg, self.params, dtype="bfloat16", **options)
-
-    def prompt(self, n: int) -> list[int]:
-        return self.rng.integers(0, self.cfg.vocab_size, size=n).tolist()
-
-    def prompt_len(self, ctx: int) -> int:
-        # "128K" fills the model's window: the prompt leaves room for the generated tokens.
-        return min(ctx, self.cfg.max_position_embeddings - self.args.decode_tokens - 1)
-
-    def generate(self, llm, n: int, tokens: int | None = None, progress: bool = False):
-        from jax_offload import SamplingParams
-
-        params = SamplingParams(temperature=0.0, max_tokens=tokens or self.args.decode_tokens, ignore_eos=True)
-        return llm.generate([self.prompt(n)], params, progress=progress)[0]
-
-    def timed_runs(self, llm, n: int, tokens: int | None = None) -> dict:
-        """One warm-up generation at this length, then `repeats` timed ones: prefill seconds per run and
-        every decode step's seconds, pooled."""
-        self.generate(llm, n, tokens)
-        prefill, steps = [], []
-        for _ in range(self.args.repeats):
-            out = self.generate(llm, n, tokens)
-            prefill.append(out.prefill_seconds)
-            steps += out.decode_token_seconds
-        return {"prefill_s": stats(prefill), "decode_ms": stats([s * 1e3 for s in steps])}
-
-
 # ---- phases ---------------------------------------------------------------------------------------
 
 
-def phase_chunked(b: Bench) -> dict:
+def phase_chunked(b: RandomModel, a) -> dict:
     import resource
 
-    from jax_offload.kv.ring import group_size
-
-    a, rows = b.args, []
-    bs = a.block_size
+    rows, bs = [], a.block_size
     llm = b.llm(max_model_len=b.cfg.max_position_embeddings, offload=True, block_size=bs,
                 num_ring_slots=a.ring_slots, prefill="chunked")
-    # Every chunked-prefill and decode shape: the last group of blocks has 1 .. half-the-ring blocks, and the
-    # tail starts empty or not. None depends on the prompt length.
-    for n in range(1, group_size(a.ring_slots) + 2):
-        b.generate(llm, n * bs)
-    b.generate(llm, bs + 7)
+    b.warm_offload(llm)
     for ctx in a.contexts:
         n = b.prompt_len(ctx)
-        row = {"ctx": ctx, "prompt_tokens": n, "host_blocks": n // bs, **b.timed_runs(llm, n)}
+        row = {"ctx": ctx, "prompt_tokens": n, "host_blocks": n // bs, **b.timed(llm, n)}
         # Only full blocks cross PCIe; the partial block stays on the GPU as the tail.
         row["pcie_bytes_per_token_step"] = (n // bs) * bs * b.cfg.kv_bytes_per_token
         row["gpu_memory_after"] = gpu_memory()
         rows.append(row)
         print(json.dumps(row), flush=True)
-    # The CLI's progress bar: the same prefill with and without it, interleaved.
-    n = b.prompt_len(a.progress_ctx)
-    with_bar, without = [], []
-    for _ in range(a.repeats):
-        without.append(b.generate(llm, n, 1).prefill_seconds)
-        with_bar.append(b.generate(llm, n, 1, progress=True).prefill_seconds)
-    progress = {"ctx": n, "with_bar_s": stats(with_bar), "without_s": stats(without),
-                "cost": stats(with_bar)["median"] / stats(without)["median"] - 1}
-    print(json.dumps(progress), flush=True)
-    return {"rows": rows, "progress_bar": progress, "max_rss_GiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    return {"rows": rows, "max_rss_GiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "store_GiB": llm._runner.store.total_bytes / GiB}
 
 
-def phase_layerwise(b: Bench) -> dict:
-    a, bs = b.args, b.args.block_size
+def phase_layerwise(b: RandomModel, a) -> dict:
+    bs = a.block_size
     n = a.layerwise_ctx
     before = gpu_memory()
     llm = b.llm(max_model_len=n + a.decode_tokens + bs, offload=True, block_size=bs, num_ring_slots=a.ring_slots,
                 prefill="layerwise")
-    row = {"ctx": n, "host_blocks": n // bs, **b.timed_runs(llm, n), "gpu_memory_before": before,
+    row = {"ctx": n, "host_blocks": n // bs, **b.timed(llm, n), "gpu_memory_before": before,
            "gpu_memory_after": gpu_memory()}
     print(json.dumps(row), flush=True)
     return {"rows": [row]}
 
 
-def phase_in_gpu(b: Bench) -> dict:
-    a, rows = b.args, []
+def phase_in_gpu(b: RandomModel, a) -> dict:
+    rows = []
     for n in a.in_gpu_contexts:
         llm = b.llm(max_model_len=n + a.decode_tokens + 16)
-        row = {"ctx": n, **b.timed_runs(llm, n), "gpu_memory_after": gpu_memory()}
+        row = {"ctx": n, **b.timed(llm, n), "gpu_memory_after": gpu_memory()}
         rows.append(row)
         print(json.dumps(row), flush=True)
         del llm
@@ -194,10 +133,10 @@ def _overlap(with_s, transfer_s, compute_s) -> dict:
             "hidden_fraction": (t + c - w) / min(t, c)}
 
 
-def phase_overlap(b: Bench) -> dict:
+def phase_overlap(b: RandomModel, a) -> dict:
     import jax
 
-    a, bs, out = b.args, b.args.block_size, {}
+    bs, out = a.block_size, {}
     layers = b.cfg.num_layers
     reps = a.repeats
 
@@ -205,14 +144,14 @@ def phase_overlap(b: Bench) -> dict:
     n = a.overlap_ctx
     mk = dict(max_model_len=n + a.decode_tokens + bs, offload=True, block_size=bs, num_ring_slots=a.ring_slots)
     llm = b.llm(**mk)
-    with_t = b.timed_runs(llm, n)["decode_ms"]
+    with_t = b.timed(llm, n)["decode_ms"]
     store = llm._runner.store
     store.mark_written(n // bs)  # the finished request's blocks are still there: stream them again
     keys = [(l, i) for l in range(layers) for i in range(n // bs)]
     _stream_seconds(store, a.ring_slots, keys)
     transfer = stats([_stream_seconds(store, a.ring_slots, keys) * 1e3 for _ in range(reps)])
     store.reset()
-    compute = b.timed_runs(_compute_only(b.llm(**mk)), n)["decode_ms"]
+    compute = b.timed(_compute_only(b.llm(**mk)), n)["decode_ms"]
     out["decode"] = {"ctx": n, **_overlap(with_t, transfer, compute)}
     print(json.dumps(out["decode"]), flush=True)
 
@@ -240,18 +179,18 @@ def phase_overlap(b: Bench) -> dict:
     return out
 
 
-def phase_logits(b: Bench) -> dict:
+def phase_logits(b: RandomModel, a) -> dict:
     """Last 64 logits of one prompt: how far the offloaded engine is from the in-GPU one, beside how far the
     in-GPU one is from transformers on the same weights."""
     import numpy as np
 
-    a, last = b.args, 64
+    last = 64
     ids = b.prompt(a.logits_ctx)
     bs = a.block_size
     got = {"ours_in_gpu_bf16": b.llm(max_model_len=len(ids) + 16).logits(ids, last=last)}
     got["ours_offload_bf16"] = b.llm(max_model_len=len(ids) + bs, offload=True, block_size=bs,
                                      num_ring_slots=a.ring_slots).logits(ids, last=last)
-    got["transformers_bf16"] = _hf_logits(b, ids, last)
+    got["transformers_bf16"] = _hf_logits(b, a.shape, ids, last)
 
     def diff(x, y):
         return float(np.abs(got[x] - got[y]).max())
@@ -267,14 +206,14 @@ def phase_logits(b: Bench) -> dict:
     return res
 
 
-def _hf_logits(b: Bench, ids: list[int], last: int):
+def _hf_logits(b: RandomModel, shape: str, ids: list[int], last: int):
     """transformers' LlamaForCausalLM (sdpa, bf16) over our very weights, shared through DLPack."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = b.cfg
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    raw = {k: v for k, v in SHAPES[b.args.shape].items() if k not in ("architectures", "model_type")}
+    raw = {k: v for k, v in SHAPES[shape].items() if k not in ("architectures", "model_type")}
     raw["num_hidden_layers"] = cfg.num_layers
     hf_cfg = LlamaConfig(**raw)
     hf_cfg._attn_implementation = "sdpa"
@@ -447,7 +386,7 @@ def report(src: Path, out: Path) -> None:
     print("\n".join(lines))
     import plots
 
-    plots.offload_decode(phases, out / "offload.png")
+    plots.decode_vs_context(phases, out / "offload.png")
 
 
 # ---- driver ---------------------------------------------------------------------------------------
@@ -459,8 +398,8 @@ def run_phase(args) -> None:
         result = phase_hf(args)
         result["meta"] = run_metadata()
     else:
-        b = Bench(args)
-        result = globals()[f"phase_{name}"](b)
+        b = RandomModel(args.shape, args.num_layers, tokens=args.decode_tokens, repeats=args.repeats)
+        result = globals()[f"phase_{name}"](b, args)
         result |= {"weights_GiB": b.weights_GiB, "kv_bytes_per_token": b.cfg.kv_bytes_per_token,
                    "h2d_Bps": h2d_bandwidth(), "gpu_memory_at_end": gpu_memory(), "meta": run_metadata()}
     result["meta"] |= {"shape": args.shape, "block_size": args.block_size, "ring_slots": args.ring_slots,
@@ -486,7 +425,6 @@ def main() -> None:
     p.add_argument("--in-gpu-contexts", type=ints, default=[8192])
     p.add_argument("--overlap-ctx", type=int, default=65536)
     p.add_argument("--prefill-overlap-ctx", type=int, default=32768)
-    p.add_argument("--progress-ctx", type=int, default=32768)
     p.add_argument("--logits-ctx", type=int, default=32768)
     p.add_argument("--hf-contexts", type=ints, default=[8192, 32768, 65536])
     p.add_argument("--hf-offloaded-contexts", type=ints, default=[8192, 32768])

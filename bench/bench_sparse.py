@@ -16,7 +16,9 @@ Phases (each in a fresh process, writing phase_<name>.json under --out):
                  estimate instead), for each --xattn-modes (in_gpu, layerwise, chunked)
 Every time is the median (min-max) of >= 5 measurements after a warm-up at the same shape.
 `--report DIR [DIR ...]` writes sparse.md, sparse.json and sparse.png from the phase files, each phase from the first
-folder that has it (runs of one phase on another device or day stay in their own folder).
+folder that has it (runs of one phase on another device or day stay in their own folder). The Quest section of
+bench/results/sparse.md comes from the older phase_quest.json (`runs/h200_quest_zero_copy/`), rendered by this file
+at commit 8b2e288.
 
     python bench/bench_sparse.py --phases decode --contexts 32768,131072,262144 --out DIR
     python bench/bench_sparse.py --report DIR [DIR ...] --out bench/results
@@ -24,7 +26,6 @@ folder that has it (runs of one phase on another device or day stay in their own
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import os
@@ -35,7 +36,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    GiB, call_seconds, fmt, gpu_memory, gpu_ms_per_pass, gpu_span_ms, model_config, random_params, run_metadata,
+    GiB, RandomModel, call_seconds, fmt, gpu_memory, gpu_ms_per_pass, gpu_span_ms, model_config, run_metadata,
     run_phases, stats,
 )
 
@@ -43,10 +44,6 @@ from jax_offload.config import OFFLOAD_DEFAULTS, PAGE_POLICY_DEFAULTS, SKETCH_DE
 
 PHASES = ("decode", "xattn_kernel", "xattn_prefill")
 SCORING_PASSES = 4
-
-
-def _prompt(rng, cfg, n):
-    return rng.integers(0, cfg.vocab_size, size=n).tolist()
 
 
 def phase_decode(a) -> dict:
@@ -60,23 +57,20 @@ def phase_decode(a) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jax_offload import LLM, SamplingParams
     from jax_offload.attention import embed_tokens, page_choice_step, page_read_step
     from jax_offload.kv.host_store import HostKVStore
     from jax_offload.kv.ring import group_size
 
-    cfg = model_config(a.shape, a.num_layers)
     # Contexts past the checkpoint's window (256K on Llama-3.1) are positions like any other for timing.
-    cfg = dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings, max(a.contexts) + 2 * a.block_size))
-    params = random_params(cfg, jnp.bfloat16)
-    rng = np.random.default_rng(0)
+    m = RandomModel(a.shape, a.num_layers, tokens=a.decode_tokens, min_positions=max(a.contexts) + 2 * a.block_size)
+    cfg, params = m.cfg, m.params
     bs, tokens = a.block_size, a.decode_tokens
     warm_up_blocks = 2 * group_size(a.ring_slots) + 1  # the longest warm-up prompt, in blocks
     max_len = max(max(a.contexts), warm_up_blocks * bs) + tokens + bs
     pages_per_block = bs // a.page_size
 
     def make(**kw):
-        return LLM.from_params(cfg, params, dtype="bfloat16", offload=True, block_size=bs, num_ring_slots=a.ring_slots, **kw)
+        return m.llm(offload=True, block_size=bs, num_ring_slots=a.ring_slots, **kw)
 
     def options(policy):
         extra = {"sketch_dtype": a.sketch_dtype} if policy == "sketch" else {}
@@ -84,15 +78,11 @@ def phase_decode(a) -> dict:
                     **extra)
 
     def run(llm, n):
-        out = llm.generate([_prompt(rng, cfg, n)], SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))[0]
+        out = m.generate(llm, n)
         return out.prefill_seconds, stats([s * 1e3 for s in out.decode_token_seconds])
 
-    def warm_up(llm):
-        # Every decode shape: dense layers stream groups of 1 .. half-the-ring blocks, the tail starts empty
-        # or not; none depends on the context length.
-        for k in range(1, warm_up_blocks + 1):
-            run(llm, k * bs)
-        run(llm, bs + 7)
+    def warm_up(llm):  # the dense layers stream groups of 1 .. half the ring's blocks, twice over
+        m.warm_offload(llm, groups=2)
 
     def timed(fn):
         return stats([t * 1e3 for t in call_seconds(fn, a.repeats)])
@@ -245,23 +235,20 @@ def phase_xattn_prefill(a) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jax_offload import LLM, SamplingParams
+    from jax_offload import SamplingParams
     from jax_offload.sparse.xattention import XAttention
 
-    cfg = model_config(a.shape, a.num_layers)
-    cfg = dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings, max(a.contexts) + a.block_size))
-    params = random_params(cfg, jnp.bfloat16)
-    rng = np.random.default_rng(0)
+    m = RandomModel(a.shape, a.num_layers, min_positions=max(a.contexts) + a.block_size)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     rows = []
     for mode in a.xattn_modes:
         options = dict(max_model_len=max(a.contexts) + a.block_size, prefill_policy="xattention")
         if mode != "in_gpu":
             options.update(offload=True, block_size=a.block_size, num_ring_slots=a.ring_slots, prefill=mode)
-        llm = LLM.from_params(cfg, params, dtype="bfloat16", **options)
+        llm = m.llm(**options)
         runner = llm._runner
         for ctx in a.contexts:
-            ids = _prompt(rng, cfg, ctx)
+            ids = m.prompt(ctx)
             for density in [None] + (a.densities if ctx == max(a.contexts) else [0.1]):
                 runner.xattn = None if density is None else XAttention(
                     stride=XATTN_DEFAULTS["xattn_stride"], block=XATTN_DEFAULTS["xattn_block"], top_fraction=density)
@@ -284,8 +271,7 @@ def phase_xattn_prefill(a) -> dict:
 
 
 def report(sources: list[Path], out: Path) -> None:
-    # phase_quest.json: runs before the decode phase, Quest alone.
-    found = {p: next((src for src in sources if (src / f"phase_{p}.json").exists()), None) for p in PHASES + ("quest",)}
+    found = {p: next((src for src in sources if (src / f"phase_{p}.json").exists()), None) for p in PHASES}
     phases = {p: json.loads((src / f"phase_{p}.json").read_text()) for p, src in found.items() if src}
     out.mkdir(parents=True, exist_ok=True)
     (out / "sparse.json").write_text(json.dumps(phases, indent=1))
@@ -293,27 +279,6 @@ def report(sources: list[Path], out: Path) -> None:
     dec = phases.get("decode")
     if dec:
         lines += _decode_section(dec)
-    q = phases.get("quest")
-    if q:
-        m = q["meta"]
-        lines += [f"{m['device']} | jax {m['jax']} | {m['date']}", "",
-                  f"## Quest decode (budget {q['budget']} tokens per KV head, page {q['page_size']}, {q['dense_layers']} "
-                  f"dense layers in GPU memory), medians (min-max) of every decode step", "",
-                  "| ctx | prefill s | decode ms/token | bytes moved per token (measured) | budget x sparse layers x KV bytes |",
-                  "|---|---|---|---|---|"]
-        # Contexts that did not fit the same device call: phase_quest_more*.json, rows marked with a dagger.
-        more = [json.loads(f.read_text()) for f in sorted(found["quest"].glob("phase_quest_more*.json"))]
-        for r in q["rows"] + [dict(r, ctx=f"{r['ctx']} †") for extra in more for r in extra["rows"]]:
-            lines.append(f"| {r['ctx']} | {r['prefill_s']:.2f} | {fmt(r['decode_ms'])} | {r['pcie_bytes_per_token'] / 2**20:.1f} MiB | "
-                         f"{r['expected_bytes'] / 2**20:.1f} MiB |")
-        lines += ["", _quest_breakdown(q, q["rows"])]
-        lines += [f"GPU memory: page bounds {q['memory']['page_bounds_GiB']:.2f} GiB, dense layers' KV "
-                  f"{q['memory']['dense_layers_gpu_GiB']:.2f} GiB; host store {q['memory']['host_store_GiB']:.1f} GiB."]
-        for e in more:
-            lines += ["", f"† Another device call (same device model and software), {e['meta']['date']}. "
-                      + _quest_breakdown(e, e["rows"] + q["rows"]),
-                      f"GPU memory: page bounds {e['memory']['page_bounds_GiB']:.2f} GiB, dense layers' KV "
-                      f"{e['memory']['dense_layers_gpu_GiB']:.2f} GiB; host store {e['memory']['host_store_GiB']:.1f} GiB."]
     kernel = phases.get("xattn_kernel")
     if kernel:
         m = kernel["meta"]
@@ -353,7 +318,7 @@ def report(sources: list[Path], out: Path) -> None:
     (out / "sparse.md").write_text("\n".join(lines) + "\n")
     import plots
 
-    plots.sparse_decode(phases, out / "sparse.png", more if q else [])
+    plots.sparse_decode(phases, out / "sparse.png")
     print("\n".join(lines))
 
 
@@ -389,27 +354,6 @@ def _decode_section(dec: dict) -> list[str]:
         lines.append(f"GPU memory, {policy}: metadata {mem['metadata_GiB']:.2f} GiB for a "
                      f"{mem['host_store_GiB']:.1f} GiB host store, dense layers' KV {mem['dense_layers_gpu_GiB']:.2f} GiB.")
     return lines + [""]
-
-
-def _quest_breakdown(q: dict, rows: list[dict]) -> str:
-    """The sentence on where a Quest step's time goes, from one phase file (its ratio only against a Quest row of
-    the same call)."""
-    b = q["breakdown"]
-    full = b["full_offloaded_decode_ms"]["median"]
-    same = [r for r in q["rows"] if abs(r["ctx"] - b["ctx"]) <= 64]
-    other = [r for r in rows if abs(r["ctx"] - b["ctx"]) <= 64]
-    speedup = (f"Quest {full / same[0]['decode_ms']['median']:.1f}x faster" if same else
-               f"{full / other[0]['decode_ms']['median']:.1f}x Quest's time at this length in the main call"
-               if other else "no Quest row at this length")
-    parts = (f"reading the chosen pages from pinned host memory with attention over them (the kernel's loads cross "
-             f"PCIe) {fmt(b['read_from_host_and_attend_ms'])} ms, the same with the store in GPU memory "
-             f"{fmt(b['attend_in_gpu_ms'])} ms (the difference is the transfer); " if "attend_in_gpu_ms" in b else
-             f"gather on the host + transfer {fmt(b['gather_and_transfer_ms'])} ms; ")
-    return (f"At {b['ctx']} tokens, same process: full offloaded decode {fmt(b['full_offloaded_decode_ms'])} ms/token, "
-            f"{speedup}. Where a Quest step goes (each part timed on its own, all sparse layers): the layers' q and "
-            f"the page choice {fmt(b['selection_ms'])} ms; " + parts + "the whole step with the store in GPU memory "
-            f"(choice, attention, the rest of the layers) {fmt(b['compute_only_ms'])} ms."
-            + (f" Note: {b['note_added_afterwards']}" if "note_added_afterwards" in b else ""))
 
 
 def run_phase(a) -> None:

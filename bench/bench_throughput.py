@@ -7,8 +7,7 @@ Phases, each in a fresh process writing phase_<phase>_<shape>.json under --out:
           padded shape compiled), then --runs timed runs: output tokens/s; each decode step's time against its
           HBM floor (weights read + KV bytes read) / measured device read bandwidth
   hf      transformers' own continuous batching (init_continuous_batching + add_request with each request's
-          max_new_tokens; generate_batch with one max_new_tokens if that API is missing), warmed up on the same
-          workload, --hf-runs timed runs
+          max_new_tokens), warmed up on the same workload, --hf-runs timed runs
   batch1  batch 1, KV in GPU memory, --batch1-context tokens (8K): per-token decode time against the HBM floor
           (8B shape unless --shape smoke), through LLM.generate (the batch engine) and the per-request path
   offload offload=True, --offload-requests prompts of --offload-context tokens (8B shape unless --shape smoke),
@@ -254,25 +253,13 @@ def manager_run(ps, ms):
     manager.stop(block=True)
     return tokens
 
-def batch_run(ps, ms):
-    outs = model.generate_batch(ps, generation_config=gen, max_new_tokens=ms[0])
-    return sum(len(o.generated_tokens) for o in outs.values())
-
-api = "init_continuous_batching + add_request"
-try:  # the warm-up: the whole workload, as ours
-    manager_run(prompts, max_tokens)
-    run = manager_run
-except Exception as err:  # older transformers: one max_new_tokens for the whole batch
-    api, mean = f"generate_batch, every request max_new_tokens = the mean ({err!r:.80})", sum(max_tokens) // len(max_tokens)
-    max_tokens = [mean] * len(max_tokens)
-    run = batch_run
-    run(prompts, max_tokens)
+manager_run(prompts, max_tokens)  # the warm-up: the whole workload, as ours
 seconds, tokens = [], 0
 for _ in range(runs):
     torch.cuda.synchronize(); t = time.perf_counter()
-    tokens = run(prompts, max_tokens)
+    tokens = manager_run(prompts, max_tokens)
     torch.cuda.synchronize(); seconds.append(time.perf_counter() - t)
-print(json.dumps({"api": api, "seconds": seconds, "output_tokens": tokens, "requests": len(prompts),
+print(json.dumps({"api": "init_continuous_batching + add_request", "seconds": seconds, "output_tokens": tokens, "requests": len(prompts),
                   "transformers": transformers.__version__}))
 """
 

@@ -35,7 +35,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    GiB, SHAPES, copy_rate, fmt, model_config, random_params, run_metadata, run_phases, stats,
+    GiB, SHAPES, RandomModel, copy_rate, fmt, model_config, run_metadata, run_phases,
 )
 
 from jax_offload.config import OFFLOAD_DEFAULTS  # noqa: E402
@@ -77,75 +77,24 @@ def device_memory(tp) -> list[dict]:
     return out
 
 
-class Run:
-    """One phase's model, engine and timing helpers."""
+def _random_model(a, shape: str, tp_size: int):
+    from jax_offload.tensor_parallel import TensorParallel
 
-    def __init__(self, args, shape: str, tp_size: int):
-        import jax
-        import numpy as np
+    return RandomModel(shape, tp=TensorParallel.create(tp_size), repeats=a.repeats)
 
-        from jax_offload.tensor_parallel import TensorParallel
 
-        self.args, self.tp = args, TensorParallel.create(tp_size)
-        self.cfg = model_config(shape)
-        self.params = random_params(self.cfg, jax.numpy.bfloat16, tp=self.tp)
-        jax.block_until_ready(self.params)
-        self.rng = np.random.default_rng(0)
-        self.weights_GiB_per_device = sum(
-            x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.params)) / GiB
-
-    def llm(self, **options):
-        from jax_offload import LLM
-
-        return LLM.from_params(self.cfg, self.params, dtype="bfloat16", tensor_parallel_size=self.tp.size, **options)
-
-    def prompt_len(self, ctx: int, tokens: int) -> int:
-        # "128K" fills the model's window: the prompt leaves room for the generated tokens.
-        return min(ctx, self.cfg.max_position_embeddings - tokens - 1)
-
-    def generate(self, llm, n: int, tokens: int):
-        from jax_offload import SamplingParams
-
-        ids = self.rng.integers(0, self.cfg.vocab_size, size=n).tolist()
-        return llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))[0]
-
-    def timed(self, llm, n: int, tokens: int, warm_up: bool = True) -> dict:
-        """`repeats` generations (after one at this length if `warm_up`): prefill seconds per run, decode ms of
-        every step pooled."""
-        if warm_up:
-            self.generate(llm, n, tokens)
-        prefill, steps = [], []
-        for _ in range(self.args.repeats):
-            out = self.generate(llm, n, tokens)
-            prefill.append(out.prefill_seconds)
-            steps += [s * 1e3 for s in out.decode_token_seconds]
-        # The steps themselves too: where a spread comes from (which run, which step) is part of the result.
-        return {"prefill_s": stats(prefill), "decode_ms": stats(steps) if steps else None,
-                "decode_steps_ms": [round(s, 3) for s in steps]}
-
-    def warm_offload(self, llm) -> None:
-        """Compiles every chunked-prefill and decode shape at short prompts: the last group of blocks has 1 .. half
-        the ring, the tail starts empty or not; none depends on the prompt length."""
-        from jax_offload.kv.ring import group_size
-
-        bs = self.args.block_size
-        for n in range(1, group_size(llm.engine_config.num_ring_slots) + 2):
-            self.generate(llm, n * bs, 2)
-        self.generate(llm, bs + 7, 2)
-
-    def offload_row(self, ctx: int, tokens: int, warm_up: bool) -> dict:
-        a = self.args
-        llm = self.llm(max_model_len=self.cfg.max_position_embeddings, offload=True, block_size=a.block_size,
-                       num_ring_slots=a.ring_slots, prefill="chunked")
-        self.warm_offload(llm)
-        n = self.prompt_len(ctx, tokens)
-        row = {"ctx": ctx, "prompt_tokens": n, "host_blocks": n // a.block_size,
-               "ring_slots": llm.engine_config.num_ring_slots, **self.timed(llm, n, tokens, warm_up)}
-        # Each device's share of the full blocks crosses its own link every step; the partial block stays on the GPU.
-        row["pcie_bytes_per_device_step"] = (n // a.block_size) * a.block_size * llm.model_config.kv_bytes_per_token \
-            // self.tp.size
-        row["store_GiB"] = llm._runner.store.total_bytes / GiB
-        return row
+def offload_row(m: RandomModel, a, ctx: int, tokens: int, warm_up: bool) -> dict:
+    """Chunked prefill of a `ctx` prompt offloaded, then `tokens` decoded, timed as `RandomModel.timed`."""
+    llm = m.llm(max_model_len=m.cfg.max_position_embeddings, offload=True, block_size=a.block_size,
+                num_ring_slots=a.ring_slots, prefill="chunked")
+    m.warm_offload(llm, 2)
+    n = m.prompt_len(ctx, tokens)
+    row = {"ctx": ctx, "prompt_tokens": n, "host_blocks": n // a.block_size,
+           "ring_slots": llm.engine_config.num_ring_slots, **m.timed(llm, n, tokens, warm_up)}
+    # Each device's share of the full blocks crosses its own link every step; the partial block stays on the GPU.
+    row["pcie_bytes_per_device_step"] = (n // a.block_size) * a.block_size * m.cfg.kv_bytes_per_token // m.tp.size
+    row["store_GiB"] = llm._runner.store.total_bytes / GiB
+    return row
 
 
 def _with_floor(row: dict, bandwidth: dict) -> dict:
@@ -167,30 +116,30 @@ def phase_bandwidth(a, tp_size: int) -> dict:
 
 
 def phase_offload(a, tp_size: int) -> dict:
-    r = Run(a, a.shape, tp_size)
-    row = r.offload_row(a.offload_ctx, a.decode_tokens, warm_up=True)
+    r = _random_model(a, a.shape, tp_size)
+    row = offload_row(r, a, a.offload_ctx, a.decode_tokens, warm_up=True)
     row["gpu_memory"] = device_memory(r.tp)
     bw = link_bandwidth(r.tp, a.bandwidth_MiB * 2**20)
-    return {"rows": [_with_floor(row, bw)], "links": bw, "weights_GiB_per_device": r.weights_GiB_per_device}
+    return {"rows": [_with_floor(row, bw)], "links": bw, "weights_GiB_per_device": r.weights_GiB}
 
 
 def phase_in_gpu(a, tp_size: int) -> dict:
-    r = Run(a, a.shape, tp_size)
+    r = _random_model(a, a.shape, tp_size)
     llm = r.llm(max_model_len=max(a.decode_ctx + a.decode_tokens, a.prefill_ctx + 1) + 16)
     decode = {"ctx": a.decode_ctx, **r.timed(llm, a.decode_ctx, a.decode_tokens)}
     prefill = {"ctx": a.prefill_ctx, **r.timed(llm, a.prefill_ctx, 1)}
     return {"decode": decode, "prefill": prefill, "gpu_memory": device_memory(r.tp),
-            "weights_GiB_per_device": r.weights_GiB_per_device}
+            "weights_GiB_per_device": r.weights_GiB}
 
 
 def phase_big(a, tp_size: int) -> dict:
-    r = Run(a, a.big_shape, tp_size)
+    r = _random_model(a, a.big_shape, tp_size)
     # No warm-up at the full length (one 128K prefill of this model takes most of a minute): the short warm-ups
     # compile every shape the timed runs use.
-    row = r.offload_row(a.big_ctx, a.big_tokens, warm_up=False)
+    row = offload_row(r, a, a.big_ctx, a.big_tokens, warm_up=False)
     row["gpu_memory"] = device_memory(r.tp)
     bw = link_bandwidth(r.tp, a.bandwidth_MiB * 2**20)
-    return {"rows": [_with_floor(row, bw)], "links": bw, "weights_GiB_per_device": r.weights_GiB_per_device,
+    return {"rows": [_with_floor(row, bw)], "links": bw, "weights_GiB_per_device": r.weights_GiB,
             "shape": a.big_shape}
 
 

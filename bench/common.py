@@ -34,11 +34,6 @@ SHAPES = {
         "head_dim": 128, "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
         "tie_word_embeddings": True,
     },
-    "smollm2-135m": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
-        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-        "max_position_embeddings": 8192, "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
-    },
     # A small Llama for checking the benchmark scripts on a CPU; no figure comes from it.
     "smoke": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1024, "hidden_size": 128,
@@ -109,6 +104,71 @@ def random_params(cfg, dtype, seed: int = 0, tp=None):
     ks = jax.random.split(jax.random.fold_in(key, 10_000), 2)
     return ModelParams(embed=rnd(ks[0], (cfg.vocab_size, h)), layers=layers, final_norm=norm(h),
                        lm_head=None if cfg.tie_word_embeddings else rnd(ks[1], (h, cfg.vocab_size)))
+
+
+class RandomModel:
+    """A shape's model with random bf16 weights, laid out for `tp` (a `TensorParallel`; None: one device), and what
+    a benchmark does with it: engines, prompts of random ids, greedy generations of `tokens` tokens and their
+    timings over `repeats` runs. `min_positions` widens the model's window: positions past a checkpoint's window
+    time like any other."""
+
+    def __init__(self, shape: str, num_layers: int | None = None, tp=None, tokens: int = 8, repeats: int = 5,
+                 min_positions: int = 0):
+        import dataclasses
+
+        import jax
+        import numpy as np
+
+        self.cfg = model_config(shape, num_layers)
+        if min_positions > self.cfg.max_position_embeddings:
+            self.cfg = dataclasses.replace(self.cfg, max_position_embeddings=min_positions)
+        self.tp, self.tokens, self.repeats = tp, tokens, repeats
+        self.params = random_params(self.cfg, jax.numpy.bfloat16, tp=tp)
+        jax.block_until_ready(self.params)
+        self.rng = np.random.default_rng(0)
+        self.weights_GiB = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.params)) / GiB
+
+    def llm(self, **options):
+        from jax_offload import LLM
+
+        return LLM.from_params(self.cfg, self.params, dtype="bfloat16",
+                               tensor_parallel_size=self.tp.size if self.tp else 1, **options)
+
+    def prompt(self, n: int) -> list[int]:
+        return self.rng.integers(0, self.cfg.vocab_size, size=n).tolist()
+
+    def prompt_len(self, ctx: int, tokens: int | None = None) -> int:
+        # "128K" fills the model's window: the prompt leaves room for the generated tokens.
+        return min(ctx, self.cfg.max_position_embeddings - (tokens or self.tokens) - 1)
+
+    def generate(self, llm, n: int, tokens: int | None = None):
+        from jax_offload import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=tokens or self.tokens, ignore_eos=True)
+        return llm.generate([self.prompt(n)], params)[0]
+
+    def timed(self, llm, n: int, tokens: int | None = None, warm_up: bool = True) -> dict:
+        """`repeats` generations (after one at this length if `warm_up`): prefill seconds per run, decode ms of
+        every step pooled, and the steps themselves (where a spread comes from is part of the result)."""
+        if warm_up:
+            self.generate(llm, n, tokens)
+        prefill, steps = [], []
+        for _ in range(self.repeats):
+            out = self.generate(llm, n, tokens)
+            prefill.append(out.prefill_seconds)
+            steps += [s * 1e3 for s in out.decode_token_seconds]
+        return {"prefill_s": stats(prefill), "decode_ms": stats(steps) if steps else None,
+                "decode_steps_ms": [round(s, 3) for s in steps]}
+
+    def warm_offload(self, llm, tokens: int | None = None, groups: int = 1) -> None:
+        """Compiles every offloaded prefill and decode shape at short prompts: the last group of blocks holds 1 ..
+        `groups` x half the ring's blocks, the tail starts empty or not; none depends on the prompt length."""
+        from jax_offload.kv.ring import group_size
+
+        bs = llm.engine_config.block_size
+        for n in range(1, groups * group_size(llm.engine_config.num_ring_slots) + 2):
+            self.generate(llm, n * bs, tokens)
+        self.generate(llm, bs + 7, tokens)
 
 
 def call_seconds(fn, reps: int) -> list[float]:
@@ -241,10 +301,20 @@ def fmt(s: dict | None, scale: float = 1.0, digits: int = 2) -> str:
 
 
 def run_metadata() -> dict:
+    """Device, versions, date, the command line and the repository's commit (-dirty with local changes)."""
+    import shlex
+    import subprocess
+
     import jax
 
+    try:
+        commit = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "describe", "--always",
+                                 "--dirty"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
     meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "python " + shlex.join(sys.argv), "git": commit}
     try:
         import torch
         import transformers

@@ -40,7 +40,6 @@ import json
 import math
 import re
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -54,7 +53,6 @@ from jax_offload.config import PAGE_POLICY_DEFAULTS, SKETCH_DEFAULTS, XATTN_DEFA
 from jax_offload.eval.niah import positive_int_list  # noqa: E402
 from jax_offload.eval.ruler import TASKS, NiahSample, make_samples, score_string_match_all  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 BASE_OPTIONS: dict[str, Any] = {"offload": True, "block_size": 256, "num_ring_slots": 2, "prefill": "chunked"}
 # The engine's defaults, written into every result file's options (the report and the mass pass read them there).
 PAGE_OPTIONS = {k: PAGE_POLICY_DEFAULTS[k] for k in ("page_size", "dense_layers")}
@@ -165,20 +163,11 @@ def prompts_digest(prompts: list[NiahSample]) -> str:
 
 
 def metadata() -> dict[str, Any]:
-    """Date, device, versions, the command line and the repository's commit (-dirty with local changes)."""
+    """`run_metadata` (date, device, versions, command line, commit) with the backend and jaxlib's version."""
     import jax
     import jaxlib
-    import transformers
 
-    try:
-        commit = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True,
-                                text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    return run_metadata() | {
-        "backend": jax.default_backend(), "jaxlib": jaxlib.__version__, "transformers": transformers.__version__,
-        "command": "python " + shlex.join(sys.argv), "git": commit,
-    }
+    return run_metadata() | {"backend": jax.default_backend(), "jaxlib": jaxlib.__version__}
 
 
 # ---- NIAH runs ----------------------------------------------------------------------------------------------

@@ -5,14 +5,14 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import run_metadata  # noqa: E402  (also puts the repository root on sys.path)
 
 
 def main() -> None:
@@ -25,8 +25,6 @@ def main() -> None:
     p.add_argument("--ring-slots", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=32)
     args = p.parse_args()
-
-    import jax
 
     from jax_offload import LLM, SamplingParams
     from jax_offload.default_model import ensure_default_model
@@ -56,9 +54,7 @@ def main() -> None:
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if not k.endswith("_ids")}), flush=True)
     summary = dict(
-        model=model_dir.name, device=jax.devices()[0].device_kind, jax=jax.__version__, python=platform.python_version(),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        length=args.length, block_size=args.block_size, ring_slots=args.ring_slots, prompts=len(rows),
+        model=model_dir.name, **run_metadata(), length=args.length, block_size=args.block_size, ring_slots=args.ring_slots, prompts=len(rows),
         identical_chunked=sum(r["offload_chunked_identical"] for r in rows),
         identical_layerwise=sum(r["offload_layerwise_identical"] for r in rows),
         in_gpu_mean_score=sum(r["in_gpu_score"] for r in rows) / len(rows),

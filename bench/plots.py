@@ -1,6 +1,6 @@
 """The benchmarks' plots: one function per plot, each drawn from result files and written as a PNG beside them.
 The bench scripts call theirs when they write a report; `python -m bench.plots` redraws every plot of
-bench/results/ from the files there (`decode_vs_context`, joining three scripts' runs, is drawn only here).
+bench/results/ from the files there (decode_vs_context.png, joining three scripts' runs, is drawn only here).
 Each plot's figures come from one device, named in its title.
 """
 from __future__ import annotations
@@ -47,35 +47,10 @@ def _save(fig, path: Path) -> None:
     plt.close(fig)
 
 
-def offload_decode(phases: dict, path: Path) -> None:
-    """bench_offload.py's offload.png: decode ms/token against context, ours offloaded with its PCIe floor and
-    transformers' caches."""
-    meta, bw, kv_tok = (next(iter(phases.values()))[k] for k in ("meta", "h2d_Bps", "kv_bytes_per_token"))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    rows = phases.get("chunked", {}).get("rows", [])
-    if rows:
-        ctx, ms = [r["ctx"] for r in rows], [r["decode_ms"] for r in rows]
-        ax.errorbar(ctx, [m["median"] for m in ms], yerr=[[m["median"] - m["min"] for m in ms],
-                                                          [m["max"] - m["median"] for m in ms]],
-                    fmt="o-", label=f"ours offloaded (block {meta['block_size']})")
-        ax.plot(ctx, [r["host_blocks"] * meta["block_size"] * kv_tok / bw["median"] * 1e3 for r in rows], "k--",
-                label="PCIe floor")
-    for cache in ("dynamic", "offloaded"):
-        rs = [r for r in phases.get("hf", {}).get("rows", []) if r.get("cache") == cache and "error" not in r]
-        if rs:
-            ax.plot([r["ctx"] for r in rs], [r["decode_ms"]["median"] for r in rs], "s:",
-                    label=f"transformers {cache} cache")
-    ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="decode ms / token (median)",
-           title=f"{meta['shape']} shape, bf16, {meta['device']}")
-    _plain_log_ticks(ax, sorted({r["ctx"] for phase in phases.values() for r in phase.get("rows", [])
-                                 if "ctx" in r}))
-    ax.legend(fontsize=8)
-    _save(fig, path)
-
-
-def sparse_decode(phases: dict, path: Path, quest_more: list[dict]) -> None:
+def sparse_decode(phases: dict, path: Path, quest_more: list[dict] = ()) -> None:
     """bench_sparse.py's sparse.png: one panel per phase present: decode policies' ms/token against context (and
-    Quest's older phase), prefill seconds full and XAttention at 10% per mode."""
+    Quest's older phase with the rows of `quest_more`, its later calls), prefill seconds full and XAttention at 10%
+    per mode."""
     q, pre, dec = phases.get("quest"), phases.get("xattn_prefill"), phases.get("decode")
     panels = [name for name, phase in (("decode", dec), ("quest", q), ("prefill", pre)) if phase]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
@@ -175,17 +150,14 @@ def niah_by_task(niah: dict[int, list[dict]], path: Path, labels: dict[str, str]
     plt.close(fig)
 
 
-def decode_vs_context(path: Path = RESULTS / "decode_vs_context.png") -> None:
-    """Decode ms/token against context on one H100: full offloaded (offload.json), sketch and Quest over the
-    offloaded KV (runs/h100_sketch_decode_launch), KV in GPU memory (offload.json), the PCIe floor of full
-    decode (its host blocks at the measured pinned-copy rate) and the HBM floor of in-GPU decode (weights and KV
-    read once at the copy bandwidth measured in runs/h100_batch1)."""
-    offload = read_json(RESULTS / "offload.json")
-    sparse = [read_json(RUNS / "h100_sketch_decode_launch" / f) for f in ("phase_decode.json",
-                                                                          "more_256k/phase_decode.json")]
-    batch1 = read_json(RUNS / "h100_batch1" / "phase_batch1_llama-3.1-8b.json")
-    chunked, in_gpu = offload["chunked"], offload["in_gpu"]
-    device = _one_device(chunked, in_gpu, batch1, *sparse)
+def decode_vs_context(offload: dict, path: Path, sparse: list[dict] = (), batch1: dict | None = None) -> None:
+    """Decode ms/token against context, Llama-3.1-8B shape, bf16, batch 1, from bench_offload.py's phases
+    `offload` (full offloaded with its PCIe floor: the host blocks at the measured pinned-copy rate; KV in GPU
+    memory; transformers' caches), with bench_sparse.py's decode phases `sparse` (sketch, Quest) and, from
+    bench_throughput.py's `batch1` phase, the HBM floor of in-GPU decode (weights and KV read once at the measured
+    bandwidth). bench_offload.py draws offload.png from its phases alone."""
+    chunked, in_gpu = offload["chunked"], offload.get("in_gpu")
+    device = _one_device(*(p for p in offload.values() if p.get("rows")), *sparse, *([batch1] if batch1 else []))
     kv_tok, block = chunked["kv_bytes_per_token"], chunked["meta"]["block_size"]
     fig, ax = plt.subplots(figsize=(8, 4.8))
     ctx = [r["ctx"] for r in chunked["rows"]]
@@ -195,15 +167,23 @@ def decode_vs_context(path: Path = RESULTS / "decode_vs_context.png") -> None:
             "--", color=COLORS[0], label=f"PCIe floor ({chunked['h2d_Bps']['median'] / 1e9:.0f} GB/s pinned copy)")
     for policy, color in (("sketch", COLORS[1]), ("quest", COLORS[2])):
         rows = sorted((r for s in sparse for r in s["rows"] if r["policy"] == policy), key=lambda r: r["ctx"])
-        ax.plot([r["ctx"] for r in rows], [r["decode_ms"]["median"] for r in rows], "o-", color=color,
-                label=f"{'Quest' if policy == 'quest' else policy}, offloaded, budget {sparse[0]['budget']}")
-    ax.plot([r["ctx"] for r in in_gpu["rows"]], [r["decode_ms"]["median"] for r in in_gpu["rows"]], "s",
-            color=COLORS[3], markersize=8, label="full, KV in GPU memory")
-    bw = (batch1.get("read_bandwidth") or batch1["copy_bandwidth"])["median"]
-    weights = batch1["floor_seconds"] * bw - batch1["context"] * kv_tok  # the weight bytes a step reads
+        if rows:
+            ax.plot([r["ctx"] for r in rows], [r["decode_ms"]["median"] for r in rows], "o-", color=color,
+                    label=f"{'Quest' if policy == 'quest' else policy}, offloaded, budget {sparse[0]['budget']}")
+    if in_gpu:
+        ax.plot([r["ctx"] for r in in_gpu["rows"]], [r["decode_ms"]["median"] for r in in_gpu["rows"]], "s",
+                color=COLORS[3], markersize=8, label="full, KV in GPU memory")
+    for cache, color in (("dynamic", COLORS[4]), ("offloaded", COLORS[5])):
+        rows = [r for r in offload.get("hf", {}).get("rows", []) if r.get("cache") == cache and "error" not in r]
+        if rows:
+            ax.plot([r["ctx"] for r in rows], [r["decode_ms"]["median"] for r in rows], "s:", color=color,
+                    label=f"transformers, {cache} cache")
     grid = sorted({*ctx, *(r["ctx"] for s in sparse for r in s["rows"])})
-    ax.plot(grid, [(weights + n * kv_tok) / bw * 1e3 for n in grid], ":", color=COLORS[3],
-            label=f"HBM floor, KV in GPU memory ({bw / 1e12:.1f} TB/s copy)")
+    if batch1:
+        bw = (batch1.get("read_bandwidth") or batch1["copy_bandwidth"])["median"]
+        weights = batch1["floor_seconds"] * bw - batch1["context"] * kv_tok  # the weight bytes a step reads
+        ax.plot(grid, [(weights + n * kv_tok) / bw * 1e3 for n in grid], ":", color=COLORS[3],
+                label=f"HBM floor, KV in GPU memory ({bw / 1e12:.1f} TB/s copy)")
     ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="decode ms / token (median of steps)",
            title=f"Decode against context: Llama-3.1-8B shape, bf16, batch 1\n{device}")
     _plain_log_ticks(ax, grid)
@@ -277,13 +257,16 @@ def main() -> None:
     from eval_sparse import load_results
 
     offload = read_json(RESULTS / "offload.json")
-    offload_decode(offload, RESULTS / "offload.png")
+    decode_vs_context(offload, RESULTS / "offload.png")
+    decode_vs_context({k: offload[k] for k in ("chunked", "in_gpu")}, RESULTS / "decode_vs_context.png",
+                      [read_json(RUNS / "h100_sketch_decode_launch" / f) for f in ("phase_decode.json",
+                                                                                   "more_256k/phase_decode.json")],
+                      read_json(RUNS / "h100_batch1" / "phase_batch1_llama-3.1-8b.json"))
     sparse_decode(read_json(RESULTS / "sparse.json"), RESULTS / "sparse.png",
                   [read_json(RUNS / "h200_quest_zero_copy" / "phase_quest_more_256k.json")])
     for mode in ("in_gpu", "offloaded"):
         niah_by_budget(load_results(RUNS / "h100_sparse" / f"niah_{mode}")[0],
                        RESULTS / "sparse_niah" / mode / "sparse_niah.png")
-    decode_vs_context()
     niah_by_task(load_results(RUNS / "h100_sketch_oracle")[0], RUNS / "h100_sketch_oracle" / "niah_by_task.png",
                  {"full": "full", "sketch4b1024": "sketch, budget 1024", "sketch4b512": "sketch, budget 512",
                   "quest1024": "Quest, budget 1024", "quest512": "Quest, budget 512"},
