@@ -4,10 +4,10 @@ Phases (each in a fresh process, writing phase_<name>.json under --out):
   decode      the page-choosing decode policies (--policies, default sketch,quest) over the offloaded KV: ms/token
               and bytes moved per token at each context, the time of the choice at each context (the policy's
               scoring alone, as a call and as GPU time per token: the span of one call's kernels in a profiler
-              trace, and the older (t4 - t1) / 3 estimate; the layers' q with scoring and top-k), full offloaded
-              decode at the breakdown context
-              in the same process, and there reading the chosen pages from pinned memory with attention over
-              them against the same read from GPU memory (older runs: phase_quest.json, Quest alone)
+              trace (files before 2026-11-28 add the older (t4 - t1) / 3 estimate); the layers' q with scoring
+              and top-k), full offloaded
+              decode at the breakdown context in the same process, and there reading the chosen pages from pinned
+              memory with attention over them against the same read from GPU memory
   xattn_kernel   XAttention's block-sparse kernel against our dense causal kernel at fixed densities of the
                  causal blocks (random choice per head and query block, sink and diagonal kept), and the
                  estimate of one layer (threshold 0.9) at the same length
@@ -36,21 +36,17 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    GiB, RandomModel, call_seconds, fmt, gpu_memory, gpu_ms_per_pass, gpu_span_ms, model_config, run_metadata,
+    GiB, RandomModel, call_seconds, fmt, gpu_memory, gpu_span_ms, model_config, run_metadata,
     run_phases, stats,
 )
 
 from jax_offload.config import OFFLOAD_DEFAULTS, PAGE_POLICY_DEFAULTS, SKETCH_DEFAULTS, XATTN_DEFAULTS  # noqa: E402
 
 PHASES = ("decode", "xattn_kernel", "xattn_prefill")
-SCORING_PASSES = 4
 
 
 def phase_decode(a) -> dict:
-    """Each of --policies over the offloaded KV at every context: ms/token, bytes moved per token, and where the
-    choice of pages goes (the policy's scoring alone, the layers' q with scoring and top-k); full offloaded decode
-    at the breakdown context in the same process; the breakdown context's read of the chosen pages from pinned
-    memory against the same read from GPU memory, for the first policy."""
+    """The decode phase of the module's docstring; the pages' read at the breakdown context for the first policy."""
     import gc
 
     import jax
@@ -87,12 +83,6 @@ def phase_decode(a) -> dict:
     def timed(fn):
         return stats([t * 1e3 for t in call_seconds(fn, a.repeats)])
 
-    def scoring_by_repeats_ms(once, repeated):
-        # The earlier estimate of the same: (t_R - t_1) / (R - 1) of a program scoring every layer once and R times,
-        # one figure per alternated round, each from medians of 10 waited calls. It also counts host work that grows
-        # with the program (see common.gpu_span_ms), so it reads higher than the trace.
-        return stats([gpu_ms_per_pass(once, repeated, SCORING_PASSES, 10) for _ in range(a.repeats)])
-
     x = embed_tokens(params.embed, np.full((1, 1), 7, np.int32))
     tail = jnp.zeros((2, bs, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
     rows, memory, read = [], {}, None
@@ -118,21 +108,14 @@ def phase_decode(a) -> dict:
                 [np.int32(n), np.int32(n % bs), np.int32(written * pages_per_block)])
             q = jax.random.normal(jax.random.PRNGKey(1), (cfg.num_heads, cfg.head_dim), jnp.bfloat16)
             # Every sparse layer's scoring in one program, as each runs inside its layer's program in a step.
-            def score_passes(passes, nc=candidates):
-                # Each pass its own q, so that XLA cannot merge the passes.
-                return jax.jit(lambda q, metas, num_pages: [
-                    pages.scorer.page_scores(impl, q + jnp.bfloat16(j), meta, num_pages, nc)
-                    for j in range(passes) for meta in metas])
-
-            score_once, score_repeated = score_passes(1), score_passes(SCORING_PASSES)
+            score_once = jax.jit(lambda q, metas, num_pages, nc=candidates: [
+                pages.scorer.page_scores(impl, q, meta, num_pages, nc) for meta in metas])
             metas = [pages.metadata(l) for l in layers]
             row["scoring_ms"] = timed(lambda: score_once(q, metas, num_pages))
             # A step pays the scoring inside its layers' programs, not as a call of its own: its GPU time is the
             # span of one call's kernels in a profiler trace.
-            row["scoring_gpu_ms"] = (stats(gpu_span_ms(lambda: score_once(q, metas, num_pages), 2 * a.repeats))
-                                     if jax.default_backend() == "gpu" else None)
-            row["scoring_by_repeats_ms"] = scoring_by_repeats_ms(lambda: score_once(q, metas, num_pages),
-                                                                 lambda: score_repeated(q, metas, num_pages))
+            row["scoring_trace_ms"] = (stats(gpu_span_ms(lambda: score_once(q, metas, num_pages), 2 * a.repeats))
+                                       if jax.default_backend() == "gpu" else None)
 
             def choose():
                 return [page_choice_step(cfg, impl, params.layers[l], x, inv_freq, tail, position, tail_len,
@@ -334,11 +317,15 @@ def _decode_section(dec: dict) -> list[str]:
              "bytes moved per token |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in dec["rows"]:
-        if "scoring_by_repeats_ms" not in r:  # runs before 2026-11-27 measured the scoring by repeats only
-            r = {**r, "scoring_gpu_ms": None, "scoring_by_repeats_ms": r.get("scoring_gpu_ms")}
+        # scoring_gpu_ms held the (t4 - t1) / 3 estimate before 2026-11-27 and the trace's span with the estimate
+        # beside it that day; later files have the span alone, as scoring_trace_ms.
+        if "scoring_trace_ms" not in r:
+            dated = "scoring_by_repeats_ms" in r
+            r = {**r, "scoring_trace_ms": r.get("scoring_gpu_ms") if dated else None,
+                 "scoring_by_repeats_ms": r.get("scoring_by_repeats_ms", r.get("scoring_gpu_ms"))}
         vs = f"{full['decode_ms']['median'] / r['decode_ms']['median']:.1f}x" if r["ctx"] == full["ctx"] else "-"
         lines.append(f"| {r['policy']} | {r['ctx']} | {r['prefill_s']:.2f} | {fmt(r['decode_ms'])} | {vs} | "
-                     f"{fmt(r['scoring_ms'])} | {fmt(r['scoring_gpu_ms'])} | {fmt(r['scoring_by_repeats_ms'])} | "
+                     f"{fmt(r['scoring_ms'])} | {fmt(r['scoring_trace_ms'])} | {fmt(r.get('scoring_by_repeats_ms'))} | "
                      f"{fmt(r['choice_ms'])} | "
                      f"{r['pcie_bytes_per_token'] / 2**20:.1f} MiB |")
     # Runs before this field existed have no full-policy prefill time.

@@ -36,7 +36,7 @@ from pathlib import Path
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import SHAPES, GiB, fmt, h2d_bandwidth, model_config, random_params, run_metadata, stats  # noqa: E402
+from common import SHAPES, GiB, RandomModel, fmt, h2d_bandwidth, run_metadata, stats  # noqa: E402
 
 from jax_offload.config import EngineConfig  # noqa: E402
 
@@ -80,23 +80,19 @@ def weight_bytes_read(params) -> int:
 
 
 def phase_ours(args) -> dict:
-    import jax
+    from jax_offload import SamplingParams
 
-    from jax_offload import LLM, SamplingParams
-
-    cfg = model_config(args.shape)
-    params = random_params(cfg, jax.numpy.bfloat16)
-    jax.block_until_ready(params)
+    m = RandomModel(args.shape)
+    cfg, params = m.cfg, m.params
     bw = read_bandwidth(2 * GiB if args.shape != "smoke" else 2**24)
     # --distinct-runs: every run draws its own prompts (seed = run number), each run once untimed first (their
     # shapes compiled); with prefix caching the cache is emptied before each timed run, so that it finds nothing
     # and both settings do the same work, caching's bookkeeping included.
     draws = [workload(args, i + 1 if args.distinct_runs else 0) for i in range(args.runs)]
     longest = max(len(p) + m for ps, ms in draws for p, m in zip(ps, ms))
-    llm = LLM.from_params(cfg, params, dtype="bfloat16", max_model_len=longest + 1,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          gpu_memory_utilization=args.gpu_memory_utilization, batch_invariant=args.batch_invariant,
-                          enable_prefix_caching=args.enable_prefix_caching)
+    llm = m.llm(max_model_len=longest + 1, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
+                batch_invariant=args.batch_invariant, enable_prefix_caching=args.enable_prefix_caching)
 
     def sampling(max_tokens):
         return [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m, seed=i) for i, m in enumerate(max_tokens)]
@@ -142,35 +138,21 @@ def phase_ours(args) -> dict:
 
 
 def phase_batch1(args) -> dict:
-    import jax
-
-    from jax_offload import LLM, SamplingParams
-    from jax_offload.serving.engine import run_requests
+    from jax_offload import SamplingParams
 
     shape = "smoke" if args.shape == "smoke" else BATCH1_SHAPE
     ctx = 512 if args.shape == "smoke" else args.batch1_context
-    cfg = model_config(shape)
-    params = random_params(cfg, jax.numpy.bfloat16)
-    jax.block_until_ready(params)
+    m = RandomModel(shape)
+    cfg, params = m.cfg, m.params
     bw = read_bandwidth(2 * GiB if args.shape != "smoke" else 2**24)
-    llm = LLM.from_params(cfg, params, dtype="bfloat16", max_model_len=ctx + 64,
-                          max_num_batched_tokens=args.max_num_batched_tokens, batch_invariant=args.batch_invariant)
+    llm = m.llm(max_model_len=ctx + 64, max_num_batched_tokens=args.max_num_batched_tokens,
+                batch_invariant=args.batch_invariant)
     prompt = random.Random(1).choices(range(1000), k=ctx)
     sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
     def median_step(out) -> float:
         return sorted(out.decode_token_seconds)[15]  # median of 31 steps
 
-    def run_per_request():
-        engine = llm._serial_engine()
-        engine.add_request("batch1", prompt, sp)
-        return run_requests(engine, ["batch1"])[0]
-
-    # The per-request path (a cache sized to the request, one call per layer: the serial engine), which the CPU's
-    # XLA twins take and long prompts took before chunked prefill; first, before the batch engine's pool claims the
-    # GPU memory.
-    run_per_request()
-    per_request = [run_per_request() for _ in range(args.runs)]
     llm.generate(prompt, sp)  # the path a single prompt takes: the batch engine (chunks past the step budget)
     batched = [llm.generate(prompt, sp)[0] for _ in range(args.runs)]
     per_token = [median_step(o) for o in batched]
@@ -178,29 +160,21 @@ def phase_batch1(args) -> dict:
     return {"shape": shape, "context": ctx, "decode_token_seconds": stats(per_token), "floor_seconds": floor,
             "floor_ratio": stats([s / floor for s in per_token]), "read_bandwidth": bw, "path": "batch engine",
             "max_num_batched_tokens": llm.engine_config.max_num_batched_tokens,
-            "prefill_seconds": stats([o.prefill_seconds for o in batched]),
-            "per_request_prefill_seconds": stats([o.prefill_seconds for o in per_request]),
-            "same_tokens_as_per_request": all(o.token_ids == per_request[0].token_ids for o in batched),
-            "per_request_decode_token_seconds": stats([median_step(o) for o in per_request]),
-            "per_request_floor_ratio": stats([median_step(o) / floor for o in per_request])}
+            "prefill_seconds": stats([o.prefill_seconds for o in batched])}
 
 
 def phase_offload(args) -> dict:
-    import jax
-
-    from jax_offload import LLM, SamplingParams
+    from jax_offload import SamplingParams
 
     shape = "smoke" if args.shape == "smoke" else BATCH1_SHAPE
     ctx, n = (256, 4) if args.shape == "smoke" else (args.offload_context, args.offload_requests)
-    cfg = model_config(shape)
-    params = random_params(cfg, jax.numpy.bfloat16)
-    jax.block_until_ready(params)
+    m = RandomModel(shape)
+    cfg = m.cfg
     rng = random.Random(2)
     prompts = [rng.choices(range(1000), k=ctx) for _ in range(n)]
     sp = SamplingParams(temperature=0.0, max_tokens=args.offload_tokens, ignore_eos=True)
     bs = 64 if args.shape == "smoke" else 1024
-    llm = LLM.from_params(cfg, params, dtype="bfloat16", max_model_len=n * (ctx + args.offload_tokens + bs),
-                          offload=True, block_size=bs, max_num_seqs=n)
+    llm = m.llm(max_model_len=n * (ctx + args.offload_tokens + bs), offload=True, block_size=bs, max_num_seqs=n)
     llm.generate(prompts, sp)  # warm-up: every step shape compiled, batched and alone
     llm.generate(prompts[:1], sp)
     together, alone = [], []
@@ -349,8 +323,9 @@ def report(srcs: list[Path], out: Path) -> None:
                           f"{fmt(b['per_request_decode_token_seconds'], 1e3)} ms/token (ratio "
                           f"{fmt(b['per_request_floor_ratio'])})" if "per_request_floor_ratio" in b else "") + (
                           f". Prefill: {fmt(b['prefill_seconds'])} s on the batch engine (step budget "
-                          f"{b['max_num_batched_tokens']} tokens), {fmt(b['per_request_prefill_seconds'])} s on the "
-                          f"per-request path" if "prefill_seconds" in b else "") + "."]
+                          f"{b['max_num_batched_tokens']} tokens)" if "prefill_seconds" in b else "") + (
+                          f", {fmt(b['per_request_prefill_seconds'])} s on the per-request path"
+                          if "per_request_prefill_seconds" in b else "") + "."]
     for key, o in phases.items():
         if key.startswith("offload_"):
             lines += ["", f"Offloaded KV, {o['shape']}, {o['requests']} requests of {o['context']} tokens, "

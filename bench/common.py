@@ -186,14 +186,6 @@ def call_seconds(fn, reps: int) -> list[float]:
     return seconds
 
 
-def gpu_ms_per_pass(once, repeated, passes: int, calls: int) -> float:
-    """One pass's GPU time in ms without a call's dispatch: (t_passes - t_1) / (passes - 1) from the medians of
-    `calls` waited calls of `once` (a program running its work once) and `repeated` (the same work `passes` times,
-    each pass on its own inputs so that XLA cannot merge them)."""
-    t1, t_r = (statistics.median(call_seconds(fn, calls)) for fn in (once, repeated))
-    return (t_r - t1) / (passes - 1) * 1e3
-
-
 def profiled(run):
     """`run()` under jax.profiler.trace; returns the trace as a `jax.profiler.ProfileData`."""
     import glob
@@ -247,10 +239,10 @@ def decode_steps_by_kernel(data, steps_ms: list[float]) -> dict:
 
 def gpu_span_ms(fn, calls: int) -> list[float]:
     """GPU time in ms of each of `calls` waited calls of `fn`, read from a profiler trace: from the start of the
-    call's first GPU kernel to the end of its last, gaps between them included. It counts no host work, which
-    (t_R - t_1) / (R - 1) of `gpu_ms_per_pass` does where the host's share of a call grows with the program: on an
-    H100, 30 layers of sketch scoring span 1.86 ms on the GPU while that estimate gave 2.10-2.16
-    (bench/results/runs/h100_sketch_timeline/)."""
+    call's first GPU kernel to the end of its last, gaps between them included. It counts no host work, which the
+    older estimate (t_R - t_1) / (R - 1) of a program doing its work once and R times did where the host's share of
+    a call grows with the program: on an H100, 30 layers of sketch scoring span 1.86 ms on the GPU while that
+    estimate gave 2.10-2.16 (bench/results/runs/h100_sketch_timeline/)."""
     import jax
 
     def run():

@@ -7,13 +7,13 @@ selections alone:
 
   prefill  full        every causally visible key
            xattnT      XAttention's blocks at threshold T: the library's antidiagonal estimate and
-                       `pallas_kernels.select_blocks` (stride 8, 128-token blocks), as the engine chooses them
+                       `pallas_kernels.select_blocks` (the engine's stride and blocks), as the engine chooses them
            xoracleT    the same `select_blocks` rule on the true softmax mass of each (query block, key block):
                        the fewest blocks that hold T of each query block's attention: what an exact estimate would choose
   decode   full        every key
            questN      Quest's pages, budget N tokens per KV head: `jax_offload.sparse.quest` over the pages of
-                       the stored blocks (256 tokens), the tail past them attended in full, the first 2 layers
-                       dense, 16-token pages: the engine's rule
+                       eval_sparse.py's stored blocks, the tail past them attended in full, the engine's pages and
+                       dense layers: the engine's rule
            qoracleN    the same number of pages of the same candidates, chosen by their true softmax mass summed
                        over the GQA group (`quest.top_pages`): the most mass any choice of N tokens keeps
            sketch4bN   the engine's sketch policy (`jax_offload.sparse.sketch`): every stored key quantized to int4
@@ -22,7 +22,7 @@ selections alone:
            sketch4rN   sketch4bN's pages read exactly, and every stored page it leaves out estimated: each query
                        head also attends one key per such page, with the page's estimated log-mass (the log-sum-exp
                        of its sketch logits) as its logit and the mean of its values as its value
-           +denseL     with a decode rule: the first L layers dense instead of 2 (the engine's `dense_layers`)
+           +denseL     with a decode rule: the first L layers dense (instead of the engine's `dense_layers`)
 
 A config is `full`, one rule, or a prefill and a decode rule joined by `+` (`xattn0.9+quest1024`). Per length and
 prefill rule the prompt is prefilled once and every decode rule of that prefill decodes from it in one batch.

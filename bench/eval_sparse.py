@@ -11,9 +11,10 @@ that Quest's chosen pages hold.
 Every config is one `LLM` over the same base, `offload=True, block_size=256, num_ring_slots=2,
 prefill="chunked"` (`--base key=value,...` overrides or adds base options; `--dtype` defaults to bfloat16 on a
 GPU, float32 otherwise), and runs every length's prompts greedily for `--max-tokens` tokens. A config name is
-`full` or parts joined by `+`: `questN` and `sketchN` (Quest or int4-sketch decode, budget N tokens per KV head,
-16-token pages, 2 dense layers) and `xattnT` (XAttention prefill, threshold T, stride 8, 128-token blocks). Each length's prompts (the
-eight RULER NIAH tasks, `--samples` each, `--seed`) are built once, so every config sees the same token ids;
+`full` or parts joined by `+`: `questN` and `sketchN` (Quest or sketch decode, budget N tokens per KV head, the
+engine's pages and dense layers) and `xattnT` (XAttention prefill at threshold T, the engine's stride and blocks).
+Each length's prompts (the eight RULER NIAH tasks, `--samples` each, `--seed`) are built once, so every config sees
+the same token ids;
 prompts are fitted to at most `min(length, max_model_len - max_tokens)` tokens, so that all tokens can be
 generated. A run writes `sparse_niah_{length}_{config}.json` per length and config under `--out` (`+` written as `-`).
 
@@ -28,7 +29,8 @@ bound loses, the oracle's gap to 1 what the budget cannot reach. It writes `ques
 (The engine's first Quest step reads with the first generated token's query, one position later; the last
 prompt token's query stands in for it, so no generation is needed.)
 
-`--report DIR --out OUT` reads those files and writes `OUT/sparse_niah.md` and `OUT/sparse_niah.png`.
+`--report DIR --out OUT` reads those files (or NAME.json.gz) and writes `OUT/sparse_niah.md` with the plots
+`sparse_niah.png` and `niah_by_task.png`.
 """
 from __future__ import annotations
 
