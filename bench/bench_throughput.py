@@ -9,7 +9,7 @@ Phases, each in a fresh process writing phase_<phase>_<shape>.json under --out:
   hf      transformers' own continuous batching (init_continuous_batching + add_request with each request's
           max_new_tokens), warmed up on the same workload, --hf-runs timed runs
   batch1  batch 1, KV in GPU memory, --batch1-context tokens (8K): per-token decode time against the HBM floor
-          (8B shape unless --shape smoke), through LLM.generate (the batch engine) and the per-request path
+          (8B shape unless --shape smoke), through LLM.generate (the batch engine)
   offload offload=True, --offload-requests prompts of --offload-context tokens (8B shape unless --shape smoke),
           --offload-tokens new tokens each: the same requests one after another and together (continuous
           batching over the host store), output tokens/s of both; each batched decode step against its PCIe
@@ -20,7 +20,7 @@ Phases, each in a fresh process writing phase_<phase>_<shape>.json under --out:
     python bench/bench_throughput.py --shapes llama-3.1-8b --phases offload --out DIR
     python bench/bench_throughput.py --shape smoke --out /tmp/tp                             # CPU check, < 1 min
     --batch-invariant runs the engine's batch-invariant mode; its phase files end in _batch_invariant.json
-    python bench/bench_throughput.py --report DIR --out bench/results                        # throughput.md
+    python bench/bench_throughput.py --report DIR --out bench/results            # throughput.md and .png
 """
 from __future__ import annotations
 

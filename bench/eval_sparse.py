@@ -111,7 +111,7 @@ def config_list(check: Callable[[str], Any]) -> Callable[[str], list[str]]:
 
 
 def _base_options(text: str) -> dict[str, Any]:
-    """`key=value,...` -> options; values read as bool (true/false), none, int, float or else string."""
+    """`key=value,...` -> options, each value read by `_literal`."""
     out: dict[str, Any] = {}
     for item in (i.strip() for i in text.split(",") if i.strip()):
         key, sep, raw = item.partition("=")
@@ -122,17 +122,11 @@ def _base_options(text: str) -> dict[str, Any]:
 
 
 def _literal(raw: str) -> Any:
-    lowered = raw.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered == "none":
-        return None
-    for kind in (int, float):
-        try:
-            return kind(raw)
-        except ValueError:
-            pass
-    return raw
+    """A --base value: true / false, none, an int, a float, or else the string itself."""
+    try:
+        return json.loads({"true": "true", "false": "false", "none": "null"}.get(raw.lower(), raw))
+    except json.JSONDecodeError:
+        return raw
 
 
 # ---- prompts and run metadata -------------------------------------------------------------------------------

@@ -10,10 +10,8 @@ Writes one JSON: per model, sampling and path, how many of the 10 prompts gave t
     python bench/probes/probe_cpu_bf16_identity.py \
         --out bench/results/runs/cpu_bf16_identity/probe_cpu_bf16_identity.cpu.json
 
-`bench/results/runs/cpu_bf16_identity/probe_cpu_bf16_identity.cpu.json` (2026-11-25, code of 83729c1): 10 of 10 on
-every row, both samplings, all three models, with 10 chunk steps that also decoded in each run. A first run, before
-the XLA paged twin attended one sequence at a time (8de9114), found tiny Qwen3 greedy at 9 of 10 together for
-max_num_seqs 5..10 and in chunks.
+Results: `bench/results/runs/cpu_bf16_identity/`. A first run, before the XLA paged twin attended one sequence at a
+time (8de9114), found tiny Qwen3 greedy at 9 of 10 together for max_num_seqs 5..10 and in chunks.
 """
 from __future__ import annotations
 
