@@ -119,6 +119,7 @@ def run(args) -> dict:
               "input_tokens": sum(map(len, prompts)), "output_tokens": sum(max_tokens)}
 
     t = time.perf_counter()
+    llm.warm_up()  # what the server does before it serves
     offline_ids = [o.token_ids for o in llm.generate(prompts, sampling)]
     result["warmup_s"] = time.perf_counter() - t
     seconds = []
@@ -154,6 +155,9 @@ def run(args) -> dict:
         out = json.loads(spec.read_text())
         decode = [s for kind, _, _, s in engine.step_log if kind == "decode"]
         out["decode_step_ms"] = stats([s * 1e3 for s in decode]) if decode else None
+        out["engine_steps"] = {kind: {"count": sum(k == kind for k, *_ in engine.step_log),
+                                      "seconds": sum(s for k, _, _, s in engine.step_log if k == kind)}
+                               for kind in ("prefill", "chunk", "decode")}
         out["same_tokens_as_offline"] = sum(a == b for a, b in zip(out.pop("token_ids"), offline_ids))
         return out
 

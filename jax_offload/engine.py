@@ -281,6 +281,13 @@ class LLM:
     def has_unfinished(self) -> bool:
         return self.request_engine().has_unfinished() or (self._serial is not None and self._serial.has_unfinished())
 
+    def warm_up(self) -> None:
+        """Compiles what the request engine will run (the batch engine's steps at every batch size and prefill
+        length), so a server's first requests wait for no compile."""
+        engine = self.request_engine()
+        if isinstance(engine, BatchEngine):
+            engine.warm_up()
+
     def load(self) -> EngineLoad:
         """Requests running, waiting and swapped, and the KV they hold (the server's metrics)."""
         load = self.request_engine().load()

@@ -18,6 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="the model's name in the API (default: the model directory's name)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests waiting for their first token beyond which new ones get 503 (1024)")
+    p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile the engine's steps (every batch size and prefill length) before serving (on)")
     add_engine_options(p)
     return p
 
@@ -38,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     name = args.served_model_name or (args.model.name if args.model is not None else "SmolLM2-135M-Instruct")
-    app = create_app(llm, name, args.api_key, args.max_waiting)
+    app = create_app(llm, name, args.api_key, args.max_waiting, args.warm_up)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 

@@ -24,15 +24,19 @@ from jax_offload.serving.protocol import (BadRequest, ChatCompletionRequest, Com
                                           TokenizeRequest)
 
 
-def create_app(llm, served_model_name: str, api_key: str | None = None, max_waiting: int = 1024) -> FastAPI:
+def create_app(llm, served_model_name: str, api_key: str | None = None, max_waiting: int = 1024,
+               warm_up: bool = False) -> FastAPI:
     """The app serving `llm` as `served_model_name`; with `api_key`, /v1 requests need `Authorization: Bearer
-    KEY`; more than `max_waiting` requests waiting for their first token get 503 (back-pressure)."""
+    KEY`; more than `max_waiting` requests waiting for their first token get 503 (back-pressure). `warm_up`:
+    compile the engine's steps before serving (`LLM.warm_up`)."""
     metrics = ServerMetrics()
     engine = EngineLoop(llm, metrics.on_step)
     api = _Api(llm, engine, metrics, served_model_name, max_waiting)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        if warm_up:
+            llm.warm_up()
         engine.start()
         yield
         engine.stop()

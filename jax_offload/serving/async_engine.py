@@ -23,7 +23,7 @@ class EngineFailure(RuntimeError):
 @dataclasses.dataclass
 class _Request:
     request_id: str
-    sink: Callable[[object], None]  # hands an item to the handler's asyncio queue, from any thread
+    sink: _Sink  # the handler's queue
     prompt_ids: list[int]
     params: SamplingParams | None  # None: a prompt-logprobs job
     num_logprobs: int = 0
@@ -38,7 +38,7 @@ class EngineLoop:
         self.llm = llm
         self.on_step = on_step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, Callable[[object], None]] = {}
+        self._sinks: dict[str, _Sink] = {}
         self._scores: deque[_Request] = deque()
         self._waiting = 0  # requests added whose first token has not come: the back-pressure count
         self._lock = threading.Lock()
@@ -171,12 +171,14 @@ class EngineLoop:
             self._sinks.clear()
             return
         self.steps += 1
+        handed: list[tuple[_Sink, RequestDelta]] = []
         for delta in deltas:
             sink = self._sinks.get(delta.request_id)
             if sink is not None:
-                sink(delta)
+                handed.append((sink, delta))
                 if delta.finished:
                     del self._sinks[delta.request_id]
+        _hand_over(handed)
         if self.on_step is not None:
             self.on_step(self.llm, deltas)
 
@@ -194,12 +196,31 @@ def prompt_logprobs(logits: np.ndarray, ids: list[int], num_logprobs: int) -> li
     return out
 
 
-def _channel() -> tuple[asyncio.Queue, Callable[[object], None]]:
-    """An asyncio queue of the running loop and a function that puts into it from any thread."""
-    loop = asyncio.get_running_loop()
+class _Sink:
+    """A handler's asyncio queue, filled from the engine thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, items: asyncio.Queue):
+        self.loop, self.items = loop, items
+
+    def __call__(self, item: object) -> None:
+        self.loop.call_soon_threadsafe(self.items.put_nowait, item)
+
+
+def _hand_over(handed: list[tuple[_Sink, object]]) -> None:
+    """Puts a step's items into their queues with one wake-up of each event loop, not one per request."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, object]]] = {}
+    for sink, item in handed:
+        by_loop.setdefault(sink.loop, []).append((sink, item))
+    for loop, pairs in by_loop.items():
+        loop.call_soon_threadsafe(_put_all, pairs)
+
+
+def _put_all(pairs: list[tuple[_Sink, object]]) -> None:
+    for sink, item in pairs:
+        sink.items.put_nowait(item)
+
+
+def _channel() -> tuple[asyncio.Queue, _Sink]:
+    """An asyncio queue of the running loop and the sink that puts into it from any thread."""
     items: asyncio.Queue = asyncio.Queue()
-
-    def sink(item: object) -> None:
-        loop.call_soon_threadsafe(items.put_nowait, item)
-
-    return items, sink
+    return items, _Sink(asyncio.get_running_loop(), items)

@@ -20,6 +20,7 @@ from jax_offload.detokenizer import Detokenizer
 from jax_offload.outputs import RequestDelta, RequestOutput
 from jax_offload.sampling import Drawn, SamplingParams, TokenLogprobs, drawn_to_host
 from jax_offload.serving.block_manager import BlockManager, cache_tag
+from jax_offload.buckets import prompt_bucket
 from jax_offload.serving.model_runner import ModelRunner, default_num_blocks, kv_block_bytes
 from jax_offload.serving.offload_model_runner import OffloadModelRunner
 from jax_offload.serving.scheduler import Scheduler, SchedulerStats, Step
@@ -290,6 +291,20 @@ class BatchEngine:
             raise RuntimeError(f"{self.blocks.num_used} KV blocks and {self.runner.host_bytes_used} host bytes "
                                "are still held after every request finished.")
         return outputs
+
+    def warm_up(self) -> None:
+        """Compiles the steps a server meets before its first request does (in GPU memory; offloaded steps are
+        compiled as requests come): a decode step at every batch size, a prefill at every packed length up to a
+        step's budget."""
+        if not isinstance(self.runner, ModelRunner):
+            return
+        for size in self.runner.buckets:
+            if size <= self.blocks.num_blocks:
+                self.generate([[0]] * size, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        length = prompt_bucket(1)
+        while length <= min(self.scheduler.max_chunk, self.max_model_len - 1):
+            self.generate([[0] * length], SamplingParams(temperature=0.0, max_tokens=1))
+            length = prompt_bucket(length + 1)
 
     def _can_run_ahead(self) -> bool:
         """Whether the next step may be scheduled before the tokens of the one in flight are read: it is then a

@@ -249,13 +249,14 @@ def sample_last(cfg: ModelConfig, params: ModelParams, hidden: jax.Array, index:
     return sample(decoder.logits(cfg, params, last), sampling, draws)
 
 
-@functools.partial(step_jit, static_argnums=(0, 1, 10), static_argnames=("tp",), donate_argnums=(3, 4))
+@functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",), donate_argnums=(3, 4))
 def _decode_step(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tuple[jax.Array, ...],
                  v_pool: tuple[jax.Array, ...], inv_freq: jax.Array, tokens: jax.Array, seq_lens: jax.Array,
-                 tables: jax.Array, sampling: SamplingBatch, draws: Draws, tp: TensorParallel | None = None
-                 ) -> tuple[Drawn, tuple, tuple]:
+                 tables: jax.Array, tp: TensorParallel | None = None) -> tuple[jax.Array, tuple, tuple]:
     """The whole model for one token per sequence: tokens [B] at positions seq_lens - 1 (rows with seq_len 0 are
-    padding), block tables [B, max_blocks]. Returns the draw of the next tokens [B] and the updated pools."""
+    padding), block tables [B, max_blocks]. Returns the float32 logits [B, vocab] and the updated pools. The draw
+    is a program of its own (`_sample`): the model's compiles once per batch size, whatever the requests' sampling
+    asks (a server's mix of greedy, sampled and log-probability requests)."""
     block_size = jax.tree.leaves(k_pool[0])[0].shape[1]
     positions = jnp.maximum(seq_lens - 1, 0)
     block = tables[jnp.arange(tables.shape[0]), positions // block_size]
@@ -268,7 +269,12 @@ def _decode_step(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tuple
         v_out.append(_write_kv(v_pages, slots, v[:, 0], layer.kv_cache_dtype))
         o = paged_decode_attention(impl, q[:, 0], k_out[-1], v_out[-1], tables, seq_lens, tp, params.batch_invariant)
         x = decoder.attention_output_and_mlp(cfg, layer, x, o[:, None])
-    return sample(decoder.logits(cfg, params, x[:, 0]), sampling, draws), tuple(k_out), tuple(v_out)
+    return decoder.logits(cfg, params, x[:, 0]), tuple(k_out), tuple(v_out)
+
+
+@functools.partial(step_jit, static_argnums=2)
+def _sample(logits: jax.Array, sampling: SamplingBatch, draws: Draws) -> Drawn:
+    return sample(logits, sampling, draws)
 
 
 @jax.jit
@@ -461,12 +467,14 @@ class ModelRunner:
             if seq.num_pending:
                 rows[row] = previous_row[id(seq)]
         tokens, rows, seq_lens, tables = self.tp.replicate((tokens, rows, seq_lens, tables))
-        if previous:
-            tokens = _feed_tokens(previous[1].tokens, rows, tokens)
-        out, self.k_pool, self.v_pool = _decode_step(
+        # Through _feed_tokens even with nothing to take from a previous step: the step's tokens are then always
+        # an array of one kind and placement, and the step compiles once per batch size, not once more for host
+        # tokens (a server's steps after each admission).
+        tokens = _feed_tokens(previous[1].tokens if previous else tokens, rows, tokens)
+        logits, self.k_pool, self.v_pool = _decode_step(
             self.cfg, self.impl, self.params, self.k_pool, self.v_pool, self.inv_freq, tokens, seq_lens, tables,
-            *self._sampling(seqs, size), tp=self.tp)
-        return out
+            tp=self.tp)
+        return _sample(logits, *self._sampling(seqs, size))
 
     # ---- KVSwapper --------------------------------------------------------------------------------------------
 
