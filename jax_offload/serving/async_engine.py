@@ -65,8 +65,9 @@ class EngineLoop:
     # ---- the handlers' side (event loop) ---------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
-                       ) -> AsyncIterator[RequestDelta]:
-        """The request's deltas as steps produce them; its last has `output`. Leaving early aborts the request."""
+                       ) -> AsyncIterator[list[RequestDelta]]:
+        """The request's deltas as steps produce them, each time all that have come (a busy event loop then
+        writes several tokens at once); the last has `output`. Leaving early aborts the request."""
         items, sink = _channel()
         with self._lock:
             self._waiting += 1
@@ -74,15 +75,18 @@ class EngineLoop:
         finished = first = False
         try:
             while not finished:
-                item = await items.get()
-                if isinstance(item, Exception):
-                    finished = True
-                    raise item
+                batch = [await items.get()]
+                while not items.empty():
+                    batch.append(items.get_nowait())
+                for item in batch:
+                    if isinstance(item, Exception):
+                        finished = True
+                        raise item
                 if not first:
                     first = True
                     self._left_waiting()
-                finished = item.finished
-                yield item
+                finished = batch[-1].finished
+                yield batch
         finally:
             if not first:
                 self._left_waiting()
