@@ -331,8 +331,11 @@ class ModelRunner:
         return prefill_bucket(sum(packed_length(n) for n in lengths))
 
     def prefill(self, seqs: list[Sequence]) -> list[tuple[int, TokenLogprobs | None]]:
-        """Runs every token of each sequence (none cached yet), packed into one row, and samples the next one."""
-        size = self.batch_size(len(seqs))
+        """Runs every token of each sequence (none cached yet), packed into one row, and samples the next one. The
+        draws are padded to the largest batch, as a chunk's: the last rows' logits and draw compile once per packed
+        length, not once more for each number of prompts (on a GPU each new logits shape is autotuned, seconds of a
+        server's time to first token; a prefill's 256 rows of logits cost little)."""
+        size = self.buckets[-1]
         x, last = self._prefill_packed(seqs, [s.num_tokens for s in seqs], size)
         drawn = sample_last(self.cfg, self.params, x, self.tp.replicate(last), *self._sampling(seqs, size))
         return drawn_to_host(drawn, len(seqs))
