@@ -3,8 +3,9 @@ offline `LLM.generate` of the same requests on the same engine, in one process a
 
 nano-vllm's workload (256 requests, prompt and output lengths uniform in 100..1024, token-id prompts, temperature
 0.6 with a seed per request, ignore_eos) on random bf16 weights at a real shape. The server runs in this process
-(uvicorn on a thread, the engine on its own); the client is a separate process (aiohttp, streaming
-/v1/completions), so the two share no interpreter. Phases:
+(uvicorn on a thread) with the engine in a process of its own, as `python -m jax_offload.serve` runs it; the
+offline runs happen in that engine process too (same engine, same compiled programs); the client is a third
+process (aiohttp, streaming /v1/completions). Phases:
   offline   LLM.generate of all requests: a warm-up run, then --runs timed runs (output tok/s)
   single    each of the --rate-requests first prompts alone through LLM.generate, max_tokens 1: the offline TTFT
   inf       all requests sent at once, --runs runs: output tok/s, request/s, TTFT, TPOT, inter-token latency
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
@@ -102,40 +104,69 @@ def _ms(xs: list[float]) -> dict:
 # ---- the server and the offline engine (this process) ------------------------------------------------------------
 
 
-def run(args) -> dict:
+def build_llm(shape: str, max_model_len: int):
+    """The engine process's LLM: the shape's random bf16 weights (seed 0, the same in every process)."""
     import jax
-    import uvicorn
 
-    from jax_offload import LLM, SamplingParams
-    from jax_offload.serving.api_server import create_app
+    from jax_offload import LLM
 
-    cfg = model_config(args.shape)
-    params = random_params(cfg, jax.numpy.bfloat16)
-    prompts, max_tokens = workload(args.shape, args.num_requests)
-    llm = LLM.from_params(cfg, params, dtype="bfloat16", max_model_len=max(map(len, prompts)) + max(max_tokens) + 1,
-                          max_num_seqs=256, max_num_batched_tokens=16384)
-    sampling = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m, seed=i) for i, m in enumerate(max_tokens)]
-    result = {"meta": run_metadata(), "shape": args.shape, "requests": len(prompts),
-              "input_tokens": sum(map(len, prompts)), "output_tokens": sum(max_tokens)}
+    return LLM.from_params(model_config(shape), random_params(model_config(shape), jax.numpy.bfloat16),
+                           dtype="bfloat16", max_model_len=max_model_len, max_num_seqs=256,
+                           max_num_batched_tokens=16384)
 
-    t = time.perf_counter()
-    llm.warm_up()  # what the server does before it serves
-    offline_ids = [o.token_ids for o in llm.generate(prompts, sampling)]
-    result["warmup_s"] = time.perf_counter() - t
-    seconds = []
-    for _ in range(args.runs):
+
+def _sampling(max_tokens: list[int]):
+    from jax_offload import SamplingParams
+
+    return [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m, seed=i) for i, m in enumerate(max_tokens)]
+
+
+def _offline(llm, prompts: list[list[int]], max_tokens: list[int], runs: int, single: int) -> dict:
+    """In the engine process, between the server's requests: a warm-up run, `runs` timed runs of LLM.generate,
+    and the first `single` prompts alone (max_tokens 1, the offline time to first token)."""
+    from jax_offload import SamplingParams
+
+    ids = [o.token_ids for o in llm.generate(prompts, _sampling(max_tokens))]
+    seconds, ttft = [], []
+    for _ in range(runs):
         t = time.perf_counter()
-        llm.generate(prompts, sampling)
+        llm.generate(prompts, _sampling(max_tokens))
         seconds.append(time.perf_counter() - t)
-    result["offline"] = {"seconds": stats(seconds), "output_tok_s": stats([sum(max_tokens) / s for s in seconds])}
-    single = []
-    for p in prompts[:args.rate_requests]:
+    for p in prompts[:single]:
         t = time.perf_counter()
         llm.generate([p], SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True, seed=0))
-        single.append(time.perf_counter() - t)
-    result["offline_ttft_ms"] = stats([s * 1e3 for s in single])
+        ttft.append(time.perf_counter() - t)
+    return {"meta": run_metadata(), "token_ids": ids, "seconds": seconds, "ttft_s": ttft}
 
-    app = create_app(llm, "bench")
+
+def _step_log(llm, clear: bool) -> list:
+    log = llm.request_engine().step_log
+    out = list(log)
+    if clear:
+        log.clear()
+    return out
+
+
+def run(args) -> dict:
+    import uvicorn
+
+    from jax_offload.serving.api_server import create_app
+    from jax_offload.serving.async_engine import EngineProcess
+
+    prompts, max_tokens = workload(args.shape, args.num_requests)
+    # The server's way: the engine in a process of its own, which also runs the offline LLM.generate.
+    engine = EngineProcess(functools.partial(build_llm, args.shape, max(map(len, prompts)) + max(max_tokens) + 1))
+    t = time.perf_counter()
+    engine.start(warm_up=True)
+    warm_s = time.perf_counter() - t
+    offline = asyncio.run(engine.call(_offline, prompts, max_tokens, args.runs, args.rate_requests))
+    result = {"meta": offline["meta"], "shape": args.shape, "requests": len(prompts),
+              "input_tokens": sum(map(len, prompts)), "output_tokens": sum(max_tokens), "warmup_s": warm_s,
+              "offline": {"seconds": stats(offline["seconds"]),
+                          "output_tok_s": stats([sum(max_tokens) / s for s in offline["seconds"]])},
+              "offline_ttft_ms": stats([s * 1e3 for s in offline["ttft_s"]])}
+
+    app = create_app(engine, "bench")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -144,21 +175,21 @@ def run(args) -> dict:
     while not server.started:
         time.sleep(0.05)
     url = f"http://127.0.0.1:{port}"
-    engine = llm.request_engine()
 
     def client(rate: float, num: int) -> dict:
         spec = Path(args.out) / "client_spec.json"
         spec.write_text(json.dumps({"url": url, "prompts": prompts[:num], "max_tokens": max_tokens[:num],
                                     "rate": rate}))
-        engine.step_log.clear()
+        asyncio.run(engine.call(_step_log, True))
         subprocess.run([sys.executable, __file__, "--client", str(spec)], check=True)
         out = json.loads(spec.read_text())
-        decode = [s for kind, _, _, s in engine.step_log if kind == "decode"]
+        log = asyncio.run(engine.call(_step_log, False))
+        decode = [s for kind, _, _, s in log if kind == "decode"]
         out["decode_step_ms"] = stats([s * 1e3 for s in decode]) if decode else None
-        out["engine_steps"] = {kind: {"count": sum(k == kind for k, *_ in engine.step_log),
-                                      "seconds": sum(s for k, _, _, s in engine.step_log if k == kind)}
+        out["engine_steps"] = {kind: {"count": sum(k == kind for k, *_ in log),
+                                      "seconds": sum(s for k, _, _, s in log if k == kind)}
                                for kind in ("prefill", "chunk", "decode")}
-        out["same_tokens_as_offline"] = sum(a == b for a, b in zip(out.pop("token_ids"), offline_ids))
+        out["same_tokens_as_offline"] = sum(a == b for a, b in zip(out.pop("token_ids"), offline["token_ids"]))
         return out
 
     client(float("inf"), len(prompts))  # warm-ups: the client's first connections, the small batches' shapes
@@ -166,6 +197,7 @@ def run(args) -> dict:
     result["inf"] = [client(float("inf"), len(prompts)) for _ in range(args.runs)]
     result["rates"] = [client(rate, args.rate_requests) for rate in args.rates]
     server.should_exit = True
+    engine.stop()
     return result
 
 

@@ -213,10 +213,7 @@ class LLM:
         return Segments([head, *parts[:-1], parts[-1] + tail] if head else [*parts[:-1], parts[-1] + tail])
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return chat_ids(self.tokenizer, messages)
 
     # ---- public API -----------------------------------------------------------------------------
 
@@ -423,6 +420,14 @@ class LLM:
             return None
         counts = to_host(jnp.stack(self._runner.prefill_block_counts)).astype(np.float64)
         return list(counts[:, 0] / np.maximum(counts[:, 1], 1))
+
+
+def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation through the tokenizer's chat template, the assistant's turn opened."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
 
 
 def template_ends(tokenizer) -> tuple[str, str]:

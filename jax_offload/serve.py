@@ -3,6 +3,7 @@ over the engine, every engine option named as in `jax_offload.generate`. Many cl
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -33,14 +34,18 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from jax_offload.serving.api_server import create_app
+    from jax_offload.serving.async_engine import EngineProcess
 
+    # The engine runs in a process of its own: its Python and the event loop's per-token work then do not share
+    # one interpreter lock (bench/results/runs/h200_serve).
+    engine = EngineProcess(functools.partial(load_llm, args))
     try:
-        llm = load_llm(args)
-    except (ValueError, FileNotFoundError, OSError) as err:
+        engine.start(args.warm_up)
+    except RuntimeError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     name = args.served_model_name or (args.model.name if args.model is not None else "SmolLM2-135M-Instruct")
-    app = create_app(llm, name, args.api_key, args.max_waiting, args.warm_up)
+    app = create_app(engine, name, args.api_key, args.max_waiting)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 

@@ -4,6 +4,8 @@ clients at once; bad input is a 4xx with OpenAI's error body; a client gone mid-
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
 import random
 import socket
@@ -18,6 +20,7 @@ import uvicorn
 
 from jax_offload import LLM, SamplingParams
 from jax_offload.serving.api_server import create_app
+from jax_offload.serving.async_engine import EngineProcess
 from tests.tiny_models import WORDS, build_in
 
 NAME = "tiny"
@@ -37,23 +40,31 @@ def reference(model_dir):
     return LLM(model_dir, **ENGINE)
 
 
-@pytest.fixture(scope="module")
-def server(model_dir):
-    llm = LLM(model_dir, **ENGINE)
-    app = create_app(llm, NAME)
+@contextlib.contextmanager
+def serving(app):
+    """A real uvicorn server for `app` on a free port of 127.0.0.1, on a thread: its base URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while not uv.started:
-        assert time.monotonic() < deadline, "the server did not start in 60 s"
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", llm
-    uv.should_exit = True
-    thread.join(timeout=30)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    llm = LLM(model_dir, **ENGINE)
+    with serving(create_app(llm, NAME)) as url:
+        yield url, llm
 
 
 @pytest.fixture(scope="module")
@@ -230,8 +241,8 @@ def test_models_health_metrics_tokenize(server):
 
 
 def test_api_key_is_required_when_set():
-    # The key is checked before anything reaches the engine, so the app needs none (nor its lifespan).
-    app = create_app(None, NAME, api_key="sekrit")
+    # The key is checked before anything reaches the engine, so the app's engine is never started.
+    app = create_app(EngineProcess(int), NAME, api_key="sekrit")
 
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
@@ -240,6 +251,33 @@ def test_api_key_is_required_when_set():
     missing, wrong = asyncio.run(main())
     assert missing.status_code == wrong.status_code == 401
     assert missing.json()["error"]["type"] == "authentication_error"
+
+
+def test_engine_in_its_own_process_equals_generate(model_dir, reference):
+    """The CLI's way: the engine in a spawned process (`EngineProcess`); streamed == not == LLM.generate, and a
+    client gone mid-stream frees its blocks there."""
+    engine = EngineProcess(functools.partial(LLM, model_dir, **ENGINE))
+    want = reference.generate(["w9 w8 w7"], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+
+    def load():
+        return asyncio.run(engine.call(LLM.load))
+
+    with serving(create_app(engine, NAME)) as url:
+        body = {"model": NAME, "prompt": "w9 w8 w7", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        text = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+            streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
+                               if line.startswith("data: {"))
+        long = {**body, "prompt": "w3 " * 10, "max_tokens": 490, "stream": True}  # long enough to outlast a call
+        with httpx.stream("POST", url + "/v1/completions", json=long, timeout=120) as r:
+            next(line for line in r.iter_lines() if line.startswith("data: {"))
+            held = load()
+        deadline = time.monotonic() + 30
+        while (after := load()).kv_blocks_used and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert text == streamed == want.text
+    assert held.kv_blocks_used > 0 and after.kv_blocks_used == 0 and after.running == 0
+    assert not engine.alive  # the app's shutdown ended the process
 
 
 def rss_bytes() -> int:

@@ -18,26 +18,28 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jax_offload.outputs import RequestDelta
 from jax_offload.sampling import SamplingParams, TokenLogprobs
-from jax_offload.serving.async_engine import EngineFailure, EngineLoop
+from jax_offload.engine import chat_ids
+from jax_offload.serving.async_engine import EngineFailure, EngineLoop, EngineProcess, ModelInfo
 from jax_offload.serving.metrics import ServerMetrics
 from jax_offload.serving.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                           TokenizeRequest)
 
 
-def create_app(llm, served_model_name: str, api_key: str | None = None, max_waiting: int = 1024,
+def create_app(engine, served_model_name: str, api_key: str | None = None, max_waiting: int = 1024,
                warm_up: bool = False) -> FastAPI:
-    """The app serving `llm` as `served_model_name`; with `api_key`, /v1 requests need `Authorization: Bearer
-    KEY`; more than `max_waiting` requests waiting for their first token get 503 (back-pressure). `warm_up`:
-    compile the engine's steps before serving (`LLM.warm_up`)."""
+    """The app serving as `served_model_name` an `EngineProcess` (the engine in its own process, the server's
+    way), an `EngineLoop`, or an `LLM` (run by an `EngineLoop` on a thread of this process). With `api_key`, /v1
+    requests need `Authorization: Bearer KEY`; more than `max_waiting` requests waiting for their first token
+    get 503 (back-pressure). `warm_up`: compile the engine's steps before serving (`LLM.warm_up`)."""
     metrics = ServerMetrics()
-    engine = EngineLoop(llm, metrics.on_step)
-    api = _Api(llm, engine, metrics, served_model_name, max_waiting)
+    if not isinstance(engine, (EngineLoop, EngineProcess)):
+        engine = EngineLoop(engine)
+    engine.observe = metrics.observe
+    api = _Api(engine, metrics, served_model_name, max_waiting)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if warm_up:
-            llm.warm_up()
-        engine.start()
+        engine.start(warm_up)
         yield
         engine.stop()
 
@@ -71,7 +73,7 @@ def create_app(llm, served_model_name: str, api_key: str | None = None, max_wait
     async def models():
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": api.started,
                                             "owned_by": "jax_offload", "root": served_model_name,
-                                            "max_model_len": llm.max_model_len}]}
+                                            "max_model_len": api.info.max_model_len}]}
 
     @app.get("/metrics")
     async def prometheus():
@@ -83,7 +85,7 @@ def create_app(llm, served_model_name: str, api_key: str | None = None, max_wait
         if (body.prompt is None) == (body.messages is None):
             raise BadRequest("Give either prompt or messages.", "prompt")
         ids = api.chat_ids(body.messages) if body.messages is not None else api.text_ids(body.prompt)
-        return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
+        return {"tokens": ids, "count": len(ids), "max_model_len": api.info.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
@@ -102,10 +104,18 @@ def create_app(llm, served_model_name: str, api_key: str | None = None, max_wait
 
 
 class _Api:
-    def __init__(self, llm, engine: EngineLoop, metrics: ServerMetrics, name: str, max_waiting: int):
-        self.llm, self.engine, self.metrics, self.name, self.max_waiting = llm, engine, metrics, name, max_waiting
+    def __init__(self, engine: EngineLoop | EngineProcess, metrics: ServerMetrics, name: str, max_waiting: int):
+        self.engine, self.metrics, self.name, self.max_waiting = engine, metrics, name, max_waiting
         self.started = int(time.time())
         self.token_text = lru_cache(maxsize=1 << 16)(self._token_text)
+
+    @property
+    def info(self) -> ModelInfo:
+        return self.engine.info
+
+    @property
+    def tokenizer(self):
+        return self.engine.info.tokenizer
 
     # ---- inputs -----------------------------------------------------------------------------------------------
 
@@ -115,27 +125,27 @@ class _Api:
                              "not_found_error")
 
     def text_ids(self, text: str) -> list[int]:
-        if self.llm.tokenizer is None:
+        if self.tokenizer is None:
             raise BadRequest("This server has no tokenizer; send prompts as token ids.", "prompt")
-        return self.llm.tokenizer.encode(text, add_special_tokens=False) if text else []
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
 
     def token_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
-        vocab = self.llm.model_config.vocab_size
+        vocab = self.info.vocab_size
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise BadRequest(f"Token id {bad[0]} is outside the vocabulary [0, {vocab}).", param)
         return list(ids)
 
     def chat_ids(self, messages) -> list[int]:
-        if self.llm.tokenizer is None or getattr(self.llm.tokenizer, "chat_template", None) is None:
+        if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:
             raise BadRequest("This model has no chat template; use /v1/completions.", "messages")
-        return self.llm.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages])
+        return chat_ids(self.tokenizer, [{"role": m.role, "content": m.text()} for m in messages])
 
     def decode(self, ids: list[int]) -> str:
-        return self.llm.tokenizer.decode(ids, skip_special_tokens=True) if self.llm.tokenizer is not None else ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def _token_text(self, token: int) -> str:
-        return self.llm.tokenizer.decode([token]) if self.llm.tokenizer is not None else f"token_id:{token}"
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else f"token_id:{token}"
 
     def prompts_of(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -146,7 +156,7 @@ class _Api:
 
     def params(self, body, prompt_len: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The request's SamplingParams; a prompt with max_tokens past max_model_len is refused, naming both."""
-        limit = self.llm.max_model_len
+        limit = self.info.max_model_len
         if prompt_len == 0:
             raise BadRequest("The prompt is empty; give at least one token.", "prompt")
         if max_tokens is None:

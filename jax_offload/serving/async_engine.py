@@ -1,9 +1,14 @@
-"""`EngineLoop`: one thread owns the `LLM` and makes every JAX call; the server's handlers (on the asyncio event
-loop) talk to it through queues. A request added while others decode joins the running batch at the next step."""
+"""The server's engine: `EngineCore` runs an `LLM` (commands in; deltas, errors and prompt log-probabilities out),
+and a front hands its output to the HTTP handlers' asyncio queues. `EngineLoop` runs the core on a thread of this
+process; `EngineProcess` runs it in a process of its own (vLLM V1's engine core), so the engine's Python and the
+event loop's per-token work do not share one interpreter lock. One thread (of one process) makes every JAX call.
+A request added while others decode joins the running batch at the next step."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
+import multiprocessing
 import queue
 import threading
 from collections import deque
@@ -13,65 +18,133 @@ import numpy as np
 
 from jax_offload.outputs import RequestDelta
 from jax_offload.sampling import SamplingParams, TokenLogprobs
-from jax_offload.serving.engine import StepFailed
+from jax_offload.serving.engine import EngineLoad, StepFailed
 from jax_offload.serving.protocol import BadRequest
+
 
 class EngineFailure(RuntimeError):
     """The engine failed while running a request (the server answers 500 and goes on)."""
 
 
 @dataclasses.dataclass
-class _Request:
-    request_id: str
-    sink: _Sink  # the handler's queue
-    prompt_ids: list[int]
-    params: SamplingParams | None  # None: a prompt-logprobs job
-    num_logprobs: int = 0
+class ModelInfo:
+    """What the HTTP side needs of the model: tokenizer (None: token ids only), window, vocabulary."""
+
+    tokenizer: object
+    max_model_len: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, llm) -> "ModelInfo":
+        return cls(llm.tokenizer, llm.max_model_len, llm.model_config.vocab_size)
 
 
-class EngineLoop:
-    """Runs `llm` on a thread of its own. `generate` streams a request's deltas; `prompt_logprobs` scores a prompt
-    (for `echo`); `abort` drops a request (a client gone). `on_step(llm, deltas)` runs on the engine thread after
-    every step (the metrics)."""
+# Commands: ("add", request_id, prompt_ids, params), ("score", request_id, prompt_ids, num_logprobs),
+# ("abort", request_id), ("call", call_id, fn, args).
+Emit = Callable[[list[tuple[str, object]], EngineLoad | None, tuple[int, int] | None], None]
 
-    def __init__(self, llm, on_step: Callable[[object, list[RequestDelta]], None] | None = None):
-        self.llm = llm
-        self.on_step = on_step
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, _Sink] = {}
-        self._scores: deque[_Request] = deque()
-        self._waiting = 0  # requests added whose first token has not come: the back-pressure count
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="jax_offload-engine", daemon=True)
-        self.steps = 0
 
-    def start(self) -> None:
-        self._thread.start()
+class EngineCore:
+    """Runs `llm`: `take` a command, `run_once` a step; what comes out goes to `emit(items, load, host_bytes)`
+    ((request id, item) pairs: a `RequestDelta`, a `BadRequest` or `EngineFailure`, or a prompt's
+    log-probabilities; after a step, the engine's load and host-store bytes too)."""
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._commands.put(None)
-        self._thread.join(timeout=30)
+    def __init__(self, llm, emit: Emit):
+        self.llm, self.emit = llm, emit
+        self._scores: deque[tuple[str, list[int], int]] = deque()
+        self._live: set[str] = set()  # requests added and not finished
 
     @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
+    def busy(self) -> bool:
+        return self.llm.has_unfinished() or bool(self._scores)
+
+    def take(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "abort":
+            self.llm.abort(command[1])
+            self._live.discard(command[1])
+            self._scores = deque(s for s in self._scores if s[0] != command[1])
+        elif kind == "score":
+            self._scores.append(command[1:])
+        elif kind == "call":
+            _, call_id, fn, args = command
+            try:
+                result = fn(self.llm, *args)
+            except Exception as error:  # noqa: BLE001 - handed to the caller
+                result = EngineFailure(f"{type(error).__name__}: {error}")
+            self.emit([(call_id, result)], None, None)
+        else:
+            _, request_id, prompt_ids, params = command
+            try:
+                self.llm.add_request(request_id, prompt_ids, params)
+            except ValueError as error:
+                self.emit([(request_id, BadRequest(str(error)))], None, None)
+                return
+            self._live.add(request_id)
+
+    def run_once(self) -> None:
+        self._score_when_free()
+        if self.llm.has_unfinished():
+            self._step()
+
+    def _score_when_free(self) -> None:
+        """Scores waiting prompts: at once in GPU memory; offloaded only while no request runs, since the
+        one-request prefill it takes writes over the host store the running requests share."""
+        while self._scores and not (self.llm.engine_config.offload and self.llm.has_unfinished()):
+            request_id, ids, num_logprobs = self._scores.popleft()
+            try:
+                item = prompt_logprobs(self.llm.logits(ids), ids, num_logprobs)
+            except ValueError as error:
+                item = BadRequest(str(error))
+            except Exception as error:  # noqa: BLE001 - the server answers 500 and goes on
+                item = EngineFailure(f"Scoring the prompt failed: {type(error).__name__}: {error}")
+            self.emit([(request_id, item)], None, None)
+
+    def _step(self) -> None:
+        try:
+            deltas = self.llm.step()
+        except StepFailed as failed:
+            self._live.difference_update(failed.request_ids)
+            self.emit([(rid, EngineFailure(str(failed))) for rid in failed.request_ids], None, None)
+            return
+        except Exception as error:  # noqa: BLE001 - a step that fails outside the engine's guard fails everyone
+            failure = EngineFailure(f"The engine failed: {type(error).__name__}: {error}")
+            for rid in self._live:
+                self.llm.abort(rid)
+            self.emit([(rid, failure) for rid in self._live], None, None)
+            self._live.clear()
+            return
+        for delta in deltas:
+            if delta.finished:
+                self._live.discard(delta.request_id)
+        self.emit([(d.request_id, d) for d in deltas], self.llm.load(), self.llm.host_store_bytes())
+
+
+class _Front:
+    """The handlers' side of an engine: requests in, each request's items into its asyncio queue. Subclasses send
+    commands to their core (`_send`) and hand its output to `_deliver`."""
+
+    def __init__(self, observe: Callable[[list[RequestDelta], EngineLoad, tuple[int, int]], None] | None):
+        self.observe = observe
+        self.info: ModelInfo | None = None
+        self._sinks: dict[str, _Sink] = {}
+        self._waiting = 0  # requests added whose first token has not come: the back-pressure count
+        self._calls = itertools.count()
 
     @property
     def num_waiting(self) -> int:
         return self._waiting
 
-    # ---- the handlers' side (event loop) ---------------------------------------------------------------------
+    def _send(self, command: tuple) -> None:
+        raise NotImplementedError
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
                        ) -> AsyncIterator[list[RequestDelta]]:
         """The request's deltas as steps produce them, each time all that have come (a busy event loop then
         writes several tokens at once); the last has `output`. Leaving early aborts the request."""
-        items, sink = _channel()
-        with self._lock:
-            self._waiting += 1
-        self._commands.put(_Request(request_id, sink, prompt_ids, params))
+        items = self._open(request_id)
+        self._waiting += 1
+        self._send(("add", request_id, prompt_ids, params))
         finished = first = False
         try:
             while not finished:
@@ -84,107 +157,194 @@ class EngineLoop:
                         raise item
                 if not first:
                     first = True
-                    self._left_waiting()
+                    self._waiting -= 1
                 finished = batch[-1].finished
                 yield batch
         finally:
             if not first:
-                self._left_waiting()
+                self._waiting -= 1
+            self._sinks.pop(request_id, None)
             if not finished:
-                self._commands.put(("abort", request_id))
+                self._send(("abort", request_id))
 
     async def prompt_logprobs(self, request_id: str, prompt_ids: list[int], num_logprobs: int
                               ) -> list[TokenLogprobs | None]:
         """Each prompt token's log-probability given the tokens before it (None for the first), with the
         `num_logprobs` likeliest tokens at each position."""
-        items, sink = _channel()
-        self._commands.put(_Request(request_id, sink, prompt_ids, None, num_logprobs))
-        item = await items.get()
+        return await self._one(request_id, ("score", request_id, prompt_ids, num_logprobs))
+
+    async def call(self, fn: Callable, *args):
+        """fn(llm, *args) run by the engine between steps (in its process): benchmarks' and tests' access to the
+        engine; `fn` must be picklable (a module-level function) for `EngineProcess`."""
+        call_id = f"call-{next(self._calls)}"
+        return await self._one(call_id, ("call", call_id, fn, args))
+
+    async def _one(self, key: str, command: tuple):
+        items = self._open(key)
+        self._send(command)
+        try:
+            item = await items.get()
+        finally:
+            self._sinks.pop(key, None)
         if isinstance(item, Exception):
             raise item
         return item
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._send(("abort", request_id))
 
-    def _left_waiting(self) -> None:
-        with self._lock:
-            self._waiting -= 1
+    def _open(self, key: str) -> asyncio.Queue:
+        items: asyncio.Queue = asyncio.Queue()
+        self._sinks[key] = _Sink(asyncio.get_running_loop(), items)
+        return items
 
-    # ---- the engine thread ----------------------------------------------------------------------------------
+    def _deliver(self, items: list[tuple[str, object]], load: EngineLoad | None,
+                 host_bytes: tuple[int, int] | None) -> None:
+        """Puts a step's items into their queues with one wake-up of each event loop, not one per request (called
+        from the engine's thread or the reader thread)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, object]]] = {}
+        for key, item in items:
+            sink = self._sinks.get(key)
+            if sink is not None:
+                by_loop.setdefault(sink.loop, []).append((sink, item))
+        for loop, pairs in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, pairs)
+        if load is not None and self.observe is not None:
+            self.observe([item for _, item in items if isinstance(item, RequestDelta)], load, host_bytes)
+
+
+class EngineLoop(_Front):
+    """The core on a thread of this process, over an `LLM` built here (tests, notebooks)."""
+
+    def __init__(self, llm, observe=None):
+        super().__init__(observe)
+        self.llm, self.info = llm, ModelInfo.of(llm)
+        self._core = EngineCore(llm, self._deliver)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jax_offload-engine", daemon=True)
+
+    def start(self, warm_up: bool = False) -> None:
+        """Starts the engine thread (once; a second call does nothing)."""
+        if self._thread.is_alive():
+            return
+        if warm_up:
+            self.llm.warm_up()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._commands.put(None)
+        self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            idle = not (self.llm.has_unfinished() or self._scores)
-            commands = [self._commands.get()] if idle else []  # an idle engine sleeps until a command comes
-            while True:
-                try:
-                    commands.append(self._commands.get_nowait())
-                except queue.Empty:
-                    break
-            for command in commands:
-                if command is not None:  # None only wakes the thread (stop)
-                    self._take(command)
-            if self._stop.is_set():
-                return
-            self._score_when_free()
-            if self.llm.has_unfinished():
-                self._step()
+        _drive(self._core, self._commands.get, self._commands.get_nowait, queue.Empty, self._stop.is_set)
 
-    def _take(self, command) -> None:
-        if isinstance(command, tuple):  # ("abort", request_id)
-            self.llm.abort(command[1])
-            self._sinks.pop(command[1], None)
-            self._scores = deque(r for r in self._scores if r.request_id != command[1])
+
+class EngineProcess(_Front):
+    """The core in a process of its own (spawned: JAX does not survive a fork), over the `LLM` that `build()`
+    makes there; `build` must be picklable (a module-level function or a partial of one). Its output comes back
+    over a pipe, read by a thread of this process."""
+
+    def __init__(self, build: Callable[[], object], observe=None):
+        super().__init__(observe)
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_engine_process, args=(build, child), name="jax_offload-engine",
+                                         daemon=True)
+        self._send_lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read, name="jax_offload-engine-reader", daemon=True)
+
+    def start(self, warm_up: bool = False) -> None:
+        """Starts the process and waits until its engine is built (and warmed up); a second call does nothing."""
+        if self.info is not None:
             return
-        if command.params is None:
-            self._scores.append(command)
-            return
+        self._process.start()
+        self._send(("start", warm_up))
         try:
-            self.llm.add_request(command.request_id, command.prompt_ids, command.params)
-        except ValueError as error:
-            command.sink(BadRequest(str(error)))
-            return
-        self._sinks[command.request_id] = command.sink
+            kind, payload = self._conn.recv()
+        except EOFError:
+            kind, payload = "error", f"it exited with code {self._process.exitcode}"
+        if kind != "ready":
+            raise RuntimeError(f"The engine process failed to start: {payload}")
+        self.info = payload
+        self._reader.start()
 
-    def _score_when_free(self) -> None:
-        """Scores waiting prompts: at once in GPU memory; offloaded only while no request runs, since the
-        one-request prefill it takes writes over the host store the running requests share."""
-        while self._scores and not (self.llm.engine_config.offload and self.llm.has_unfinished()):
-            job = self._scores.popleft()
+    def stop(self) -> None:
+        if self._process.is_alive():
+            self._send(("stop",))
+            self._process.join(timeout=30)
+        if self._process.is_alive():
+            self._process.kill()
+
+    @property
+    def alive(self) -> bool:
+        return self._process.is_alive()
+
+    def _send(self, command: tuple) -> None:
+        with self._send_lock:
+            self._conn.send(command)
+
+    def _read(self) -> None:
+        while True:
             try:
-                job.sink(prompt_logprobs(self.llm.logits(job.prompt_ids), job.prompt_ids, job.num_logprobs))
-            except ValueError as error:
-                job.sink(BadRequest(str(error)))
-            except Exception as error:  # noqa: BLE001 - the server answers 500 and goes on
-                job.sink(EngineFailure(f"Scoring the prompt failed: {type(error).__name__}: {error}"))
+                items, load, host_bytes = self._conn.recv()
+            except (EOFError, OSError):
+                failure = EngineFailure("The engine process ended.")
+                self._deliver([(key, failure) for key in list(self._sinks)], None, None)
+                return
+            self._deliver(items, load, host_bytes)
 
-    def _step(self) -> None:
-        try:
-            deltas = self.llm.step()
-        except StepFailed as failed:
-            for rid in failed.request_ids:
-                sink = self._sinks.pop(rid, None)
-                if sink is not None:
-                    sink(EngineFailure(str(failed)))
+
+def _engine_process(build: Callable[[], object], conn) -> None:
+    """The engine process: builds the LLM, says "ready" with its ModelInfo, then runs commands and steps."""
+    try:
+        _, warm_up = conn.recv()
+        llm = build()
+        if warm_up:
+            llm.warm_up()
+    except Exception as error:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("error", f"{type(error).__name__}: {error}"))
+        return
+    conn.send(("ready", ModelInfo.of(llm)))
+    core = EngineCore(llm, lambda items, load, host_bytes: conn.send((items, load, host_bytes)))
+    stopped = False
+
+    def get(block: bool = True) -> tuple | None:
+        nonlocal stopped
+        if not block and not conn.poll():
+            raise queue.Empty
+        command = conn.recv()
+        if command[0] == "stop":
+            stopped = True
+            return None
+        return command
+
+    _drive(core, get, lambda: get(block=False), queue.Empty, lambda: stopped)
+
+
+def _drive(core: EngineCore, get: Callable, get_nowait: Callable, empty: type, stopped: Callable[[], bool]) -> None:
+    """The engine's loop: take every command that waits (an idle engine sleeps until one comes), run a step."""
+    while not stopped():
+        commands = [get()] if not core.busy else []
+        while True:
+            try:
+                commands.append(get_nowait())
+            except empty:
+                break
+        for command in commands:
+            if command is not None:  # None only wakes the loop (stop)
+                core.take(command)
+        if stopped():
             return
-        except Exception as error:  # noqa: BLE001 - a step that fails outside the engine's guard fails everyone
-            for rid, sink in list(self._sinks.items()):
-                self.llm.abort(rid)
-                sink(EngineFailure(f"The engine failed: {type(error).__name__}: {error}"))
-            self._sinks.clear()
-            return
-        self.steps += 1
-        handed: list[tuple[_Sink, RequestDelta]] = []
-        for delta in deltas:
-            sink = self._sinks.get(delta.request_id)
-            if sink is not None:
-                handed.append((sink, delta))
-                if delta.finished:
-                    del self._sinks[delta.request_id]
-        _hand_over(handed)
-        if self.on_step is not None:
-            self.on_step(self.llm, deltas)
+        core.run_once()
 
 
 def prompt_logprobs(logits: np.ndarray, ids: list[int], num_logprobs: int) -> list[TokenLogprobs | None]:
@@ -201,30 +361,12 @@ def prompt_logprobs(logits: np.ndarray, ids: list[int], num_logprobs: int) -> li
 
 
 class _Sink:
-    """A handler's asyncio queue, filled from the engine thread."""
+    """A handler's asyncio queue, filled from another thread."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, items: asyncio.Queue):
         self.loop, self.items = loop, items
-
-    def __call__(self, item: object) -> None:
-        self.loop.call_soon_threadsafe(self.items.put_nowait, item)
-
-
-def _hand_over(handed: list[tuple[_Sink, object]]) -> None:
-    """Puts a step's items into their queues with one wake-up of each event loop, not one per request."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, object]]] = {}
-    for sink, item in handed:
-        by_loop.setdefault(sink.loop, []).append((sink, item))
-    for loop, pairs in by_loop.items():
-        loop.call_soon_threadsafe(_put_all, pairs)
 
 
 def _put_all(pairs: list[tuple[_Sink, object]]) -> None:
     for sink, item in pairs:
         sink.items.put_nowait(item)
-
-
-def _channel() -> tuple[asyncio.Queue, _Sink]:
-    """An asyncio queue of the running loop and the sink that puts into it from any thread."""
-    items: asyncio.Queue = asyncio.Queue()
-    return items, _Sink(asyncio.get_running_loop(), items)

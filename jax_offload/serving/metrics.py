@@ -6,13 +6,15 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from jax_offload.outputs import RequestDelta
+from jax_offload.serving.engine import EngineLoad
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0, 640.0)
 
 
 class ServerMetrics:
-    """Updated by the engine thread after every step (`on_step`) and by the handlers as requests come and go."""
+    """Updated after every engine step (`observe`, on the engine's or the reader's thread) and by the handlers as
+    requests come and go."""
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
@@ -51,7 +53,8 @@ class ServerMetrics:
         self._arrived.pop(request_id, None)
         self._last_token.pop(request_id, None)
 
-    def on_step(self, llm, deltas: list[RequestDelta]) -> None:
+    def observe(self, deltas: list[RequestDelta], load: EngineLoad, host_bytes: tuple[int, int]) -> None:
+        """A step's deltas, and the engine's load and host-store bytes after it."""
         now = time.perf_counter()
         for delta in deltas:
             rid = delta.request_id
@@ -68,11 +71,10 @@ class ServerMetrics:
                 self.requests.labels(delta.finish_reason).inc()
                 self.prefix_queries.inc(len(delta.output.prompt_token_ids))
                 self.prefix_hits.inc(delta.output.num_cached_tokens)
-        load = llm.load()
         self.running.set(load.running)
         self.waiting.set(load.waiting)
         self.swapped.set(load.swapped)
         self.kv_usage.set(load.kv_blocks_used / load.kv_blocks if load.kv_blocks else 0.0)
-        read, written = llm.host_store_bytes()
+        read, written = host_bytes
         self.host_read.set(read)
         self.host_written.set(written)
