@@ -55,7 +55,7 @@ def test_one_prompt_runs_on_the_batch_engine(model_dir):
     want = [reference.generate(p, greedy)[0].token_ids for p in (short, long)]
     assert llm.generate(long, greedy)[0].token_ids == want[1], where
     engine = llm._batch_engine
-    assert engine is not None and [kind for kind, *_ in engine.step_log[:2]] == ["chunk", "chunk"], where
+    assert engine is not None and [kind for kind, *_ in list(engine.step_log)[:2]] == ["chunk", "chunk"], where
     assert llm.generate(short, greedy)[0].token_ids == want[0], where
     assert engine.step_log[0][:2] == ("prefill", 1), "one short prompt skipped the batch engine"
     # Together: the short prompt decodes in the steps of the long one's chunks (one program a layer for both).
