@@ -12,22 +12,22 @@ import numpy as np
 from tqdm import tqdm
 
 from jax_offload.attention import check_attention_impl
+from jax_offload.buckets import prompt_bucket
 from jax_offload.config import ModelConfig
+from jax_offload.detokenizer import Detokenizer
 from jax_offload.kv.host_store import available_host_bytes
 from jax_offload.models.params import ModelParams
 from jax_offload.offload_runner import OffloadRunner
-from jax_offload.detokenizer import Detokenizer
 from jax_offload.outputs import RequestDelta, RequestOutput
 from jax_offload.sampling import Drawn, SamplingParams, TokenLogprobs, drawn_to_host
 from jax_offload.serving.block_manager import BlockManager, cache_tag
-from jax_offload.buckets import prompt_bucket
 from jax_offload.serving.model_runner import ModelRunner, default_num_blocks, kv_block_bytes
 from jax_offload.serving.offload_model_runner import OffloadModelRunner
 from jax_offload.serving.scheduler import Scheduler, SchedulerStats, Step
 from jax_offload.serving.sequence import Sequence, SequenceStatus
 from jax_offload.tensor_parallel import TensorParallel
 
-
+# The newest steps a batch engine's step log keeps (a server's engine runs on).
 STEP_LOG_LENGTH = 1 << 20
 
 
