@@ -268,9 +268,10 @@ def test_engine_in_its_own_process_equals_generate(model_dir, reference):
         with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
             streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
                                if line.startswith("data: {"))
-        long = {**body, "prompt": "w3 " * 10, "max_tokens": 490, "stream": True}  # long enough to outlast a call
+        long = {**body, "prompt": "w3 " * 10, "max_tokens": 490, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=long, timeout=120) as r:
-            next(line for line in r.iter_lines() if line.startswith("data: {"))
+            lines = r.iter_lines()  # kept: a dropped iterator would close the stream before the call below
+            assert next(line for line in lines if line).startswith("data: {")
             held = load()
         deadline = time.monotonic() + 30
         while (after := load()).kv_blocks_used and time.monotonic() < deadline:
