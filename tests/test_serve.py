@@ -210,6 +210,21 @@ def test_disconnect_mid_stream_frees_its_blocks(server):
     idle(llm)
 
 
+def test_disconnect_frees_the_host_store_offloaded(model_dir):
+    """Offloaded, a request gone mid-stream lets go of its stored blocks and its GPU tail slot at once."""
+    llm = LLM(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, offload=True, block_size=16,
+              num_ring_slots=4, attention_impl="xla")
+    with serving(create_app(llm, NAME)) as url:
+        body = {"model": NAME, "prompt": "w5 " * 40, "max_tokens": 400, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            for _ in range(3):
+                assert next(line for line in lines if line).startswith("data: {")
+            assert llm._runner.store.live_blocks(), "the request stores its blocks while it streams"
+        idle(llm)
+    assert llm._runner.store.live_blocks() == [] and llm.load().running == 0
+
+
 def test_engine_failure_is_a_500_and_the_server_goes_on(server, client):
     url, llm = server
     engine = llm.request_engine()
