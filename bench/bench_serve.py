@@ -86,12 +86,15 @@ async def client_run(url: str, prompts: list[list[int]], max_tokens: list[int], 
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         began = time.perf_counter()
         await asyncio.gather(*(one(session, i, d) for i, d in enumerate(delays)))
-        wall = time.perf_counter() - began
+        ended = time.perf_counter()
+        wall = ended - began
     ttft = [r["times"][0] - r["sent"] for r in records]
     tpot = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in records if len(r["times"]) > 1]
     itl = [b - a for r in records for a, b in zip(r["times"], r["times"][1:])]
     out_tokens = sum(len(r["tokens"]) for r in records)
-    return {"rate": rate, "requests": len(prompts), "wall_s": wall, "output_tokens": out_tokens,
+    # perf_counter is CLOCK_MONOTONIC, one clock for the client's and the engine's processes.
+    return {"rate": rate, "requests": len(prompts), "began": began, "ended": ended, "wall_s": wall,
+            "output_tokens": out_tokens,
             "output_tok_s": out_tokens / wall, "request_s": len(prompts) / wall,
             "ttft_ms": _ms(ttft), "tpot_ms": _ms(tpot), "itl_ms": _ms(itl),
             "token_ids": [r["tokens"] for r in records]}
@@ -127,16 +130,26 @@ def _offline(llm, prompts: list[list[int]], max_tokens: list[int], runs: int, si
     from jax_offload import SamplingParams
 
     ids = [o.token_ids for o in llm.generate(prompts, _sampling(max_tokens))]
-    seconds, ttft = [], []
+    seconds, ttft, steps = [], [], []
     for _ in range(runs):
         t = time.perf_counter()
         llm.generate(prompts, _sampling(max_tokens))
         seconds.append(time.perf_counter() - t)
+        steps.append(_step_counts(llm.request_engine().step_log))
     for p in prompts[:single]:
         t = time.perf_counter()
         llm.generate([p], SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True, seed=0))
         ttft.append(time.perf_counter() - t)
-    return {"meta": run_metadata(), "token_ids": ids, "seconds": seconds, "ttft_s": ttft}
+    return {"meta": run_metadata(), "token_ids": ids, "seconds": seconds, "ttft_s": ttft, "steps": steps}
+
+
+def _step_counts(log) -> dict:
+    """Steps of each kind in an engine's step log: count and seconds (decode: and the median step)."""
+    out = {kind: {"count": sum(k == kind for k, *_ in log), "seconds": sum(s for k, _, _, s in log if k == kind)}
+           for kind in ("prefill", "chunk", "decode")}
+    decode = [s for k, _, _, s in log if k == "decode"]
+    out["decode"]["median_ms"] = statistics.median(decode) * 1e3 if decode else None
+    return out
 
 
 def _step_log(llm, clear: bool) -> list:
@@ -145,6 +158,42 @@ def _step_log(llm, clear: bool) -> list:
     if clear:
         log.clear()
     return out
+
+
+def _instrument(llm) -> None:
+    """Logs when the engine takes each request and each step's start and end (the engine process's side of where
+    a served run's time goes)."""
+    llm.bench_events = []
+    add_request, step = llm.add_request, llm.step
+
+    def timed_add(*args):
+        llm.bench_events.append(("add", time.perf_counter(), 0.0))
+        add_request(*args)
+
+    def timed_step():
+        start = time.perf_counter()
+        deltas = step()
+        llm.bench_events.append(("step", start, time.perf_counter()))
+        return deltas
+
+    llm.add_request, llm.step = timed_add, timed_step
+
+
+def _take_events(llm) -> list:
+    events, llm.bench_events = llm.bench_events, []
+    return events
+
+
+def time_budget(client: dict, events: list) -> dict:
+    """Where a served run's wall time went, in seconds: before the engine took the first request, while the engine
+    ran steps, between its steps (taking commands, handing out output, idle), and after its last step until the
+    client read its last token; and over how long the engine took the requests."""
+    adds = [t for kind, t, _ in events if kind == "add"]
+    steps = [(a, b) for kind, a, b in events if kind == "step"]
+    busy = sum(b - a for a, b in steps)
+    return {"before_first_request": adds[0] - client["began"], "in_steps": busy,
+            "between_steps": steps[-1][1] - steps[0][0] - busy, "after_last_step": client["ended"] - steps[-1][1],
+            "requests_taken_over": adds[-1] - adds[0]}
 
 
 def run(args) -> dict:
@@ -160,10 +209,12 @@ def run(args) -> dict:
     engine.start(warm_up=True)
     warm_s = time.perf_counter() - t
     offline = asyncio.run(engine.call(_offline, prompts, max_tokens, args.runs, args.rate_requests))
+    asyncio.run(engine.call(_instrument))
     result = {"meta": offline["meta"], "shape": args.shape, "requests": len(prompts),
               "input_tokens": sum(map(len, prompts)), "output_tokens": sum(max_tokens), "warmup_s": warm_s,
               "offline": {"seconds": stats(offline["seconds"]),
-                          "output_tok_s": stats([sum(max_tokens) / s for s in offline["seconds"]])},
+                          "output_tok_s": stats([sum(max_tokens) / s for s in offline["seconds"]]),
+                          "engine_steps": offline["steps"]},
               "offline_ttft_ms": stats([s * 1e3 for s in offline["ttft_s"]])}
 
     app = create_app(engine, "bench")
@@ -181,14 +232,14 @@ def run(args) -> dict:
         spec.write_text(json.dumps({"url": url, "prompts": prompts[:num], "max_tokens": max_tokens[:num],
                                     "rate": rate}))
         asyncio.run(engine.call(_step_log, True))
+        asyncio.run(engine.call(_take_events))
         subprocess.run([sys.executable, __file__, "--client", str(spec)], check=True)
         out = json.loads(spec.read_text())
         log = asyncio.run(engine.call(_step_log, False))
+        out["time_budget_s"] = time_budget(out, asyncio.run(engine.call(_take_events)))
         decode = [s for kind, _, _, s in log if kind == "decode"]
         out["decode_step_ms"] = stats([s * 1e3 for s in decode]) if decode else None
-        out["engine_steps"] = {kind: {"count": sum(k == kind for k, *_ in log),
-                                      "seconds": sum(s for k, _, _, s in log if k == kind)}
-                               for kind in ("prefill", "chunk", "decode")}
+        out["engine_steps"] = _step_counts(log)
         out["same_tokens_as_offline"] = sum(a == b for a, b in zip(out.pop("token_ids"), offline["token_ids"]))
         return out
 
@@ -226,7 +277,35 @@ def report(folder: Path, out: Path) -> None:
                          f"{x['itl_ms']['p50']:.2f} / {x['itl_ms']['p99']:.2f} | {step} | "
                          f"{x['same_tokens_as_offline']} / {x['requests']} |")
         lines.append("")
+        if "time_budget_s" in inf[0]:
+            lines += _budget_table(r)
     out.write_text("\n".join(lines))
+
+
+def _budget_table(r: dict) -> list[str]:
+    """Where the infinite-rate runs' time went against offline: medians over the runs (min-max)."""
+    inf, offline = r["inf"], r["offline"]
+
+    def row(what: str, served: list[float], off: list[float] | None, digits: int = 3) -> str:
+        return f"| {what} | {fmt(stats(served), digits=digits)} | {fmt(stats(off), digits=digits) if off else '-'} |"
+
+    budget = {k: [x["time_budget_s"][k] for x in inf] for k in inf[0]["time_budget_s"]}
+    steps = [x["engine_steps"] for x in inf]
+    off_steps = offline["engine_steps"]
+    return ["Where the infinite-rate time goes (seconds unless named; the engine's side from its own clock):", "",
+            "| what | server | offline |", "|---|---|---|",
+            row("wall", [x["wall_s"] for x in inf], [offline["seconds"]["median"]]),
+            row("before the engine took the first request", budget["before_first_request"], None),
+            row("requests taken over", budget["requests_taken_over"], None),
+            row("in engine steps", budget["in_steps"], None),
+            row("between engine steps (commands, output, idle)", budget["between_steps"], None),
+            row("after the last step until the client's last token", budget["after_last_step"], None),
+            row("prefill steps", [x["prefill"]["count"] for x in steps], [x["prefill"]["count"] for x in off_steps], 0),
+            row("prefill seconds", [x["prefill"]["seconds"] for x in steps],
+                [x["prefill"]["seconds"] for x in off_steps]),
+            row("decode steps", [x["decode"]["count"] for x in steps], [x["decode"]["count"] for x in off_steps], 0),
+            row("decode step ms (median)", [x["decode"]["median_ms"] for x in steps],
+                [x["decode"]["median_ms"] for x in off_steps], 2), ""]
 
 
 def main() -> None:

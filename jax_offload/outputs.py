@@ -31,7 +31,7 @@ class RequestOutput:
         return max(len(self.token_ids) - 1, 0) / max(self.decode_seconds, 1e-9)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # slots: a server's engine process pickles a step's deltas, its front unpickles
 class RequestDelta:
     """What one engine step added to a request: its new tokens (none when EOS ended it), the text they add, their
     log-probabilities if asked; on the request's last delta its finish reason and whole output."""

@@ -60,7 +60,7 @@ class SamplingParams:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class TokenLogprobs:
     """A drawn token's natural-log probability and the likeliest tokens' (id, log-probability), best first."""
 

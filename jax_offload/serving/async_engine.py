@@ -279,7 +279,10 @@ class EngineProcess(_Front):
 
     def stop(self) -> None:
         if self._process.is_alive():
-            self._send(("stop",))
+            try:
+                self._send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass  # it is ending already
             self._process.join(timeout=30)
         if self._process.is_alive():
             self._process.kill()
@@ -314,7 +317,11 @@ def _engine_process(build: Callable[[], object], conn) -> None:
         conn.send(("error", f"{type(error).__name__}: {error}"))
         return
     conn.send(("ready", ModelInfo.of(llm)))
-    core = EngineCore(llm, lambda items, load, host_bytes: conn.send((items, load, host_bytes)))
+    # A thread of its own pickles and sends each step's output while the engine thread waits on the device.
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+    sender = threading.Thread(target=_send_all, args=(outbox, conn), name="jax_offload-engine-sender", daemon=True)
+    sender.start()
+    core = EngineCore(llm, lambda items, load, host_bytes: outbox.put((items, load, host_bytes)))
     stopped = False
 
     def get(block: bool = True) -> tuple | None:
@@ -327,7 +334,20 @@ def _engine_process(build: Callable[[], object], conn) -> None:
             return None
         return command
 
-    _drive(core, get, lambda: get(block=False), queue.Empty, lambda: stopped)
+    try:
+        _drive(core, get, lambda: get(block=False), queue.Empty, lambda: stopped)
+    finally:
+        outbox.put(None)
+        sender.join(timeout=30)
+
+
+def _send_all(outbox: queue.SimpleQueue, conn) -> None:
+    """Sends the engine's output in order until None; a parent gone ends it."""
+    while (message := outbox.get()) is not None:
+        try:
+            conn.send(message)
+        except (BrokenPipeError, OSError):
+            return
 
 
 def _drive(core: EngineCore, get: Callable, get_nowait: Callable, empty: type, stopped: Callable[[], bool]) -> None:
