@@ -295,9 +295,10 @@ class BatchEngine:
     def warm_up(self) -> None:
         """Compiles the steps a server meets before its first request does (in GPU memory; offloaded steps are
         compiled as requests come): a decode step at every batch size, a prefill at every packed length up to a
-        step's budget."""
+        step's budget, the sampled draws at every batch size."""
         if not isinstance(self.runner, ModelRunner):
             return
+        self.runner.warm_up_draws()
         for size in self.runner.buckets:
             if size <= self.blocks.num_blocks:
                 self.generate([[0]] * size, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))

@@ -240,13 +240,19 @@ def _chunk_layer(cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, 
     return decoder.attention_output_and_mlp(cfg, layer, x, o), k_pool, v_pool
 
 
-@functools.partial(step_jit, static_argnums=(0, 5))
 def sample_last(cfg: ModelConfig, params: ModelParams, hidden: jax.Array, index: jax.Array,
                 sampling: SamplingBatch, draws: Draws) -> Drawn:
     """The next token of each request b, from its last token's hidden state: hidden [..., hidden_size] with the
-    leading axes flattened, at index[b]."""
-    last = hidden.reshape(-1, hidden.shape[-1])[index]
-    return sample(decoder.logits(cfg, params, last), sampling, draws)
+    leading axes flattened, at index[b]. Two programs: the logits compile once per hidden shape, the draw (the
+    decode step's) once per batch size and kind of draw, so a prefill of a length met before never compiles for
+    a new mix of greedy and sampled requests (on a GPU, seconds of a server's time to first token)."""
+    return _sample(_last_logits(cfg, params, hidden, index), sampling, draws)
+
+
+@functools.partial(step_jit, static_argnums=0)
+def _last_logits(cfg: ModelConfig, params: ModelParams, hidden: jax.Array, index: jax.Array) -> jax.Array:
+    """float32 logits [B, vocab] of the hidden states [..., hidden_size] at flattened rows index[b]."""
+    return decoder.logits(cfg, params, hidden.reshape(-1, hidden.shape[-1])[index])
 
 
 @functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",), donate_argnums=(3, 4))
@@ -456,6 +462,15 @@ class ModelRunner:
             seq_lens[row] = seq.num_cached + 1
             tables[row, : len(seq.block_table)] = seq.block_table
         return tokens, seq_lens, tables
+
+    def warm_up_draws(self) -> None:
+        """Compiles the sampled draws (temperature, and top-p/top-k) at every batch size; greedy ones compile with
+        the steps that first run them."""
+        for size in self.buckets:
+            logits = self.tp.replicate(np.zeros((size, self.cfg.vocab_size), np.float32))
+            batch, _ = sampling_batch([], size)
+            for kind in ("tempered", "filtered"):
+                _sample(logits, self.tp.replicate(batch), Draws(kind)).tokens.block_until_ready()
 
     def decode_async(self, seqs: list[Sequence], previous: tuple[list[Sequence], Drawn] | None = None
                      ) -> Drawn:
