@@ -300,10 +300,12 @@ def attention_state(q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionSt
 
 
 # The jnp twin. It continues an online softmax (`AttentionState`) in steps of _GRANULE keys at absolute
-# key positions, and every dot has one fixed shape (_TWIN_ROWS or 1 query rows x _TWIN_KEYS keys), because
-# XLA's CPU dots round differently for different shapes. Keys that arrive in blocks (any multiple of
-# _GRANULE, in ascending order) therefore give exactly the bits of one call over all of them: fully
-# masked granules leave the state untouched, bit for bit.
+# key positions, and every dot and sum has one fixed shape (one batch row, _TWIN_ROWS or 1 query rows x
+# _TWIN_KEYS keys), because XLA's CPU dots and reductions round differently for different shapes, the batch
+# size included (batched, a row's bits changed with the batch: a 16-key sum and the P.V dot). Batch rows run one
+# after another, as the kernels give each row programs of its own, so a row's bits do not depend on the rows
+# beside it. Keys that arrive in blocks (any multiple of _GRANULE, in ascending order) give exactly the bits of
+# one call over all of them: fully masked granules leave the state untouched, bit for bit.
 _TWIN_ROWS = 128
 _TWIN_KEYS = 128
 _GRANULE = 16
@@ -311,6 +313,18 @@ _GRANULE = 16
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale_log2"))
 def _attention_state_xla(q, k, v, state, q_offset, kv_len, q_positions, kv_start, *, causal, scale_log2):
+    args = (q, k, v, state, q_offset, kv_len, q_positions, kv_start)
+    if q.shape[0] == 1:
+        return _row_state_xla(*args, causal=causal, scale_log2=scale_log2)
+
+    def one(row):
+        out = _row_state_xla(*jax.tree.map(lambda x: x[None], row), causal=causal, scale_log2=scale_log2)
+        return jax.tree.map(lambda x: x[0], out)
+
+    return lax.map(one, args)
+
+
+def _row_state_xla(q, k, v, state, q_offset, kv_len, q_positions, kv_start, *, causal, scale_log2):
     batch, tq, hq, d = q.shape
     _, tk, hkv, _ = k.shape
     group = hq // hkv

@@ -53,7 +53,19 @@ def _split_shard_groups(x: jax.Array, n: int, widths: tuple[int, ...]) -> list[j
 
 def _project(x: jax.Array, w: jax.Array, batch_invariant: bool) -> jax.Array:
     """x @ w, by the batch-invariant Pallas matmul when asked (each row's bits independent of the others)."""
-    return matmul(x, w) if batch_invariant else x @ w
+    return matmul(x, w) if batch_invariant else _dot(x, w)
+
+
+def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w by XLA; on the CPU, one sequence at a time where x holds one token of each of several sequences (a decode
+    step's [B, 1, K], or the [B, K] rows the LM head reads). XLA's CPU backend multiplies one row by a kernel of its
+    own and several by YNNPACK's, whose kernels change with the row count, so a token's bits changed with the batch
+    it ran in (tiny Llama of width 128 in bf16: 4 of 240 rows of its MLP, batch 8 against 1). One at a time, each
+    product has the shape of a request alone. A prompt's tokens ([1, T, K]) stay one product."""
+    one_token_each = x.ndim == 2 or (x.ndim == 3 and x.shape[1] == 1)
+    if jax.default_backend() == "cpu" and one_token_each and x.shape[0] > 1:
+        return jax.lax.map(lambda row: row @ w, x)
+    return x @ w
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -126,5 +138,5 @@ def logits(cfg: ModelConfig, params: ModelParams, x: jax.Array) -> jax.Array:
     if params.batch_invariant:  # a tied table is read in place, as XLA's dot reads embed.T
         out = (matmul(h, params.embed, transpose_w=True) if params.lm_head is None else matmul(h, params.lm_head))
     else:
-        out = h @ (params.embed.T if params.lm_head is None else params.lm_head)
+        out = _dot(h, params.embed.T if params.lm_head is None else params.lm_head)
     return out.astype(jnp.float32)
