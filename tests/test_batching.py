@@ -437,3 +437,31 @@ def test_offloaded_batch_preempts_by_recompute(tmp_root):
     assert stats.preemptions == stats.recomputes > 0 and stats.swap_outs == 0, where
     assert max(n for kind, n, _, _ in engine.step_log if kind == "decode") <= 8, where
     assert engine.blocks.num_free == SCARCE_LEN // BLOCK_SIZE and not llm._runner.store.live_blocks(), where
+
+
+def test_warm_up_leaves_no_step_to_compile(tmp_root):
+    """After `warm_up` (what a server runs before its first request) no step compiles: prefill rows packed from many
+    prompts up to the step's token budget (past one prompt's longest), decode at any batch size, greedy, tempered and
+    top-p draws. Prompts drawn with seed PROMPT_SEED + 1."""
+    import jax.monitoring
+
+    llm = _llm("llama3", tmp_root)
+    engine = _engine(llm, max_num_seqs=8, max_num_batched_tokens=1024, num_blocks=120)
+    engine.warm_up()
+    rng = np.random.default_rng(PROMPT_SEED + 1)
+    prompts = [rng.integers(3, tiny_models.VOCAB, size=int(n)).tolist() for n in rng.integers(1, 300, 20)]
+    params = [SamplingParams(temperature=[0.0, 0.7, 0.9][i % 3], top_p=0.9 if i % 3 == 2 else 1.0, seed=i,
+                             max_tokens=int(m)) for i, m in enumerate(rng.integers(1, 40, len(prompts)))]
+    compiled: list[str] = []
+
+    def on_compile(event: str, seconds: float, **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(on_compile)
+    try:
+        engine.generate(prompts, params)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_compile)
+    largest = max(n for kind, n, _, _ in engine.step_log if kind == "prefill")
+    assert largest > 1 and not compiled, f"{len(compiled)} compiles after warm_up (seed {PROMPT_SEED + 1})"

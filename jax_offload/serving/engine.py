@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence as Seq
@@ -12,7 +13,6 @@ import numpy as np
 from tqdm import tqdm
 
 from jax_offload.attention import check_attention_impl
-from jax_offload.buckets import prompt_bucket
 from jax_offload.config import ModelConfig
 from jax_offload.detokenizer import Detokenizer
 from jax_offload.kv.host_store import available_host_bytes
@@ -21,7 +21,8 @@ from jax_offload.offload_runner import OffloadRunner
 from jax_offload.outputs import RequestDelta, RequestOutput
 from jax_offload.sampling import Drawn, SamplingParams, TokenLogprobs, drawn_to_host
 from jax_offload.serving.block_manager import BlockManager, cache_tag
-from jax_offload.serving.model_runner import ModelRunner, default_num_blocks, kv_block_bytes
+from jax_offload.serving.model_runner import (PACK_ALIGN, ModelRunner, default_num_blocks, kv_block_bytes,
+                                             packed_length, prefill_bucket)
 from jax_offload.serving.offload_model_runner import OffloadModelRunner
 from jax_offload.serving.scheduler import Scheduler, SchedulerStats, Step
 from jax_offload.serving.sequence import Sequence, SequenceStatus
@@ -295,17 +296,30 @@ class BatchEngine:
     def warm_up(self) -> None:
         """Compiles the steps a server meets before its first request does (in GPU memory; offloaded steps are
         compiled as requests come): a decode step at every batch size, a prefill at every packed length up to a
-        step's budget, the sampled draws at every batch size."""
+        step's budget, the sampled draws at every batch size. Decode runs three tokens: the last step takes its input from
+        the one before, still on the device, as a server's steps do."""
         if not isinstance(self.runner, ModelRunner):
             return
-        self.runner.warm_up_draws()
+        self.runner.warm_up_sampling()
         for size in self.runner.buckets:
             if size <= self.blocks.num_blocks:
-                self.generate([[0]] * size, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
-        length = prompt_bucket(1)
-        while length <= min(self.scheduler.max_chunk, self.max_model_len - 1):
-            self.generate([[0] * length], SamplingParams(temperature=0.0, max_tokens=1))
-            length = prompt_bucket(length + 1)
+                self.generate([[0]] * size, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+        # Packed rows of every length a prefill step can take: its token budget, not one prompt's longest (a
+        # server's steps pack many prompts), as far as max_num_seqs prompts and the pool can fill them.
+        longest = min(self.max_model_len - 1, self.scheduler.max_chunk)
+        piece = max(longest // PACK_ALIGN * PACK_ALIGN, longest if longest < PACK_ALIGN else 0)
+        reachable = min(self.scheduler.max_num_batched_tokens, self.scheduler.max_num_seqs * packed_length(piece),
+                        (self.blocks.num_blocks - 1) * self.blocks.block_size)
+        length, leads = prefill_bucket(PACK_ALIGN), itertools.count(1)  # no packed row is shorter than PACK_ALIGN
+        while length <= reachable:
+            lengths, left = [], length
+            while left > 0:  # prompts whose packed row is exactly `length` tokens
+                lengths.append(min(piece, left))
+                left -= packed_length(lengths[-1])
+            # Each led by a token of its own: no prompt's KV may come from the prefix cache (it would run as chunks).
+            prompts = [[next(leads) % self.runner.cfg.vocab_size] + [0] * (n - 1) for n in lengths]
+            self.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
+            length = prefill_bucket(length + 1)
 
     def _can_run_ahead(self) -> bool:
         """Whether the next step may be scheduled before the tokens of the one in flight are read: it is then a

@@ -463,14 +463,20 @@ class ModelRunner:
             tables[row, : len(seq.block_table)] = seq.block_table
         return tokens, seq_lens, tables
 
-    def warm_up_draws(self) -> None:
-        """Compiles the sampled draws (temperature, and top-p/top-k) at every batch size; greedy ones compile with
-        the steps that first run them."""
+    def warm_up_sampling(self) -> None:
+        """Compiles the sampled draws (temperature, and top-p/top-k) at every batch size, and the feeding of one
+        batch size's draw into the next step at every pair of sizes; greedy draws compile with the steps that
+        first run them. Inputs are placed as the steps place theirs (the same programs, not new ones)."""
+        placed = self.tp.sharding(None)
         for size in self.buckets:
-            logits = self.tp.replicate(np.zeros((size, self.cfg.vocab_size), np.float32))
-            batch, _ = sampling_batch([], size)
+            logits = jax.device_put(np.zeros((size, self.cfg.vocab_size), np.float32), placed)
+            batch = self.tp.replicate(sampling_batch([], size)[0])
             for kind in ("tempered", "filtered"):
-                _sample(logits, self.tp.replicate(batch), Draws(kind)).tokens.block_until_ready()
+                _sample(logits, batch, Draws(kind)).tokens.block_until_ready()
+            for previous in self.buckets:
+                drawn, rows, tokens = jax.device_put((np.zeros(previous, np.int32), np.full(size, -1, np.int32),
+                                                      np.zeros(size, np.int32)), placed)
+                _feed_tokens(drawn, rows, tokens).block_until_ready()
 
     def decode_async(self, seqs: list[Sequence], previous: tuple[list[Sequence], Drawn] | None = None
                      ) -> Drawn:
@@ -484,10 +490,11 @@ class ModelRunner:
         for row, seq in enumerate(seqs):
             if seq.num_pending:
                 rows[row] = previous_row[id(seq)]
-        tokens, rows, seq_lens, tables = self.tp.replicate((tokens, rows, seq_lens, tables))
-        # Through _feed_tokens even with nothing to take from a previous step: the step's tokens are then always
-        # an array of one kind and placement, and the step compiles once per batch size, not once more for host
-        # tokens (a server's steps after each admission).
+        seq_lens, tables = self.tp.replicate((seq_lens, tables))
+        # Through _feed_tokens even with nothing to take from a previous step, its inputs placed as a previous
+        # step's draw is: the step's tokens are then always an array of one kind and placement, and the step
+        # compiles once per batch size, not once more for host tokens (a server's steps after each admission).
+        tokens, rows = jax.device_put((tokens, rows), self.tp.sharding(None))
         tokens = _feed_tokens(previous[1].tokens if previous else tokens, rows, tokens)
         logits, self.k_pool, self.v_pool = _decode_step(
             self.cfg, self.impl, self.params, self.k_pool, self.v_pool, self.inv_freq, tokens, seq_lens, tables,
