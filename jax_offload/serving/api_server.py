@@ -131,9 +131,9 @@ class _Api:
 
     def token_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         vocab = self.info.vocab_size
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise BadRequest(f"Token id {bad[0]} is outside the vocabulary [0, {vocab}).", param)
+        if ids and (min(ids) < 0 or max(ids) >= vocab):  # builtins first: the comprehension only names the culprit
+            bad = next(i for i in ids if not 0 <= i < vocab)
+            raise BadRequest(f"Token id {bad} is outside the vocabulary [0, {vocab}).", param)
         return list(ids)
 
     def chat_ids(self, messages) -> list[int]:
@@ -150,7 +150,7 @@ class _Api:
     def prompts_of(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
             return [self.text_ids(prompt)]
-        if all(isinstance(p, int) for p in prompt):
+        if isinstance(prompt[0], int):  # the request model made it a list[int]: no element needs checking
             return [self.token_ids(prompt)]
         return [self.text_ids(p) if isinstance(p, str) else self.token_ids(p) for p in prompt]
 
