@@ -217,8 +217,10 @@ def _decode_step_fn():
     @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
     def decode_step(cfg, rules, params, k_cache, v_cache, layers, tokens, position, inv_freq):
         """One greedy step for every row (row r decodes under rules[r]): tokens [R] at `position`, caches
-        [L, R, Tmax, Hkv, D] -> (next tokens [R], caches)."""
+        [L, R, Tmax, Hkv, D] -> (next tokens [R], caches, the pages each row's rule chose [L, R, Hkv, K]: K the
+        largest rule's budget in pages, missing entries and rows without a rule -1)."""
         rows, t = len(rules), k_cache.shape[2]
+        most_pages = max([rule[1] // PAGE_SIZE for rule in rules if rule] or [1])
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         keys = jnp.arange(t)
         visible = keys <= position
@@ -236,12 +238,13 @@ def _decode_step_fn():
                            precision=hp) / math.sqrt(d)
             p_full = softmax_over(s, visible)
             num_pages_all = t // PAGE_SIZE
-            masks, estimates = [], []
+            masks, estimates, chosen_pages = [], [], []
             no_estimate = jnp.full((hkv, hq // hkv, num_pages_all), -jnp.inf)
             for r, rule in enumerate(rules):
                 if rule is None:
                     masks.append(jnp.broadcast_to(visible, (hkv, t)))
                     estimates.append(no_estimate)
+                    chosen_pages.append(jnp.full((hkv, most_pages), -1, jnp.int32))
                     continue
                 kind, budget, dense = rule
                 num_pages = stored // PAGE_SIZE
@@ -255,6 +258,8 @@ def _decode_step_fn():
                                                                    "int4"), PAGE_SIZE)
                     score = sketch.mass_of_pages(page_lse, num_pages)
                 chosen = quest.top_pages(score, num_pages, budget // PAGE_SIZE)
+                listed = jnp.where(chosen < num_pages, chosen, -1)
+                chosen_pages.append(jnp.pad(listed, ((0, 0), (0, most_pages - listed.shape[1])), constant_values=-1))
                 picked = jnp.zeros((hkv, t // PAGE_SIZE + 1), bool).at[jnp.arange(hkv)[:, None], chosen].set(True)
                 sparse = (picked[:, keys // PAGE_SIZE] & (keys < stored)) | tail
                 masks.append(jnp.where(index < dense, visible, sparse))
@@ -272,11 +277,13 @@ def _decode_step_fn():
                 o_est = _attend_with_estimate(s, allowed, vc, jnp.stack(estimates), page_values.transpose(0, 2, 1, 3))
                 o = jnp.where(estimating[:, None, None, None], o_est, o)
             x = decoder.attention_output_and_mlp(cfg, layer, x, o.reshape(rows, 1, hq, d).astype(x.dtype))
-            return x, (kc, vc)
+            return x, (kc, vc, jnp.stack(chosen_pages))
 
         x = decoder.embed(params, tokens[:, None])
-        x, (k_cache, v_cache) = jax.lax.scan(layer_fn, x, (jnp.arange(len(k_cache)), layers, k_cache, v_cache))
-        return jnp.argmax(decoder.logits(cfg, params, x[:, 0]), axis=-1).astype(jnp.int32), k_cache, v_cache
+        x, (k_cache, v_cache, chosen) = jax.lax.scan(layer_fn, x,
+                                                     (jnp.arange(len(k_cache)), layers, k_cache, v_cache))
+        tokens = jnp.argmax(decoder.logits(cfg, params, x[:, 0]), axis=-1).astype(jnp.int32)
+        return tokens, k_cache, v_cache, chosen
 
     return decode_step
 
@@ -296,9 +303,10 @@ class Model:
 
 
 def run_prompt(model: Model, prompt: NiahSample, prefill_rule, decode_rules: tuple, max_tokens: int,
-               cache_len: int) -> tuple[list[list[int]], list[float]]:
+               cache_len: int, chosen: list | None = None) -> tuple[list[list[int]], list[float]]:
     """Prefill once under `prefill_rule`, then decode every rule of `decode_rules` greedily from it, one batch
-    row each -> (per rule the generated ids, cut before the first EOS; the prefill density per layer)."""
+    row each -> (per rule the generated ids, cut before the first EOS; the prefill density per layer). `chosen`
+    (a list) gets each decode step's chosen pages, NumPy [L, R, Hkv, K] (see the decode step)."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -322,9 +330,11 @@ def run_prompt(model: Model, prompt: NiahSample, prefill_rule, decode_rules: tup
     out = [tokens]
     step = _decode_step_fn()
     for i in range(max_tokens - 1):
-        tokens, k_cache, v_cache = step(model.cfg, decode_rules, model.params, k_cache, v_cache, model.layers,
-                                        tokens, np.int32(n + i), model.inv_freq)
+        tokens, k_cache, v_cache, pages = step(model.cfg, decode_rules, model.params, k_cache, v_cache,
+                                               model.layers, tokens, np.int32(n + i), model.inv_freq)
         out.append(tokens)
+        if chosen is not None:
+            chosen.append(np.asarray(pages))
     generated = np.asarray(jnp.stack(out, axis=1)).tolist()
     cut = [next((j for j, t in enumerate(ids) if t in model.eos), len(ids)) for ids in generated]
     return [ids[:c] for ids, c in zip(generated, cut)], density

@@ -339,10 +339,11 @@ class LLM:
         return self._blend
 
     def _batches(self) -> bool:
-        """Whether several prompts run together: full attention in prefill and decode (sketch and Quest decode and
-        XAttention prefill run one request at a time)."""
+        """Whether several prompts run together: offloaded with full decode (any prefill: each prompt's prefill is
+        the one-request runner's), or in GPU memory with full prefill. Sketch and Quest decode, and XAttention
+        prefill in GPU memory, run one request at a time."""
         e = self.engine_config
-        return e.prefill_policy == "full" and (not e.offload or e.decode_policy == "full")
+        return e.decode_policy == "full" if e.offload else e.prefill_policy == "full"
 
     def _single_prompt_batches(self) -> bool:
         """Whether one prompt runs on the batch engine too: with its KV in GPU memory and the Pallas kernels, its
@@ -418,8 +419,7 @@ class LLM:
     def _prefill_density(self) -> list[float] | None:
         if self.engine_config.prefill_policy != "xattention":
             return None
-        counts = to_host(jnp.stack(self._runner.prefill_block_counts)).astype(np.float64)
-        return list(counts[:, 0] / np.maximum(counts[:, 1], 1))
+        return xattention.density(self._runner.prefill_block_counts)
 
 
 def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:

@@ -439,6 +439,27 @@ def test_offloaded_batch_preempts_by_recompute(tmp_root):
     assert engine.blocks.num_free == SCARCE_LEN // BLOCK_SIZE and not llm._runner.store.live_blocks(), where
 
 
+@pytest.mark.parametrize("prefill, choice", [("chunked", dict(xattn_threshold=0.9)),
+                                             ("layerwise", dict(xattn_density=0.3))])
+def test_offloaded_xattention_prompts_together_equal_each_alone(tmp_root, prefill, choice):
+    """Offloaded with XAttention prefill (a threshold, or a fixed density) and full decode, prompts given together
+    run on the batch engine: each gets its greedy tokens and its prefill density alone, and the store holds no live
+    block afterwards."""
+    _llm("llama3", tmp_root)
+    llm = LLM(tmp_root / "llama3", max_model_len=8192, prefill=prefill, max_num_seqs=OFFLOAD_PROMPTS,
+              prefill_policy="xattention", xattn_stride=4, xattn_block=16, **choice, **OFFLOAD)
+    prompts, params = _offload_workload()
+    where = f"model seed {MODEL_SEEDS['llama3']}, prompt seed {PROMPT_SEED}, {prefill} {choice}"
+    alone = [llm.generate([p], sp)[0] for p, sp in zip(prompts, params)]
+    together = llm.generate(prompts, params)
+    _check(together, [(o.token_ids, o.text) for o in alone], where)
+    assert [o.prefill_density for o in together] == [o.prefill_density for o in alone], where
+    assert min(min(o.prefill_density) for o in together) < 1.0, where  # some layer's choice left blocks out
+    engine = llm._batch_engine
+    assert engine is not None and max(n for kind, n, _, _ in engine.step_log if kind == "decode") > 1, where
+    assert not llm._runner.store.live_blocks(), where
+
+
 def test_warm_up_leaves_no_step_to_compile(tmp_root):
     """After `warm_up` (what a server runs before its first request) no step compiles: prefill rows packed from many
     prompts up to the step's token budget (past one prompt's longest), decode at any batch size, greedy, tempered and

@@ -409,7 +409,8 @@ class BatchEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(seq.prompt_ids, seq.text, seq.output_ids, seq.finish_reason, seq.prefill_seconds,
-                             sum(seq.step_seconds), seq.step_seconds, num_cached_tokens=seq.num_cached_tokens,
+                             sum(seq.step_seconds), seq.step_seconds, prefill_density=seq.prefill_density,
+                             num_cached_tokens=seq.num_cached_tokens,
                              logprobs=seq.logprobs if seq.params.logprobs is not None else None,
                              request_id=seq.request_id)
 

@@ -2,8 +2,8 @@
 
 A running sequence's full KV blocks live in the host store at the ids of its block table (the same id in every
 layer; the block manager hands them out), and its newest, partial block in one row (its tail slot) of a GPU tail
-pool per layer. Prefill runs each new prompt through the one-request `OffloadRunner` (chunked or layerwise, into
-the sequence's blocks) and takes its tails over. A decode step runs the layer's matmuls for the whole batch in one
+pool per layer. Prefill runs each new prompt through the one-request `OffloadRunner` (chunked or layerwise, full or
+XAttention, into the sequence's blocks) and takes its tails over. A decode step runs the layer's matmuls for the whole batch in one
 call; each request's host blocks then stream through the ring group by group and are attended row by row with
 the one-request step, so a request's attention does not depend on its neighbours; the tails are attended for
 the whole batch in one call. KV never has to leave the GPU for a preemption (it is already on the host): a
@@ -25,6 +25,7 @@ from jax_offload.offload_runner import OffloadRunner
 from jax_offload.sampling import TokenLogprobs, drawn_to_host
 from jax_offload.serving.model_runner import batch_buckets, sample_last, sampling_batch
 from jax_offload.serving.sequence import Sequence
+from jax_offload.sparse import xattention
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -75,6 +76,8 @@ class OffloadModelRunner:
         try:
             hidden, first = self.runner.prefill(padded, len(ids), seq.max_len, blocks=seq.block_table,
                                                 cached_blocks=seq.num_cached // self.block_size)
+            if self.runner.xattn is not None:
+                seq.prefill_density = xattention.density(self.runner.prefill_block_counts)
         finally:  # the runner lets go of the request either way; its blocks are the sequence's, dropped with it
             tails = self.runner.hand_over()
         slot = self._free_slots.pop()

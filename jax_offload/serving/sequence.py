@@ -47,6 +47,7 @@ class Sequence:
     logprobs: list = dataclasses.field(default_factory=list)  # a `TokenLogprobs` per read token, if asked
     prefill_seconds: float = 0.0  # the step that gave its first token
     step_seconds: list[float] = dataclasses.field(default_factory=list)  # each decode step it took part in
+    prefill_density: list[float] | None = None  # XAttention prefill: per layer, the share of key blocks selected
 
     @property
     def num_tokens(self) -> int:

@@ -13,6 +13,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import pallas_kernels
 from jax_offload.config import XATTN_DEFAULTS, EngineConfig
@@ -91,6 +92,13 @@ def block_counts(mask: jax.Array, q_offset: int | jax.Array, kv_len: int | jax.A
     density of the selection."""
     vis = visible_blocks(mask.shape[2], mask.shape[3], q_offset, kv_len, block)
     return jnp.stack([jnp.sum(mask & vis, dtype=jnp.int32), jnp.sum(vis, dtype=jnp.int32) * mask.shape[1]])
+
+
+def density(layer_counts: list[jax.Array]) -> list[float]:
+    """Per layer, the share of causally visible key blocks a prefill selected, from each layer's
+    [selected, visible] (`block_counts`, summed over the prompt's chunks)."""
+    counts = np.asarray(jax.device_get(jnp.stack(layer_counts)), np.float64)
+    return list(counts[:, 0] / np.maximum(counts[:, 1], 1))
 
 
 def attention(policy: XAttention, impl: str, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
