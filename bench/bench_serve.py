@@ -68,6 +68,7 @@ async def client_run(url: str, prompts: list[list[int]], max_tokens: list[int], 
         sent = time.perf_counter()
         times, tokens = [], []
         async with session.post(url + "/v1/completions", json=body) as r:
+            accepted = time.perf_counter()  # the response's headers: the server has handed the request on
             async for raw in r.content:
                 line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -76,7 +77,7 @@ async def client_run(url: str, prompts: list[list[int]], max_tokens: list[int], 
                 if ids:
                     times.append(time.perf_counter())
                     tokens += ids
-        records[i] = {"sent": sent, "times": times, "tokens": tokens}
+        records[i] = {"sent": sent, "accepted": accepted, "times": times, "tokens": tokens}
 
     delays, t = [], 0.0
     for _ in prompts:
@@ -97,7 +98,7 @@ async def client_run(url: str, prompts: list[list[int]], max_tokens: list[int], 
             "output_tokens": out_tokens,
             "output_tok_s": out_tokens / wall, "request_s": len(prompts) / wall,
             "ttft_ms": _ms(ttft), "tpot_ms": _ms(tpot), "itl_ms": _ms(itl),
-            "token_ids": [r["tokens"] for r in records]}
+            "token_ids": [r["tokens"] for r in records], "accepted": [r["accepted"] for r in records]}
 
 
 def _ms(xs: list[float]) -> dict:
@@ -191,7 +192,9 @@ def time_budget(client: dict, events: list) -> dict:
     adds = [t for kind, t, _ in events if kind == "add"]
     steps = [(a, b) for kind, a, b in events if kind == "step"]
     busy = sum(b - a for a, b in steps)
-    return {"before_first_request": adds[0] - client["began"], "in_steps": busy,
+    accepted = client["accepted"]
+    return {"server_accepted_over": max(accepted) - client["began"], "before_first_request": adds[0] - client["began"],
+            "in_steps": busy,
             "between_steps": steps[-1][1] - steps[0][0] - busy, "after_last_step": client["ended"] - steps[-1][1],
             "requests_taken_over": adds[-1] - adds[0]}
 
@@ -237,6 +240,7 @@ def run(args) -> dict:
         out = json.loads(spec.read_text())
         log = asyncio.run(engine.call(_step_log, False))
         out["time_budget_s"] = time_budget(out, asyncio.run(engine.call(_take_events)))
+        del out["accepted"]
         decode = [s for kind, _, _, s in log if kind == "decode"]
         out["decode_step_ms"] = stats([s * 1e3 for s in decode]) if decode else None
         out["engine_steps"] = _step_counts(log)
@@ -292,9 +296,11 @@ def _budget_table(r: dict) -> list[str]:
     budget = {k: [x["time_budget_s"][k] for x in inf] for k in inf[0]["time_budget_s"]}
     steps = [x["engine_steps"] for x in inf]
     off_steps = offline["engine_steps"]
-    return ["Where the infinite-rate time goes (seconds unless named; the engine's side from its own clock):", "",
+    lines = ["Where the infinite-rate time goes (seconds unless named; the engine's side from its own clock):", "",
             "| what | server | offline |", "|---|---|---|",
             row("wall", [x["wall_s"] for x in inf], [offline["seconds"]["median"]]),
+            row("until the server's last response headers (it handed the request on)",
+                budget["server_accepted_over"], None) if "server_accepted_over" in budget else None,
             row("before the engine took the first request", budget["before_first_request"], None),
             row("requests taken over", budget["requests_taken_over"], None),
             row("in engine steps", budget["in_steps"], None),
@@ -306,6 +312,7 @@ def _budget_table(r: dict) -> list[str]:
             row("decode steps", [x["decode"]["count"] for x in steps], [x["decode"]["count"] for x in off_steps], 0),
             row("decode step ms (median)", [x["decode"]["median_ms"] for x in steps],
                 [x["decode"]["median_ms"] for x in off_steps], 2), ""]
+    return [line for line in lines if line is not None]
 
 
 def main() -> None:
