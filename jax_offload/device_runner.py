@@ -57,11 +57,6 @@ class DeviceRunner:
         done.close()
         return x, 0
 
-    def adopt(self, k: list[jax.Array], v: list[jax.Array]) -> None:
-        """Takes a prefill's K and V caches [1, cache_len, Hkv, D] per layer (CacheBlend's) for the decode."""
-        self._k, self._v = list(k), list(v)
-        self.prefill_block_counts = []
-
     def decode(self, x: jax.Array, position: int) -> jax.Array:
         """x [1, 1, hidden] embedded new token at `position` -> its final hidden state."""
         pos = np.int32(position)

@@ -237,18 +237,20 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"Got {len(params)} SamplingParams for {len(prompts)} prompts; give one, or one each.")
         each = [params] * len(prompts) if isinstance(params, SamplingParams) else params
-        if not any(isinstance(p, Segments) for p in prompts):
-            encoded = [self.encode(p) for p in prompts]
-            if self._batches() and (len(encoded) > 1 or self._single_prompt_batches()):
-                return self._batch().generate(encoded, params, on_text, progress)
+        if any(isinstance(p, Segments) for p in prompts):
+            pairs = [self._blend_prompt(p) if isinstance(p, Segments) else (self.encode(p), None) for p in prompts]
+            return self._batch().generate([ids for ids, _ in pairs], params, on_text, progress,
+                                          [blend for _, blend in pairs])
+        encoded = [self.encode(p) for p in prompts]
+        if self._batches() and (len(encoded) > 1 or self._single_prompt_batches()):
+            return self._batch().generate(encoded, params, on_text, progress)
         engine = self._serial_engine()
         if engine.has_unfinished():
             raise RuntimeError("generate needs an idle engine; this one still has requests added by add_request.")
         engine.progress = progress
         ids = [f"generate-{i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, each):
-            prompt_ids, prefill = self._prompt_and_prefill(prompt)
-            engine.add_request(rid, prompt_ids, p, prefill)
+        for rid, prompt_ids, p in zip(ids, encoded, each):
+            engine.add_request(rid, prompt_ids, p)
         return run_requests(engine, ids, on_text)
 
     # ---- the incremental API (vLLM's LLMEngine shape), what the server drives ---------------------------------
@@ -257,26 +259,21 @@ class LLM:
         """Queues a request; it joins the running requests at a coming `step` (the batch engine's continuous
         batching, where the options allow it; else one request after another)."""
         if isinstance(prompt, Segments):
-            prompt_ids, prefill = self._prompt_and_prefill(prompt)
-            self._serial_engine().add_request(request_id, prompt_ids, params, prefill)
+            prompt_ids, blend = self._blend_prompt(prompt)
+            self._batch().add_request(request_id, prompt_ids, params, blend)
         else:
             self.request_engine().add_request(request_id, self.encode(prompt), params)
 
     def step(self) -> list[RequestDelta]:
-        """One step of the request engine (and of Segments prompts'): what it added to each request."""
-        deltas = self.request_engine().step()
-        if self._serial is not None and self._serial is not self.request_engine():
-            deltas += self._serial.step()
-        return deltas
+        """One step of the request engine: what it added to each request."""
+        return self.request_engine().step()
 
     def abort(self, request_id: str) -> None:
         """Drops a request wherever it is; its KV is free at once."""
         self.request_engine().abort(request_id)
-        if self._serial is not None:
-            self._serial.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.request_engine().has_unfinished() or (self._serial is not None and self._serial.has_unfinished())
+        return self.request_engine().has_unfinished()
 
     def warm_up(self) -> None:
         """Compiles what the request engine will run (the batch engine's steps at every batch size and prefill
@@ -287,11 +284,7 @@ class LLM:
 
     def load(self) -> EngineLoad:
         """Requests running, waiting and swapped, and the KV they hold (the server's metrics)."""
-        load = self.request_engine().load()
-        if self._serial is not None and self._serial is not self.request_engine():
-            serial = self._serial.load()
-            load.running, load.waiting = load.running + serial.running, load.waiting + serial.waiting
-        return load
+        return self.request_engine().load()
 
     def host_store_bytes(self) -> tuple[int, int]:
         """(bytes read from, bytes written to) the offloaded KV store so far; (0, 0) with the KV in GPU memory."""
@@ -308,20 +301,11 @@ class LLM:
             self._serial = SerialEngine(self)
         return self._serial
 
-    def _prompt_and_prefill(self, prompt: Prompt):
-        """(token ids, prefill or None) of one prompt: a `Segments` prompt prefills by CacheBlend."""
-        if not isinstance(prompt, Segments):
-            return self.encode(prompt), None
+    def _blend_prompt(self, prompt: Segments) -> tuple[list[int], Callable]:
+        """(token ids, CacheBlend prefill: `Sequence.blend`) of a `Segments` prompt, which runs on the batch engine."""
         parts = [self.encode(part) for part in prompt.parts]
-        ids = self.encode([t for part in parts for t in part])
         blend = self._blend_runner()
-
-        def prefill(total_len: int) -> tuple[jax.Array, int, int]:
-            hidden, k, v, cached = blend.prefill(parts, total_len)
-            self._runner.adopt(k, v)
-            return hidden, len(ids) - 1, cached
-
-        return ids, prefill
+        return self.encode([t for part in parts for t in part]), functools.partial(blend.prefill, parts)
 
     def _blend_runner(self) -> BlendRunner:
         e = self.engine_config

@@ -1,11 +1,11 @@
 """`SerialEngine`: requests one after another, each from a fresh KV state, through the per-request runners (what
-the batch engine does not run yet: sketch and Quest decode, XAttention prefill in GPU memory, `Segments` prompts,
-and one prompt on the XLA twins). Its incremental API is the batch engine's, so the server and `LLM.generate` drive either."""
+the batch engine does not run yet: sketch and Quest decode, XAttention prefill in GPU memory, and one prompt on the
+XLA twins or offloaded). Its incremental API is the batch engine's, so the server and `LLM.generate` drive either."""
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -18,10 +18,6 @@ from jax_offload.sampling import SamplingParams, TokenLogprobs, drawn_logprobs, 
 from jax_offload.serving.engine import EngineLoad
 from jax_offload.tensor_parallel import to_host
 
-# prefill(total_len) -> (hidden states, position of their first row, prompt tokens reused)
-Prefill = Callable[[int], tuple[jax.Array, int, int]]
-
-
 class SerialEngine:
     """Runs the oldest request to its end, a token a `step`, then the next. `llm` is the `LLM` whose runner,
     parameters and tokenizer it uses."""
@@ -29,15 +25,14 @@ class SerialEngine:
     def __init__(self, llm):
         self.llm = llm
         self.progress = False  # a bar over long prompts' prefill
-        self._queue: deque[tuple[str, list[int], Prefill | None, SamplingParams]] = deque()
+        self._queue: deque[tuple[str, list[int], SamplingParams]] = deque()
         self._active: tuple[str, Iterator[RequestDelta]] | None = None
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    prefill: Prefill | None = None) -> None:
-        """Queues a request; `prefill` replaces the runner's own (CacheBlend's)."""
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queues a request."""
         if request_id in self._ids():
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        self._queue.append((request_id, list(prompt_ids), prefill, params))
+        self._queue.append((request_id, list(prompt_ids), params))
 
     def abort(self, request_id: str) -> None:
         if self._active is not None and self._active[0] == request_id:
@@ -56,8 +51,8 @@ class SerialEngine:
         if self._active is None:
             if not self._queue:
                 return []
-            request_id, ids, prefill, params = self._queue.popleft()
-            self._active = (request_id, self._run(request_id, ids, prefill, params))
+            request_id, ids, params = self._queue.popleft()
+            self._active = (request_id, self._run(request_id, ids, params))
         try:
             delta = next(self._active[1])
         except BaseException:
@@ -70,8 +65,7 @@ class SerialEngine:
     def _ids(self) -> set[str]:
         return {r[0] for r in self._queue} | ({self._active[0]} if self._active else set())
 
-    def _run(self, request_id: str, ids: list[int], prefill: Prefill | None, params: SamplingParams
-             ) -> Iterator[RequestDelta]:
+    def _run(self, request_id: str, ids: list[int], params: SamplingParams) -> Iterator[RequestDelta]:
         """One request: a delta per drawn token (the first after prefill), the last one with the output."""
         llm = self.llm
         total_len = min(len(ids) + params.max_tokens, llm.max_model_len)
@@ -86,11 +80,7 @@ class SerialEngine:
         finish_reason = None
         try:
             start = time.perf_counter()
-            if prefill is None:
-                hidden, first_position = llm._prefill(ids, total_len, self.progress)
-                cached = 0
-            else:
-                hidden, first_position, cached = prefill(total_len)
+            hidden, first_position = llm._prefill(ids, total_len, self.progress)
             row = np.int32(len(ids) - 1 - first_position)
             prefill_s = decode_start = step_start = None
             position = len(ids)
@@ -119,7 +109,7 @@ class SerialEngine:
                     delta.finish_reason = finish_reason
                     delta.output = RequestOutput(
                         ids, detokenizer.text, generated, finish_reason, prefill_s, time.perf_counter() - decode_start,
-                        step_seconds, llm._prefill_density(), cached,
+                        step_seconds, llm._prefill_density(), 0,
                         logprobs if params.logprobs is not None else None, request_id)
                     yield delta
                     return

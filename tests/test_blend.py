@@ -122,3 +122,37 @@ def test_cli_segments_lines(parts, tmp_path, capsys):
     full = LLM(path, dtype="float32", max_model_len=256).generate(
         [doc_b + doc_a + question], SamplingParams(temperature=0.0, max_tokens=4))[0]
     assert out[1]["token_ids"] == full.token_ids, WHERE
+
+
+def test_segments_together_equal_each_alone(parts):
+    """CacheBlend prompts run on the batch engine: several at once beside a plain prompt, greedy and seeded, give
+    each one's tokens alone, also when a scarce pool preempts them and they are recomputed (the blend again, then
+    their generated tokens as chunks); their blended KV never serves a later plain prompt as a cached prefix."""
+    from jax_offload.serving.engine import BatchEngine
+
+    path, system, doc_a, doc_b, question = parts
+    llm = LLM(path, blend_recompute_ratio=0.3, **OPTIONS)
+    prompts = [Segments([system, doc_a, question]), Segments([system, doc_b, doc_a, question]),
+               system + doc_b + question, Segments([doc_b, question])]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=24, ignore_eos=True)
+              for i in range(len(prompts))]
+    alone = [llm.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params)]
+    together = llm.generate(prompts, params)
+    assert [o.token_ids for o in together] == alone, WHERE
+    engine = llm._batch_engine
+    assert max(n for kind, n, _, _ in engine.step_log if kind == "decode") == len(prompts), WHERE
+
+    # 12 blocks of 16 tokens hold the four short requests' prompts (12 blocks), not their growth (19).
+    short = [Segments([doc_b, question]), Segments([system, question]), system + question,
+             Segments([system, doc_b, question])]
+    alone = [llm.generate(p, sp)[0].token_ids for p, sp in zip(short, params)]
+    pairs = [llm._blend_prompt(p) if isinstance(p, Segments) else (p, None) for p in short]
+    scarce = BatchEngine.in_gpu(llm.model_config, llm.params, llm._inv_freq, llm.dtype, llm.attention_impl,
+                                llm.max_model_len, llm.tokenizer, llm.eos_token_ids, block_size=16, num_blocks=12,
+                                swap_space_bytes=0, enable_prefix_caching=True)
+    outs = scarce.generate([ids for ids, _ in pairs], params, blends=[blend for _, blend in pairs])
+    blends = sum(kind == "blend" for kind, *_ in scarce.step_log)
+    assert [o.token_ids for o in outs] == alone and blends > 3, f"{WHERE}, {scarce.stats}, {blends} blend steps"
+    plain = scarce.generate([short[2]], GREEDY)[0]  # ran plain before: its full blocks are cached
+    blended = scarce.generate([pairs[0][0]], GREEDY)[0]  # ran only blended: none of its blocks may be
+    assert plain.num_cached_tokens > 0 and blended.num_cached_tokens == 0, WHERE

@@ -68,7 +68,7 @@ class BatchEngine:
                                    chunked_prefill=isinstance(runner, ModelRunner))
         # (kind, sequences computed, KV tokens read, seconds) of the steps since the last `generate` call began (the
         # newest STEP_LOG_LENGTH: a server's engine runs on); kind "prefill" (whole prompts), "chunk" (one prompt's
-        # chunk and a token of each running sequence), "decode".
+        # chunk and a token of each running sequence), "blend" (a CacheBlend prompt), "decode".
         self.step_log: deque[tuple[str, int, int, float]] = deque(maxlen=STEP_LOG_LENGTH)
         # Decode steps of the last `generate` call dispatched before the previous step's tokens were read.
         self.overlapped_steps = 0
@@ -172,11 +172,16 @@ class BatchEngine:
 
     # ---- the incremental API (vLLM's LLMEngine shape): the server and `generate` run this one loop ------------
 
-    def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams) -> None:
-        """Queues a request; it joins the running batch at a coming step (prefix caching as configured)."""
+    def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams,
+                    blend: Callable | None = None) -> None:
+        """Queues a request; it joins the running batch at a coming step (prefix caching as configured). `blend`:
+        the prompt is a CacheBlend one, prefilled by it (`Sequence.blend`) in a step of its own (in GPU memory)."""
         if request_id in self._requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
+        if blend is not None and not isinstance(self.runner, ModelRunner):
+            raise ValueError("CacheBlend prompts run with the KV cache in GPU memory, not offloaded.")
         seq = self._sequence(request_id, prompt_ids, params)
+        seq.blend = blend
         self.scheduler.add(seq)
         self._requests[request_id] = seq
 
@@ -254,6 +259,12 @@ class BatchEngine:
             drawn_for = [*step.decodes, seq] if end == seq.num_tokens else step.decodes
             self._took(Step("chunk", drawn_for), draws, start, kv_tokens, deltas, rows=1 + len(step.decodes))
             return
+        if step.kind == "blend":
+            (seq,) = step.seqs
+            draws = self.runner.blend_prefill(seq)  # none for a recompute: its generated tokens run as chunks next
+            seq.num_cached = len(seq.prompt_ids)
+            self._took(step, draws, start, kv_tokens, deltas, rows=1)
+            return
         run = self.runner.prefill if step.kind == "prefill" else self.runner.decode
         draws = run(step.seqs)
         for seq in step.seqs:
@@ -268,9 +279,11 @@ class BatchEngine:
         params: SamplingParams | list[SamplingParams],
         on_text: Callable[[int, str], None] | None = None,
         progress: bool = False,
+        blends: list[Callable | None] | None = None,
     ) -> list[RequestOutput]:
         """One output per prompt, in prompt order; `on_text(i, delta)` streams prompt i's new text; `progress`
-        shows a bar of finished requests with the output tokens/s."""
+        shows a bar of finished requests with the output tokens/s; `blends[i]`: prompt i's CacheBlend prefill
+        (`add_request`)."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts_ids)
         if len(params) != len(prompts_ids):
@@ -280,8 +293,8 @@ class BatchEngine:
         for i, prompt in enumerate(prompts_ids):  # every prompt checked before any runs
             self._check_prompt(f"Prompt {i}", prompt)
         ids = [f"generate-{self._next_index + i}" for i in range(len(prompts_ids))]
-        for rid, prompt, p in zip(ids, prompts_ids, params):
-            self.add_request(rid, prompt, p)
+        for rid, prompt, p, blend in zip(ids, prompts_ids, params, blends or [None] * len(ids)):
+            self.add_request(rid, prompt, p, blend)
         self.step_log.clear()
         self.overlapped_steps = 0
         try:

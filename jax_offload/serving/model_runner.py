@@ -290,6 +290,15 @@ def _feed_tokens(drawn: jax.Array, rows: jax.Array, tokens: jax.Array) -> jax.Ar
     return jnp.where(rows >= 0, drawn[jnp.maximum(rows, 0)], tokens)
 
 
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
+def _write_prompt_kv(kv_dtypes: tuple[str, ...], k_pool: tuple, v_pool: tuple, slots: jax.Array, ks: tuple,
+                     vs: tuple) -> tuple[tuple, tuple]:
+    """Writes a prompt's K and V caches [1, T, Hkv, D] per layer (as a one-request cache holds them) into every
+    layer's pool at `slots` [T] (-1: nothing written), in each layer's KV format."""
+    return (tuple(_write_kv(pool, slots, k[0], d) for pool, k, d in zip(k_pool, ks, kv_dtypes)),
+            tuple(_write_kv(pool, slots, v[0], d) for pool, v, d in zip(v_pool, vs, kv_dtypes)))
+
+
 @jax.jit
 def _gather_blocks(pools: tuple, blocks: jax.Array):
     """-> [num_layers, len(blocks), block_size, Hkv, D] (each leaf of the stored form)."""
@@ -345,6 +354,22 @@ class ModelRunner:
         x, last = self._prefill_packed(seqs, [s.num_tokens for s in seqs], size)
         drawn = sample_last(self.cfg, self.params, x, self.tp.replicate(last), *self._sampling(seqs, size))
         return drawn_to_host(drawn, len(seqs))
+
+    def blend_prefill(self, seq: Sequence) -> list[tuple[int, TokenLogprobs | None]]:
+        """Runs a CacheBlend prompt (`seq.blend`), writes its K and V into the sequence's blocks and samples the next
+        token; none when generated tokens follow (a recompute after a preemption: they run as chunks next)."""
+        n = len(seq.prompt_ids)
+        hidden, k, v, seq.num_cached_tokens = seq.blend(seq.max_len)
+        slots = np.full(k[0].shape[1], -1, np.int32)  # the cache's rows past the prompt write nothing
+        slots[:n] = self._slots(seq, np.arange(n))
+        kv_dtypes = tuple(layer.kv_cache_dtype for layer in self.params.layers)
+        self.k_pool, self.v_pool = _write_prompt_kv(kv_dtypes, self.k_pool, self.v_pool, self.tp.replicate(slots),
+                                                    tuple(k), tuple(v))
+        if seq.output_ids:
+            return []
+        size = self.buckets[-1]
+        last = self.tp.replicate(np.zeros(size, np.int32))
+        return drawn_to_host(sample_last(self.cfg, self.params, hidden, last, *self._sampling([seq], size)), 1)
 
     def _prefill_packed(self, seqs: list[Sequence], counts: list[int], size: int) -> tuple[jax.Array, np.ndarray]:
         """Runs the first counts[i] tokens of each sequence packed into one row: the hidden states and the row

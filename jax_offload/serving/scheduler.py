@@ -28,7 +28,7 @@ class KVSwapper(Protocol):
 
 @dataclasses.dataclass
 class Step:
-    kind: str  # "prefill" (whole prompts), "chunk" (part of one prompt) or "decode"
+    kind: str  # "prefill" (whole prompts), "chunk" (part of one prompt), "blend" (one CacheBlend prompt) or "decode"
     seqs: list[Sequence]
     # A chunk: the prompt's tokens [start, end), the earlier ones already in the pool.
     chunk: tuple[int, int] | None = None
@@ -118,6 +118,10 @@ class Scheduler:
         lengths: list[int] = []
         while not self.swapped and self.waiting and len(self.running) + len(batch) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.blend is not None:
+                if batch or not self.blocks.can_allocate(seq.num_tokens, reserve):
+                    break
+                return self._admit_blend(seq)
             # Without chunks one sequence alone may exceed the budget; otherwise no prompt could be longer than it.
             if batch and self.prefill_tokens(lengths + [seq.num_tokens]) > self.max_num_batched_tokens:
                 break
@@ -145,6 +149,17 @@ class Scheduler:
         for seq in batch:
             self._run(seq)
         return Step("prefill", batch) if batch else None
+
+    def _admit_blend(self, seq: Sequence) -> Step:
+        """A CacheBlend prompt's step, alone and from no cached prefix (its blocks take the blend's KV). Recomputed
+        after a preemption, its generated tokens then run as chunks after the blended prompt."""
+        self.waiting.popleft()
+        self.blocks.allocate(seq, seq.num_tokens)
+        if seq.output_ids:
+            self.chunking = seq
+        else:
+            self._run(seq)
+        return Step("blend", [seq])
 
     def _next_chunk(self, seq: Sequence) -> Step:
         """The prefill step of the sequence's next chunk with a decode token of each running sequence; after its

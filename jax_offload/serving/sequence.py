@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
 
 import numpy as np
 
@@ -48,6 +49,9 @@ class Sequence:
     prefill_seconds: float = 0.0  # the step that gave its first token
     step_seconds: list[float] = dataclasses.field(default_factory=list)  # each decode step it took part in
     prefill_density: list[float] | None = None  # XAttention prefill: per layer, the share of key blocks selected
+    # A CacheBlend (`Segments`) prompt: blend(total_len) -> (the last prompt token's hidden state [1, 1, hidden], K
+    # and V caches [1, cache_len, Hkv, D] per layer, prompt tokens whose KV came from the segment store).
+    blend: Callable | None = None
 
     @property
     def num_tokens(self) -> int:
