@@ -514,16 +514,18 @@ def gather_keys(keys: jax.Array, blocks: tuple[jax.Array, ...], starts: jax.Arra
     return keys, k[0, 0, :, 0]
 
 
-@functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",))
+@functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("span", "tp"), donate_argnums=(3,))
 def xattn_chunk_select(
     impl: str, xattn: XAttention, q: jax.Array, keys: jax.Array, kv: jax.Array, start: jax.Array,
-    chunk_len: jax.Array, tp: TensorParallel | None = None,
+    chunk_len: jax.Array, span: int | None = None, tp: TensorParallel | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """XAttention's choice for a chunk's queries q [1, T, Hq, D] at `start`, over the earlier keys in `keys`
-    and the chunk's own (kv [2, T, Hkv, D]) -> (mask [1, Hq, T / block, max_len / block], the earlier host
-    blocks some head needs as bool [max_len / T], the keys buffer with the chunk's keys, [selected, visible])."""
+    and the chunk's own (kv [2, T, Hkv, D]) -> (mask [1, Hq, T / block, span / block], the earlier host blocks
+    some head needs as bool [span / T], the keys buffer with the chunk's keys, [selected, visible]). The estimate
+    reads the buffer's first `span` keys (default: all; at least through the chunk), not the whole buffer of
+    max_len keys. The buffer is donated: written in place, not copied (at 1M tokens, 2 GB a layer and chunk)."""
     keys = jax.lax.dynamic_update_slice(keys, kv[0][None].astype(keys.dtype), (0, start, 0, 0))
-    mask = xattn_select(impl, xattn, q, keys, q_offset=start, kv_len=start + chunk_len, tp=tp)
+    mask = xattn_select(impl, xattn, q, keys[:, :span], q_offset=start, kv_len=start + chunk_len, tp=tp)
     t, hq = q.shape[1], q.shape[2]
     per_block = mask.reshape(hq, t // xattn.block, -1, t // xattn.block)
     needed = jnp.any(per_block, axis=(0, 1, 3)) & (jnp.arange(per_block.shape[2]) * t < start)

@@ -21,3 +21,9 @@ def prompt_bucket(n: int) -> int:
 def cache_bucket(n: int) -> int:
     """Length of an in-GPU KV cache that must hold n tokens."""
     return _bucket(n, 256, 4096)
+
+
+def key_span_bucket(n: int) -> int:
+    """Keys an estimate over the first n of a buffer reads: powers of two up to 128K, then multiples of 128K (a
+    1M-token prompt's chunks compile a dozen spans, and read on average about half the buffer)."""
+    return _bucket(n, 256, 131072)

@@ -41,7 +41,7 @@ from jax_offload.attention import (
     xattn_chunk_end,
     xattn_chunk_select,
 )
-from jax_offload.buckets import prompt_bucket
+from jax_offload.buckets import key_span_bucket, prompt_bucket
 from jax_offload.config import PAGE_POLICIES, EngineConfig, ModelConfig, round_up
 from jax_offload.kv.host_store import HostKVStore
 from jax_offload.kv.kv_cache_dtype import bytes_per_vector
@@ -243,8 +243,9 @@ class OffloadRunner:
             starts = np.array(padded(g, self.group, fill=c), np.int32) * bs
             self._keys, done = gather_keys(self._keys, padded(ring.take(), self.group), starts)
             ring.release(done, len(g))
+        span = min(key_span_bucket((c + 1) * bs), self._keys.shape[1])
         mask, needed, self._keys, counts = xattn_chunk_select(
-            self.impl, self.xattn, q, self._keys, kv, start, np.int32(chunk_len), tp=self.tp)
+            self.impl, self.xattn, q, self._keys, kv, start, np.int32(chunk_len), span=span, tp=self.tp)
         chosen = [int(b) for b in np.flatnonzero(to_host(needed))]
         ring = BlockRing(self.store, self.num_slots, grouped(self._keys_of(l, chosen), self.group))
         for g in grouped(chosen, self.group):
