@@ -97,10 +97,14 @@ def main(argv: list[str] | None = None) -> int:
                                  "hit_rate": {str(f): h / a if a else None for f, (h, a) in zip(CACHE_FACTORS, hs)}}
                         for c, o, hs in zip(configs, overlaps, hits)}}
         print(json.dumps({n: result["lengths"][str(n)]}), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "page_overlap.json").write_text(json.dumps(result, indent=1))
-    (args.out / "page_overlap.md").write_text(report(result))
+        write(result, args.out)  # after each length: a stopped run keeps what it measured
     return 0
+
+
+def write(result: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "page_overlap.json").write_text(json.dumps(result, indent=1))
+    (out / "page_overlap.md").write_text(report(result))
 
 
 def report(r: dict) -> str:
