@@ -309,8 +309,8 @@ class BatchEngine:
     def warm_up(self) -> None:
         """Compiles the steps a server meets before its first request does (in GPU memory; offloaded steps are
         compiled as requests come): a decode step at every batch size, a prefill at every packed length up to a
-        step's budget, the sampled draws at every batch size. Decode runs three tokens: the last step takes its input from
-        the one before, still on the device, as a server's steps do."""
+        step's budget, the sampled draws at every batch size. Decode runs three tokens: the last step takes its
+        input from the one before, still on the device, as a server's steps do."""
         if not isinstance(self.runner, ModelRunner):
             return
         self.runner.warm_up_sampling()

@@ -3,10 +3,10 @@
 A running sequence's full KV blocks live in the host store at the ids of its block table (the same id in every
 layer; the block manager hands them out), and its newest, partial block in one row (its tail slot) of a GPU tail
 pool per layer. Prefill runs each new prompt through the one-request `OffloadRunner` (chunked or layerwise, full or
-XAttention, into the sequence's blocks) and takes its tails over. A decode step runs the layer's matmuls for the whole batch in one
-call; each request's host blocks then stream through the ring group by group and are attended row by row with
-the one-request step, so a request's attention does not depend on its neighbours; the tails are attended for
-the whole batch in one call. KV never has to leave the GPU for a preemption (it is already on the host): a
+XAttention, into the sequence's blocks) and takes its tails over. A decode step runs the layer's matmuls for the
+whole batch in one call; each request's host blocks then stream through the ring group by group and are attended
+row by row with the one-request step, so a request's attention does not depend on its neighbours; the tails are
+attended for the whole batch in one call. KV never has to leave the GPU for a preemption (it is already on the host): a
 preempted sequence gives its blocks back and is recomputed. With prefix caching a prompt's leading full blocks may
 be an earlier prompt's, still in the store: its prefill starts after them, chunk by chunk.
 """
