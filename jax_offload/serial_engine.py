@@ -109,8 +109,8 @@ class SerialEngine:
                     delta.finish_reason = finish_reason
                     delta.output = RequestOutput(
                         ids, detokenizer.text, generated, finish_reason, prefill_s, time.perf_counter() - decode_start,
-                        step_seconds, llm._prefill_density(), 0,
-                        logprobs if params.logprobs is not None else None, request_id)
+                        step_seconds, llm._prefill_density(),
+                        logprobs=logprobs if params.logprobs is not None else None, request_id=request_id)
                     yield delta
                     return
                 yield delta

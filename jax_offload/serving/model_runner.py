@@ -515,11 +515,11 @@ class ModelRunner:
         for row, seq in enumerate(seqs):
             if seq.num_pending:
                 rows[row] = previous_row[id(seq)]
-        seq_lens, tables = self.tp.replicate((seq_lens, tables))
-        # Through _feed_tokens even with nothing to take from a previous step, its inputs placed as a previous
-        # step's draw is: the step's tokens are then always an array of one kind and placement, and the step
-        # compiles once per batch size, not once more for host tokens (a server's steps after each admission).
-        tokens, rows = jax.device_put((tokens, rows), self.tp.sharding(None))
+        # Placed as a previous step's draw is (on one device too, where `tp.replicate` leaves host arrays) and
+        # through _feed_tokens even with nothing to take from a previous step: the step's tokens are then always
+        # an array of one kind and placement, and the step compiles once per batch size, not once more for host
+        # tokens (a server's steps after each admission).
+        tokens, rows, seq_lens, tables = jax.device_put((tokens, rows, seq_lens, tables), self.tp.sharding(None))
         tokens = _feed_tokens(previous[1].tokens if previous else tokens, rows, tokens)
         logits, self.k_pool, self.v_pool = _decode_step(
             self.cfg, self.impl, self.params, self.k_pool, self.v_pool, self.inv_freq, tokens, seq_lens, tables,

@@ -6,8 +6,8 @@ pool per layer. Prefill runs each new prompt through the one-request `OffloadRun
 XAttention, into the sequence's blocks) and takes its tails over. A decode step runs the layer's matmuls for the
 whole batch in one call; each request's host blocks then stream through the ring group by group and are attended
 row by row with the one-request step, so a request's attention does not depend on its neighbours; the tails are
-attended for the whole batch in one call. KV never has to leave the GPU for a preemption (it is already on the host): a
-preempted sequence gives its blocks back and is recomputed. With prefix caching a prompt's leading full blocks may
+attended for the whole batch in one call. KV never has to leave the GPU for a preemption (it is already on the
+host): a preempted sequence gives its blocks back and is recomputed. With prefix caching a prompt's leading full blocks may
 be an earlier prompt's, still in the store: its prefill starts after them, chunk by chunk.
 """
 from __future__ import annotations
@@ -76,15 +76,16 @@ class OffloadModelRunner:
         try:
             hidden, first = self.runner.prefill(padded, len(ids), seq.max_len, blocks=seq.block_table,
                                                 cached_blocks=seq.num_cached // self.block_size)
-            if self.runner.xattn is not None:
-                seq.prefill_density = xattention.density(self.runner.prefill_block_counts)
         finally:  # the runner lets go of the request either way; its blocks are the sequence's, dropped with it
             tails = self.runner.hand_over()
         slot = self._free_slots.pop()
         self._slot[seq.index] = slot
         self.tails = list(_put_tails(tuple(self.tails), np.int32(slot), tuple(tails)))
         last = np.asarray([len(ids) - first - 1], np.int32)
-        return drawn_to_host(sample_last(self.cfg, self.params, hidden, last, *sampling_batch([seq], 1)), 1)[0]
+        draw = drawn_to_host(sample_last(self.cfg, self.params, hidden, last, *sampling_batch([seq], 1)), 1)[0]
+        if self.runner.xattn is not None:  # read after the draw: the runner keeps the counts until its next prefill
+            seq.prefill_density = xattention.density(self.runner.prefill_block_counts)
+        return draw
 
     def decode(self, seqs: list[Sequence]) -> list[tuple[int, TokenLogprobs | None]]:
         """Runs each sequence's last token and samples the next one; a tail that fills up is stored in the
