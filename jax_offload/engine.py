@@ -268,6 +268,11 @@ class LLM:
         """One step of the request engine: what it added to each request."""
         return self.request_engine().step()
 
+    def step_due(self) -> float | None:
+        """When a server's loop should run the next step if it should wait for requests first
+        (`BatchEngine.step_due`); None: at once."""
+        return self.request_engine().step_due()
+
     def abort(self, request_id: str) -> None:
         """Drops a request wherever it is; its KV is free at once."""
         self.request_engine().abort(request_id)

@@ -93,6 +93,12 @@ def drawn_to_host(drawn: Drawn, n: int) -> list[tuple[int, TokenLogprobs | None]
             for i, t in enumerate(tokens)]
 
 
+def request_key(seed: int) -> np.ndarray:
+    """`jax.random.PRNGKey(seed)` (threefry, 32-bit: [0, seed mod 2**32]) made on the host: a key made on the
+    device would wait behind the decode steps in flight when a request comes."""
+    return np.array([0, seed % 2**32], np.uint32)
+
+
 def _finite_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 

@@ -14,7 +14,7 @@ import numpy as np
 from jax_offload.attention import embed_tokens
 from jax_offload.detokenizer import Detokenizer
 from jax_offload.outputs import RequestDelta, RequestOutput
-from jax_offload.sampling import SamplingParams, TokenLogprobs, drawn_logprobs, sample_token
+from jax_offload.sampling import SamplingParams, TokenLogprobs, drawn_logprobs, request_key, sample_token
 from jax_offload.serving.engine import EngineLoad
 from jax_offload.tensor_parallel import to_host
 
@@ -47,6 +47,10 @@ class SerialEngine:
     def load(self) -> EngineLoad:
         return EngineLoad(int(self._active is not None), len(self._queue))
 
+    def step_due(self) -> float | None:
+        """None: nothing is dispatched ahead, so the next step may run at once (`BatchEngine.step_due`)."""
+        return None
+
     def step(self) -> list[RequestDelta]:
         if self._active is None:
             if not self._queue:
@@ -70,7 +74,7 @@ class SerialEngine:
         llm = self.llm
         total_len = min(len(ids) + params.max_tokens, llm.max_model_len)
         seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (2**31))
-        key = jax.random.PRNGKey(seed)
+        key = jnp.asarray(request_key(seed))
         knobs = (jnp.float32(params.temperature), jnp.float32(params.top_p), np.int32(params.top_k))
         detokenizer = Detokenizer(llm.tokenizer, params.stop_strings)
         banned = np.asarray(sorted(llm.eos_token_ids), np.int32)

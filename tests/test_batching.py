@@ -2,9 +2,11 @@
 seeded tokens do not depend on the batch a request runs in, on preemption, or on where its KV lives."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -486,3 +488,44 @@ def test_warm_up_leaves_no_step_to_compile(tmp_root):
         jax.monitoring.unregister_event_duration_listener(on_compile)
     largest = max(n for kind, n, _, _ in engine.step_log if kind == "prefill")
     assert largest > 1 and not compiled, f"{len(compiled)} compiles after warm_up (seed {PROMPT_SEED + 1})"
+
+
+def test_request_key_is_jax_prngkey():
+    """A request's sampling key, made on the host, is `jax.random.PRNGKey(seed)`: negative seeds and seeds past
+    32 bits included (drawn with seed PROMPT_SEED + 2)."""
+    from jax_offload.sampling import request_key
+
+    rng = np.random.default_rng(PROMPT_SEED + 2)
+    seeds = [0, 1, -1, 2**31 - 1, -(2**31), 2**32, 2**63 - 1, *(int(s) for s in rng.integers(-(2**62), 2**62, 20))]
+    for seed in seeds:
+        assert np.array_equal(request_key(seed), np.asarray(jax.random.PRNGKey(seed))), \
+            f"seed {seed} (drawn with {PROMPT_SEED + 2})"
+
+
+def test_step_due_only_while_a_step_runs_ahead(tmp_root):
+    """A server's loop waits for requests (`step_due`) only while a decode step runs ahead, and not past the step
+    in flight's expected end; a waiting request makes the next step due at once, and its tokens are still those of
+    the request alone."""
+    import time
+
+    llm = _llm("llama3", tmp_root)
+    engine = _engine(llm)
+    prompts, params = _workload(2)
+    params = [dataclasses.replace(p, max_tokens=40, stop=None) for p in params]
+    assert engine.step_due() is None
+    engine.add_request("a", prompts[0], params[0])
+    dues = []
+    while engine.overlapped_steps < 3:
+        engine.step()
+        dues.append(engine.step_due())
+    due, now, step = dues[-1], time.perf_counter(), engine.step_log[-1][3]
+    assert due is None or now < due < now + step, (due, now, step)
+    engine.add_request("b", prompts[1], params[1])
+    assert engine.step_due() is None
+    outputs = {}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            if delta.finished:
+                outputs[delta.request_id] = delta.output.token_ids
+    alone = [llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
+    assert [outputs["a"], outputs["b"]] == alone

@@ -11,6 +11,7 @@ import itertools
 import multiprocessing
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
@@ -41,6 +42,9 @@ class ModelInfo:
 
 # Commands: ("add", request_id, prompt_ids, params), ("score", request_id, prompt_ids, num_logprobs),
 # ("abort", request_id), ("call", call_id, fn, args).
+# How often a loop waiting for a step to be due looks whether the step in flight has finished.
+DUE_POLL_SECONDS = 0.25e-3
+
 Emit = Callable[[list[tuple[str, object]], EngineLoad | None, tuple[int, int] | None], None]
 
 
@@ -81,6 +85,10 @@ class EngineCore:
                 self.emit([(request_id, BadRequest(str(error)))], None, None)
                 return
             self._live.add(request_id)
+
+    def step_due(self) -> float | None:
+        """When to run the next step if not at once (`LLM.step_due`): prompts to score run at once."""
+        return None if self._scores else self.llm.step_due()
 
     def run_once(self) -> None:
         self._score_when_free()
@@ -245,7 +253,10 @@ class EngineLoop(_Front):
         self._commands.put(command)
 
     def _run(self) -> None:
-        _drive(self._core, self._commands.get, self._commands.get_nowait, queue.Empty, self._stop.is_set)
+        def get(timeout: float | None) -> tuple | None:
+            return self._commands.get(timeout=timeout) if timeout != 0 else self._commands.get_nowait()
+
+        _drive(self._core, get, queue.Empty, self._stop.is_set)
 
 
 class EngineProcess(_Front):
@@ -324,9 +335,9 @@ def _engine_process(build: Callable[[], object], conn) -> None:
     core = EngineCore(llm, lambda items, load, host_bytes: outbox.put((items, load, host_bytes)))
     stopped = False
 
-    def get(block: bool = True) -> tuple | None:
+    def get(timeout: float | None) -> tuple | None:
         nonlocal stopped
-        if not block and not conn.poll():
+        if timeout is not None and not conn.poll(timeout):
             raise queue.Empty
         command = conn.recv()
         if command[0] == "stop":
@@ -335,7 +346,7 @@ def _engine_process(build: Callable[[], object], conn) -> None:
         return command
 
     try:
-        _drive(core, get, lambda: get(block=False), queue.Empty, lambda: stopped)
+        _drive(core, get, queue.Empty, lambda: stopped)
     finally:
         outbox.put(None)
         sender.join(timeout=30)
@@ -350,21 +361,31 @@ def _send_all(outbox: queue.SimpleQueue, conn) -> None:
             return
 
 
-def _drive(core: EngineCore, get: Callable, get_nowait: Callable, empty: type, stopped: Callable[[], bool]) -> None:
-    """The engine's loop: take every command that waits (an idle engine sleeps until one comes), run a step."""
+def _drive(core: EngineCore, get: Callable[[float | None], tuple | None], empty: type,
+           stopped: Callable[[], bool]) -> None:
+    """The engine's loop: take every command that waits, then run a step. `get(timeout)` waits that long for a
+    command (None: until one comes; raises `empty` when none came). An idle engine sleeps until a command comes;
+    one with a decode step in flight waits for commands until the next step is due (`EngineCore.step_due`), a
+    slice at a time to see the step in flight finish early."""
     while not stopped():
-        commands = [get()] if not core.busy else []
-        while True:
-            try:
-                commands.append(get_nowait())
-            except empty:
-                break
+        timeout = None
+        if core.busy:
+            due = core.step_due()
+            timeout = 0 if due is None else min(max(due - time.perf_counter(), 0), DUE_POLL_SECONDS)
+        commands = []
+        try:
+            commands.append(get(timeout))
+            while True:
+                commands.append(get(0))
+        except empty:
+            pass
         for command in commands:
             if command is not None:  # None only wakes the loop (stop)
                 core.take(command)
         if stopped():
             return
-        core.run_once()
+        if commands or core.step_due() is None:
+            core.run_once()
 
 
 def prompt_logprobs(logits: np.ndarray, ids: list[int], num_logprobs: int) -> list[TokenLogprobs | None]:
