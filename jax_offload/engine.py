@@ -46,9 +46,10 @@ class LLM:
     `tensor_parallel_size` N splits every layer over N devices by KV-head groups (the KV cache too, offloaded or
     not, and the paged pool of continuous batching).
 
-    `batch_invariant=True` (with the Pallas kernels on one device): the weights are multiplied by a Pallas matmul
-    whose per-element order does not depend on the row count, and decode attention folds fixed 256-key splits in
-    key order, so a request's bfloat16 tokens are the same alone, batched or offloaded. Off by default: it costs
+    `batch_invariant=True` (with the Pallas kernels): the weights are multiplied by a Pallas matmul whose
+    per-element order does not depend on the row count (under tensor parallelism on each device's shard, the
+    row-parallel products added in device order), and decode attention folds fixed 256-key splits in key order, so
+    a request's bfloat16 tokens are the same alone, batched or offloaded (at a given tensor_parallel_size). Off by default: it costs
     9% of batched throughput and 1.7-1.8x batch-1 decode time on the H200 (README).
 
     `kv_cache_dtype="fp8"` or `"int8"`: K and V are stored as float8_e4m3fn or int8 with a power-of-two scale
@@ -164,9 +165,8 @@ class LLM:
         # With fewer KV heads than devices, the devices hold repeated KV heads: the model as they run it.
         model_config = sharded_model_config(model_config, tp.size)
         self.tp = tp
-        # The Pallas matmul runs on one device: under tensor parallelism XLA splits the matmuls.
-        params = params.with_batch_invariance(engine.batch_invariant and self.attention_impl == "pallas"
-                                              and tp.size == 1).with_kv_cache_dtype(engine.kv_cache_dtype)
+        params = params.with_batch_invariance(engine.batch_invariant and self.attention_impl == "pallas", tp
+                                              ).with_kv_cache_dtype(engine.kv_cache_dtype)
         self.model_config, self.engine_config, self.params, self.tokenizer = model_config, engine, params, tokenizer
         self.dtype = jnp.dtype(engine.dtype)
         self.eos_token_ids = frozenset(int(i) for i in eos_ids)

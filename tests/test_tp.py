@@ -59,6 +59,7 @@ def test_tp_on_virtual_devices_equals_tp1(model_dirs):
     _check_batch_equals_one_at_a_time(device_runs)
     _check_preemption(device_runs)
     _check_only_all_reduce(device_runs)
+    _check_batch_invariant(device_runs)
 
 
 def _check_logits_and_greedy_tokens(device_runs):
@@ -105,6 +106,19 @@ def _check_only_all_reduce(device_runs):
         assert steps[name] == layer_ends, name
     for name in ("chunk_begin", "attend_blocks"):
         assert sum(steps[name].values()) == 0, f"{name}: {steps[name]}"
+
+
+def _check_batch_invariant(device_runs):
+    """batch_invariant=True at TP=2 (bfloat16, Pallas kernels): 4 prompts together give each one's greedy tokens
+    alone; logits within bfloat16 rounding of TP=1's (the row-parallel products are added in another order); the
+    matmuls run on each device's shard, their products gathered and added in device order (no all-reduce, whose
+    order may change with the batch)."""
+    (r,) = [r for r in device_runs if r.get("case") == "batch_invariant"]
+    case = f"{r['model']} (model seed {MODELS[r['model']]}), TP=2, bf16, batch_invariant, prompt seed {PROMPT_SEED}+i"
+    assert r["largest_batch"] == 4, case
+    assert r["together"] == r["alone"], f"{case}: greedy tokens together differ from each alone"
+    assert r["max_diff"] <= 2**-6 * r["ref_max"], f"{case}: logits differ from TP=1 by {r['max_diff']}"
+    assert r["collectives"]["all-reduce"] == 0 and r["collectives"]["all-gather"] == 2, f"{case}: {r['collectives']}"
 
 
 def _free_port() -> int:

@@ -97,6 +97,7 @@ def devices(seed: int, models: list[str]) -> None:
     # 45eb088), the second (until 07ab582) and the third (until 06cf93d) ran it here too. Batched offloaded: the first
     # model only (one KV head, repeated on both devices; the other two ran it until 6cf7026), to keep the suite's time.
     _emit(case="batched", model=Path(models[0]).name, mode="chunked", **_batched(models[0], seed))
+    _emit(case="batch_invariant", model=Path(models[1]).name, **_batch_invariant(models[1], seed))
     _emit(case="preempted", model=Path(models[1]).name, **_preempted(models[1], seed))
     _emit(case="collectives", steps=_collectives(models[0]))
 
@@ -114,6 +115,33 @@ def _batched(model: str, seed: int) -> dict:
     tokens = [o.token_ids for o in together.generate(prompts, greedy)]
     return {"tokens": tokens, "ref_tokens": [alone.generate([p], greedy)[0].token_ids for p in prompts],
             "largest_batch": max(n for kind, n, _, _ in together._batch_engine.step_log if kind == "decode")}
+
+
+def _batch_invariant(model: str, seed: int) -> dict:
+    """bfloat16, batch_invariant=True, Pallas kernels (interpret mode), TP=2 in GPU memory: greedy tokens of 4 prompts
+    together and each alone; logits of one against TP=1's; the collectives of the compiled decode layer step."""
+    import jax.numpy as jnp
+
+    from jax_offload import LLM, SamplingParams
+    from jax_offload import attention as steps
+
+    prompts = [_prompt(seed + i, n) for i, n in enumerate((5, 37, 70, 16))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    options = dict(dtype="bfloat16", attention_impl="pallas", batch_invariant=True, max_model_len=256)
+    llm = LLM(model, tensor_parallel_size=2, max_num_seqs=len(prompts), **options)
+    tp1 = LLM(model, **options)
+    together = [o.token_ids for o in llm.generate(prompts, greedy)]
+    largest_batch = max(n for kind, n, _, _ in llm._batch_engine.step_log if kind == "decode")
+    alone = [llm.generate([p], greedy)[0].token_ids for p in prompts]
+    ref = tp1.logits(prompts[1])
+    cfg, layer = llm.model_config, llm.params.layers[0]
+    x = jnp.ones((1, 1, cfg.hidden_size), jnp.bfloat16)
+    cache = llm.tp.zeros((1, 64, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16, 2)
+    text = steps.decode_layer_in_device.lower(cfg, "pallas", layer, x, llm._inv_freq, cache, cache, jnp.int32(30),
+                                              tp=llm.tp).compile().as_text()
+    return {"together": together, "alone": alone,
+            "max_diff": float(np.abs(llm.logits(prompts[1]) - ref).max()), "ref_max": float(np.abs(ref).max()),
+            "largest_batch": largest_batch, "collectives": {op: len(re.findall(rf" {op}(-start)?\(", text)) for op in COLLECTIVES}}
 
 
 def _preempted(model: str, seed: int) -> dict:

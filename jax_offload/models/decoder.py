@@ -7,7 +7,9 @@ shares the exact same layer arithmetic.
 """
 from __future__ import annotations
 
+import functools
 import itertools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +18,7 @@ from jax_offload.config import ModelConfig
 from jax_offload.kv.kv_cache_dtype import round_trip
 from jax_offload.models.params import LayerParams, ModelParams
 from jax_offload.models.rope import apply_rope, cos_sin
+from jax_offload.tensor_parallel import AXIS
 from pallas_kernels.matmul import matmul
 
 
@@ -51,9 +54,31 @@ def _split_shard_groups(x: jax.Array, n: int, widths: tuple[int, ...]) -> list[j
     return [p.reshape(*x.shape[:-1], n * w) for p, w in zip(parts, widths)]
 
 
-def _project(x: jax.Array, w: jax.Array, batch_invariant: bool) -> jax.Array:
-    """x @ w, by the batch-invariant Pallas matmul when asked (each row's bits independent of the others)."""
-    return matmul(x, w) if batch_invariant else _dot(x, w)
+def _column_parallel(layer: LayerParams, x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w for `wqkv` and `w_gate_up`, whose output columns are split over the devices: by the batch-invariant
+    Pallas matmul when asked (each row's bits independent of the others), on each device over its columns."""
+    if not layer.batch_invariant:
+        return _dot(x, w)
+    if layer.tp is None:
+        return matmul(x, w)
+    return layer.tp.per_head(matmul, (None, 1), x.ndim - 1)(x, w)
+
+
+def _row_parallel(layer: LayerParams, x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w for `wo` and `w_down`, whose input rows are split over the devices, each multiplying its part of x.
+    Batch-invariant under tensor parallelism: each device's float32 product is gathered and the products are added
+    in device order, rounded once; an all-reduce may add them in an order that changes with the message's size,
+    so with the batch (at 2 devices it is the one commutative addition either way)."""
+    if not layer.batch_invariant:
+        return _dot(x, w)
+    if layer.tp is None:
+        return matmul(x, w)
+
+    def local(x: jax.Array, w: jax.Array) -> jax.Array:
+        products = jax.lax.all_gather(matmul(x, w, out_dtype=jnp.float32), AXIS)
+        return functools.reduce(operator.add, list(products)).astype(x.dtype)
+
+    return layer.tp.per_head(local, (x.ndim - 1, 0), None)(x, w)
 
 
 def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -85,7 +110,7 @@ def project_qkv(cfg: ModelConfig, layer: LayerParams, x: jax.Array) -> tuple[jax
     """x [B, T, hidden] -> q [B, T, Hq, D], k and v [B, T, Hkv, D] before RoPE (normed, projected)."""
     b, t, _ = x.shape
     h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-    qkv = _project(h, layer.wqkv, layer.batch_invariant)
+    qkv = _column_parallel(layer, h, layer.wqkv)
     if layer.bqkv is not None:
         qkv = qkv + layer.bqkv
     n = layer.num_shards
@@ -124,19 +149,23 @@ def attention_inputs(
 def attention_output_and_mlp(cfg: ModelConfig, layer: LayerParams, x: jax.Array, attn: jax.Array) -> jax.Array:
     """Finishes a layer: x [B, T, hidden] residual, attn [B, T, Hq, D] attention output."""
     b, t, _ = x.shape
-    x = x + _project(attn.astype(x.dtype).reshape(b, t, -1), layer.wo, layer.batch_invariant)
+    x = x + _row_parallel(layer, attn.astype(x.dtype).reshape(b, t, -1), layer.wo)
     h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
     n = layer.num_shards
-    gate, up = _split_shard_groups(_project(h, layer.w_gate_up, layer.batch_invariant), n,
-                                   (cfg.intermediate_size // n,) * 2)
-    return x + _project(jax.nn.silu(gate) * up, layer.w_down, layer.batch_invariant)
+    gate, up = _split_shard_groups(_column_parallel(layer, h, layer.w_gate_up), n, (cfg.intermediate_size // n,) * 2)
+    return x + _row_parallel(layer, jax.nn.silu(gate) * up, layer.w_down)
 
 
 def logits(cfg: ModelConfig, params: ModelParams, x: jax.Array) -> jax.Array:
     """Final norm and LM head: x [..., hidden] -> float32 logits [..., vocab]."""
     h = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
     if params.batch_invariant:  # a tied table is read in place, as XLA's dot reads embed.T
-        out = (matmul(h, params.embed, transpose_w=True) if params.lm_head is None else matmul(h, params.lm_head))
+        def head(h: jax.Array, table: jax.Array) -> jax.Array:
+            return matmul(h, table, transpose_w=params.lm_head is None)
+
+        if params.tp is not None:  # replicated: every device computes the whole head, as XLA's dot does
+            head = params.tp.per_head(head, (None, None), None)
+        out = head(h, params.embed if params.lm_head is None else params.lm_head)
     else:
         out = _dot(h, params.embed.T if params.lm_head is None else params.lm_head)
     return out.astype(jnp.float32)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import jax
 from flax import struct
 
+from jax_offload.tensor_parallel import TensorParallel
+
 
 @struct.dataclass
 class LayerParams:
@@ -23,6 +25,9 @@ class LayerParams:
     num_shards: int = struct.field(pytree_node=False, default=1)
     # Multiply by the batch-invariant Pallas matmul (a row's bits independent of the other rows); else XLA's dot.
     batch_invariant: bool = struct.field(pytree_node=False, default=False)
+    # The mesh the weights are split over when batch_invariant runs the matmul on each device's shard (None: one
+    # device); XLA splits its own dot.
+    tp: TensorParallel | None = struct.field(pytree_node=False, default=None)
     # How the KV cache stores K and V (`kv.kv_cache_dtype`): the layer rounds them to the stored values once, as
     # it projects them, so every attention path reads the same keys.
     kv_cache_dtype: str = struct.field(pytree_node=False, default="auto")
@@ -35,11 +40,15 @@ class ModelParams:
     final_norm: jax.Array  # [hidden]
     lm_head: jax.Array | None  # [hidden, vocab]; None when tied to `embed`
     batch_invariant: bool = struct.field(pytree_node=False, default=False)  # as LayerParams'; also decode attention
+    tp: TensorParallel | None = struct.field(pytree_node=False, default=None)  # as LayerParams'
     kv_cache_dtype: str = struct.field(pytree_node=False, default="auto")  # as LayerParams'; also the KV pool's
 
-    def with_batch_invariance(self, on: bool) -> "ModelParams":
-        """The same weights, multiplied (and decode attention reduced) batch-invariantly or not."""
-        return self.replace(layers=[layer.replace(batch_invariant=on) for layer in self.layers], batch_invariant=on)
+    def with_batch_invariance(self, on: bool, tp: TensorParallel | None = None) -> "ModelParams":
+        """The same weights, multiplied (and decode attention reduced) batch-invariantly or not; `tp`: the mesh they
+        are split over (the matmul then runs on each device's shard)."""
+        tp = tp if on and tp is not None and tp.size > 1 else None
+        return self.replace(layers=[layer.replace(batch_invariant=on, tp=tp) for layer in self.layers],
+                            batch_invariant=on, tp=tp)
 
     def with_kv_cache_dtype(self, kv_cache_dtype: str) -> "ModelParams":
         """The same weights, with K and V rounded to what a `kv_cache_dtype` cache stores."""
