@@ -18,9 +18,9 @@ from jax_offload.kv.kv_cache_dtype import QuantizedKV, dequantize, values_of
 from jax_offload.models import decoder
 from jax_offload.models.params import LayerParams
 from jax_offload.precision import step_jit
-from jax_offload.sparse import quest, xattention
+from jax_offload.sparse import page_cache, quest, xattention
 from jax_offload.sparse.xattention import XAttention
-from jax_offload.tensor_parallel import TensorParallel
+from jax_offload.tensor_parallel import AXIS, TensorParallel
 from pallas_kernels import AttentionState
 
 ATTENTION_IMPLS = ("pallas", "xla")
@@ -474,6 +474,57 @@ def sparse_decode_layer(
     state = _local(tp, local, (HEADS, meta_heads, BUFFER_HEADS, STATE_HEADS, None), STATE_HEADS)(
         q, tuple(meta), buffer, state, num_pages)
     return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state, tp), tail
+
+
+@functools.partial(step_jit, static_argnums=(0, 1, 8, 10, 11, 12, 13, 18, 19, 20), static_argnames=("tp",),
+                   donate_argnums=(5, 16))
+def cached_sparse_decode_layer(
+    cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, inv_freq: jax.Array, tail: jax.Array,
+    position: jax.Array, tail_len: jax.Array, scorer, meta: tuple[jax.Array, ...], budget_pages: int,
+    page_size: int, block_size: int, num_candidates: int, num_pages: jax.Array, buffer: jax.Array,
+    cache: page_cache.CacheState, step: jax.Array, host, device, miss_cap: int, tp: TensorParallel | None = None,
+) -> tuple[jax.Array, jax.Array, page_cache.CacheState, jax.Array]:
+    """`sparse_decode_layer` with a GPU cache of chosen pages (`sparse.page_cache`): the step copies the chosen
+    pages the cache lacks from the pinned `buffer` into it (at most `miss_cap` per KV head), then reads every chosen
+    page from the cache with the kernel and order the store read would use: the same bits. A step with more misses
+    reads from the store. -> (hidden, tail with the token's K, V, the cache after the step, int32 [hits, chosen,
+    pages over PCIe] summed over the KV heads and the most misses of a KV head)."""
+    q, tail, state = _decode_inputs(cfg, layer, x, inv_freq, tail, position, tail_len, tp)
+
+    def local(q, meta, buffer, cache, state, num_pages, step):
+        score = scorer.page_scores(impl, q[0, 0], meta, num_pages, num_candidates)
+        pages = quest.top_pages(score, num_pages, budget_pages)
+        hkv = pages.shape[0]
+        use = page_cache.plan(cache, pages, num_candidates, step, miss_cap)
+        slots = use.state.page.shape[1]
+        missing = gather_rows(buffer, quest.page_rows(use.miss_pages, num_candidates, page_size, block_size), host,
+                              device)
+        kv = page_cache.write_rows(cache.kv, page_cache.slot_rows(use.miss_slots, slots, page_size).reshape(-1),
+                                   missing)
+        num_keys = jnp.minimum(num_pages, budget_pages) * page_size
+        store_rows = quest.page_rows(pages, num_candidates, page_size, block_size).reshape(hkv, -1)
+        cached_rows = jnp.where(pages < num_candidates, use.slots, 0)
+        state = jax.lax.cond(
+            use.all_cached,
+            lambda: attend_rows(impl, q, kv, page_cache.slot_rows(cached_rows, slots, page_size), num_keys, state,
+                                device, device),
+            lambda: attend_rows(impl, q, buffer, store_rows, num_keys, state, host, device))
+        # Pages over PCIe: the copy's miss_cap a KV head (a static shape: its unused rows cross too), and on a step
+        # read from the store what that read moves (the kernel reads the chosen pages in place; a gather, the budget).
+        read = use.chosen if reads_rows_in_place(impl) else jnp.int32(budget_pages * hkv)
+        counts = jnp.stack([use.hits, use.chosen, jnp.where(use.all_cached, 0, read) + miss_cap * hkv])
+        most = use.max_misses[None]
+        if tp is not None and tp.size > 1:
+            counts, most = jax.lax.psum(counts, AXIS), jax.lax.pmax(most, AXIS)
+        counts = jnp.concatenate([counts, most])
+        return state, page_cache.CacheState(kv, use.state.page, use.state.used), counts
+
+    meta_heads = tuple(METADATA_HEADS for _ in meta)
+    cache_heads = page_cache.CacheState(BUFFER_HEADS, 0, 0)
+    state, cache, counts = _local(tp, local, (HEADS, meta_heads, BUFFER_HEADS, cache_heads, STATE_HEADS, None, None),
+                                  (STATE_HEADS, cache_heads, None))(q, tuple(meta), buffer, cache, state, num_pages,
+                                                                    step)
+    return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state, tp), tail, cache, counts
 
 
 # Steps of `sparse_decode_layer` as calls of their own, for the benchmark to time apart: the choice (with the

@@ -142,7 +142,8 @@ def _rope_from_dict(raw: dict) -> RopeConfig:
 # cost.
 OFFLOAD_DEFAULTS = {"block_size": 4096, "num_ring_slots": 16, "prefill": "chunked", "decode_policy": "full"}
 # Options of the page-choosing decode policies (sketch and Quest), with their defaults.
-PAGE_POLICY_DEFAULTS = {"decode_budget": 4096, "page_size": 16, "dense_layers": 2}
+# sparse_cache_gb: GiB of GPU memory keeping chosen pages (`sparse.page_cache`), 0 for none.
+PAGE_POLICY_DEFAULTS = {"decode_budget": 4096, "page_size": 16, "dense_layers": 2, "sparse_cache_gb": 0.0}
 PAGE_POLICIES = ("sketch", "quest")
 DECODE_POLICIES = ("full",) + PAGE_POLICIES
 SKETCH_DTYPES = ("int4", "int8")
@@ -173,6 +174,7 @@ class EngineConfig:
     decode_budget: int | None = None
     page_size: int | None = None
     dense_layers: int | None = None
+    sparse_cache_gb: float | None = None
     sketch_dtype: str | None = None
     prefill_policy: str = "full"
     xattn_threshold: float | None = None
@@ -351,6 +353,9 @@ class EngineConfig:
                 raise ValueError(
                     f"decode_budget must be a positive multiple of page_size {self.page_size}, got {self.decode_budget!r}."
                 )
+            if not isinstance(self.sparse_cache_gb, (int, float)) or isinstance(self.sparse_cache_gb, bool) \
+                    or not 0 <= self.sparse_cache_gb < float("inf"):
+                raise ValueError(f"sparse_cache_gb must be a number of GiB >= 0, got {self.sparse_cache_gb!r}.")
             if not _int(self.dense_layers) or not 0 <= self.dense_layers <= model.num_layers:
                 raise ValueError(
                     f"dense_layers must be an integer from 0 to the model's {model.num_layers} layers, "

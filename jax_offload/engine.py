@@ -82,6 +82,7 @@ class LLM:
         decode_budget: int | None = None,
         page_size: int | None = None,
         dense_layers: int | None = None,
+        sparse_cache_gb: float | None = None,
         sketch_dtype: str | None = None,
         prefill_policy: str = "full",
         xattn_threshold: float | None = None,
@@ -108,8 +109,8 @@ class LLM:
         options = EngineConfig(
             dtype=dtype, max_model_len=max_model_len, offload=offload, block_size=block_size,
             num_ring_slots=num_ring_slots, prefill=prefill, sparse_policy=sparse_policy, decode_policy=decode_policy,
-            decode_budget=decode_budget, page_size=page_size, dense_layers=dense_layers, sketch_dtype=sketch_dtype,
-            prefill_policy=prefill_policy,
+            decode_budget=decode_budget, page_size=page_size, dense_layers=dense_layers,
+            sparse_cache_gb=sparse_cache_gb, sketch_dtype=sketch_dtype, prefill_policy=prefill_policy,
             xattn_threshold=xattn_threshold, xattn_stride=xattn_stride, xattn_block=xattn_block,
             xattn_density=xattn_density,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

@@ -56,6 +56,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, help="sketch, quest: tokens per page (16)")
     p.add_argument("--dense-layers", type=int,
                    help="sketch, quest: first layers kept in GPU memory and read in full (2)")
+    p.add_argument("--sparse-cache-gb", type=float,
+                   help="sketch, quest: GiB of GPU memory keeping recently chosen pages; only new ones cross PCIe (0)")
     p.add_argument("--sketch-dtype", help="sketch: int4 or int8, the key sketch's codes (int4)")
     p.add_argument("--prefill-policy", default="full", help="full or xattention: which blocks prefill attends")
     p.add_argument("--xattn-threshold", type=float, help="xattention: softmax mass each query block keeps (0.95)")
@@ -85,7 +87,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
 # The options of add_engine_options that LLM takes under the same name.
 _LLM_OPTIONS = (
     "max_model_len", "offload", "block_size", "prefill", "decode_policy", "decode_budget", "page_size",
-    "dense_layers", "sketch_dtype", "prefill_policy", "xattn_threshold", "xattn_stride", "xattn_block",
+    "dense_layers", "sparse_cache_gb", "sketch_dtype", "prefill_policy", "xattn_threshold", "xattn_stride", "xattn_block",
     "xattn_density", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "tensor_parallel_size",
     "batch_invariant", "enable_prefix_caching", "prefix_cache_host_gb", "kv_cache_dtype", "blend_recompute_ratio",
 )

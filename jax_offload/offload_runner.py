@@ -27,6 +27,7 @@ import numpy as np
 
 from jax_offload.attention import (
     attend_blocks,
+    cached_sparse_decode_layer,
     chunk_begin,
     chunk_end,
     decode_begin,
@@ -49,6 +50,7 @@ from jax_offload.kv.ring import BlockRing, Key, decode_group_size, group_size, g
 from jax_offload.models.params import ModelParams
 from jax_offload.progress import LaggedProgress
 from jax_offload.sparse import xattention
+from jax_offload.sparse.page_cache import PageCache
 from jax_offload.sparse.quest import QuestPages
 from jax_offload.sparse.sketch import KeySketch
 from jax_offload.tensor_parallel import TensorParallel, to_host
@@ -77,6 +79,7 @@ class OffloadRunner:
         num_blocks = -(-engine.max_model_len // engine.block_size)
         # The page-choosing policy's metadata on the GPU (Quest's bounds or the key sketch), None for full decode.
         self.pages: QuestPages | KeySketch | None = None
+        self.page_cache: PageCache | None = None  # recently chosen pages in GPU memory (`sparse_cache_gb`)
         places = ["blocks"] * cfg.num_layers
         if engine.decode_policy in PAGE_POLICIES:
             dense = engine.dense_layers
@@ -96,11 +99,20 @@ class OffloadRunner:
                     dtype, local_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, engine.page_size, num_pages)
                 self.pages = KeySketch(sparse_layers, num_blocks * engine.block_size, cfg.num_kv_heads, cfg.head_dim,
                                        engine.page_size, engine.sketch_dtype, tp, words=words)
+            if engine.sparse_cache_gb and sparse_layers:
+                slots = int(engine.sparse_cache_gb * 2**30 // (len(sparse_layers) * self.page_bytes))
+                if slots < self.budget_pages:
+                    least = self.budget_pages * len(sparse_layers) * self.page_bytes / 2**30
+                    raise ValueError(f"sparse_cache_gb {engine.sparse_cache_gb} holds {slots} pages per KV head and "
+                                     f"layer, fewer than the decode budget's {self.budget_pages}; give at least "
+                                     f"{least:.3g}, or 0 for no cache.")
+                self.page_cache = PageCache(sparse_layers, min(slots, num_pages), self.budget_pages, cfg.num_kv_heads,
+                                            engine.page_size, cfg.head_dim, dtype, engine.kv_cache_dtype, tp)
         self.store = HostKVStore(
             cfg.num_layers, num_blocks, engine.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, tp, places,
             kv_cache_dtype=engine.kv_cache_dtype)
         self.xattn = xattention.policy_of(engine)
-        self.last_decode_pcie_bytes = 0  # bytes the last decode step moved from host to GPU
+        self._decode_pcie_bytes = 0  # bytes the last decode step moved from host to GPU, the page cache's aside
         self.last_prefill_pcie_bytes = 0  # bytes the last prefill moved from host to GPU
         self.last_prefill_mirrored = False  # whether the last prefill read its page layers from the mirror
         self.prefill_block_counts: list[jax.Array] = []  # per layer, XAttention's [selected, visible] blocks
@@ -181,6 +193,8 @@ class OffloadRunner:
                              f"than them ({prompt_len} tokens).")
         self._blocks = range(self.store.num_blocks) if blocks is None else list(blocks)
         self._written = [cached_blocks] * self.cfg.num_layers
+        if self.page_cache is not None:
+            self.page_cache.reset()
         self._tails = [None] * self.cfg.num_layers
         self.last_prefill_pcie_bytes = 0
         self.last_prefill_mirrored = False
@@ -303,11 +317,21 @@ class OffloadRunner:
             num_keys, num_pages = jax.device_put([np.int32(written * self.block_size), np.int32(pages)],
                                                  self.tp.sharding(None))
             candidates = self.pages.candidates(pages, self.budget_pages)
+            if self.page_cache is not None:
+                cache = self.page_cache
+                cache.next_step()
+                step = jax.device_put(np.int32(cache.step), self.tp.sharding(None))
         for l, layer in enumerate(layers):
             if store.places[l] == "gpu":
                 x, self._tails[l] = dense_stored_layer(
                     self.cfg, self.impl, layer, x, self.inv_freq, self._tails[l], pos, tail_len, num_keys,
                     store.layer_buffer(l), *store.gather_places(l), tp=self.tp)
+            elif store.places[l] == "pages" and self.page_cache is not None:
+                x, self._tails[l], cache.states[l], counts = cached_sparse_decode_layer(
+                    self.cfg, self.impl, layer, x, self.inv_freq, self._tails[l], pos, tail_len, self.pages.scorer,
+                    self.pages.metadata(l), self.budget_pages, self.page_size, self.block_size, candidates, num_pages,
+                    store.layer_buffer(l), cache.states[l], step, *store.gather_places(l), cache.miss_cap, tp=self.tp)
+                cache.counts.append(counts)
             elif store.places[l] == "pages":
                 x, self._tails[l] = sparse_decode_layer(
                     self.cfg, self.impl, layer, x, self.inv_freq, self._tails[l], pos, tail_len, self.pages.scorer,
@@ -321,7 +345,7 @@ class OffloadRunner:
                                                         tail_len, tp=self.tp)
                 state = self.attend_groups(ring, groups[l], q, state)
                 x = decode_end(self.cfg, self.impl, layer, x, q, self._tails[l], tail_len, state, tp=self.tp)
-        self.last_decode_pcie_bytes = moved
+        self._decode_pcie_bytes = moved
         self._tail_len += 1
         if self._tail_len == self.block_size:
             # The tail is full: flush it as the next stored block and start an empty one.
@@ -330,6 +354,14 @@ class OffloadRunner:
             self._tails = [self._empty_tail() for _ in layers]
             self._tail_len = 0
         return x
+
+    @property
+    def last_decode_pcie_bytes(self) -> int:
+        """Bytes the last decode step moved from host to GPU (with a page cache: read from the device)."""
+        if self.page_cache is None:
+            return self._decode_pcie_bytes
+        _, _, pages = self.page_cache.totals()
+        return self._decode_pcie_bytes + pages * self.page_bytes // self.cfg.num_kv_heads
 
     def finish(self) -> None:
         """Ends the request: host blocks count as unwritten, tails are dropped."""

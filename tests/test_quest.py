@@ -279,7 +279,71 @@ def test_sketch_is_written_with_every_stored_block(model_dir, prefill, dtype):
     (dict(decode_policy="quest", dense_layers=9), "dense_layers must be an integer from 0 to the model's 2 layers"),
     (dict(decode_budget=256), "decode_budget applies only with decode_policy 'sketch' or 'quest'"),
     (dict(sparse_policy="full", decode_policy="quest"), "sparse_policy is the old name of decode_policy"),
+    (dict(decode_policy="quest", sparse_cache_gb=-1.0), "sparse_cache_gb must be a number of GiB >= 0, got -1.0"),
+    (dict(decode_policy="sketch", decode_budget=64, dense_layers=1, sparse_cache_gb=2**-20),
+     "sparse_cache_gb 9.5367431640625e-07 holds 0 pages per KV head and layer, fewer than the decode budget's 4; "
+     "give at least 3.05e-05, or 0 for no cache"),
 ])
 def test_bad_page_policy_options(model_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(model_dir, dtype="float32", offload=True, block_size=64, **kwargs)
+
+
+# The jnp path: in Pallas interpret mode the kernel is XLA ops that fuse differently inside the cache's branch
+# (1e-6 apart here); on a GPU it is one kernel call reading the same rows in the same order.
+@pytest.mark.parametrize("policy,impl", [("sketch", "xla"), ("quest", "xla")])
+def test_page_cache_changes_no_bit(model_dir, policy, impl):
+    """With a GPU cache of chosen pages (`sparse_cache_gb`) each step reads its pages from the cache once its misses
+    are copied in, or from the store when more are missing than the step copies: the logits of every step equal
+    those without the cache to the bit, and later steps hit. A second
+    request starts from an empty cache (its pages are not the first one's) and equals a fresh engine's."""
+    rng = np.random.default_rng(508)
+    ids, other = rng.integers(3, tiny_models.VOCAB, size=400).tolist(), rng.integers(3, 250, size=300).tolist()
+    where = f"model seed {MODEL_SEED}, prompt seed 508, {policy}, {impl}"
+    plain = _sparse(model_dir, 64, policy, attention_impl=impl)
+    cached = _sparse(model_dir, 64, policy, attention_impl=impl, sparse_cache_gb=2**-14)
+    cache = cached._runner.page_cache
+    assert cache.slots == 8, where  # twice the budget of 64 tokens: 4 pages of 16 per KV head
+    np.testing.assert_array_equal(_decode_logits(cached, ids, 24), _decode_logits(plain, ids, 24), err_msg=where)
+    hits, chosen, _ = cache.totals()
+    assert 0 < hits <= chosen, f"{where}: the last step hit {hits} of {chosen} pages"
+    fresh = _sparse(model_dir, 64, policy, attention_impl=impl, sparse_cache_gb=2**-14)
+    assert cached.generate([other], GREEDY)[0].token_ids == fresh.generate([other], GREEDY)[0].token_ids, where
+
+
+def test_page_cache_plan_is_lru_per_kv_head():
+    """`page_cache.plan` over 40 steps of random choices (3 KV heads, 6 of 20 pages a step, 9 slots, at most 4 copied
+    a step) against a Python LRU per KV head: the same hits, the same page in every slot, and a chosen page's slot
+    holds it once its misses are copied in."""
+    from jax_offload.sparse import page_cache
+
+    seed = 509
+    rng = np.random.default_rng(seed)
+    hkv, k, num_pages, slots, cap = 3, 6, 20, 9, 4
+    state = page_cache.CacheState(jnp.zeros((slots, hkv, 1, 2, 16, 8)), jnp.full((hkv, slots), -1, jnp.int32),
+                                  jnp.full((hkv, slots), -1, jnp.int32))
+    ref_page, ref_used = np.full((hkv, slots), -1), np.full((hkv, slots), -1)
+    for step in range(40):
+        chosen = np.sort(np.stack([rng.choice(num_pages, k, replace=False) for _ in range(hkv)]), axis=-1)
+        chosen[0, -1] = num_pages  # a missing entry (past every page)
+        use = page_cache.plan(state, jnp.asarray(chosen, jnp.int32), num_pages, jnp.int32(step), cap)
+        hits = 0
+        for h in range(hkv):
+            valid = [p for p in chosen[h] if p < num_pages]
+            hit = [p for p in valid if p in ref_page[h]]
+            hits += len(hit)
+            held = {int(np.flatnonzero(ref_page[h] == p)[0]) for p in hit}
+            free = sorted((s for s in range(slots) if s not in held), key=lambda s: (ref_used[h, s], s))
+            for s in held:
+                ref_used[h, s] = step
+            for p, s in zip([p for p in valid if p not in hit][:cap], free):
+                ref_page[h, s], ref_used[h, s] = p, step
+        where = f"seed {seed}, step {step}"
+        assert int(use.hits) == hits, where
+        np.testing.assert_array_equal(np.asarray(use.state.page), ref_page, err_msg=where)
+        slot, page = np.asarray(use.slots), np.asarray(use.state.page)
+        for h in range(hkv):
+            for j, p in enumerate(chosen[h]):
+                if p < num_pages and p in page[h] and bool(use.all_cached):
+                    assert page[h, slot[h, j]] == p, where
+        state = use.state
