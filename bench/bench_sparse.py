@@ -70,6 +70,8 @@ def phase_decode(a) -> dict:
 
     def options(policy):
         extra = {"sketch_dtype": a.sketch_dtype} if policy == "sketch" else {}
+        if a.sparse_cache_gb:
+            extra["sparse_cache_gb"] = a.sparse_cache_gb
         return dict(decode_policy=policy, decode_budget=a.budget, page_size=a.page_size, dense_layers=a.dense_layers,
                     **extra)
 
@@ -99,6 +101,8 @@ def phase_decode(a) -> dict:
             prefill_s, decode = run(llm, n)
             row = {"policy": policy, "ctx": n, "prefill_s": prefill_s, "decode_ms": decode,
                    "pcie_bytes_per_token": runner.last_decode_pcie_bytes,
+                   # With --sparse-cache-gb: of the pages the last step chose, the share already in GPU memory.
+                   "page_cache_hit_rate": runner.page_cache.hit_rate() if runner.page_cache else None,
                    "expected_bytes": a.budget * (cfg.num_layers - a.dense_layers) * cfg.kv_bytes_per_token // cfg.num_layers,
                    "gpu_memory_after": gpu_memory()}
             # The request's metadata is still in place: time the choice as a step of the engine makes it.
@@ -327,7 +331,9 @@ def _decode_section(dec: dict) -> list[str]:
         lines.append(f"| {r['policy']} | {r['ctx']} | {r['prefill_s']:.2f} | {fmt(r['decode_ms'])} | {vs} | "
                      f"{fmt(r['scoring_ms'])} | {fmt(r['scoring_trace_ms'])} | {fmt(r.get('scoring_by_repeats_ms'))} | "
                      f"{fmt(r['choice_ms'])} | "
-                     f"{r['pcie_bytes_per_token'] / 2**20:.1f} MiB |")
+                     f"{r['pcie_bytes_per_token'] / 2**20:.1f} MiB"
+                     + (f", page cache hit {r['page_cache_hit_rate']:.1%}" if r.get("page_cache_hit_rate") is not None
+                        else "") + " |")
     # Runs before this field existed have no full-policy prefill time.
     full_prefill = f" after a {full['prefill_s']:.2f} s prefill" if "prefill_s" in full else ""
     lines += ["", f"Full offloaded decode at {full['ctx']} tokens, same process: {fmt(full['decode_ms'])} ms/token"
@@ -368,6 +374,7 @@ def main() -> None:
     p.add_argument("--dense-layers", type=int, default=PAGE_POLICY_DEFAULTS["dense_layers"])
     p.add_argument("--policies", type=lambda s: s.split(","), default=["sketch", "quest"])
     p.add_argument("--sketch-dtype", default=SKETCH_DEFAULTS["sketch_dtype"])
+    p.add_argument("--sparse-cache-gb", type=float, default=0.0, help="the GPU cache of chosen pages (0: none)")
     p.add_argument("--decode-tokens", type=int, default=12)
     p.add_argument("--repeats", type=int, default=5)
     floats = lambda s: [float(x) for x in s.split(",") if x]  # noqa: E731
