@@ -392,6 +392,60 @@ def dense_stored_layer(
     return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state, tp), tail
 
 
+def _table_rows(buffer, blocks: jax.Array) -> jax.Array:
+    """The store rows of a one-buffer layer's `blocks` [n] in that order, per KV head -> [Hkv, n * units]."""
+    hkv, units = values_of(buffer).shape[1:3]
+    unit = jnp.arange(blocks.shape[0] * units, dtype=jnp.int32)
+    head = jnp.arange(hkv, dtype=jnp.int32)[:, None]
+    return ((blocks[unit // units])[None] * hkv + head) * units + unit % units
+
+
+@functools.partial(step_jit, static_argnums=(0, 6, 7), static_argnames=("tp",))
+def stored_blocks_attend(impl: str, q: jax.Array, buffer, blocks: jax.Array, num_keys: jax.Array,
+                         state: AttentionState, host, device, tp: TensorParallel | None = None) -> AttentionState:
+    """One request's attention over a one-buffer layer in GPU memory (a dense layer of sketch and Quest decode) as
+    `dense_stored_layer` reads it, through its block table: `blocks` [num_blocks] its store blocks in order, then
+    any (read past `num_keys` keys: masked). q [1, 1, Hq, D] -> `state` continued."""
+    def local(q, buffer, state, blocks, num_keys):
+        if impl == "xla":
+            mine = jax.tree.map(lambda b: b[blocks], buffer)
+            return attend(impl, q, *_layer_blocks(mine, q.dtype), state, causal=False, kv_len=num_keys)
+        return attend_rows(impl, q, buffer, _table_rows(buffer, blocks), num_keys, state, host, device)
+
+    return _local(tp, local, (HEADS, BUFFER_HEADS, STATE_HEADS, None, None), STATE_HEADS)(
+        q, buffer, state, blocks, num_keys)
+
+
+@functools.partial(step_jit, static_argnums=(0, 2, 4, 5, 6, 7, 11, 12), static_argnames=("tp",))
+def chosen_pages_attend(impl: str, q: jax.Array, scorer, meta: tuple[jax.Array, ...], budget_pages: int,
+                        page_size: int, block_size: int, num_candidates: int, num_pages: jax.Array,
+                        page_table: jax.Array, buffer, host, device, state: AttentionState,
+                        tp: TensorParallel | None = None) -> AttentionState:
+    """One request's attention over the pages its policy chooses of a "pages" layer, as `sparse_decode_layer`
+    chooses and reads them, through its page table: `page_table` [num_candidates] the store page of each of its
+    pages (store block * pages a block + page in it; past num_pages: any). The metadata of its pages is gathered
+    by the table, so the scores and the choice are those of the request alone; the chosen pages are read at their
+    store pages in its page order. q [1, 1, Hq, D] -> `state` continued."""
+    def local(q, meta, buffer, state, num_pages, page_table):
+        mine = scorer.gather(meta, page_table)
+        score = scorer.page_scores(impl, q[0, 0], mine, num_pages, num_candidates)
+        pages = quest.top_pages(score, num_pages, budget_pages)
+        stored = jnp.where(pages < num_candidates, page_table[jnp.minimum(pages, num_candidates - 1)],
+                           buffer_pages(buffer, block_size, page_size))
+        rows = quest.page_rows(stored, buffer_pages(buffer, block_size, page_size), page_size, block_size)
+        num_keys = jnp.minimum(num_pages, budget_pages) * page_size
+        return attend_rows(impl, q, buffer, rows.reshape(pages.shape[0], -1), num_keys, state, host, device)
+
+    meta_heads = tuple(METADATA_HEADS for _ in meta)
+    return _local(tp, local, (HEADS, meta_heads, BUFFER_HEADS, STATE_HEADS, None, None), STATE_HEADS)(
+        q, tuple(meta), buffer, state, num_pages, page_table)
+
+
+def buffer_pages(buffer, block_size: int, page_size: int) -> int:
+    """Pages a one-buffer layer holds."""
+    return values_of(buffer).shape[0] * (block_size // page_size)
+
+
 def _chosen_rows(impl, q, scorer, meta, num_pages, num_candidates, budget_pages, page_size, block_size):
     """The store rows [Hkv, budget_pages * page_size / PAGE_UNIT] of the pages each KV head reads: page 0 and the
     best of the first `num_pages` by the policy's page score (`scorer`, over its metadata `meta` of the layer,

@@ -329,11 +329,11 @@ class LLM:
         return self._blend
 
     def _batches(self) -> bool:
-        """Whether several prompts run together: offloaded with full decode (any prefill: each prompt's prefill is
-        the one-request runner's), or in GPU memory with full prefill. Sketch and Quest decode, and XAttention
-        prefill in GPU memory, run one request at a time."""
+        """Whether several prompts run together: offloaded, whatever the policies (each prompt's prefill is the
+        one-request runner's; sketch and Quest choose each request's pages from its own metadata), or in GPU memory
+        with full prefill. XAttention prefill in GPU memory runs one request at a time."""
         e = self.engine_config
-        return e.decode_policy == "full" if e.offload else e.prefill_policy == "full"
+        return True if e.offload else e.prefill_policy == "full"
 
     def _single_prompt_batches(self) -> bool:
         """Whether one prompt runs on the batch engine too: with its KV in GPU memory and the Pallas kernels, its

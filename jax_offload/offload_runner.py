@@ -183,9 +183,6 @@ class OffloadRunner:
         them, as chunked prefill would. `total_len` is the in-GPU runner's argument (it sizes that runner's cache;
         the store here is sized for max_model_len)."""
         if blocks is not None:
-            if set(self.store.places) != {"blocks"}:
-                raise ValueError("A block table needs every layer's blocks in the host store (decode_policy 'full'); "
-                                 f"this store keeps layers as {sorted(set(self.store.places))}.")
             if len(blocks) < prompt_len // self.block_size:
                 raise ValueError(f"A block table of {len(blocks)} blocks cannot hold a {prompt_len}-token prompt.")
         if cached_blocks and (blocks is None or self.xattn is not None or cached_blocks * self.block_size >= prompt_len):
@@ -296,10 +293,15 @@ class OffloadRunner:
         """Stores the request's logical block `index` of `layer`; blocks are written in order."""
         if index != self._written[layer]:
             raise RuntimeError(f"Block {index} of layer {layer} written out of order (next is {self._written[layer]}).")
-        if self.pages is not None:
-            self.pages.record(layer, index, block)
-        self.store.write(layer, self._blocks[index], block)
+        self.write_block(layer, self._blocks[index], block)
         self._written[layer] += 1
+
+    def write_block(self, layer: int, block: int, kv: jax.Array) -> None:
+        """Stores kv [2, block_size, Hkv, D] as store block `block` of `layer`, with the page policy's metadata of
+        it (kept by store block: the batch engine's requests share the store)."""
+        if self.pages is not None:
+            self.pages.record(layer, block, kv)
+        self.store.write(layer, block, kv)
 
     # ---- decode --------------------------------------------------------------------------------
 

@@ -347,3 +347,42 @@ def test_page_cache_plan_is_lru_per_kv_head():
                 if p < num_pages and p in page[h] and bool(use.all_cached):
                     assert page[h, slot[h, j]] == p, where
         state = use.state
+
+
+def _together_and_alone(llm, reference, prompts, params):
+    together = [o.token_ids for o in llm.generate(prompts, params)]
+    engine = llm._batch_engine
+    alone = [reference.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
+    return together, alone, engine
+
+
+@pytest.mark.parametrize("policy,impl", [("sketch", "pallas"), ("quest", "xla")])
+def test_page_policy_prompts_together_equal_each_alone(model_dir, policy, impl):
+    """Offloaded sketch and Quest decode on the batch engine: 4 prompts of 70..450 tokens (budget 64 of them),
+    greedy and seeded, together give each one's tokens alone (the one-request path): each request's pages are
+    chosen from its own metadata, kept by store block, and read at its store pages. The store is empty after."""
+    rng = np.random.default_rng(510)
+    prompts = [rng.integers(3, 250, size=int(n)).tolist() for n in (300, 70, 190, 450)]
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=25, ignore_eos=True)] * 2
+    llm = _sparse(model_dir, 64, policy, attention_impl=impl, max_num_seqs=4, max_model_len=2048)
+    together, alone, engine = _together_and_alone(llm, llm, prompts, params)
+    where = f"model seed {MODEL_SEED}, prompt seed 510, {policy}, {impl}"
+    assert max(n for kind, n, _, _ in engine.step_log if kind == "decode") == 4, where
+    assert together == alone, where
+    assert llm._runner.store.live_blocks() == [], where
+
+
+def test_page_policy_prompts_preempted_equal_each_alone(model_dir):
+    """Sketch decode on the batch engine over a store of 8 blocks: requests are preempted and recomputed (their
+    blocks, and the metadata kept by block, written again), and every request still gets its tokens alone."""
+    rng = np.random.default_rng(511)
+    prompts = [rng.integers(3, 250, size=int(n)).tolist() for n in (250, 240, 100, 60)]
+    params = [SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=90, ignore_eos=True)] * 2
+    llm = _sparse(model_dir, 64, "sketch", max_num_seqs=4, max_model_len=512)
+    together, alone, engine = _together_and_alone(llm, _sparse(model_dir, 64, "sketch", max_model_len=512),
+                                                  prompts, params)
+    where = f"model seed {MODEL_SEED}, prompt seed 511"
+    assert engine.stats.recomputes > 0, where
+    assert together == alone, where

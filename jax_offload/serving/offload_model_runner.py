@@ -18,7 +18,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jax_offload.attention import embed_tokens, pooled_decode_begin, pooled_decode_end
+from jax_offload.attention import (chosen_pages_attend, embed_tokens, pooled_decode_begin, pooled_decode_end,
+                                   stored_blocks_attend)
 from jax_offload.device_runner import pad_ids
 from jax_offload.kv.ring import BlockRing, grouped
 from jax_offload.offload_runner import OffloadRunner
@@ -99,13 +100,15 @@ class OffloadModelRunner:
             tail_lens[row] = seq.num_cached % bs
         stored = [seq.num_cached // bs for seq in seqs]
         groups, ring = self._stream(seqs, stored)
+        tables = self._tables(seqs, stored)
         x = embed_tokens(self.params.embed, tokens[:, None])
         for l, layer in enumerate(self.params.layers):
             q, q_rows, self.tails[l], states = pooled_decode_begin(
                 self.cfg, layer, x, runner.inv_freq, self.tails[l], slots, positions, tail_lens, tp=runner.tp)
             # Padding rows (past the sequences) keep their empty states.
-            states = tuple(runner.attend_groups(ring, row_groups, q_row, state)
-                           for row_groups, q_row, state in zip(groups[l], q_rows, states)) + states[len(seqs):]
+            states = tuple(self._attend(l, ring, row_groups, q_row, state, table)
+                           for row_groups, q_row, state, table in zip(groups[l], q_rows, states, tables)) \
+                + states[len(seqs):]
             x = pooled_decode_end(self.cfg, runner.impl, layer, x, q, self.tails[l], slots, tail_lens, states,
                                   tp=runner.tp)
         out = sample_last(self.cfg, self.params, x, np.arange(size, dtype=np.int32), *sampling_batch(seqs, size))
@@ -113,13 +116,54 @@ class OffloadModelRunner:
             if (seq.num_cached + 1) % bs == 0:  # its tail is full: store it as the sequence's next block
                 block = seq.block_table[seq.num_cached // bs]
                 for l, tail in enumerate(_tails_at(tuple(self.tails), np.int32(self._slot[seq.index]))):
-                    self.store.write(l, block, tail)
+                    runner.write_block(l, block, tail)
         return drawn_to_host(out, len(seqs))
 
+    def _attend(self, layer: int, ring: BlockRing, groups: list, q: jax.Array, state, tables):
+        """One row's attention over its stored KV of `layer`, as the one-request step reads it: its blocks through
+        the ring ("blocks" layers), its blocks of a layer in GPU memory ("gpu"), or the pages its policy chooses
+        ("pages"). `tables`: the row's (block table, key count, page table, page count) (`_tables`)."""
+        runner, store = self.runner, self.store
+        place = store.places[layer]
+        if place == "blocks":
+            return runner.attend_groups(ring, groups, q, state)
+        blocks, num_keys, page_table, num_pages = tables
+        if place == "gpu":
+            return stored_blocks_attend(runner.impl, q, store.layer_buffer(layer), blocks, num_keys, state,
+                                        *store.gather_places(layer), tp=runner.tp)
+        pages = runner.pages
+        return chosen_pages_attend(runner.impl, q, pages.scorer, pages.metadata(layer), runner.budget_pages,
+                                   runner.page_size, self.block_size, page_table.shape[0], num_pages, page_table,
+                                   store.layer_buffer(layer), *store.gather_places(layer), state, tp=runner.tp)
+
+    def _tables(self, seqs: list[Sequence], stored: list[int]) -> list:
+        """Per row, what its one-buffer layers are read through (None for a store of "blocks" layers only): its
+        block table over the store's blocks (then block 0), its stored key count, its page table (each of its pages'
+        store page, over the candidates its page count asks, `QuestPages.candidates`; then page 0) and page count,
+        on the device."""
+        store, runner = self.store, self.runner
+        if set(store.places) == {"blocks"}:
+            return [None] * len(seqs)
+        per_block = self.block_size // runner.page_size if runner.pages is not None else 1
+        rows = []
+        for seq, n in zip(seqs, stored):
+            blocks = np.zeros(store.num_blocks, np.int32)
+            blocks[:n] = seq.block_table[:n]
+            num_pages = n * per_block
+            page_table = np.zeros(runner.pages.candidates(num_pages, runner.budget_pages) if runner.pages else 1,
+                                  np.int32)
+            page = np.arange(num_pages)
+            page_table[:num_pages] = blocks[page // per_block] * per_block + page % per_block
+            rows.append(jax.device_put((blocks, np.int32(n * self.block_size), page_table, np.int32(num_pages)),
+                                       runner.tp.sharding(None)))
+        return rows
+
     def _stream(self, seqs: list[Sequence], stored: list[int]):
-        """Per layer and row, the row's stored blocks in ring groups (as one request groups them), and a ring
-        that streams them layer by layer, row by row."""
-        groups = [[grouped([(l, seq.block_table[b]) for b in range(n)], self.runner.group)
+        """Per layer and row, the row's stored blocks of a "blocks" layer in ring groups (as one request groups
+        them), and a ring that streams them layer by layer, row by row."""
+        places = self.store.places
+        groups = [[grouped([(l, seq.block_table[b]) for b in range(n)] if places[l] == "blocks" else [],
+                           self.runner.group)
                    for seq, n in zip(seqs, stored)] for l in range(self.cfg.num_layers)]
         schedule = (g for layer_groups in groups for row_groups in layer_groups for g in row_groups)
         return groups, BlockRing(self.store, self.runner.num_slots, schedule)

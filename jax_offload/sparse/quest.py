@@ -109,6 +109,10 @@ class QuestScore:
         kmin, kmax = meta
         return page_scores(q, kmin[:, :num_candidates], kmax[:, :num_candidates])
 
+    def gather(self, meta: tuple[jax.Array, jax.Array], pages: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """A layer's bounds of `pages` [n], in that order (one request's pages of a shared store)."""
+        return tuple(m[:, pages] for m in meta)
+
 
 class QuestPages:
     """Page bounds of every sparse layer, on the GPU, for up to `num_pages` pages per layer."""

@@ -156,6 +156,10 @@ class SketchScore:
             lse = page_lse(scores, self.page_size)
         return mass_of_pages(lse, num_pages)
 
+    def gather(self, meta: tuple[jax.Array, jax.Array], pages: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """A layer's sketch of `pages` [n], in that order (one request's pages of a shared store)."""
+        return tuple(m[:, :, pages] for m in meta)
+
 
 class KeySketch:
     """The key sketch of every sparse layer, on the GPU, for up to `num_tokens` tokens per layer, in the page layout
