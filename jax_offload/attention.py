@@ -427,23 +427,17 @@ def chosen_pages_attend(impl: str, q: jax.Array, scorer, meta: tuple[jax.Array, 
     by the table, so the scores and the choice are those of the request alone; the chosen pages are read at their
     store pages in its page order. q [1, 1, Hq, D] -> `state` continued."""
     def local(q, meta, buffer, state, num_pages, page_table):
-        mine = scorer.gather(meta, page_table)
-        score = scorer.page_scores(impl, q[0, 0], mine, num_pages, num_candidates)
+        score = scorer.page_scores(impl, q[0, 0], scorer.gather(meta, page_table), num_pages, num_candidates)
         pages = quest.top_pages(score, num_pages, budget_pages)
-        stored = jnp.where(pages < num_candidates, page_table[jnp.minimum(pages, num_candidates - 1)],
-                           buffer_pages(buffer, block_size, page_size))
-        rows = quest.page_rows(stored, buffer_pages(buffer, block_size, page_size), page_size, block_size)
+        store_pages = values_of(buffer).shape[0] * (block_size // page_size)  # past every page: missing
+        stored = jnp.where(pages < num_candidates, page_table[jnp.minimum(pages, num_candidates - 1)], store_pages)
+        rows = quest.page_rows(stored, store_pages, page_size, block_size)
         num_keys = jnp.minimum(num_pages, budget_pages) * page_size
         return attend_rows(impl, q, buffer, rows.reshape(pages.shape[0], -1), num_keys, state, host, device)
 
     meta_heads = tuple(METADATA_HEADS for _ in meta)
     return _local(tp, local, (HEADS, meta_heads, BUFFER_HEADS, STATE_HEADS, None, None), STATE_HEADS)(
         q, tuple(meta), buffer, state, num_pages, page_table)
-
-
-def buffer_pages(buffer, block_size: int, page_size: int) -> int:
-    """Pages a one-buffer layer holds."""
-    return values_of(buffer).shape[0] * (block_size // page_size)
 
 
 def _chosen_rows(impl, q, scorer, meta, num_pages, num_candidates, budget_pages, page_size, block_size):

@@ -352,8 +352,9 @@ def test_bad_options(tmp_root, options, message):
     (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be a number in \(0, 1\], got 1.5"),
     (dict(prefix_cache_host_gb=1), "prefix_cache_host_gb=1 keeps evicted prefix-cache blocks: it needs"),
     (dict(enable_prefix_caching=True, prefix_cache_host_gb=-1), "prefix_cache_host_gb must be a number >= 0"),
-    (dict(enable_prefix_caching=True, offload=True, decode_policy="quest"),
-     "enable_prefix_caching=True with offload=True needs decode_policy 'full' and prefill_policy 'full'"),
+    (dict(enable_prefix_caching=True, offload=True, prefill_policy="xattention"),
+     "enable_prefix_caching=True with offload=True needs prefill_policy 'full' .XAttention's estimate reads the "
+     "whole prompt., got 'xattention'"),
     (dict(enable_prefix_caching=True, offload=True, prefix_cache_host_gb=1),
      "prefix_cache_host_gb keeps blocks evicted from the GPU pool; an offloaded KV cache"),
 ])

@@ -420,3 +420,18 @@ def test_no_state_leak_over_a_thousand_mixed_requests(model_dir):
     for rid in ["r0", "r1", "r2", "r500", "r998"]:
         ids, sp = requests[rid]
         assert outputs[rid] == reference.generate([ids], sp)[0].token_ids, f"{where}: {rid}"
+
+
+def test_page_policy_prompts_after_a_cached_prefix_equal_each_alone(model_dir):
+    """Sketch decode with prefix caching: prompts that start with an earlier prompt's 200 tokens prefill after its
+    3 cached blocks (their KV and sketch kept in the store) and give the tokens of a fresh engine."""
+    rng = np.random.default_rng(513)
+    base = rng.integers(3, 250, size=200).tolist()
+    prompts = [base + rng.integers(3, 250, size=int(n)).tolist() for n in (10, 90, 150)]
+    cached = _sparse(model_dir, 64, "sketch", enable_prefix_caching=True, max_model_len=1024)
+    cached.generate([base], GREEDY)
+    outputs = cached.generate(prompts, GREEDY)
+    fresh = _sparse(model_dir, 64, "sketch", max_model_len=1024)
+    where = f"model seed {MODEL_SEED}, prompt seed 513"
+    assert [o.num_cached_tokens for o in outputs] == [192] * 3, where
+    assert [o.token_ids for o in outputs] == [fresh.generate([p], GREEDY)[0].token_ids for p in prompts], where

@@ -9,6 +9,10 @@ row by row with the one-request step, so a request's attention does not depend o
 attended for the whole batch in one call. KV never has to leave the GPU for a preemption (it is already on the
 host): a preempted sequence gives its blocks back and is recomputed. With prefix caching a prompt's leading full blocks may
 be an earlier prompt's, still in the store: its prefill starts after them, chunk by chunk.
+
+With sketch or Quest decode the store keeps the dense layers in GPU memory and the others in one pinned buffer each,
+and the policy's metadata by store block: a row attends its dense layers through its block table and the pages its
+policy chooses from its own metadata (gathered by its page table), as the one-request step reads them.
 """
 from __future__ import annotations
 
@@ -137,21 +141,20 @@ class OffloadModelRunner:
                                    store.layer_buffer(layer), *store.gather_places(layer), state, tp=runner.tp)
 
     def _tables(self, seqs: list[Sequence], stored: list[int]) -> list:
-        """Per row, what its one-buffer layers are read through (None for a store of "blocks" layers only): its
+        """Per row, what its one-buffer layers are read through (None without a page policy): its
         block table over the store's blocks (then block 0), its stored key count, its page table (each of its pages'
         store page, over the candidates its page count asks, `QuestPages.candidates`; then page 0) and page count,
         on the device."""
         store, runner = self.store, self.runner
-        if set(store.places) == {"blocks"}:
+        if runner.pages is None:  # every layer's blocks stream through the ring
             return [None] * len(seqs)
-        per_block = self.block_size // runner.page_size if runner.pages is not None else 1
+        per_block = self.block_size // runner.page_size
         rows = []
         for seq, n in zip(seqs, stored):
             blocks = np.zeros(store.num_blocks, np.int32)
             blocks[:n] = seq.block_table[:n]
             num_pages = n * per_block
-            page_table = np.zeros(runner.pages.candidates(num_pages, runner.budget_pages) if runner.pages else 1,
-                                  np.int32)
+            page_table = np.zeros(runner.pages.candidates(num_pages, runner.budget_pages), np.int32)
             page = np.arange(num_pages)
             page_table[:num_pages] = blocks[page // per_block] * per_block + page % per_block
             rows.append(jax.device_put((blocks, np.int32(n * self.block_size), page_table, np.int32(num_pages)),
