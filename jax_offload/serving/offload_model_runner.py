@@ -157,9 +157,8 @@ class OffloadModelRunner:
             page_table = np.zeros(runner.pages.candidates(num_pages, runner.budget_pages), np.int32)
             page = np.arange(num_pages)
             page_table[:num_pages] = blocks[page // per_block] * per_block + page % per_block
-            rows.append(jax.device_put((blocks, np.int32(n * self.block_size), page_table, np.int32(num_pages)),
-                                       runner.tp.sharding(None)))
-        return rows
+            rows.append((blocks, np.int32(n * self.block_size), page_table, np.int32(num_pages)))
+        return jax.device_put(rows, runner.tp.sharding(None))  # one transfer for the step
 
     def _stream(self, seqs: list[Sequence], stored: list[int]):
         """Per layer and row, the row's stored blocks of a "blocks" layer in ring groups (as one request groups
