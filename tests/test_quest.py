@@ -89,8 +89,8 @@ def model_dir(tmp_path_factory):
 POLICIES = ("sketch", "quest")
 
 
-def _sparse(path, budget, policy="quest", **kw):
-    return LLM(path, dtype="float32", offload=True, block_size=64, num_ring_slots=2, decode_policy=policy,
+def _sparse(path, budget, policy="quest", dtype="float32", **kw):
+    return LLM(path, dtype=dtype, offload=True, block_size=64, num_ring_slots=2, decode_policy=policy,
                decode_budget=budget, page_size=16, dense_layers=1, **kw)
 
 
@@ -356,18 +356,20 @@ def _together_and_alone(llm, reference, prompts, params):
     return together, alone, engine
 
 
-@pytest.mark.parametrize("policy,impl", [("sketch", "pallas"), ("quest", "xla")])
-def test_page_policy_prompts_together_equal_each_alone(model_dir, policy, impl):
+@pytest.mark.parametrize("policy,impl,dtype", [("sketch", "pallas", "float32"), ("quest", "xla", "float32"),
+                                               ("sketch", "xla", "bfloat16")])
+def test_page_policy_prompts_together_equal_each_alone(model_dir, policy, impl, dtype):
     """Offloaded sketch and Quest decode on the batch engine: 4 prompts of 70..450 tokens (budget 64 of them),
-    greedy and seeded, together give each one's tokens alone (the one-request path): each request's pages are
-    chosen from its own metadata, kept by store block, and read at its store pages. The store is empty after."""
+    greedy and seeded, together give each one's tokens alone (the one-request path), in float32 and in bfloat16:
+    each request's pages are chosen from its own metadata, kept by store block, and read at its store pages. The
+    store is empty after."""
     rng = np.random.default_rng(510)
     prompts = [rng.integers(3, 250, size=int(n)).tolist() for n in (300, 70, 190, 450)]
     params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=3, max_tokens=25, ignore_eos=True)] * 2
-    llm = _sparse(model_dir, 64, policy, attention_impl=impl, max_num_seqs=4, max_model_len=2048)
+    llm = _sparse(model_dir, 64, policy, attention_impl=impl, max_num_seqs=4, max_model_len=2048, dtype=dtype)
     together, alone, engine = _together_and_alone(llm, llm, prompts, params)
-    where = f"model seed {MODEL_SEED}, prompt seed 510, {policy}, {impl}"
+    where = f"model seed {MODEL_SEED}, prompt seed 510, {policy}, {impl}, {dtype}"
     assert max(n for kind, n, _, _ in engine.step_log if kind == "decode") == 4, where
     assert together == alone, where
     assert llm._runner.store.live_blocks() == [], where
