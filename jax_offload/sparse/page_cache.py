@@ -48,14 +48,14 @@ class CachePlan(NamedTuple):
     state: CacheState  # the page map and read steps after the step (kv not yet written)
 
 
-def plan(state: CacheState, pages: jax.Array, num_slots: int, step: jax.Array, miss_cap: int) -> CachePlan:
-    """The step's use of the cache for the chosen pages [Hkv, k] (ascending; `num_slots` marks a missing entry, as
-    `quest.top_pages` gives them): hits keep their slots; misses, in page order, take the least recently read slots
-    not hit at this step, up to `miss_cap` per KV head. A cache of at least k slots always has room: hits and
-    misses are at most k."""
+def plan(state: CacheState, pages: jax.Array, missing: int, step: jax.Array, miss_cap: int) -> CachePlan:
+    """The step's use of the cache for the chosen pages [Hkv, k] (ascending; `missing`, past every page, marks a
+    missing entry, as `quest.top_pages` gives them): hits keep their slots; misses, in page order, take the least
+    recently read slots not hit at this step, up to `miss_cap` per KV head. A cache of at least k slots always has
+    room: hits and misses are at most k."""
     hkv, slots = state.page.shape
     heads = jnp.arange(hkv)[:, None]
-    valid = pages < num_slots
+    valid = pages < missing
     match = (state.page[:, None, :] == pages[:, :, None]) & valid[:, :, None]  # [Hkv, k, slots]
     hit = jnp.any(match, axis=-1)
     hit_slot = jnp.argmax(match, axis=-1).astype(jnp.int32)
@@ -72,7 +72,7 @@ def plan(state: CacheState, pages: jax.Array, num_slots: int, step: jax.Array, m
     used = state.used.at[heads, jnp.where(hit | fits, slot, slots)].set(step, mode="drop")
     first = jnp.argsort(~fits, axis=-1, stable=True)[:, :miss_cap]  # the misses that fit, in page order
     copied = jnp.take_along_axis(fits, first, axis=-1)
-    miss_pages = jnp.where(copied, jnp.take_along_axis(pages, first, axis=-1), num_slots)
+    miss_pages = jnp.where(copied, jnp.take_along_axis(pages, first, axis=-1), missing)
     miss_slots = jnp.where(copied, jnp.take_along_axis(new_slot, first, axis=-1), slots)
     return CachePlan(slot, miss_pages.astype(jnp.int32), miss_slots.astype(jnp.int32), ~jnp.any(miss & ~fits),
                      jnp.sum(hit, dtype=jnp.int32), jnp.sum(valid, dtype=jnp.int32),
