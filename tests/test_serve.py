@@ -377,3 +377,44 @@ def test_soak_1000_requests_64_clients(server, reference, capsys):
         print(f"\nsoak: RSS {rss_warm / 2**20:.1f} MiB after 200 requests, {rss_end / 2**20:.1f} MiB after 1,000; "
               f"/health answered {len(health)} times")
     assert rss_end - rss_warm < 64 * 2**20, f"RSS grew {(rss_end - rss_warm) / 2**20:.1f} MiB"
+
+
+def test_engine_loop_holds_a_run_ahead_step_until_due_and_takes_requests_meanwhile():
+    """The engine loop (`async_engine._drive`) with a step in flight: no step runs before the core says the next is
+    due; a command that comes meanwhile is taken and its step runs at once, not at the due time."""
+    import queue
+
+    from jax_offload.serving import async_engine
+
+    class Core:
+        busy = True
+
+        def __init__(self):
+            self.due, self.events, self.stop = time.perf_counter() + 0.2, [], False
+
+        def step_due(self):
+            return self.due if time.perf_counter() < self.due else None
+
+        def take(self, command):
+            self.events.append(("take", time.perf_counter()))
+            self.due = 0.0  # a waiting request: its step is due at once
+
+        def run_once(self):
+            self.events.append(("step", time.perf_counter()))
+            if len(self.events) == 1:  # the first step: the next is due in 1 s unless a request comes
+                self.due = time.perf_counter() + 1.0
+            else:
+                self.stop = True
+
+    core, commands = Core(), queue.SimpleQueue()
+
+    def get(timeout):
+        return commands.get(timeout=timeout) if timeout != 0 else commands.get_nowait()
+
+    began = time.perf_counter()
+    threading.Timer(0.3, lambda: commands.put(("add",))).start()  # 0.9 s before the second step is due
+    async_engine._drive(core, get, queue.Empty, lambda: core.stop)
+    (first, t1), (take, t2), (second, t3) = core.events
+    assert (first, take, second) == ("step", "take", "step")
+    assert t1 - began >= 0.2, "the first step ran before it was due"
+    assert 0.29 <= t2 - began < 0.9 and t3 - t2 < 0.05, "the request's step waited for the due time"
