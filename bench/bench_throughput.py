@@ -13,11 +13,14 @@ Phases, each in a fresh process writing phase_<phase>_<shape>.json under --out:
   offload offload=True, --offload-requests prompts of --offload-context tokens (8B shape unless --shape smoke),
           --offload-tokens new tokens each: the same requests one after another and together (continuous
           batching over the host store), output tokens/s of both; each batched decode step against its PCIe
-          floor (KV bytes of every running request / measured host-to-GPU bandwidth)
+          floor (KV bytes of every running request / measured host-to-GPU bandwidth); --offload-decode-policy
+          (sketch, quest) and --offload-kv-cache-dtype (int8, fp8) run it with a page policy or 8-bit KV (no floor)
 
     python bench/bench_throughput.py --shapes qwen3-0.6b --phases ours,hf --out DIR         # one device call
     python bench/bench_throughput.py --shapes llama-3.1-8b --phases ours,hf,batch1 --runs 3 --out DIR
     python bench/bench_throughput.py --shapes llama-3.1-8b --phases offload --out DIR
+    python bench/bench_throughput.py --shapes llama-3.1-8b --phases offload --offload-context 65536 \
+        --offload-decode-policy sketch --offload-kv-cache-dtype int8 --out DIR           # 8 x 64K, sketch
     python bench/bench_throughput.py --shape smoke --out /tmp/tp                             # CPU check, < 1 min
     --batch-invariant runs the engine's batch-invariant mode; its phase files end in _batch_invariant.json
     python bench/bench_throughput.py --report DIR --out bench/results            # throughput.md and .png
@@ -174,7 +177,9 @@ def phase_offload(args) -> dict:
     prompts = [rng.choices(range(1000), k=ctx) for _ in range(n)]
     sp = SamplingParams(temperature=0.0, max_tokens=args.offload_tokens, ignore_eos=True)
     bs = 64 if args.shape == "smoke" else 1024
-    llm = m.llm(max_model_len=n * (ctx + args.offload_tokens + bs), offload=True, block_size=bs, max_num_seqs=n)
+    policy = {"decode_policy": args.offload_decode_policy, "kv_cache_dtype": args.offload_kv_cache_dtype}
+    llm = m.llm(max_model_len=n * (ctx + args.offload_tokens + bs), offload=True, block_size=bs, max_num_seqs=n,
+                **policy)
     llm.generate(prompts, sp)  # warm-up: every step shape compiled, batched and alone
     llm.generate(prompts[:1], sp)
     together, alone = [], []
@@ -191,15 +196,18 @@ def phase_offload(args) -> dict:
     # Equal prompts and max_tokens: every request is prefilled before the first decode step, then all decode in
     # lockstep, each at kv / n tokens with its stored (full) blocks streamed.
     full = [(kv, s) for kind, b, kv, s in engine.step_log if kind == "decode" and b == n]
-    floors = [n * ((kv // n - 1) // bs * bs) * cfg.kv_bytes_per_token / bw["median"] for kv, _ in full]
+    # Full decode's floor (every stored block over PCIe, model-dtype KV); none for a page policy or 8-bit KV.
+    floors = [n * ((kv // n - 1) // bs * bs) * cfg.kv_bytes_per_token / bw["median"] for kv, _ in full] \
+        if policy == {"decode_policy": "full", "kv_cache_dtype": "auto"} else []
     tokens = n * args.offload_tokens
     return {"shape": shape, "requests": n, "context": ctx, "new_tokens": args.offload_tokens, "block_size": bs,
+            **policy,
             "together_seconds": stats(together), "alone_seconds": stats(alone),
             "together_tokens_per_second": stats([tokens / s for s in together]),
             "alone_tokens_per_second": stats([tokens / s for s in alone]),
             "speedup": stats([a / t for a, t in zip(alone, together)]),
             "full_batch_step_seconds": stats([s for _, s in full]),
-            "full_batch_step_pcie_floor_ratio": stats([s / f for (_, s), f in zip(full, floors)]),
+            "full_batch_step_pcie_floor_ratio": stats([s / f for (_, s), f in zip(full, floors)]) if floors else None,
             "h2d_bandwidth": bw}
 
 
@@ -328,13 +336,15 @@ def report(srcs: list[Path], out: Path) -> None:
                           if "per_request_prefill_seconds" in b else "") + "."]
     for key, o in phases.items():
         if key.startswith("offload_"):
+            policy = f"{o.get('decode_policy', 'full')} decode, KV {o.get('kv_cache_dtype', 'auto')}"
             lines += ["", f"Offloaded KV, {o['shape']}, {o['requests']} requests of {o['context']} tokens, "
-                      f"{o['new_tokens']} new tokens each (block {o['block_size']}): together "
+                      f"{o['new_tokens']} new tokens each (block {o['block_size']}, {policy}): together "
                       f"{fmt(o['together_tokens_per_second'], digits=1)} output tok/s, one after another "
                       f"{fmt(o['alone_tokens_per_second'], digits=1)} (speedup {fmt(o['speedup'])}); a decode step of "
-                      f"all {o['requests']}: {fmt(o['full_batch_step_seconds'], 1e3)} ms, "
-                      f"{fmt(o['full_batch_step_pcie_floor_ratio'])}x its PCIe floor (stored KV of every request / "
-                      f"{o['h2d_bandwidth']['median'] / 1e9:.1f} GB/s host-to-GPU)."]
+                      f"all {o['requests']}: {fmt(o['full_batch_step_seconds'], 1e3)} ms"
+                      + (f", {fmt(o['full_batch_step_pcie_floor_ratio'])}x its PCIe floor (stored KV of every request "
+                         f"/ {o['h2d_bandwidth']['median'] / 1e9:.1f} GB/s host-to-GPU)"
+                         if o["full_batch_step_pcie_floor_ratio"] else "") + "."]
     hf_apis = {p.get("api") for k, p in phases.items() if k.startswith("hf_") and "api" in p}
     lines += ["", "HBM floor of a decode step: (weights read + KV bytes of every running request) / the device's "
               "measured read bandwidth (`read_bandwidth` in the phase file, a jitted sum over 2 GiB; older files measured an "
@@ -363,6 +373,8 @@ def main() -> None:
     p.add_argument("--offload-context", type=int, default=8192)
     p.add_argument("--offload-requests", type=int, default=8)
     p.add_argument("--offload-tokens", type=int, default=32)
+    p.add_argument("--offload-decode-policy", default="full", help="offload phase: full, sketch or quest")
+    p.add_argument("--offload-kv-cache-dtype", default="auto", help="offload phase: auto, fp8 or int8")
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
                    help="the engine's batch-invariant mode (default off, as the engine's)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
@@ -393,7 +405,9 @@ def main() -> None:
                   "batch1_context", "offload_context", "offload_requests", "offload_tokens")]
         extra.append("--batch-invariant" if args.batch_invariant else "--no-batch-invariant")
     extra += ["--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
-              "--distinct-runs" if args.distinct_runs else "--no-distinct-runs"]
+              "--distinct-runs" if args.distinct_runs else "--no-distinct-runs",
+              f"--offload-decode-policy={args.offload_decode_policy}",
+              f"--offload-kv-cache-dtype={args.offload_kv_cache_dtype}"]
     for phase in phases:
         for shape in shapes if phase not in ("batch1", "offload") else shapes[-1:]:
             t = time.perf_counter()
