@@ -362,12 +362,17 @@ def _layer_blocks(buffer, dtype) -> tuple[jax.Array, jax.Array]:
     return _split_block(dequantize(from_stored_layout(jax.tree.map(heads_first, buffer)), dtype))
 
 
+def _table_rows(buffer, blocks: jax.Array) -> jax.Array:
+    """The store rows of a one-buffer layer's `blocks` [n] in that order, per KV head -> [Hkv, n * units]."""
+    hkv, units = values_of(buffer).shape[1:3]
+    unit = jnp.arange(blocks.shape[0] * units, dtype=jnp.int32)
+    head = jnp.arange(hkv, dtype=jnp.int32)[:, None]
+    return ((blocks[unit // units])[None] * hkv + head) * units + unit % units
+
+
 def _all_rows(buffer) -> jax.Array:
     """Every store row of a one-buffer layer [num_blocks, Hkv, units, ...], per KV head in key order -> [Hkv, n]."""
-    num_blocks, hkv, units = values_of(buffer).shape[:3]
-    unit = jnp.arange(num_blocks * units, dtype=jnp.int32)
-    head = jnp.arange(hkv, dtype=jnp.int32)[:, None]
-    return ((unit // units)[None] * hkv + head) * units + unit % units
+    return _table_rows(buffer, jnp.arange(values_of(buffer).shape[0], dtype=jnp.int32))
 
 
 @functools.partial(step_jit, static_argnums=(0, 1, 10, 11), static_argnames=("tp",), donate_argnums=(5,))
@@ -390,14 +395,6 @@ def dense_stored_layer(
 
     state = _local(tp, local, (HEADS, BUFFER_HEADS, STATE_HEADS, None), STATE_HEADS)(q, buffer, state, num_keys)
     return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state, tp), tail
-
-
-def _table_rows(buffer, blocks: jax.Array) -> jax.Array:
-    """The store rows of a one-buffer layer's `blocks` [n] in that order, per KV head -> [Hkv, n * units]."""
-    hkv, units = values_of(buffer).shape[1:3]
-    unit = jnp.arange(blocks.shape[0] * units, dtype=jnp.int32)
-    head = jnp.arange(hkv, dtype=jnp.int32)[:, None]
-    return ((blocks[unit // units])[None] * hkv + head) * units + unit % units
 
 
 @functools.partial(step_jit, static_argnums=(0, 6, 7), static_argnames=("tp",))
@@ -427,8 +424,8 @@ def chosen_pages_attend(impl: str, q: jax.Array, scorer, meta: tuple[jax.Array, 
     by the table, so the scores and the choice are those of the request alone; the chosen pages are read at their
     store pages in its page order. q [1, 1, Hq, D] -> `state` continued."""
     def local(q, meta, buffer, state, num_pages, page_table):
-        score = scorer.page_scores(impl, q[0, 0], scorer.gather(meta, page_table), num_pages, num_candidates)
-        pages = quest.top_pages(score, num_pages, budget_pages)
+        pages = _chosen_pages(impl, q, scorer, scorer.gather(meta, page_table), num_pages, num_candidates,
+                              budget_pages)
         store_pages = values_of(buffer).shape[0] * (block_size // page_size)  # past every page: missing
         stored = jnp.where(pages < num_candidates, page_table[jnp.minimum(pages, num_candidates - 1)], store_pages)
         rows = quest.page_rows(stored, store_pages, page_size, block_size)
@@ -440,14 +437,18 @@ def chosen_pages_attend(impl: str, q: jax.Array, scorer, meta: tuple[jax.Array, 
         q, tuple(meta), buffer, state, num_pages, page_table)
 
 
+def _chosen_pages(impl, q, scorer, meta, num_pages, num_candidates, budget_pages) -> jax.Array:
+    """The pages [Hkv, budget_pages] each KV head reads, ascending (missing: num_candidates): page 0 and the best of
+    the first `num_pages` by the policy's page score (`scorer`, over its metadata `meta` of the layer, scoring the
+    first `num_candidates` page slots); see `quest.top_pages`."""
+    return quest.top_pages(scorer.page_scores(impl, q[0, 0], meta, num_pages, num_candidates), num_pages,
+                           budget_pages)
+
+
 def _chosen_rows(impl, q, scorer, meta, num_pages, num_candidates, budget_pages, page_size, block_size):
-    """The store rows [Hkv, budget_pages * page_size / PAGE_UNIT] of the pages each KV head reads: page 0 and the
-    best of the first `num_pages` by the policy's page score (`scorer`, over its metadata `meta` of the layer,
-    scoring the first `num_candidates` page slots); see `quest.top_pages` and `quest.page_rows`."""
-    score = scorer.page_scores(impl, q[0, 0], meta, num_pages, num_candidates)
-    pages = quest.top_pages(score, num_pages, budget_pages)
-    hkv = score.shape[0]
-    return quest.page_rows(pages, num_candidates, page_size, block_size).reshape(hkv, -1)
+    """The store rows [Hkv, budget_pages * page_size / PAGE_UNIT] of `_chosen_pages`; see `quest.page_rows`."""
+    pages = _chosen_pages(impl, q, scorer, meta, num_pages, num_candidates, budget_pages)
+    return quest.page_rows(pages, num_candidates, page_size, block_size).reshape(pages.shape[0], -1)
 
 
 def _page_keys(pages, num_kv_heads: int, dtype) -> tuple[jax.Array, jax.Array]:
@@ -540,8 +541,7 @@ def cached_sparse_decode_layer(
     q, tail, state = _decode_inputs(cfg, layer, x, inv_freq, tail, position, tail_len, tp)
 
     def local(q, meta, buffer, cache, state, num_pages, step):
-        score = scorer.page_scores(impl, q[0, 0], meta, num_pages, num_candidates)
-        pages = quest.top_pages(score, num_pages, budget_pages)
+        pages = _chosen_pages(impl, q, scorer, meta, num_pages, num_candidates, budget_pages)
         hkv = pages.shape[0]
         use = page_cache.plan(cache, pages, num_candidates, step, miss_cap)
         slots = use.state.page.shape[1]
