@@ -285,8 +285,8 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}.")
         if self.enable_prefix_caching and self.offload and self.prefill_policy != "full":
             raise ValueError(
-                f"enable_prefix_caching=True with offload=True needs prefill_policy 'full' (XAttention's estimate reads "
-                f"the whole prompt), got {self.prefill_policy!r}.")
+                f"enable_prefix_caching=True with offload=True needs prefill_policy 'full' (XAttention's estimate "
+                f"reads the whole prompt), got {self.prefill_policy!r}.")
         r = self.blend_recompute_ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
             raise ValueError(f"blend_recompute_ratio must be a number in [0, 1], got {r!r}.")

@@ -49,8 +49,8 @@ class LLM:
     `batch_invariant=True` (with the Pallas kernels): the weights are multiplied by a Pallas matmul whose
     per-element order does not depend on the row count (under tensor parallelism on each device's shard, the
     row-parallel products added in device order), and decode attention folds fixed 256-key splits in key order, so
-    a request's bfloat16 tokens are the same alone, batched or offloaded (at a given tensor_parallel_size). Off by default: it costs
-    9% of batched throughput and 1.7-1.8x batch-1 decode time on the H200 (README).
+    a request's bfloat16 tokens are the same alone, batched or offloaded (at a given tensor_parallel_size). Off by
+    default: it costs 9% of batched throughput and 1.7-1.8x batch-1 decode time on the H200 (README).
 
     `kv_cache_dtype="fp8"` or `"int8"`: K and V are stored as float8_e4m3fn or int8 with a power-of-two scale
     per token and KV head (`kv.kv_cache_dtype`): half the bytes in the host store, over PCIe and in the paged pool
@@ -333,7 +333,7 @@ class LLM:
         one-request runner's; sketch and Quest choose each request's pages from its own metadata), or in GPU memory
         with full prefill. XAttention prefill in GPU memory runs one request at a time."""
         e = self.engine_config
-        return True if e.offload else e.prefill_policy == "full"
+        return e.offload or e.prefill_policy == "full"
 
     def _single_prompt_batches(self) -> bool:
         """Whether one prompt runs on the batch engine too: with its KV in GPU memory and the Pallas kernels, its
