@@ -98,7 +98,8 @@ async def client_run(url: str, prompts: list[list[int]], max_tokens: list[int], 
             "output_tokens": out_tokens,
             "output_tok_s": out_tokens / wall, "request_s": len(prompts) / wall,
             "ttft_ms": _ms(ttft), "tpot_ms": _ms(tpot), "itl_ms": _ms(itl),
-            "token_ids": [r["tokens"] for r in records], "accepted": [r["accepted"] for r in records]}
+            "token_ids": [r["tokens"] for r in records], "accepted": [r["accepted"] for r in records],
+            "sent": [r["sent"] for r in records], "first": [r["times"][0] for r in records]}
 
 
 def _ms(xs: list[float]) -> dict:
@@ -162,19 +163,23 @@ def _step_log(llm, clear: bool) -> list:
 
 
 def _instrument(llm) -> None:
-    """Logs when the engine takes each request and each step's start and end (the engine process's side of where
-    a served run's time goes)."""
+    """Logs when the engine takes each request, and each step call's start, end and prefill seconds (the step log's;
+    0 for a call without a prefill): the engine process's side of where a served run's time goes."""
     llm.bench_events = []
     add_request, step = llm.add_request, llm.step
 
     def timed_add(*args):
-        llm.bench_events.append(("add", time.perf_counter(), 0.0))
+        llm.bench_events.append(("add", time.perf_counter(), 0.0, 0.0))
         add_request(*args)
 
     def timed_step():
+        log = llm.request_engine().step_log
+        logged = len(log)
         start = time.perf_counter()
         deltas = step()
-        llm.bench_events.append(("step", start, time.perf_counter()))
+        end = time.perf_counter()
+        prefill = sum(log[i][3] for i in range(logged, len(log)) if log[i][0] == "prefill")
+        llm.bench_events.append(("step", start, end, prefill))
         return deltas
 
     llm.add_request, llm.step = timed_add, timed_step
@@ -189,14 +194,30 @@ def time_budget(client: dict, events: list) -> dict:
     """Where a served run's wall time went, in seconds: before the engine took the first request, while the engine
     ran steps, between its steps (taking commands, handing out output, idle), and after its last step until the
     client read its last token; and over how long the engine took the requests."""
-    adds = [t for kind, t, _ in events if kind == "add"]
-    steps = [(a, b) for kind, a, b in events if kind == "step"]
+    adds = [t for kind, t, _, _ in events if kind == "add"]
+    steps = [(a, b) for kind, a, b, _ in events if kind == "step"]
     busy = sum(b - a for a, b in steps)
     accepted = client["accepted"]
     return {"server_accepted_over": max(accepted) - client["began"], "before_first_request": adds[0] - client["began"],
             "in_steps": busy,
             "between_steps": steps[-1][1] - steps[0][0] - busy, "after_last_step": client["ended"] - steps[-1][1],
             "requests_taken_over": adds[-1] - adds[0]}
+
+
+def ttft_split(client: dict, events: list) -> dict:
+    """Each request's time to first token in four parts (ms: p50 and mean over requests; the means add up to
+    TTFT's): in (client, HTTP, the handler, the pipe to the engine: until the engine took it), waiting (for the
+    step in flight, and taking commands: until its prefill began), prefill (the step log's), out (the pipe back,
+    the event loop, the server-sent event, the client: until the client read the token). Requests are matched to
+    the engine's takes in order of sending (Poisson arrivals: each well apart)."""
+    adds = sorted(t for kind, t, _, _ in events if kind == "add")
+    prefills = [(end, seconds) for kind, _, end, seconds in events if kind == "step" and seconds > 0]
+    parts = {"in": [], "waiting": [], "prefill": [], "out": []}
+    for sent, first, add in zip(*zip(*sorted(zip(client["sent"], client["first"]))), adds):
+        end, seconds = next(p for p in prefills if p[0] > add)
+        for name, value in zip(parts, (add - sent, end - seconds - add, seconds, first - end)):
+            parts[name].append(value * 1e3)
+    return {name: {"p50": percentile(xs, 50), "mean": statistics.mean(xs)} for name, xs in parts.items()}
 
 
 def run(args) -> dict:
@@ -239,8 +260,12 @@ def run(args) -> dict:
         subprocess.run([sys.executable, __file__, "--client", str(spec)], check=True)
         out = json.loads(spec.read_text())
         log = asyncio.run(engine.call(_step_log, False))
-        out["time_budget_s"] = time_budget(out, asyncio.run(engine.call(_take_events)))
-        del out["accepted"]
+        events = asyncio.run(engine.call(_take_events))
+        out["time_budget_s"] = time_budget(out, events)
+        if rate != float("inf"):
+            out["ttft_split_ms"] = ttft_split(out, events)
+        for key in ("accepted", "sent", "first"):
+            del out[key]
         decode = [s for kind, _, _, s in log if kind == "decode"]
         out["decode_step_ms"] = stats([s * 1e3 for s in decode]) if decode else None
         out["engine_steps"] = _step_counts(log)
@@ -281,6 +306,17 @@ def report(folder: Path, out: Path) -> None:
                          f"{x['itl_ms']['p50']:.2f} / {x['itl_ms']['p99']:.2f} | {step} | "
                          f"{x['same_tokens_as_offline']} / {x['requests']} |")
         lines.append("")
+        if "ttft_split_ms" in r["rates"][0]:
+            lines += ["Each request's time to first token in parts, ms, p50 / mean over the requests (the means add up "
+                      "to the mean TTFT): in (client, HTTP, handler, pipe: until the engine took it), waiting (for the "
+                      "step in flight: until its prefill began), prefill, out (pipe, event loop, server-sent event, "
+                      "client):", "", "| rate req/s | in | waiting | prefill | out | TTFT mean |",
+                      "|---|---|---|---|---|---|"]
+            for x in r["rates"]:
+                split = x["ttft_split_ms"]
+                lines.append(f"| {x['rate']} | " + " | ".join(f"{split[k]['p50']:.2f} / {split[k]['mean']:.2f}"
+                                                             for k in split) + f" | {x['ttft_ms']['mean']:.2f} |")
+            lines.append("")
         if "time_budget_s" in inf[0]:
             lines += _budget_table(r)
     out.write_text("\n".join(lines))

@@ -506,7 +506,7 @@ def test_request_key_is_jax_prngkey():
 def test_step_due_only_while_a_step_runs_ahead(tmp_root):
     """A server's loop waits for requests (`step_due`) only while a decode step runs ahead, and not past the step
     in flight's expected end; a waiting request makes the next step due at once, and its tokens are still those of
-    the request alone."""
+    the request alone, its prefill dispatched before the step in flight is read."""
     import time
 
     llm = _llm("llama3", tmp_root)
@@ -523,6 +523,8 @@ def test_step_due_only_while_a_step_runs_ahead(tmp_root):
     assert due is None or now < due < now + step, (due, now, step)
     engine.add_request("b", prompts[1], params[1])
     assert engine.step_due() is None
+    engine.step()  # b's prefill is dispatched behind the decode step in flight, then both are read
+    assert engine.prefills_behind == 1 and engine.step_log[-1][0] == "prefill", list(engine.step_log)[-3:]
     outputs = {}
     while engine.has_unfinished():
         for delta in engine.step():

@@ -73,8 +73,10 @@ class BatchEngine:
         # newest STEP_LOG_LENGTH: a server's engine runs on); kind "prefill" (whole prompts), "chunk" (one prompt's
         # chunk and a token of each running sequence), "blend" (a CacheBlend prompt), "decode".
         self.step_log: deque[tuple[str, int, int, float]] = deque(maxlen=STEP_LOG_LENGTH)
-        # Decode steps of the last `generate` call dispatched before the previous step's tokens were read.
+        # Decode steps of the last `generate` call dispatched before the previous step's tokens were read, and
+        # prefills dispatched before a decode step's tokens were read.
         self.overlapped_steps = 0
+        self.prefills_behind = 0
         self._requests: dict[str, Sequence] = {}  # unfinished requests by id
         self._next_index = 0  # arrival order: lower is older (the scheduler preempts the newest first)
         # A decode step in flight whose draw the host has not read: (step, draw on the device, start time, KV
@@ -254,7 +256,7 @@ class BatchEngine:
         pending = self._pending
         if pending is not None and not self._can_run_ahead():
             self._pending = None
-            self._read(*pending, deltas)
+            self._prefill_behind(pending, deltas)
             return
         if not self.scheduler.has_work():
             self._decode_seconds.clear()  # idle: the next batch's steps take their own time
@@ -330,7 +332,7 @@ class BatchEngine:
         for rid, prompt, p, blend in zip(ids, prompts_ids, params, blends or [None] * len(ids)):
             self.add_request(rid, prompt, p, blend)
         self.step_log.clear()
-        self.overlapped_steps = 0
+        self.overlapped_steps = self.prefills_behind = 0
         try:
             outputs = run_requests(self, ids, on_text, progress)
         finally:
@@ -367,6 +369,25 @@ class BatchEngine:
             prompts = [[next(leads) % self.runner.cfg.vocab_size] + [0] * (n - 1) for n in lengths]
             self.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
             length = prefill_bucket(length + 1)
+
+    def _prefill_behind(self, pending: tuple[Step, Drawn, float, int], deltas: list[RequestDelta]) -> None:
+        """Reads the decode step in flight; before that, if prompts wait that run whole, dispatches their prefill
+        behind it: the host's work for the prefill overlaps the device's for the decode (a new request's time to
+        first token)."""
+        step = self.scheduler.admit_whole_prompts()
+        if step is None:
+            self._read(*pending, deltas)
+            return
+        self._involved += step.seqs
+        drawn = self.runner.prefill_async(step.seqs)
+        for seq in step.seqs:
+            seq.num_cached = seq.num_tokens
+            self.blocks.register(seq)
+        self.prefills_behind += 1
+        self._read(*pending, deltas)
+        # Timed from the decode's read: the time the prefill added.
+        self._took(step, drawn_to_host(drawn, len(step.seqs)), self._last_read,
+                   sum(seq.num_tokens for seq in step.seqs), deltas)
 
     def _can_run_ahead(self) -> bool:
         """Whether the next step may be scheduled before the tokens of the one in flight are read: it is then a

@@ -350,10 +350,13 @@ class ModelRunner:
         draws are padded to the largest batch, as a chunk's: the last rows' logits and draw compile once per packed
         length, not once more for each number of prompts (on a GPU each new logits shape is autotuned, seconds of a
         server's time to first token; a prefill's 256 rows of logits cost little)."""
+        return drawn_to_host(self.prefill_async(seqs), len(seqs))
+
+    def prefill_async(self, seqs: list[Sequence]) -> Drawn:
+        """`prefill` without waiting: the draw stays on the device."""
         size = self.buckets[-1]
         x, last = self._prefill_packed(seqs, [s.num_tokens for s in seqs], size)
-        drawn = sample_last(self.cfg, self.params, x, self.tp.replicate(last), *self._sampling(seqs, size))
-        return drawn_to_host(drawn, len(seqs))
+        return sample_last(self.cfg, self.params, x, self.tp.replicate(last), *self._sampling(seqs, size))
 
     def blend_prefill(self, seq: Sequence) -> list[tuple[int, TokenLogprobs | None]]:
         """Runs a CacheBlend prompt (`seq.blend`), writes its K and V into the sequence's blocks and samples the next

@@ -102,8 +102,17 @@ class Scheduler:
                 return step
         return Step("decode", self._make_room_for_decode())
 
-    def _admit(self) -> Step | None:
-        """Swaps preempted sequences back in, then admits new prompts; the prefill step of those, if any."""
+    def admit_whole_prompts(self) -> Step | None:
+        """The prefill step of the waiting prompts `schedule` would admit while nothing is swapped or chunked, up to
+        the first that needs a chunk or CacheBlend step; it touches no running sequence, so it may be dispatched
+        before the tokens of a decode step in flight are read. None if there is no such prompt."""
+        if self.chunking is not None or self.swapped:
+            return None
+        return self._admit(whole_only=True)
+
+    def _admit(self, whole_only: bool = False) -> Step | None:
+        """Swaps preempted sequences back in, then admits new prompts; the prefill step of those, if any.
+        `whole_only`: stops at a prompt that needs a chunk step or a CacheBlend step."""
         # Blocks the running sequences need for their next token stay free, so admitting work never forces an
         # immediate preemption.
         reserve = sum(self.blocks.new_blocks_to_append(s) for s in self.running)
@@ -119,7 +128,7 @@ class Scheduler:
         while not self.swapped and self.waiting and len(self.running) + len(batch) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.blend is not None:
-                if batch or not self.blocks.can_allocate(seq.num_tokens, reserve):
+                if batch or whole_only or not self.blocks.can_allocate(seq.num_tokens, reserve):
                     break
                 return self._admit_blend(seq)
             # Without chunks one sequence alone may exceed the budget; otherwise no prompt could be longer than it.
@@ -131,13 +140,15 @@ class Scheduler:
             if not self.blocks.can_allocate(seq.num_tokens, reserve, cached):
                 break
             if cached and self.chunked_prefill:
-                if batch:
+                if batch or whole_only:
                     break
                 self.waiting.popleft()
                 self.blocks.allocate(seq, seq.num_tokens, cached)
                 self.chunking = seq
                 return self._next_chunk(seq)
             if self.chunked_prefill and not batch and seq.num_tokens > self.max_chunk:
+                if whole_only:
+                    break
                 self.waiting.popleft()
                 self.blocks.allocate(seq, seq.num_tokens)
                 self.chunking = seq
