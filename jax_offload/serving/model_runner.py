@@ -54,6 +54,8 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 # 64, 32 in float32; the jnp twin 16), so a prompt's keys then fall into the same tiles as when it runs alone and its
 # results carry the same bits.
 PACK_ALIGN = 128
+# The most layers one prefill program runs (`prefill_group_size`).
+PREFILL_GROUP_MAX = 8
 
 
 def packed_length(num_tokens: int) -> int:
@@ -199,18 +201,30 @@ def _pool_prefix(pool, blocks: jax.Array, dtype) -> jax.Array:
     return kv_format.dequantize(jax.tree.map(lambda p: p[blocks].reshape(1, -1, *p.shape[2:]), pool), dtype)
 
 
+def prefill_group_size(num_layers: int) -> int:
+    """Consecutive layers one prefill program runs: the largest divisor of num_layers up to PREFILL_GROUP_MAX. Each
+    program launch costs the host about 0.4 ms on an H200 besides its kernels (a graph update for new buffers), so
+    a program per layer made a short prompt's prefill host-bound (15.5 ms for Qwen3-0.6B's 28 layers at 560 tokens,
+    5.6 ms as one program: bench/results/runs/h200_dispatch/); a program over every layer would compile for each
+    prefill length as long as the whole model does. Equal groups share one compiled program."""
+    return max(g for g in range(1, min(num_layers, PREFILL_GROUP_MAX) + 1) if num_layers % g == 0)
+
+
 @functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",), donate_argnums=(4, 5))
-def _prefill_layer(cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, k_pool: jax.Array,
-                   v_pool: jax.Array, inv_freq: jax.Array, positions: jax.Array, starts: jax.Array, slots: jax.Array,
-                   tp: TensorParallel | None = None):
-    """One layer over packed prompts x [1, T, hidden] (token t at `positions` in its prompt, which starts at
-    `starts`); writes their K, V into the layer's pool at `slots` (-1: padding). The same arithmetic as the
-    one-request engine's `prefill_layer_in_device`."""
-    q, k, v = split_qkv(cfg, tp, layer, x, positions, inv_freq)
-    o, _ = prefill_attention(impl, q, k, v, causal=True, kv_start=starts, tp=tp)
-    k_pool = _write_kv(k_pool, slots, k, layer.kv_cache_dtype)
-    v_pool = _write_kv(v_pool, slots, v, layer.kv_cache_dtype)
-    return decoder.attention_output_and_mlp(cfg, layer, x, o), k_pool, v_pool
+def _prefill_layers(cfg: ModelConfig, impl: str, layers: tuple[LayerParams, ...], x: jax.Array, k_pools: tuple,
+                    v_pools: tuple, inv_freq: jax.Array, positions: jax.Array, starts: jax.Array, slots: jax.Array,
+                    tp: TensorParallel | None = None):
+    """Consecutive layers over packed prompts x [1, T, hidden] (token t at `positions` in its prompt, which starts
+    at `starts`); writes their K, V into each layer's pool at `slots` (-1: padding). Each layer the same arithmetic
+    as the one-request engine's `prefill_layer_in_device`."""
+    k_out, v_out = [], []
+    for layer, k_pool, v_pool in zip(layers, k_pools, v_pools):
+        q, k, v = split_qkv(cfg, tp, layer, x, positions, inv_freq)
+        o, _ = prefill_attention(impl, q, k, v, causal=True, kv_start=starts, tp=tp)
+        k_out.append(_write_kv(k_pool, slots, k, layer.kv_cache_dtype))
+        v_out.append(_write_kv(v_pool, slots, v, layer.kv_cache_dtype))
+        x = decoder.attention_output_and_mlp(cfg, layer, x, o)
+    return x, tuple(k_out), tuple(v_out)
 
 
 @functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",), donate_argnums=(4, 5))
@@ -221,7 +235,7 @@ def _chunk_layer(cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, 
     """One layer over a chunk of one prompt (the first T rows of x [1, T + B, hidden]) and the new token of each of B
     running sequences (the last B rows; block tables [B, n], lengths [B] counting the token, 0 for padding): the
     projections and the MLP run over every row at once, each part's attention as its own step would run it. The
-    chunk: a prompt's first (`prefix_blocks` None) as `_prefill_layer` runs a prompt (`starts`: its rows' first
+    chunk: a prompt's first (`prefix_blocks` None) as `_prefill_layers` runs a prompt (`starts`: its rows' first
     keys), a later one over the prompt's first prefix_len tokens in the pool's `prefix_blocks` (ids past them are
     padding: read, then masked) and then causally over its own chunk_len; the tokens as `_decode_step` runs them.
     `positions`, `slots` [1, T + B] (slot -1: nothing written)."""
@@ -382,13 +396,14 @@ class ModelRunner:
         last[: len(rows)] = rows
         ids, positions, starts, slots = self.tp.replicate((ids, positions, starts, slots))
         x = embed_tokens(self.params.embed, ids)
-        k_out, v_out = [], []
-        for layer, k_pages, v_pages in zip(self.params.layers, self.k_pool, self.v_pool):
-            x, k_pages, v_pages = _prefill_layer(self.cfg, self.impl, layer, x, k_pages, v_pages, self.inv_freq,
-                                                 positions, starts, slots, tp=self.tp)
-            k_out.append(k_pages)
-            v_out.append(v_pages)
-        self.k_pool, self.v_pool = tuple(k_out), tuple(v_out)
+        layers, group = tuple(self.params.layers), prefill_group_size(len(self.params.layers))
+        k_out, v_out = (), ()
+        for i in range(0, len(layers), group):
+            x, k_pools, v_pools = _prefill_layers(self.cfg, self.impl, layers[i:i + group], x,
+                                                  self.k_pool[i:i + group], self.v_pool[i:i + group], self.inv_freq,
+                                                  positions, starts, slots, tp=self.tp)
+            k_out, v_out = k_out + k_pools, v_out + v_pools
+        self.k_pool, self.v_pool = k_out, v_out
         return x, last
 
     def _packed_inputs(self, seqs: list[Sequence], counts: list[int]):
