@@ -180,6 +180,10 @@ def _instrument(llm) -> None:
         end = time.perf_counter()
         prefill = sum(log[i][3] for i in range(logged, len(log)) if log[i][0] == "prefill")
         llm.bench_events.append(("step", start, end, prefill))
+        for delta in deltas:
+            if delta.finished and len(delta.output.decode_token_seconds) > 1:
+                steps = delta.output.decode_token_seconds
+                llm.bench_events.append(("done", sum(steps) / len(steps), 0.0, 0.0))
         return deltas
 
     llm.add_request, llm.step = timed_add, timed_step
@@ -262,6 +266,8 @@ def run(args) -> dict:
         log = asyncio.run(engine.call(_step_log, False))
         events = asyncio.run(engine.call(_take_events))
         out["time_budget_s"] = time_budget(out, events)
+        # Each request's mean decode step, over the steps it took part in (its batches): the engine's side of TPOT.
+        out["request_step_ms"] = _ms([s for kind, s, _, _ in events if kind == "done"])
         if rate != float("inf"):
             out["ttft_split_ms"] = ttft_split(out, events)
         for key in ("accepted", "sent", "first"):
@@ -298,12 +304,15 @@ def report(folder: Path, out: Path) -> None:
                   f"| server request/s, infinite rate | {fmt(stats([x['request_s'] for x in inf]))} |",
                   f"| offline single-request TTFT ms | {fmt(r['offline_ttft_ms'], digits=1)} |", "",
                   "| rate req/s | requests | out tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms "
-                  "| engine decode step ms | same tokens as offline |", "|---|---|---|---|---|---|---|---|"]
+                  "| engine decode step ms | each request's engine step ms, p50 (TPOT p50 / it) | same tokens as offline |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for x in inf[:1] + r["rates"]:
             step = fmt(x["decode_step_ms"], digits=2) if x.get("decode_step_ms") else "-"
+            own = x.get("request_step_ms")
+            own = f"{own['p50']:.2f} ({x['tpot_ms']['p50'] / own['p50']:.3f}x)" if own else "-"
             lines.append(f"| {x['rate']} | {x['requests']} | {x['output_tok_s']:.0f} | {x['ttft_ms']['p50']:.1f} / "
                          f"{x['ttft_ms']['p99']:.1f} | {x['tpot_ms']['p50']:.2f} / {x['tpot_ms']['p99']:.2f} | "
-                         f"{x['itl_ms']['p50']:.2f} / {x['itl_ms']['p99']:.2f} | {step} | "
+                         f"{x['itl_ms']['p50']:.2f} / {x['itl_ms']['p99']:.2f} | {step} | {own} | "
                          f"{x['same_tokens_as_offline']} / {x['requests']} |")
         lines.append("")
         if "ttft_split_ms" in r["rates"][0]:
