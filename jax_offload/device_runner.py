@@ -66,6 +66,12 @@ class DeviceRunner:
             )
         return x
 
+    def take_cache(self) -> tuple[list[jax.Array], list[jax.Array]]:
+        """The request's K and V caches per layer [1, cache_len, Hkv, D], handed over: the runner keeps none."""
+        k, v = self._k, self._v
+        self._k, self._v = [], []
+        return k, v
+
     def finish(self) -> None:
         """Drops the request's KV cache."""
         self._k, self._v = [], []

@@ -27,6 +27,8 @@ from jax_offload.sampling import SamplingParams
 from jax_offload.serial_engine import SerialEngine
 from jax_offload.serving.block_manager import cache_tag
 from jax_offload.serving.engine import BatchEngine, EngineLoad, run_requests
+from jax_offload.serving.model_runner import own_prefill_bytes
+from jax_offload.serving.sequence import PromptKV
 from jax_offload.sparse import xattention
 from jax_offload.tensor_parallel import TensorParallel, check_devices, sharded_model_config, to_host
 
@@ -244,7 +246,7 @@ class LLM:
                                           [blend for _, blend in pairs])
         encoded = [self.encode(p) for p in prompts]
         if self._batches() and (len(encoded) > 1 or self._single_prompt_batches()):
-            return self._batch().generate(encoded, params, on_text, progress)
+            return self._batch().generate(encoded, params, on_text, progress, [self._own_prefill(e) for e in encoded])
         engine = self._serial_engine()
         if engine.has_unfinished():
             raise RuntimeError("generate needs an idle engine; this one still has requests added by add_request.")
@@ -262,8 +264,11 @@ class LLM:
         if isinstance(prompt, Segments):
             prompt_ids, blend = self._blend_prompt(prompt)
             self._batch().add_request(request_id, prompt_ids, params, blend)
+        elif self._batches():
+            ids = self.encode(prompt)
+            self._batch().add_request(request_id, ids, params, self._own_prefill(ids))
         else:
-            self.request_engine().add_request(request_id, self.encode(prompt), params)
+            self._serial_engine().add_request(request_id, self.encode(prompt), params)
 
     def step(self) -> list[RequestDelta]:
         """One step of the request engine: what it added to each request."""
@@ -307,11 +312,27 @@ class LLM:
             self._serial = SerialEngine(self)
         return self._serial
 
-    def _blend_prompt(self, prompt: Segments) -> tuple[list[int], Callable]:
-        """(token ids, CacheBlend prefill: `Sequence.blend`) of a `Segments` prompt, which runs on the batch engine."""
+    def _blend_prompt(self, prompt: Segments) -> tuple[list[int], Callable[[int], PromptKV]]:
+        """(token ids, CacheBlend prefill: `Sequence.own_prefill`) of a `Segments` prompt, which runs on the batch
+        engine."""
         parts = [self.encode(part) for part in prompt.parts]
-        blend = self._blend_runner()
-        return self.encode([t for part in parts for t in part]), functools.partial(blend.prefill, parts)
+        return self.encode([t for part in parts for t in part]), functools.partial(_blended, self._blend_runner(),
+                                                                                   parts)
+
+    def _own_prefill(self, ids: list[int]) -> Callable[[int], PromptKV] | None:
+        """A prompt's own prefill on the batch engine (`Sequence.own_prefill`): in GPU memory with XAttention, the
+        one-request runner's (its estimate and block choice over the whole prompt), in a step of its own; None for
+        a prefill the batch engine runs itself."""
+        e = self.engine_config
+        if e.offload or e.prefill_policy != "xattention":
+            return None
+        return functools.partial(self._xattention_prompt_kv, ids)
+
+    def _xattention_prompt_kv(self, ids: list[int], total_len: int) -> PromptKV:
+        hidden, _ = self._prefill(ids, total_len)
+        k, v = self._runner.take_cache()
+        last = len(ids) - 1
+        return PromptKV(hidden[:, last:last + 1], k, v, 0, self._prefill_density())
 
     def _blend_runner(self) -> BlendRunner:
         e = self.engine_config
@@ -331,9 +352,10 @@ class LLM:
     def _batches(self) -> bool:
         """Whether several prompts run together: offloaded, whatever the policies (each prompt's prefill is the
         one-request runner's; sketch and Quest choose each request's pages from its own metadata), or in GPU memory
-        with full prefill. XAttention prefill in GPU memory runs one request at a time."""
+        (XAttention prefill: the one-request runner's, `_own_prefill`) on one device. XAttention prefill in GPU
+        memory under tensor parallelism runs one request at a time."""
         e = self.engine_config
-        return e.offload or e.prefill_policy == "full"
+        return e.offload or e.prefill_policy == "full" or self.tp.size == 1
 
     def _single_prompt_batches(self) -> bool:
         """Whether one prompt runs on the batch engine too: with its KV in GPU memory and the Pallas kernels, its
@@ -359,7 +381,10 @@ class LLM:
                     self.model_config, self.params, self._inv_freq, self.dtype, self.attention_impl,
                     self.max_model_len, self.tokenizer, self.eos_token_ids, tp=self.tp,
                     enable_prefix_caching=e.enable_prefix_caching,
-                    prefix_cache_host_bytes=int(e.prefix_cache_host_gb * 2**30), **shared)
+                    prefix_cache_host_bytes=int(e.prefix_cache_host_gb * 2**30),
+                    # An XAttention prompt's prefill (the one-request runner's) needs room beside the pool.
+                    reserve_bytes=own_prefill_bytes(self.model_config, self.dtype, self.max_model_len, self.tp.size)
+                    if e.prefill_policy == "xattention" else 0, **shared)
         return self._batch_engine
 
     def chat(
@@ -410,6 +435,10 @@ class LLM:
         if self.engine_config.prefill_policy != "xattention":
             return None
         return xattention.density(self._runner.prefill_block_counts)
+
+
+def _blended(blend: BlendRunner, parts: list[list[int]], total_len: int) -> PromptKV:
+    return PromptKV(*blend.prefill(parts, total_len))
 
 
 def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:

@@ -14,7 +14,7 @@ import tiny_models
 from jax_offload import LLM, SamplingParams
 from jax_offload import generate as generate_cli
 from jax_offload.serving.block_manager import BlockManager
-from jax_offload.serving.engine import BatchEngine
+from jax_offload.serving.engine import BatchEngine, run_requests
 from jax_offload.serving.model_runner import packed_length, prefill_bucket
 from jax_offload.serving.scheduler import Scheduler
 from jax_offload.serving.sequence import Sequence
@@ -461,6 +461,39 @@ def test_offloaded_xattention_prompts_together_equal_each_alone(tmp_root, prefil
     engine = llm._batch_engine
     assert engine is not None and max(n for kind, n, _, _ in engine.step_log if kind == "decode") > 1, where
     assert not llm._runner.store.live_blocks(), where
+
+
+@pytest.mark.parametrize("choice", [dict(xattn_threshold=0.9), dict(xattn_density=0.3)])
+def test_in_gpu_xattention_prompts_together_equal_each_alone(tmp_root, choice):
+    """In GPU memory with XAttention prefill (a threshold, or a fixed density), prompts given together run on the
+    batch engine, each prefilled by the one-request runner in a step of its own: each gets its greedy tokens and its
+    prefill density alone (the one-request path), also when a scarce pool preempts them and they are recomputed
+    (their prefill again, then their generated tokens as chunks); no block stays used, and their KV never serves a
+    later prompt as a cached prefix."""
+    _llm("llama3", tmp_root)
+    llm = LLM(tmp_root / "llama3", dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=OFFLOAD_PROMPTS,
+              prefill_policy="xattention", xattn_stride=4, xattn_block=16, **choice)
+    prompts, params = _offload_workload()
+    where = f"model seed {MODEL_SEEDS['llama3']}, prompt seed {PROMPT_SEED}, {choice}"
+    serial = llm._serial_engine()  # the one-request path, a prompt at a time
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        serial.add_request(f"alone-{i}", prompt, sp)
+    alone = run_requests(serial, [f"alone-{i}" for i in range(len(prompts))])
+    together = llm.generate(prompts, params)
+    _check(together, [(o.token_ids, o.text) for o in alone], where)
+    assert [o.prefill_density for o in together] == [o.prefill_density for o in alone], where
+    assert min(min(o.prefill_density) for o in together) < 1.0, where  # some layer's choice left blocks out
+    steps = llm._batch_engine.step_log
+    assert sum(kind == "alone" for kind, *_ in steps) == len(prompts), where
+    assert max(n for kind, n, _, _ in steps if kind == "decode") > 1, where
+
+    scarce = _engine(llm, max_num_seqs=OFFLOAD_PROMPTS, num_blocks=SCARCE_BLOCKS, swap_space_bytes=0,
+                     enable_prefix_caching=True)
+    outs = scarce.generate(prompts, params, own_prefills=[llm._own_prefill(p) for p in prompts])
+    _check(outs, [(o.token_ids, o.text) for o in alone], f"{where}, scarce pool, {scarce.stats}")
+    assert scarce.stats.recomputes > 0 and scarce.blocks.num_used == 0, f"{where}, {scarce.stats}"
+    plain = scarce.generate([prompts[0]], params[0])[0]  # a full prefill: nothing XAttention wrote is a prefix of it
+    assert plain.num_cached_tokens == 0, where
 
 
 def test_warm_up_leaves_no_step_to_compile(tmp_root):

@@ -150,8 +150,8 @@ def test_segments_together_equal_each_alone(parts):
     scarce = BatchEngine.in_gpu(llm.model_config, llm.params, llm._inv_freq, llm.dtype, llm.attention_impl,
                                 llm.max_model_len, llm.tokenizer, llm.eos_token_ids, block_size=16, num_blocks=12,
                                 swap_space_bytes=0, enable_prefix_caching=True)
-    outs = scarce.generate([ids for ids, _ in pairs], params, blends=[blend for _, blend in pairs])
-    blends = sum(kind == "blend" for kind, *_ in scarce.step_log)
+    outs = scarce.generate([ids for ids, _ in pairs], params, own_prefills=[blend for _, blend in pairs])
+    blends = sum(kind == "alone" for kind, *_ in scarce.step_log)
     assert [o.token_ids for o in outs] == alone and blends > 3, f"{WHERE}, {scarce.stats}, {blends} blend steps"
     plain = scarce.generate([short[2]], GREEDY)[0]  # ran plain before: its full blocks are cached
     blended = scarce.generate([pairs[0][0]], GREEDY)[0]  # ran only blended: none of its blocks may be

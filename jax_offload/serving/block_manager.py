@@ -145,9 +145,10 @@ class BlockManager:
             seq.num_cached = seq.num_cached_tokens = len(cached) * self.block_size
 
     def register(self, seq: Sequence) -> None:
-        """Keys the sequence's full blocks whose KV is computed, so later prompts can reuse them (not a CacheBlend
-        prompt's: its KV is not what a prefill of its tokens computes)."""
-        if not self.enable_prefix_caching or seq.blend is not None:
+        """Keys the sequence's full blocks whose KV is computed, so later prompts can reuse them (not a prompt's with
+        a prefill of its own, CacheBlend's or XAttention's: its KV is not what a full prefill of its tokens
+        computes)."""
+        if not self.enable_prefix_caching or seq.own_prefill is not None:
             return
         key = self._tag
         tokens = seq.prompt_ids + seq.output_ids

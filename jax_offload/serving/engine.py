@@ -25,7 +25,7 @@ from jax_offload.serving.model_runner import (PACK_ALIGN, ModelRunner, default_n
                                              packed_length, prefill_bucket)
 from jax_offload.serving.offload_model_runner import OffloadModelRunner
 from jax_offload.serving.scheduler import Scheduler, SchedulerStats, Step
-from jax_offload.serving.sequence import Sequence, SequenceStatus
+from jax_offload.serving.sequence import PromptKV, Sequence, SequenceStatus
 from jax_offload.tensor_parallel import TensorParallel
 
 # The newest steps a batch engine's step log keeps (a server's engine runs on).
@@ -71,7 +71,7 @@ class BatchEngine:
                                    chunked_prefill=isinstance(runner, ModelRunner))
         # (kind, sequences computed, KV tokens read, seconds) of the steps since the last `generate` call began (the
         # newest STEP_LOG_LENGTH: a server's engine runs on); kind "prefill" (whole prompts), "chunk" (one prompt's
-        # chunk and a token of each running sequence), "blend" (a CacheBlend prompt), "decode".
+        # chunk and a token of each running sequence), "alone" (a prompt with a prefill of its own), "decode".
         self.step_log: deque[tuple[str, int, int, float]] = deque(maxlen=STEP_LOG_LENGTH)
         # Decode steps of the last `generate` call dispatched before the previous step's tokens were read, and
         # prefills dispatched before a decode step's tokens were read.
@@ -111,9 +111,10 @@ class BatchEngine:
         tp: TensorParallel | None = None,
         enable_prefix_caching: bool = False,
         prefix_cache_host_bytes: int = 0,
+        reserve_bytes: int = 0,
     ) -> "BatchEngine":
         """`num_blocks` KV blocks of `block_size` tokens (default: what `gpu_memory_utilization` of the device
-        memory JAX may use leaves after the weights); `swap_space_bytes` of host memory hold preempted requests'
+        memory JAX may use leaves after the weights, and `reserve_bytes` per device for other work); `swap_space_bytes` of host memory hold preempted requests'
         KV (default: half the free host memory, at most the pool's size); beyond it preempted requests are
         recomputed. `tp`: the mesh the (already placed) params are split over; the pool is split the same way (one
         device if None). `enable_prefix_caching`: prompts reuse the KV blocks of earlier prompts' equal prefixes
@@ -125,7 +126,7 @@ class BatchEngine:
         if num_blocks is None:
             num_blocks = default_num_blocks(model_config, dtype, block_size, max_num_seqs, max_model_len,
                                             max_num_batched_tokens, gpu_memory_utilization, tp.size,
-                                            params.batch_invariant, params.kv_cache_dtype)
+                                            params.batch_invariant, params.kv_cache_dtype, reserve_bytes)
             if num_blocks < 1:
                 raise ValueError(
                     f"gpu_memory_utilization {gpu_memory_utilization} leaves no memory for KV blocks after the "
@@ -183,15 +184,16 @@ class BatchEngine:
     # ---- the incremental API (vLLM's LLMEngine shape): the server and `generate` run this one loop ------------
 
     def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams,
-                    blend: Callable | None = None) -> None:
-        """Queues a request; it joins the running batch at a coming step (prefix caching as configured). `blend`:
-        the prompt is a CacheBlend one, prefilled by it (`Sequence.blend`) in a step of its own (in GPU memory)."""
+                    own_prefill: Callable[[int], PromptKV] | None = None) -> None:
+        """Queues a request; it joins the running batch at a coming step (prefix caching as configured).
+        `own_prefill`: the prompt is prefilled by it (`Sequence.own_prefill`: CacheBlend, XAttention in GPU memory)
+        in a step of its own, then decodes with the batch."""
         if request_id in self._requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        if blend is not None and not isinstance(self.runner, ModelRunner):
-            raise ValueError("CacheBlend prompts run with the KV cache in GPU memory, not offloaded.")
+        if own_prefill is not None and not isinstance(self.runner, ModelRunner):
+            raise ValueError("A prompt with a prefill of its own runs with the KV cache in GPU memory, not offloaded.")
         seq = self._sequence(request_id, prompt_ids, params)
-        seq.blend = blend
+        seq.own_prefill = own_prefill
         self.scheduler.add(seq)
         self._requests[request_id] = seq
 
@@ -295,9 +297,9 @@ class BatchEngine:
             drawn_for = [*step.decodes, seq] if end == seq.num_tokens else step.decodes
             self._took(Step("chunk", drawn_for), draws, start, kv_tokens, deltas, rows=1 + len(step.decodes))
             return
-        if step.kind == "blend":
+        if step.kind == "alone":
             (seq,) = step.seqs
-            draws = self.runner.blend_prefill(seq)  # none for a recompute: its generated tokens run as chunks next
+            draws = self.runner.own_prefill(seq)  # none for a recompute: its generated tokens run as chunks next
             seq.num_cached = len(seq.prompt_ids)
             self._took(step, draws, start, kv_tokens, deltas, rows=1)
             return
@@ -315,10 +317,10 @@ class BatchEngine:
         params: SamplingParams | list[SamplingParams],
         on_text: Callable[[int, str], None] | None = None,
         progress: bool = False,
-        blends: list[Callable | None] | None = None,
+        own_prefills: list[Callable[[int], PromptKV] | None] | None = None,
     ) -> list[RequestOutput]:
         """One output per prompt, in prompt order; `on_text(i, delta)` streams prompt i's new text; `progress`
-        shows a bar of finished requests with the output tokens/s; `blends[i]`: prompt i's CacheBlend prefill
+        shows a bar of finished requests with the output tokens/s; `own_prefills[i]`: prompt i's own prefill
         (`add_request`)."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts_ids)
@@ -329,8 +331,8 @@ class BatchEngine:
         for i, prompt in enumerate(prompts_ids):  # every prompt checked before any runs
             self._check_prompt(f"Prompt {i}", prompt)
         ids = [f"generate-{self._next_index + i}" for i in range(len(prompts_ids))]
-        for rid, prompt, p, blend in zip(ids, prompts_ids, params, blends or [None] * len(ids)):
-            self.add_request(rid, prompt, p, blend)
+        for rid, prompt, p, own in zip(ids, prompts_ids, params, own_prefills or [None] * len(ids)):
+            self.add_request(rid, prompt, p, own)
         self.step_log.clear()
         self.overlapped_steps = self.prefills_behind = 0
         try:

@@ -31,7 +31,7 @@ from jax_offload.attention import (
     prefill_attention,
     split_qkv,
 )
-from jax_offload.buckets import prompt_bucket
+from jax_offload.buckets import cache_bucket, prompt_bucket
 from jax_offload.config import ModelConfig
 from jax_offload.kv import kv_cache_dtype as kv_format
 from jax_offload.kv.host_store import available_host_bytes
@@ -77,12 +77,12 @@ def kv_block_bytes(cfg: ModelConfig, dtype: jnp.dtype, block_size: int, kv_cache
 
 def default_num_blocks(cfg: ModelConfig, dtype: jnp.dtype, block_size: int, max_num_seqs: int, max_model_len: int,
                        max_num_batched_tokens: int, gpu_memory_utilization: float, num_devices: int = 1,
-                       batch_invariant: bool = False, kv_cache_dtype: str = "auto") -> int:
+                       batch_invariant: bool = False, kv_cache_dtype: str = "auto", reserve_bytes: int = 0) -> int:
     """As many blocks as `gpu_memory_utilization` of what JAX's allocator may use leaves after the weights, a
-    step's activations, a prefill chunk's gathered prefix and (batch-invariant) the decode splits' states of one
-    layer, and no more than max_num_seqs full-length sequences need; each of `num_devices` holds its share of a
-    block's KV heads. Without device memory statistics (CPU) a
-    quarter of the free host memory is the budget."""
+    step's activations, a prefill chunk's gathered prefix, (batch-invariant) the decode splits' states of one
+    layer and `reserve_bytes` per device, and no more than max_num_seqs full-length sequences need; each of
+    `num_devices` holds its share of a block's KV heads. Without device memory statistics (CPU) a quarter of the
+    free host memory is the budget."""
     wanted = max_num_seqs * -(-max_model_len // block_size)
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
@@ -97,7 +97,7 @@ def default_num_blocks(cfg: ModelConfig, dtype: jnp.dtype, block_size: int, max_
         splits = (-(-max_model_len // DECODE_SPLIT) * max_num_seqs * cfg.num_heads * (cfg.head_dim + 1) * 4
                   if batch_invariant else 0)
         budget = (stats["bytes_limit"] * gpu_memory_utilization - stats["bytes_in_use"] - activations - logits
-                  - prefix - splits)
+                  - prefix - splits - reserve_bytes)
     else:
         budget = available_host_bytes() / 4
     per_device = kv_block_bytes(cfg, dtype, block_size, kv_cache_dtype) // num_devices
@@ -199,6 +199,17 @@ def _pool_prefix(pool, blocks: jax.Array, dtype) -> jax.Array:
     """The keys (or values) of one sequence's pool blocks `blocks`, in order: [1, n * block_size, Hkv, D] in
     `dtype`."""
     return kv_format.dequantize(jax.tree.map(lambda p: p[blocks].reshape(1, -1, *p.shape[2:]), pool), dtype)
+
+
+def own_prefill_bytes(cfg: ModelConfig, dtype: jnp.dtype, max_model_len: int, num_devices: int = 1) -> int:
+    """Device memory a one-request prefill of a max_model_len prompt takes beside the pool, per device
+    (`Sequence.own_prefill` in GPU memory): its K and V caches of every layer and one layer's activations over the
+    whole prompt."""
+    itemsize = jnp.dtype(dtype).itemsize
+    tokens = max(cache_bucket(max_model_len), prompt_bucket(max_model_len))
+    caches = 2 * cfg.num_layers * tokens * cfg.num_kv_heads * cfg.head_dim * itemsize // num_devices
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    return caches + tokens * (6 * cfg.hidden_size + 2 * qkv + 4 * cfg.intermediate_size) * itemsize
 
 
 def prefill_group_size(num_layers: int) -> int:
@@ -372,11 +383,12 @@ class ModelRunner:
         x, last = self._prefill_packed(seqs, [s.num_tokens for s in seqs], size)
         return sample_last(self.cfg, self.params, x, self.tp.replicate(last), *self._sampling(seqs, size))
 
-    def blend_prefill(self, seq: Sequence) -> list[tuple[int, TokenLogprobs | None]]:
-        """Runs a CacheBlend prompt (`seq.blend`), writes its K and V into the sequence's blocks and samples the next
-        token; none when generated tokens follow (a recompute after a preemption: they run as chunks next)."""
+    def own_prefill(self, seq: Sequence) -> list[tuple[int, TokenLogprobs | None]]:
+        """Runs a prompt's own prefill (`seq.own_prefill`), writes its K and V into the sequence's blocks and samples
+        the next token; none when generated tokens follow (a recompute after a preemption: they run as chunks
+        next)."""
         n = len(seq.prompt_ids)
-        hidden, k, v, seq.num_cached_tokens = seq.blend(seq.max_len)
+        hidden, k, v, seq.num_cached_tokens, seq.prefill_density = seq.own_prefill(seq.max_len)
         slots = np.full(k[0].shape[1], -1, np.int32)  # the cache's rows past the prompt write nothing
         slots[:n] = self._slots(seq, np.arange(n))
         kv_dtypes = tuple(layer.kv_cache_dtype for layer in self.params.layers)

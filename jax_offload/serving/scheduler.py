@@ -28,7 +28,9 @@ class KVSwapper(Protocol):
 
 @dataclasses.dataclass
 class Step:
-    kind: str  # "prefill" (whole prompts), "chunk" (part of one prompt), "blend" (one CacheBlend prompt) or "decode"
+    # "prefill" (whole prompts), "chunk" (part of one prompt), "alone" (one prompt with a prefill of its own:
+    # `Sequence.own_prefill`) or "decode"
+    kind: str
     seqs: list[Sequence]
     # A chunk: the prompt's tokens [start, end), the earlier ones already in the pool.
     chunk: tuple[int, int] | None = None
@@ -104,7 +106,7 @@ class Scheduler:
 
     def admit_whole_prompts(self) -> Step | None:
         """The prefill step of the waiting prompts `schedule` would admit while nothing is swapped or chunked, up to
-        the first that needs a chunk or CacheBlend step; it touches no running sequence, so it may be dispatched
+        the first that needs a chunk step or a step alone; it touches no running sequence, so it may be dispatched
         before the tokens of a decode step in flight are read. None if there is no such prompt."""
         if self.chunking is not None or self.swapped:
             return None
@@ -112,7 +114,7 @@ class Scheduler:
 
     def _admit(self, whole_only: bool = False) -> Step | None:
         """Swaps preempted sequences back in, then admits new prompts; the prefill step of those, if any.
-        `whole_only`: stops at a prompt that needs a chunk step or a CacheBlend step."""
+        `whole_only`: stops at a prompt that needs a chunk step or a step alone."""
         # Blocks the running sequences need for their next token stay free, so admitting work never forces an
         # immediate preemption.
         reserve = sum(self.blocks.new_blocks_to_append(s) for s in self.running)
@@ -127,10 +129,10 @@ class Scheduler:
         lengths: list[int] = []
         while not self.swapped and self.waiting and len(self.running) + len(batch) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.blend is not None:
+            if seq.own_prefill is not None:
                 if batch or whole_only or not self.blocks.can_allocate(seq.num_tokens, reserve):
                     break
-                return self._admit_blend(seq)
+                return self._admit_alone(seq)
             # Without chunks one sequence alone may exceed the budget; otherwise no prompt could be longer than it.
             if batch and self.prefill_tokens(lengths + [seq.num_tokens]) > self.max_num_batched_tokens:
                 break
@@ -161,16 +163,16 @@ class Scheduler:
             self._run(seq)
         return Step("prefill", batch) if batch else None
 
-    def _admit_blend(self, seq: Sequence) -> Step:
-        """A CacheBlend prompt's step, alone and from no cached prefix (its blocks take the blend's KV). Recomputed
-        after a preemption, its generated tokens then run as chunks after the blended prompt."""
+    def _admit_alone(self, seq: Sequence) -> Step:
+        """The step of a prompt with a prefill of its own, alone and from no cached prefix (its blocks take that
+        prefill's KV). Recomputed after a preemption, its generated tokens then run as chunks after the prompt."""
         self.waiting.popleft()
         self.blocks.allocate(seq, seq.num_tokens)
         if seq.output_ids:
             self.chunking = seq
         else:
             self._run(seq)
-        return Step("blend", [seq])
+        return Step("alone", [seq])
 
     def _next_chunk(self, seq: Sequence) -> Step:
         """The prefill step of the sequence's next chunk with a decode token of each running sequence; after its

@@ -4,10 +4,21 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
 from jax_offload.sampling import SamplingParams
+
+
+class PromptKV(NamedTuple):
+    """What a one-request runner's prefill of a whole prompt leaves for the pool (`Sequence.own_prefill`)."""
+
+    hidden: object  # the last prompt token's hidden state [1, 1, hidden]
+    k: list  # per layer, K [1, cache_len >= prompt, Hkv, D]
+    v: list  # per layer, V, the same
+    cached_tokens: int = 0  # prompt tokens whose KV came from a store (CacheBlend's segments)
+    density: list[float] | None = None  # XAttention: per layer, the share of key blocks its prefill selected
 
 
 class SequenceStatus(enum.Enum):
@@ -49,9 +60,9 @@ class Sequence:
     prefill_seconds: float = 0.0  # the step that gave its first token
     step_seconds: list[float] = dataclasses.field(default_factory=list)  # each decode step it took part in
     prefill_density: list[float] | None = None  # XAttention prefill: per layer, the share of key blocks selected
-    # A CacheBlend (`Segments`) prompt: blend(total_len) -> (the last prompt token's hidden state [1, 1, hidden], K
-    # and V caches [1, cache_len, Hkv, D] per layer, prompt tokens whose KV came from the segment store).
-    blend: Callable | None = None
+    # A prompt a one-request runner prefills in a step of its own (CacheBlend `Segments`, XAttention in GPU memory):
+    # own_prefill(total_len) -> PromptKV.
+    own_prefill: Callable[[int], "PromptKV"] | None = None
 
     @property
     def num_tokens(self) -> int:
