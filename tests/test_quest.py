@@ -249,10 +249,10 @@ def test_sketch_is_written_with_every_stored_block(model_dir, prefill, dtype):
 
     ids = np.random.default_rng(506).integers(3, tiny_models.VOCAB, size=150).tolist()
     llm = _sparse(model_dir, 32, "sketch", prefill=prefill, sketch_dtype=dtype)
-    hidden, _ = llm._prefill(ids, 200)
+    llm._prefill(ids, 200)
     from jax_offload.attention import embed_tokens
     for i in range(40):  # 150 + 40 tokens: the third block is flushed during decode
-        hidden = llm._runner.decode(embed_tokens(llm.params.embed, np.full((1, 1), 5, np.int32)), len(ids) + i)
+        llm._runner.decode(embed_tokens(llm.params.embed, np.full((1, 1), 5, np.int32)), len(ids) + i)
     runner = llm._runner
     written = runner._written[1]
     assert written == 2, written
