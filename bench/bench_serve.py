@@ -304,7 +304,8 @@ def report(folder: Path, out: Path) -> None:
                   f"| server request/s, infinite rate | {fmt(stats([x['request_s'] for x in inf]))} |",
                   f"| offline single-request TTFT ms | {fmt(r['offline_ttft_ms'], digits=1)} |", "",
                   "| rate req/s | requests | out tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms "
-                  "| engine decode step ms | each request's engine step ms, p50 (TPOT p50 / it) | same tokens as offline |",
+                  "| engine decode step ms | each request's engine step ms, p50 (TPOT p50 / it) "
+                  "| same tokens as offline |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for x in inf[:1] + r["rates"]:
             step = fmt(x["decode_step_ms"], digits=2) if x.get("decode_step_ms") else "-"

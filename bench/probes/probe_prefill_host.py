@@ -1,6 +1,7 @@
 """Where a served prompt's prefill time goes on the Qwen3-0.6B shape (random bf16 weights, the serving benchmark's
-engine): the host's dispatch of the batch engine's prefill (one program per layer) against its time until the
-draw is on the host, whether the layer programs' donated KV pools are taken in place, the same prefill as one
+engine): the host's dispatch of the batch engine's prefill as it runs (`engine_prefill`: a program per group of
+layers, `prefill_group_size`; a program per layer until eeb3eea, the `layer_programs` of older result files) against
+its time until the draw is on the host, whether its donated KV pools are taken in place, the same prefill as one
 program over every layer, the one-request path's time to first token, and a decode step at batch 2.
 
     python bench/probes/probe_prefill_host.py --out DIR      # one device call; writes DIR/prefill_host.json
@@ -45,7 +46,8 @@ def main() -> None:
     engine = llm.request_engine()
     runner = engine.runner
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, min(10000, llm.model_config.vocab_size), args.prompt_len).tolist() for _ in range(4 * args.reps + 8)]
+    vocab = min(10000, llm.model_config.vocab_size)
+    prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(4 * args.reps + 8)]
     one = SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True, seed=0)
     for prompt in prompts[:3]:
         engine.generate([prompt], [one])
@@ -76,7 +78,8 @@ def main() -> None:
 
     # The draw alone (last rows' logits and the sampler over the padded 256 rows), on a prefill's hidden shape.
     size = runner.buckets[-1]
-    hidden = jax.numpy.zeros((1, runner.prefill_tokens([args.prompt_len]), runner.cfg.hidden_size), runner.params.embed.dtype)
+    hidden = jax.numpy.zeros((1, runner.prefill_tokens([args.prompt_len]), runner.cfg.hidden_size),
+                             runner.params.embed.dtype)
     last = np.zeros(size, np.int32)
     sampling_times = []
     for _ in range(args.reps):
@@ -152,7 +155,7 @@ def main() -> None:
     runner.decode_async = dispatch_decode
 
     result = {"meta": run_metadata(), "shape": args.shape, "prompt_len": args.prompt_len,
-              "layer_programs": {"dispatch": summary([a for a, _ in records]),
+              "engine_prefill": {"dispatch": summary([a for a, _ in records]),
                                  "until_drawn": summary([b for _, b in records]),
                                  "pool_donated_in_place": all(donated)},
               "one_program": {"compile_s": whole_compile_s, "dispatch": summary([a for a, _ in whole_times]),

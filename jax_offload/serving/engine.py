@@ -114,12 +114,12 @@ class BatchEngine:
         reserve_bytes: int = 0,
     ) -> "BatchEngine":
         """`num_blocks` KV blocks of `block_size` tokens (default: what `gpu_memory_utilization` of the device
-        memory JAX may use leaves after the weights, and `reserve_bytes` per device for other work); `swap_space_bytes` of host memory hold preempted requests'
-        KV (default: half the free host memory, at most the pool's size); beyond it preempted requests are
-        recomputed. `tp`: the mesh the (already placed) params are split over; the pool is split the same way (one
-        device if None). `enable_prefix_caching`: prompts reuse the KV blocks of earlier prompts' equal prefixes
-        (`BlockManager`); `prefix_cache_host_bytes` of pinned host memory keep the blocks it evicts. The options
-        `LLM` shares with this engine are checked by `EngineConfig`."""
+        memory JAX may use leaves after the weights, and `reserve_bytes` per device for other work);
+        `swap_space_bytes` of host memory hold preempted requests' KV (default: half the free host memory, at most
+        the pool's size); beyond it preempted requests are recomputed. `tp`: the mesh the (already placed) params
+        are split over; the pool is split the same way (one device if None). `enable_prefix_caching`: prompts reuse
+        the KV blocks of earlier prompts' equal prefixes (`BlockManager`); `prefix_cache_host_bytes` of pinned host
+        memory keep the blocks it evicts. The options `LLM` shares with this engine are checked by `EngineConfig`."""
         tp = tp or TensorParallel.create(1)
         if not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 16, got {block_size!r}.")
