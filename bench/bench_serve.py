@@ -11,6 +11,8 @@ process (aiohttp, streaming /v1/completions). Phases:
   inf       all requests sent at once, --runs runs: output tok/s, request/s, TTFT, TPOT, inter-token latency
   rate R    --rate-requests requests with Poisson arrivals at R requests/s: the same figures, and the engine's
             decode step over that run (its step log) beside the TPOT
+  --without-prefill-behind   then the rate runs again with a new prompt's prefill dispatched only after the decode
+            step in flight is read (as before 443180f): `rates_without_prefill_behind`
 
     python bench/bench_serve.py --shape qwen3-0.6b --out DIR          # one device call each shape
     python bench/bench_serve.py --shape llama-3.1-8b --out DIR
@@ -194,6 +196,13 @@ def _take_events(llm) -> list:
     return events
 
 
+def _prefill_after_read(llm) -> None:
+    """The engine reads the decode step in flight before it dispatches a waiting prompt's prefill (as before
+    443180f): the other arm of `BatchEngine._prefill_behind`'s comparison."""
+    engine = llm.request_engine()
+    engine._prefill_behind = lambda pending, deltas: engine._read(*pending, deltas)
+
+
 def time_budget(client: dict, events: list) -> dict:
     """Where a served run's wall time went, in seconds: before the engine took the first request, while the engine
     ran steps, between its steps (taking commands, handing out output, idle), and after its last step until the
@@ -282,6 +291,9 @@ def run(args) -> dict:
     client(max(args.rates), args.rate_requests)
     result["inf"] = [client(float("inf"), len(prompts)) for _ in range(args.runs)]
     result["rates"] = [client(rate, args.rate_requests) for rate in args.rates]
+    if args.without_prefill_behind:
+        asyncio.run(engine.call(_prefill_after_read))
+        result["rates_without_prefill_behind"] = [client(rate, args.rate_requests) for rate in args.rates]
     server.should_exit = True
     engine.stop()
     return result
@@ -307,11 +319,13 @@ def report(folder: Path, out: Path) -> None:
                   "| engine decode step ms | each request's engine step ms, p50 (TPOT p50 / it) "
                   "| same tokens as offline |",
                   "|---|---|---|---|---|---|---|---|---|"]
-        for x in inf[:1] + r["rates"]:
+        rated = [(str(x["rate"]), x) for x in r["rates"]] + \
+            [(f"{x['rate']}, prefill after the read", x) for x in r.get("rates_without_prefill_behind", [])]
+        for label, x in [(str(inf[0]["rate"]), inf[0]), *rated]:
             step = fmt(x["decode_step_ms"], digits=2) if x.get("decode_step_ms") else "-"
             own = x.get("request_step_ms")
             own = f"{own['p50']:.2f} ({x['tpot_ms']['p50'] / own['p50']:.3f}x)" if own else "-"
-            lines.append(f"| {x['rate']} | {x['requests']} | {x['output_tok_s']:.0f} | {x['ttft_ms']['p50']:.1f} / "
+            lines.append(f"| {label} | {x['requests']} | {x['output_tok_s']:.0f} | {x['ttft_ms']['p50']:.1f} / "
                          f"{x['ttft_ms']['p99']:.1f} | {x['tpot_ms']['p50']:.2f} / {x['tpot_ms']['p99']:.2f} | "
                          f"{x['itl_ms']['p50']:.2f} / {x['itl_ms']['p99']:.2f} | {step} | {own} | "
                          f"{x['same_tokens_as_offline']} / {x['requests']} |")
@@ -322,9 +336,9 @@ def report(folder: Path, out: Path) -> None:
                       "step in flight: until its prefill began), prefill, out (pipe, event loop, server-sent event, "
                       "client):", "", "| rate req/s | in | waiting | prefill | out | TTFT mean |",
                       "|---|---|---|---|---|---|"]
-            for x in r["rates"]:
+            for label, x in rated:
                 split = x["ttft_split_ms"]
-                lines.append(f"| {x['rate']} | " + " | ".join(f"{split[k]['p50']:.2f} / {split[k]['mean']:.2f}"
+                lines.append(f"| {label} | " + " | ".join(f"{split[k]['p50']:.2f} / {split[k]['mean']:.2f}"
                                                              for k in split) + f" | {x['ttft_ms']['mean']:.2f} |")
             lines.append("")
         if "time_budget_s" in inf[0]:
@@ -369,6 +383,8 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 4.0, 16.0])
     p.add_argument("--rate-requests", type=int, default=32)
+    p.add_argument("--without-prefill-behind", action="store_true",
+                   help="then the rate runs again, each prefill dispatched after the decode step in flight is read")
     p.add_argument("--client", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--report", type=Path)
     args = p.parse_args()
