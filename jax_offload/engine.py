@@ -362,10 +362,13 @@ class LLM:
         decode is one compiled step for the whole model, where the per-request path dispatches a call per layer
         and token (H200, 8B at 8K: 4.8 vs 9.3 ms per token), and a prompt longer than a prefill step is prefilled
         in chunks. The per-request path keeps the XLA twins (CPU), whose paged step grows with the pool's size
-        (smoke model: 0.3 ms with 3 blocks, 29 ms with 768). With prefix caching every prompt runs there, where
-        the cached blocks are."""
+        (smoke model: 0.3 ms with 3 blocks, 29 ms with 768). An XAttention prompt alone keeps the per-request path:
+        on the batch engine its one-request prefill needs room beside a pool (`own_prefill_bytes`), so the longest
+        prompt that fits would be shorter. With prefix caching every prompt runs there, where the cached blocks
+        are."""
         e = self.engine_config
-        return (not e.offload and self.attention_impl == "pallas") or e.enable_prefix_caching
+        return (not e.offload and self.attention_impl == "pallas" and e.prefill_policy == "full") \
+            or e.enable_prefix_caching
 
     def _batch(self) -> BatchEngine:
         if self._batch_engine is None:
