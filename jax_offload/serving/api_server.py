@@ -103,6 +103,10 @@ def create_app(engine, served_model_name: str, api_key: str | None = None, max_w
     return app
 
 
+# How often a handler waiting for the engine looks whether its client is gone.
+DISCONNECT_POLL_SECONDS = 0.5
+
+
 class _Api:
     def __init__(self, engine: EngineLoop | EngineProcess, metrics: ServerMetrics, name: str, max_waiting: int):
         self.engine, self.metrics, self.name, self.max_waiting = engine, metrics, name, max_waiting
@@ -228,7 +232,7 @@ class _Api:
 
         task = asyncio.ensure_future(gather())
         while not task.done():
-            await asyncio.wait({task}, timeout=0.5)
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
             if not task.done() and await request.is_disconnected():
                 task.cancel()
                 return per_job
@@ -247,7 +251,7 @@ class _Api:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         echoed = [await self.echo(request_id, ids, body) for ids in prompts] if body.echo else None
         if body.stream:
-            return _sse(self.stream_completion(request_id, body, jobs if generating else [], echoed))
+            return await _sse(self.stream_completion(request_id, body, jobs if generating else [], echoed))
         per_job = await self.collect(request, request_id, jobs) if generating else [[] for _ in jobs]
         choices = []
         usage = {"prompt_tokens": sum(len(ids) for ids in prompts), "completion_tokens": 0}
@@ -344,7 +348,7 @@ class _Api:
         self.admit(1)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return _sse(self.stream_chat(request_id, body, jobs))
+            return await _sse(self.stream_chat(request_id, body, jobs))
         (deltas,) = await self.collect(request, request_id, jobs)
         lps = [lp for d in deltas for lp in d.logprobs]
         tokens = [t for d in deltas for t in d.token_ids]
@@ -366,11 +370,12 @@ class _Api:
                     "choices": choices, **({"usage": None} if _usage_asked(body) else {})}
 
         completion = 0
+        # The role goes out with the first tokens: the request reaches the engine before anything is sent (`_sse`).
+        role = [chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}])]
         try:
-            yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
             async for _, batch in self.deltas(request_id, jobs):
-                chunks = []
+                chunks, role = role, []
                 for delta in batch:
                     completion += len(delta.token_ids)
                     choice = {"index": 0, "delta": {"content": delta.text} if delta.text else {},
@@ -418,17 +423,27 @@ def _usage_asked(body) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
 
-def _sse(chunks: AsyncIterator[dict | list[dict]]) -> StreamingResponse:
+async def _sse(chunks: AsyncIterator[dict | list[dict]]) -> StreamingResponse:
     """Server-sent events: one `data:` line per chunk, then `data: [DONE]`; the chunks of one list (the tokens
-    that came while the event loop was busy) go out in one write. A client gone mid-stream cancels the generator,
-    whose cleanup aborts the request."""
+    that came while the event loop was busy) go out in one write. The stream is started here, as far as its first
+    wait, before the response is: the request reaches the engine while its handler runs, and the response's headers
+    and tasks are set up while the engine works (sent after them, a null engine's request waited 0.5 ms longer on
+    the 2-core CPU machine). A client gone mid-stream cancels the generator, whose cleanup aborts the request."""
 
     async def events():
         async for item in chunks:
             yield "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in (item if isinstance(item, list) else [item]))
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    async def then(first: asyncio.Future, rest: AsyncIterator[str]):
+        yield await first
+        async for event in rest:
+            yield event
+
+    stream = events()
+    first = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0)  # the stream runs to its first wait: the engine has the request
+    return StreamingResponse(then(first, stream), media_type="text/event-stream")
 
 
 def _error(error: BadRequest) -> JSONResponse:
