@@ -1,6 +1,7 @@
 """The host's time to dispatch one compiled program on the GPU: a tiny elementwise program, the same donating a
-1 GiB buffer, and the batch engine's prefill layer (`_prefill_layer`, Qwen3-0.6B shape, a 1024-token row) and decode
-step (batch 2). Run under different XLA_FLAGS to see what a launch costs (e.g. command buffers off).
+1 GiB buffer, and the batch engine's prefill program over one layer (`_prefill_layers`, Qwen3-0.6B shape, a
+1024-token row) and decode step (batch 2), each with the same buffers on every call and with new input buffers
+(as the engine calls them). Run under different XLA_FLAGS to see what a launch costs (e.g. command buffers off).
 
     python bench/probes/probe_dispatch.py --out DIR --tag NAME   # DIR/dispatch_NAME.json
 """
@@ -73,11 +74,23 @@ def main() -> None:
     pools = {"k": runner.k_pool[0], "v": runner.v_pool[0]}
 
     def prefill_layer():
-        out, pools["k"], pools["v"] = mr._prefill_layer(runner.cfg, runner.impl, layer, x, pools["k"], pools["v"],
-                                                        runner.inv_freq, positions, starts, slots, tp=runner.tp)
+        out, (pools["k"],), (pools["v"],) = mr._prefill_layers(runner.cfg, runner.impl, (layer,), x, (pools["k"],),
+                                                               (pools["v"],), runner.inv_freq, positions, starts,
+                                                               slots, tp=runner.tp)
         return out
 
     result["prefill_layer_1024"] = per_call_ms(prefill_layer, 100)
+
+    # The same with its input in a new buffer on every call, as each layer group takes the one before's output: if
+    # the launch then costs more, it is the command buffers' update for new addresses (x + 0: a small program of
+    # its own, timed in the call).
+    def prefill_layer_new_input():
+        out, (pools["k"],), (pools["v"],) = mr._prefill_layers(runner.cfg, runner.impl, (layer,), x + 0,
+                                                               (pools["k"],), (pools["v"],), runner.inv_freq,
+                                                               positions, starts, slots, tp=runner.tp)
+        return out
+
+    result["prefill_layer_1024_new_input"] = per_call_ms(prefill_layer_new_input, 100)
     runner.k_pool = (pools["k"], *runner.k_pool[1:])
     runner.v_pool = (pools["v"], *runner.v_pool[1:])
 
@@ -93,6 +106,20 @@ def main() -> None:
         return logits
 
     result["decode_step_batch2"] = per_call_ms(decode_step, 100)
+
+    # The same step with its small inputs in new buffers on every call, as the engine's steps take them: if the
+    # launch then costs more, it is the command buffers' update for new addresses.
+    host = (np.zeros(size, np.int32), np.array([600, 600], np.int32),
+            np.tile(np.arange(64, dtype=np.int32), (size, 1)))
+
+    def decode_step_new_inputs():
+        new_tokens, new_lens, new_tables = jax.device_put(host)
+        logits, runner.k_pool, runner.v_pool = mr._decode_step(runner.cfg, runner.impl, runner.params, runner.k_pool,
+                                                               runner.v_pool, runner.inv_freq, new_tokens, new_lens,
+                                                               new_tables, tp=runner.tp)
+        return logits
+
+    result["decode_step_batch2_new_inputs"] = per_call_ms(decode_step_new_inputs, 100)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"dispatch_{args.tag}.json").write_text(json.dumps(result, indent=1))
     print(args.tag, json.dumps({k: v for k, v in result.items() if k != "meta"}))
