@@ -501,6 +501,11 @@ def test_in_gpu_xattention_prompts_together_equal_each_alone(tmp_root, choice):
     steps = llm._batch_engine.step_log
     assert sum(kind == "alone" for kind, *_ in steps) == len(prompts), where
     assert max(n for kind, n, _, _ in steps if kind == "decode") > 1, where
+    # The server's way in: LLM.add_request gives each prompt its own prefill too.
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        llm.add_request(f"served-{i}", prompt, sp)
+    served = run_requests(llm, [f"served-{i}" for i in range(len(prompts))])
+    _check(served, [(o.token_ids, o.text) for o in alone], f"{where}, LLM.add_request")
 
     scarce = _engine(llm, max_num_seqs=OFFLOAD_PROMPTS, num_blocks=SCARCE_BLOCKS, swap_space_bytes=0,
                      enable_prefix_caching=True)
