@@ -87,10 +87,8 @@ def default_num_blocks(cfg: ModelConfig, dtype: jnp.dtype, block_size: int, max_
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         itemsize = jnp.dtype(dtype).itemsize
-        qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         # A chunk step carries a decode row per running sequence (padded to the largest batch) beside the chunk.
-        rows = max_num_batched_tokens + batch_buckets(max_num_seqs)[-1]
-        activations = rows * (6 * cfg.hidden_size + 2 * qkv + 4 * cfg.intermediate_size) * itemsize
+        activations = _activation_bytes(cfg, max_num_batched_tokens + batch_buckets(max_num_seqs)[-1], itemsize)
         logits = 4 * max_num_seqs * cfg.vocab_size * 4  # float32 logits, scaled copy, noise, sort
         prefix = 2 * max_model_len * cfg.num_kv_heads * cfg.head_dim * itemsize  # one layer's, gathered for a chunk
         # Batch-invariant decode: every 256-key split's float32 (o, lse) of one layer.
@@ -208,8 +206,13 @@ def own_prefill_bytes(cfg: ModelConfig, dtype: jnp.dtype, max_model_len: int, nu
     itemsize = jnp.dtype(dtype).itemsize
     tokens = max(cache_bucket(max_model_len), prompt_bucket(max_model_len))
     caches = 2 * cfg.num_layers * tokens * cfg.num_kv_heads * cfg.head_dim * itemsize // num_devices
+    return caches + _activation_bytes(cfg, tokens, itemsize)
+
+
+def _activation_bytes(cfg: ModelConfig, rows: int, itemsize: int) -> int:
+    """One layer's activations over `rows` tokens: hidden states, q, k, v and the MLP's intermediates."""
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    return caches + tokens * (6 * cfg.hidden_size + 2 * qkv + 4 * cfg.intermediate_size) * itemsize
+    return rows * (6 * cfg.hidden_size + 2 * qkv + 4 * cfg.intermediate_size) * itemsize
 
 
 def prefill_group_size(num_layers: int) -> int:
