@@ -2,6 +2,8 @@
 1 GiB buffer, and the batch engine's prefill program over one layer (`_prefill_layers`, Qwen3-0.6B shape, a
 1024-token row) and decode step (batch 2), each with the same buffers on every call and with new input buffers
 (as the engine calls them). Run under different XLA_FLAGS to see what a launch costs (e.g. command buffers off).
+Then the decode step with new inputs under jax.profiler.trace: its GPU kernels and busy time per step, and the
+host's traced events by name (`decode_step_profile`).
 
     python bench/probes/probe_dispatch.py --out DIR --tag NAME   # DIR/dispatch_NAME.json
 """
@@ -34,6 +36,47 @@ def per_call_ms(call, reps: int = 200) -> dict:
     jax.block_until_ready(out)
     done = time.perf_counter()
     return {"dispatch_ms": (dispatched - start) / reps * 1e3, "done_ms": (done - start) / reps * 1e3}
+
+
+def profile(call, steps: int) -> dict:
+    """`steps` calls in a row under the profiler: GPU kernels and their busy time (union over streams) per step, the
+    wall time per step, and the host's traced events (XLA's, and Python's, marked $) by name: count and total ms
+    (nested events each count their own time), the 30 largest."""
+    import jax
+
+    from common import gpu_kernels, profiled
+
+    jax.block_until_ready(call())
+    times = {}
+
+    def run():
+        start = time.perf_counter()
+        out = [call() for _ in range(steps)]
+        jax.block_until_ready(out)
+        times["wall"] = time.perf_counter() - start
+
+    data = profiled(run)
+    kernels = sorted(gpu_kernels(data), key=lambda e: e[1])
+    busy, cur_s, cur_t = 0, None, None
+    for _, s, t in kernels:
+        if cur_t is None or s > cur_t:
+            busy += 0 if cur_t is None else cur_t - cur_s
+            cur_s, cur_t = s, t
+        else:
+            cur_t = max(cur_t, t)
+    busy += 0 if cur_t is None else cur_t - cur_s
+    host: dict[str, list[float]] = {}
+    for plane in data.planes:
+        if plane.name.startswith("/host"):
+            for line in plane.lines:
+                for e in line.events:
+                    entry = host.setdefault(e.name[:90], [0, 0.0])
+                    entry[0] += 1
+                    entry[1] += e.duration_ns / 1e6
+    top = sorted(host.items(), key=lambda kv: -kv[1][1])[:30]
+    return {"steps": steps, "wall_ms_per_step": times["wall"] / steps * 1e3,
+            "gpu_kernels_per_step": len(kernels) / steps, "gpu_busy_ms_per_step": busy / 1e6 / steps,
+            "host_events": {name: {"count": c, "total_ms": round(ms, 3)} for name, (c, ms) in top}}
 
 
 def main() -> None:
@@ -120,6 +163,39 @@ def main() -> None:
         return logits
 
     result["decode_step_batch2_new_inputs"] = per_call_ms(decode_step_new_inputs, 100)
+    result["decode_step_profile"] = profile(decode_step_new_inputs, 20)
+
+    # The same step with every buffer it touches at a fixed address: the logits written into a donated buffer of
+    # their shape, the small inputs written in place into donated buffers by a program of their own. If XLA's
+    # command buffer (CUDA graph) then needs no update, the launch costs less.
+    import functools
+
+    from jax_offload.precision import step_jit
+
+    @functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",), donate_argnums=(3, 4, 9))
+    def stable_step(cfg, impl, params, k_pool, v_pool, inv_freq, tokens, seq_lens, tables, logits_buffer, tp=None):
+        del logits_buffer  # its buffer takes the logits (same shape and dtype)
+        return mr._decode_step.__wrapped__(cfg, impl, params, k_pool, v_pool, inv_freq, tokens, seq_lens, tables,
+                                           tp=tp)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def fill(buffers, values):
+        return jax.tree.map(lambda b, v: b.at[...].set(v), buffers, values)
+
+    held = {"logits": jnp.zeros((size, runner.cfg.vocab_size), jnp.float32),
+            "inputs": jax.device_put(host)}
+
+    def decode_step_stable(new_inputs: bool):
+        if new_inputs:
+            held["inputs"] = fill(held["inputs"], jax.device_put(host))
+        held["logits"], runner.k_pool, runner.v_pool = stable_step(
+            runner.cfg, runner.impl, runner.params, runner.k_pool, runner.v_pool, runner.inv_freq, *held["inputs"],
+            held["logits"], tp=runner.tp)
+        return held["logits"]
+
+    result["decode_step_stable_buffers"] = per_call_ms(lambda: decode_step_stable(False), 100)
+    result["decode_step_stable_filled_inputs"] = per_call_ms(lambda: decode_step_stable(True), 100)
+    result["decode_step_stable_profile"] = profile(lambda: decode_step_stable(True), 20)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"dispatch_{args.tag}.json").write_text(json.dumps(result, indent=1))
     print(args.tag, json.dumps({k: v for k, v in result.items() if k != "meta"}))
