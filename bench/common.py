@@ -206,6 +206,18 @@ def gpu_kernels(data) -> list[tuple[str, int, int]]:
             for line in plane.lines if line.name.startswith("Stream") for e in line.events]
 
 
+def busy_ns(events: list[tuple[str, int, int]]) -> int:
+    """The union of (name, start ns, end ns) intervals, sorted by start: the GPU's busy time over its streams."""
+    busy, cur_s, cur_t = 0, None, None
+    for _, s, t in events:
+        if cur_t is None or s > cur_t:
+            busy += 0 if cur_t is None else cur_t - cur_s
+            cur_s, cur_t = s, t
+        else:
+            cur_t = max(cur_t, t)
+    return busy + (0 if cur_t is None else cur_t - cur_s)
+
+
 def decode_steps_by_kernel(data, steps_ms: list[float]) -> dict:
     """GPU time of decode steps 2.. of a profiled generate, read from its trace: the kernels in the trace's last
     window as long as those steps took by the engine's clock, per kernel name (digits dropped) and per step, with the
@@ -222,14 +234,7 @@ def decode_steps_by_kernel(data, steps_ms: list[float]) -> dict:
     per_name: dict[str, list[float]] = {}
     for name, s, t in inside:
         per_name.setdefault(name, []).append((t - s) / 1e3)
-    busy, cur_s, cur_t = 0, None, None
-    for _, s, t in inside:  # union of busy intervals over streams
-        if cur_t is None or s > cur_t:
-            busy += 0 if cur_t is None else cur_t - cur_s
-            cur_s, cur_t = s, t
-        else:
-            cur_t = max(cur_t, t)
-    busy += 0 if cur_t is None else cur_t - cur_s
+    busy = busy_ns(inside)
     n = len(steps_ms) - 1
     return {"window_ms": window / 1e6, "gpu_busy_ms_per_step": busy / 1e6 / n,
             "per_kernel_ms_per_step": dict(sorted(

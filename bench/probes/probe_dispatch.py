@@ -3,7 +3,8 @@
 1024-token row) and decode step (batch 2), each with the same buffers on every call and with new input buffers
 (as the engine calls them). Run under different XLA_FLAGS to see what a launch costs (e.g. command buffers off).
 Then the decode step with new inputs under jax.profiler.trace: its GPU kernels and busy time per step, and the
-host's traced events by name (`decode_step_profile`).
+host's traced events by name (`decode_step_profile`); and the step with every argument and result at a fixed
+address (`decode_step_stable_*`: does XLA's CUDA graph still need an update on each launch?).
 
     python bench/probes/probe_dispatch.py --out DIR --tag NAME   # DIR/dispatch_NAME.json
 """
@@ -44,7 +45,7 @@ def profile(call, steps: int) -> dict:
     (nested events each count their own time), the 30 largest."""
     import jax
 
-    from common import gpu_kernels, profiled
+    from common import busy_ns, gpu_kernels, profiled
 
     jax.block_until_ready(call())
     times = {}
@@ -57,14 +58,7 @@ def profile(call, steps: int) -> dict:
 
     data = profiled(run)
     kernels = sorted(gpu_kernels(data), key=lambda e: e[1])
-    busy, cur_s, cur_t = 0, None, None
-    for _, s, t in kernels:
-        if cur_t is None or s > cur_t:
-            busy += 0 if cur_t is None else cur_t - cur_s
-            cur_s, cur_t = s, t
-        else:
-            cur_t = max(cur_t, t)
-    busy += 0 if cur_t is None else cur_t - cur_s
+    busy = busy_ns(kernels)
     host: dict[str, list[float]] = {}
     for plane in data.planes:
         if plane.name.startswith("/host"):
