@@ -36,6 +36,7 @@ from jax_offload.models import decoder
 from jax_offload.models.params import LayerParams, ModelParams
 from jax_offload.models.rope import cos_sin
 from jax_offload.precision import step_jit
+from jax_offload.serving.sequence import PromptKV
 from jax_offload.tensor_parallel import host_memory_kind
 
 
@@ -211,10 +212,9 @@ class BlendRunner:
         last = np.int32(np.flatnonzero(rows == n - 1)[0])
         return jax.lax.dynamic_slice_in_dim(x, last, 1, axis=1), k_caches, v_caches, SegmentKV(keys, values, n)
 
-    def prefill(self, parts: list[list[int]], total_len: int
-                ) -> tuple[jax.Array, list[jax.Array], list[jax.Array], int]:
-        """Segments' token ids -> (the last token's hidden state [1, 1, hidden], K and V caches per layer of
-        cache_bucket(total_len) tokens, prompt tokens whose KV came from the store)."""
+    def prefill(self, parts: list[list[int]], total_len: int) -> PromptKV:
+        """Segments' token ids -> the last token's hidden state [1, 1, hidden], K and V caches per layer of
+        cache_bucket(total_len) tokens, prompt tokens whose KV came from the store."""
         ids = [t for part in parts for t in part]
         kept_parts, cached = [], 0
         for part in parts[:-1]:
@@ -237,4 +237,4 @@ class BlendRunner:
                           for what in ("keys", "values"))
                     for i in range(self.cfg.num_layers)]
         hidden, k_caches, v_caches, _ = self._run(ids, kept, reused, cache_len)
-        return hidden, k_caches, v_caches, cached
+        return PromptKV(hidden, k_caches, v_caches, cached)

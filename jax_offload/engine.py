@@ -316,8 +316,7 @@ class LLM:
         """(token ids, CacheBlend prefill: `Sequence.own_prefill`) of a `Segments` prompt, which runs on the batch
         engine."""
         parts = [self.encode(part) for part in prompt.parts]
-        return self.encode([t for part in parts for t in part]), functools.partial(_blended, self._blend_runner(),
-                                                                                   parts)
+        return self.encode([t for part in parts for t in part]), functools.partial(self._blend_runner().prefill, parts)
 
     def _own_prefill(self, ids: list[int]) -> Callable[[int], PromptKV] | None:
         """A prompt's own prefill on the batch engine (`Sequence.own_prefill`): in GPU memory with XAttention, the
@@ -438,10 +437,6 @@ class LLM:
         if self.engine_config.prefill_policy != "xattention":
             return None
         return xattention.density(self._runner.prefill_block_counts)
-
-
-def _blended(blend: BlendRunner, parts: list[list[int]], total_len: int) -> PromptKV:
-    return PromptKV(*blend.prefill(parts, total_len))
 
 
 def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
