@@ -525,46 +525,36 @@ def sparse_decode_layer(
     return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state, tp), tail
 
 
-@functools.partial(step_jit, static_argnums=(0, 1, 8, 10, 11, 12, 13, 18, 19, 20), static_argnames=("tp",),
+@functools.partial(step_jit, static_argnums=(0, 1, 8, 10, 11, 12, 13, 18, 19), static_argnames=("tp",),
                    donate_argnums=(5, 16))
 def cached_sparse_decode_layer(
     cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, inv_freq: jax.Array, tail: jax.Array,
     position: jax.Array, tail_len: jax.Array, scorer, meta: tuple[jax.Array, ...], budget_pages: int,
     page_size: int, block_size: int, num_candidates: int, num_pages: jax.Array, buffer: jax.Array,
-    cache: page_cache.CacheState, step: jax.Array, host, device, miss_cap: int, tp: TensorParallel | None = None,
+    cache: page_cache.CacheState, step: jax.Array, host, device, tp: TensorParallel | None = None,
 ) -> tuple[jax.Array, jax.Array, page_cache.CacheState, jax.Array]:
     """`sparse_decode_layer` with a GPU cache of chosen pages (`sparse.page_cache`): the step copies the chosen
-    pages the cache lacks from the pinned `buffer` into it (at most `miss_cap` per KV head), then reads every chosen
-    page from the cache with the kernel and order the store read would use: the same bits. A step with more misses
-    reads from the store. -> (hidden, tail with the token's K, V, the cache after the step, int32 [hits, chosen,
-    pages over PCIe] summed over the KV heads and the most misses of a KV head)."""
+    pages the cache lacks from the pinned `buffer` into it, then reads every chosen page from the cache with the
+    kernel and order the store read would use: the same bits. -> (hidden, tail with the token's K, V, the cache after
+    the step, int32 [hits, chosen, pages over PCIe] summed over the KV heads)."""
     q, tail, state = _decode_inputs(cfg, layer, x, inv_freq, tail, position, tail_len, tp)
 
     def local(q, meta, buffer, cache, state, num_pages, step):
         pages = _chosen_pages(impl, q, scorer, meta, num_pages, num_candidates, budget_pages)
-        hkv = pages.shape[0]
-        use = page_cache.plan(cache, pages, num_candidates, step, miss_cap)
+        use = page_cache.plan(cache, pages, num_candidates, step)
         slots = use.state.page.shape[1]
-        missing = gather_rows(buffer, quest.page_rows(use.miss_pages, num_candidates, page_size, block_size), host,
-                              device)
-        kv = page_cache.write_rows(cache.kv, page_cache.slot_rows(use.miss_slots, slots, page_size).reshape(-1),
-                                   missing)
+        kv = page_cache.fill(cache.kv, buffer, quest.page_rows(use.miss_pages, num_candidates, page_size, block_size),
+                             page_cache.slot_rows(use.miss_slots, slots, page_size).reshape(-1),
+                             reads_rows_in_place(impl), host, device)
         num_keys = jnp.minimum(num_pages, budget_pages) * page_size
-        store_rows = quest.page_rows(pages, num_candidates, page_size, block_size).reshape(hkv, -1)
         cached_rows = jnp.where(pages < num_candidates, use.slots, 0)
-        state = jax.lax.cond(
-            use.all_cached,
-            lambda: attend_rows(impl, q, kv, page_cache.slot_rows(cached_rows, slots, page_size), num_keys, state,
-                                device, device),
-            lambda: attend_rows(impl, q, buffer, store_rows, num_keys, state, host, device))
-        # Pages over PCIe: the copy's miss_cap a KV head (a static shape: its unused rows cross too), and on a step
-        # read from the store what that read moves (the kernel reads the chosen pages in place; a gather, the budget).
-        read = use.chosen if reads_rows_in_place(impl) else jnp.int32(budget_pages * hkv)
-        counts = jnp.stack([use.hits, use.chosen, jnp.where(use.all_cached, 0, read) + miss_cap * hkv])
-        most = use.max_misses[None]
+        state = attend_rows(impl, q, kv, page_cache.slot_rows(cached_rows, slots, page_size), num_keys, state, device,
+                            device)
+        # Pages over PCIe: the misses in place; a gather moves every row of the copy's static shape (the budget).
+        moved = use.chosen - use.hits if reads_rows_in_place(impl) else jnp.int32(pages.size)
+        counts = jnp.stack([use.hits, use.chosen, moved])
         if tp is not None and tp.size > 1:
-            counts, most = jax.lax.psum(counts, AXIS), jax.lax.pmax(most, AXIS)
-        counts = jnp.concatenate([counts, most])
+            counts = jax.lax.psum(counts, AXIS)
         return state, page_cache.CacheState(kv, use.state.page, use.state.used), counts
 
     meta_heads = tuple(METADATA_HEADS for _ in meta)

@@ -332,7 +332,7 @@ class OffloadRunner:
                 x, self._tails[l], cache.states[l], counts = cached_sparse_decode_layer(
                     self.cfg, self.impl, layer, x, self.inv_freq, self._tails[l], pos, tail_len, self.pages.scorer,
                     self.pages.metadata(l), self.budget_pages, self.page_size, self.block_size, candidates, num_pages,
-                    store.layer_buffer(l), cache.states[l], step, *store.gather_places(l), cache.miss_cap, tp=self.tp)
+                    store.layer_buffer(l), cache.states[l], step, *store.gather_places(l), tp=self.tp)
                 cache.counts.append(counts)
             elif store.places[l] == "pages":
                 x, self._tails[l] = sparse_decode_layer(

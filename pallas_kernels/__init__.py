@@ -1,6 +1,6 @@
 """Pallas kernels: attention with its LSE or online-softmax state (dense, paged, block-sparse, streamed), XAttention's
-estimate, sketch scoring and a batch-invariant matmul; Triton on NVIDIA GPUs, Mosaic GPU on Hopper for prefill
-attention and sketch scoring, interpret mode elsewhere.
+estimate, sketch scoring, a batch-invariant matmul and a row copy that reads pinned host memory in place; Triton on
+NVIDIA GPUs, Mosaic GPU on Hopper for prefill attention and sketch scoring, interpret mode elsewhere.
 
 See README.md in this directory for semantics, layouts and tuning notes.
 """
@@ -17,6 +17,7 @@ from pallas_kernels.block_sparse import (
     block_sparse_attention_with_lse_xla,
     mask_to_block_lists,
 )
+from pallas_kernels.copy_rows import copy_rows
 from pallas_kernels.decode import (
     DECODE_SPLIT,
     decode_attention_with_lse,
@@ -55,6 +56,7 @@ __all__ = [
     "attention_with_lse_xla",
     "block_sparse_attention_with_lse",
     "block_sparse_attention_with_lse_xla",
+    "copy_rows",
     "DECODE_SPLIT",
     "decode_attention_with_lse",
     "decode_attention_with_lse_xla",

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import copy_rows
 from pallas_kernels import paged_decode as paged_mod
 from pallas_kernels.decode import decode_attention_with_lse
 from pallas_kernels.paged_decode import (
@@ -210,3 +211,27 @@ def test_rejects_unsupported_head_dim_and_splits_in_pallas():
     with pytest.raises(ValueError, match="num_splits=0"):
         paged_decode_attention_with_lse(q, pages, pages, jnp.zeros((1, 2), jnp.int32), 5,
                                         num_splits=0)
+
+
+def test_copy_rows_copies_kept_rows_and_skips_the_rest():
+    """`copy_rows` (interpret mode) over an int8 pool with its float32 scales, as the page cache fills itself: kept
+    entries land at their rows, the destination's other rows keep their values, and entries past the destination's
+    rows are skipped (their source row, here poisoned with NaN, is never written anywhere)."""
+    seed = 610
+    rng = np.random.default_rng(seed)
+    src_values = rng.integers(-128, 128, size=(12, 2, 16, 32), dtype=np.int8)
+    src_scales = rng.random((12, 2, 16, 1), dtype=np.float32)
+    src_scales[7] = np.nan
+    dst_values = rng.integers(-128, 128, size=(5, 2, 16, 32), dtype=np.int8)
+    dst_scales = rng.random((5, 2, 16, 1), dtype=np.float32)
+    src_rows = np.array([3, 7, 11, 0, 7, 2], np.int32)
+    dst_rows = np.array([4, 5, 0, 2, 2**30, 1], np.int32)  # 5 and 2**30: past the destination's rows
+    out = jax.jit(copy_rows.copy_rows, donate_argnums=0)(
+        (jnp.asarray(dst_values), jnp.asarray(dst_scales)), (jnp.asarray(src_values), jnp.asarray(src_scales)),
+        jnp.asarray(src_rows), jnp.asarray(dst_rows))
+    want_values, want_scales = dst_values.copy(), dst_scales.copy()
+    for s, d in zip(src_rows, dst_rows):
+        if d < 5:
+            want_values[d], want_scales[d] = src_values[s], src_scales[s]
+    np.testing.assert_array_equal(np.asarray(out[0]), want_values, err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(np.asarray(out[1]), want_scales, err_msg=f"seed {seed}")

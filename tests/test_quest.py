@@ -289,13 +289,14 @@ def test_bad_page_policy_options(model_dir, kwargs, message):
         LLM(model_dir, dtype="float32", offload=True, block_size=64, **kwargs)
 
 
-# The jnp path: in Pallas interpret mode the kernel is XLA ops that fuse differently inside the cache's branch
-# (1e-6 apart here); on a GPU it is one kernel call reading the same rows in the same order.
-@pytest.mark.parametrize("policy,impl", [("sketch", "xla"), ("quest", "xla")])
+# The jnp path: in Pallas interpret mode the kernel is XLA ops that fuse differently in the cache's program (1e-6
+# apart here); on a GPU it is one kernel call reading the same rows in the same order, and the copy reads the missing
+# rows in place from the pinned store: both run there.
+@pytest.mark.parametrize("policy,impl", [("sketch", "xla"), ("quest", "xla")]
+                         + [("sketch", "pallas"), ("quest", "pallas")] * (jax.default_backend() == "gpu"))
 def test_page_cache_changes_no_bit(model_dir, policy, impl):
     """With a GPU cache of chosen pages (`sparse_cache_gb`) each step reads its pages from the cache once its misses
-    are copied in, or from the store when more are missing than the step copies: the logits of every step equal
-    those without the cache to the bit, and later steps hit. A second
+    are copied in: the logits of every step equal those without the cache to the bit, and later steps hit. A second
     request starts from an empty cache (its pages are not the first one's) and equals a fresh engine's."""
     rng = np.random.default_rng(508)
     ids, other = rng.integers(3, tiny_models.VOCAB, size=400).tolist(), rng.integers(3, 250, size=300).tolist()
@@ -312,22 +313,22 @@ def test_page_cache_changes_no_bit(model_dir, policy, impl):
 
 
 def test_page_cache_plan_is_lru_per_kv_head():
-    """`page_cache.plan` over 40 steps of random choices (3 KV heads, 6 of 20 pages a step, 9 slots, at most 4 copied
-    a step) against a Python LRU per KV head: the same hits, the same page in every slot, and a chosen page's slot
-    holds it once its misses are copied in."""
+    """`page_cache.plan` over 40 steps of random choices (3 KV heads, 6 of 20 pages a step, 9 slots) against a Python
+    LRU per KV head: the same hits, the same page in every slot, every chosen page's slot holds it once the misses
+    are copied in, and the copy lists exactly the misses with their slots."""
     from jax_offload.sparse import page_cache
 
     seed = 509
     rng = np.random.default_rng(seed)
-    hkv, k, num_pages, slots, cap = 3, 6, 20, 9, 4
+    hkv, k, num_pages, slots = 3, 6, 20, 9
     state = page_cache.CacheState(jnp.zeros((slots, hkv, 1, 2, 16, 8)), jnp.full((hkv, slots), -1, jnp.int32),
                                   jnp.full((hkv, slots), -1, jnp.int32))
     ref_page, ref_used = np.full((hkv, slots), -1), np.full((hkv, slots), -1)
     for step in range(40):
         chosen = np.sort(np.stack([rng.choice(num_pages, k, replace=False) for _ in range(hkv)]), axis=-1)
         chosen[0, -1] = num_pages  # a missing entry (past every page)
-        use = page_cache.plan(state, jnp.asarray(chosen, jnp.int32), num_pages, jnp.int32(step), cap)
-        hits = 0
+        use = page_cache.plan(state, jnp.asarray(chosen, jnp.int32), num_pages, jnp.int32(step))
+        hits, copies = 0, []
         for h in range(hkv):
             valid = [p for p in chosen[h] if p < num_pages]
             hit = [p for p in valid if p in ref_page[h]]
@@ -336,16 +337,21 @@ def test_page_cache_plan_is_lru_per_kv_head():
             free = sorted((s for s in range(slots) if s not in held), key=lambda s: (ref_used[h, s], s))
             for s in held:
                 ref_used[h, s] = step
-            for p, s in zip([p for p in valid if p not in hit][:cap], free):
+            for p, s in zip([p for p in valid if p not in hit], free):
                 ref_page[h, s], ref_used[h, s] = p, step
+                copies.append((h, p, s))
         where = f"seed {seed}, step {step}"
         assert int(use.hits) == hits, where
         np.testing.assert_array_equal(np.asarray(use.state.page), ref_page, err_msg=where)
         slot, page = np.asarray(use.slots), np.asarray(use.state.page)
         for h in range(hkv):
             for j, p in enumerate(chosen[h]):
-                if p < num_pages and p in page[h] and bool(use.all_cached):
+                if p < num_pages:
                     assert page[h, slot[h, j]] == p, where
+        miss_pages, miss_slots = np.asarray(use.miss_pages), np.asarray(use.miss_slots)
+        listed = [(h, p, s) for h in range(hkv) for p, s in zip(miss_pages[h], miss_slots[h]) if s < slots]
+        assert listed == copies, where
+        assert all(p == num_pages for h in range(hkv) for p, s in zip(miss_pages[h], miss_slots[h]) if s == slots), where
         state = use.state
 
 

@@ -1,8 +1,10 @@
 """Where a sketch decode step's time goes at 128K (Llama-3.1-8B shape, random bf16, offloaded, budget 4096, page 16,
-2 dense layers, block 4096, ring 4): one generate of 12 tokens after a warm-up, recorded with jax.profiler.trace.
+2 dense layers, block 4096, ring 4; env SPARSE_CACHE_GB for a GPU cache of chosen pages, RING for the ring's
+slots): one generate of 12 tokens after a warm-up, recorded with jax.profiler.trace.
 For the decode steps (the trace's last window as long as decode steps 2-12 took by the engine's own clock) it writes
 the GPU time per step by kernel (names with their digits dropped), the union of busy GPU time, and the step's wall
-time. Writes probe_decode_timeline.json under $OUT (an H100's: `bench/results/runs/h100_decode_timeline/`).
+time, with the page cache's hit rate and the bytes over PCIe of the last step. Writes probe_decode_timeline.json under
+$OUT (an H100's: `bench/results/runs/h100_decode_timeline/`).
 
     python bench/probes/probe_decode_timeline.py
 """
@@ -24,22 +26,23 @@ from jax_offload.kv.ring import group_size  # noqa: E402
 
 CTX, BLOCK, TOKENS = int(os.environ.get("CTX", 131072)), int(os.environ.get("BLOCK", 4096)), 12
 SHAPE, LAYERS = os.environ.get("SHAPE", "llama-3.1-8b"), os.environ.get("LAYERS")  # a smaller model: a CPU smoke test
+CACHE_GB, RING = float(os.environ.get("SPARSE_CACHE_GB", 0)), int(os.environ.get("RING", 4))
 
 
 def main():
     cfg = model_config(SHAPE, int(LAYERS) if LAYERS else None)
     cfg = dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings, CTX + 2 * BLOCK))
     params = random_params(cfg, jnp.bfloat16)
-    llm = LLM.from_params(cfg, params, dtype="bfloat16", offload=True, block_size=BLOCK, num_ring_slots=4,
+    llm = LLM.from_params(cfg, params, dtype="bfloat16", offload=True, block_size=BLOCK, num_ring_slots=RING,
                           max_model_len=CTX + TOKENS + BLOCK, decode_policy="sketch", decode_budget=min(4096, CTX // 4),
-                          page_size=16, dense_layers=2, sketch_dtype="int4")
+                          page_size=16, dense_layers=2, sketch_dtype="int4", sparse_cache_gb=CACHE_GB)
     rng = np.random.default_rng(0)
     sampling = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
 
     def run(n):
         return llm.generate([rng.integers(0, cfg.vocab_size, size=n).tolist()], sampling)[0]
 
-    for k in range(1, 2 * group_size(4) + 2):
+    for k in range(1, 2 * group_size(RING) + 2):
         run(k * BLOCK)
     run(BLOCK + 7)
     outs = []
@@ -48,8 +51,10 @@ def main():
     steps = [s * 1e3 for s in out.decode_token_seconds]
     lines = {line.name: len(list(line.events)) for plane in data.planes if plane.name.startswith("/device:GPU")
              for line in plane.lines}
-    result = {**run_metadata(), "ctx": CTX, "decode_step_ms": steps, "prefill_s": out.prefill_seconds,
-              "gpu_lines": lines, **decode_steps_by_kernel(data, steps)}
+    runner = llm._runner
+    result = {**run_metadata(), "ctx": CTX, "ring_slots": RING, "sparse_cache_gb": CACHE_GB, "decode_step_ms": steps,
+              "prefill_s": out.prefill_seconds, "pcie_bytes_last_step": runner.last_decode_pcie_bytes,
+              "page_cache_hit_rate": runner.page_cache.hit_rate() if runner.page_cache else None, "gpu_lines": lines, **decode_steps_by_kernel(data, steps)}
     Path(os.environ.get("OUT", "."), "probe_decode_timeline.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "per_kernel_ms_per_step"}))
     for k, v in list(result["per_kernel_ms_per_step"].items())[:25]:
