@@ -221,7 +221,7 @@ def busy_ns(events: list[tuple[str, int, int]]) -> int:
 def decode_steps_by_kernel(data, steps_ms: list[float]) -> dict:
     """GPU time of decode steps 2.. of a profiled generate, read from its trace: the kernels in the trace's last
     window as long as those steps took by the engine's clock, per kernel name (digits dropped) and per step, with the
-    union of busy GPU time over the streams."""
+    union of busy GPU time over the streams, and the host's events that start in that window (`host_events`)."""
     import re
 
     events = sorted(((re.sub(r"[._]?\d+", "", name)[:70], s, t) for name, s, t in gpu_kernels(data)),
@@ -237,9 +237,26 @@ def decode_steps_by_kernel(data, steps_ms: list[float]) -> dict:
     busy = busy_ns(inside)
     n = len(steps_ms) - 1
     return {"window_ms": window / 1e6, "gpu_busy_ms_per_step": busy / 1e6 / n,
+            "host_events_in_window": host_events(data, end - window, end),
             "per_kernel_ms_per_step": dict(sorted(
                 ((k, {"count_per_step": len(v) / n, "ms_per_step": sum(v) / 1e3 / n}) for k, v in per_name.items()),
                 key=lambda kv: -kv[1]["ms_per_step"]))}
+
+
+def host_events(data, start_ns: float = float("-inf"), end_ns: float = float("inf"), top: int = 30) -> dict:
+    """The host's traced events (XLA's, and Python's, marked $) that start in [start_ns, end_ns), by name: count and
+    total ms (nested events each count their own time), the `top` largest."""
+    host: dict[str, list[float]] = {}
+    for plane in data.planes:
+        if plane.name.startswith("/host"):
+            for line in plane.lines:
+                for e in line.events:
+                    if start_ns <= e.start_ns < end_ns:
+                        entry = host.setdefault(e.name[:90], [0, 0.0])
+                        entry[0] += 1
+                        entry[1] += e.duration_ns / 1e6
+    largest = sorted(host.items(), key=lambda kv: -kv[1][1])[:top]
+    return {name: {"count": c, "total_ms": round(ms, 3)} for name, (c, ms) in largest}
 
 
 def gpu_span_ms(fn, calls: int) -> list[float]:

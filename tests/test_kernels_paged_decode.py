@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import copy_rows
+from pallas_kernels.copy_rows import copy_rows
 from pallas_kernels import paged_decode as paged_mod
 from pallas_kernels.decode import decode_attention_with_lse
 from pallas_kernels.paged_decode import (
@@ -226,7 +226,7 @@ def test_copy_rows_copies_kept_rows_and_skips_the_rest():
     dst_scales = rng.random((5, 2, 16, 1), dtype=np.float32)
     src_rows = np.array([3, 7, 11, 0, 7, 2], np.int32)
     dst_rows = np.array([4, 5, 0, 2, 2**30, 1], np.int32)  # 5 and 2**30: past the destination's rows
-    out = jax.jit(copy_rows.copy_rows, donate_argnums=0)(
+    out = jax.jit(copy_rows, donate_argnums=0)(
         (jnp.asarray(dst_values), jnp.asarray(dst_scales)), (jnp.asarray(src_values), jnp.asarray(src_scales)),
         jnp.asarray(src_rows), jnp.asarray(dst_rows))
     want_values, want_scales = dst_values.copy(), dst_scales.copy()

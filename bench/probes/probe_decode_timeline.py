@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,20 +46,33 @@ def main():
     for k in range(1, 2 * group_size(RING) + 2):
         run(k * BLOCK)
     run(BLOCK + 7)
+    # The host's time in the runner's decode (it dispatches the step's programs and returns before they finish).
+    runner, dispatch_ms = llm._runner, []
+    decode = runner.decode
+
+    def timed_decode(*args, **kwargs):
+        start = time.perf_counter()
+        out = decode(*args, **kwargs)
+        dispatch_ms.append((time.perf_counter() - start) * 1e3)
+        return out
+
+    runner.decode = timed_decode
     outs = []
     data = profiled(lambda: outs.append(run(CTX)))
     out = outs[0]
     steps = [s * 1e3 for s in out.decode_token_seconds]
     lines = {line.name: len(list(line.events)) for plane in data.planes if plane.name.startswith("/device:GPU")
              for line in plane.lines}
-    runner = llm._runner
     result = {**run_metadata(), "ctx": CTX, "ring_slots": RING, "sparse_cache_gb": CACHE_GB, "decode_step_ms": steps,
+              "runner_decode_host_ms": dispatch_ms,
               "prefill_s": out.prefill_seconds, "pcie_bytes_last_step": runner.last_decode_pcie_bytes,
               "page_cache_hit_rate": runner.page_cache.hit_rate() if runner.page_cache else None, "gpu_lines": lines, **decode_steps_by_kernel(data, steps)}
     Path(os.environ.get("OUT", "."), "probe_decode_timeline.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k != "per_kernel_ms_per_step"}))
-    for k, v in list(result["per_kernel_ms_per_step"].items())[:25]:
+    print(json.dumps({k: v for k, v in result.items() if k not in ("per_kernel_ms_per_step", "host_events_in_window")}))
+    for k, v in list(result["per_kernel_ms_per_step"].items())[:20]:
         print(f"{v['ms_per_step']:8.3f} ms {v['count_per_step']:7.1f}x  {k}")
+    for k, v in list(result["host_events_in_window"].items())[:20]:
+        print(f"host {v['total_ms']:9.3f} ms {v['count']:6d}x  {k}")
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def profile(call, steps: int) -> dict:
     (nested events each count their own time), the 30 largest."""
     import jax
 
-    from common import busy_ns, gpu_kernels, profiled
+    from common import busy_ns, gpu_kernels, host_events, profiled
 
     jax.block_until_ready(call())
     times = {}
@@ -59,18 +59,9 @@ def profile(call, steps: int) -> dict:
     data = profiled(run)
     kernels = sorted(gpu_kernels(data), key=lambda e: e[1])
     busy = busy_ns(kernels)
-    host: dict[str, list[float]] = {}
-    for plane in data.planes:
-        if plane.name.startswith("/host"):
-            for line in plane.lines:
-                for e in line.events:
-                    entry = host.setdefault(e.name[:90], [0, 0.0])
-                    entry[0] += 1
-                    entry[1] += e.duration_ns / 1e6
-    top = sorted(host.items(), key=lambda kv: -kv[1][1])[:30]
     return {"steps": steps, "wall_ms_per_step": times["wall"] / steps * 1e3,
             "gpu_kernels_per_step": len(kernels) / steps, "gpu_busy_ms_per_step": busy / 1e6 / steps,
-            "host_events": {name: {"count": c, "total_ms": round(ms, 3)} for name, (c, ms) in top}}
+            "host_events": host_events(data)}
 
 
 def main() -> None:
