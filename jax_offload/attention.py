@@ -525,13 +525,11 @@ def sparse_decode_layer(
     return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state, tp), tail
 
 
-@functools.partial(step_jit, static_argnums=(0, 1, 8, 10, 11, 12, 13, 18, 19), static_argnames=("tp",),
-                   donate_argnums=(5, 16))
-def cached_sparse_decode_layer(
+def _cached_sparse_decode_layer(
     cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, inv_freq: jax.Array, tail: jax.Array,
     position: jax.Array, tail_len: jax.Array, scorer, meta: tuple[jax.Array, ...], budget_pages: int,
     page_size: int, block_size: int, num_candidates: int, num_pages: jax.Array, buffer: jax.Array,
-    cache: page_cache.CacheState, step: jax.Array, host, device, tp: TensorParallel | None = None,
+    cache: page_cache.CacheState, step: jax.Array, host, device, tp: TensorParallel | None,
 ) -> tuple[jax.Array, jax.Array, page_cache.CacheState, jax.Array]:
     """`sparse_decode_layer` with a GPU cache of chosen pages (`sparse.page_cache`): the step copies the chosen
     pages the cache lacks from the pinned `buffer` into it, then reads every chosen page from the cache with the
@@ -563,6 +561,28 @@ def cached_sparse_decode_layer(
                                   (STATE_HEADS, cache_heads, None))(q, tuple(meta), buffer, cache, state, num_pages,
                                                                     step)
     return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state, tp), tail, cache, counts
+
+
+@functools.partial(step_jit, static_argnums=(0, 1, 8, 10, 11, 12, 13, 18, 19), static_argnames=("tp",),
+                   donate_argnums=(5, 16))
+def cached_sparse_decode_layers(
+    cfg: ModelConfig, impl: str, layers: tuple[LayerParams, ...], x: jax.Array, inv_freq: jax.Array,
+    tails: tuple[jax.Array, ...], position: jax.Array, tail_len: jax.Array, scorer, metas: tuple,
+    budget_pages: int, page_size: int, block_size: int, num_candidates: int, num_pages: jax.Array,
+    buffers: tuple[jax.Array, ...], caches: tuple[page_cache.CacheState, ...], step: jax.Array, host, device,
+    tp: TensorParallel | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[page_cache.CacheState, ...], jax.Array]:
+    """Consecutive sparse layers with their page caches as one program (each launch costs the host ~0.5 ms besides
+    its kernels, more than such a layer's GPU time once its pages come from the cache): `_cached_sparse_decode_layer`
+    for each, with its own tail, metadata, store layer and cache. -> (hidden, tails, caches, int32 [layers, 3]
+    counts)."""
+    tails, caches, counts = list(tails), list(caches), []
+    for i, layer in enumerate(layers):
+        x, tails[i], caches[i], layer_counts = _cached_sparse_decode_layer(
+            cfg, impl, layer, x, inv_freq, tails[i], position, tail_len, scorer, metas[i], budget_pages, page_size,
+            block_size, num_candidates, num_pages, buffers[i], caches[i], step, host, device, tp)
+        counts.append(layer_counts)
+    return x, tuple(tails), tuple(caches), jnp.stack(counts)
 
 
 # Steps of `sparse_decode_layer` as calls of their own, for the benchmark to time apart: the choice (with the

@@ -27,7 +27,7 @@ import numpy as np
 
 from jax_offload.attention import (
     attend_blocks,
-    cached_sparse_decode_layer,
+    cached_sparse_decode_layers,
     chunk_begin,
     chunk_end,
     decode_begin,
@@ -329,10 +329,17 @@ class OffloadRunner:
                     self.cfg, self.impl, layer, x, self.inv_freq, self._tails[l], pos, tail_len, num_keys,
                     store.layer_buffer(l), *store.gather_places(l), tp=self.tp)
             elif store.places[l] == "pages" and self.page_cache is not None:
-                x, self._tails[l], cache.states[l], counts = cached_sparse_decode_layer(
-                    self.cfg, self.impl, layer, x, self.inv_freq, self._tails[l], pos, tail_len, self.pages.scorer,
-                    self.pages.metadata(l), self.budget_pages, self.page_size, self.block_size, candidates, num_pages,
-                    store.layer_buffer(l), cache.states[l], step, *store.gather_places(l), tp=self.tp)
+                if l not in cache.group_starts:
+                    continue  # run by its group's program
+                group = range(l, l + cache.group)
+                x, tails, states, counts = cached_sparse_decode_layers(
+                    self.cfg, self.impl, tuple(layers[i] for i in group), x, self.inv_freq,
+                    tuple(self._tails[i] for i in group), pos, tail_len, self.pages.scorer,
+                    tuple(self.pages.metadata(i) for i in group), self.budget_pages, self.page_size, self.block_size,
+                    candidates, num_pages, tuple(store.layer_buffer(i) for i in group),
+                    tuple(cache.states[i] for i in group), step, *store.gather_places(l), tp=self.tp)
+                for i, tail, state in zip(group, tails, states):
+                    self._tails[i], cache.states[i] = tail, state
                 cache.counts.append(counts)
             elif store.places[l] == "pages":
                 x, self._tails[l] = sparse_decode_layer(

@@ -102,11 +102,10 @@ def test_batched_greedy_equals_one_at_a_time(tmp_root, variant, limits):
 def test_prefill_programs_in_groups_of_layers(tmp_root, monkeypatch):
     """The prefill runs consecutive layers per program (the largest divisor of the layer count up to 8), and
     several groups give what one does: the tiny model's two layers one per program equal the one-request path."""
-    from jax_offload.serving import model_runner
+    from jax_offload import buckets
 
-    assert [model_runner.prefill_group_size(n) for n in (2, 7, 13, 24, 28, 30, 32, 36, 80)] == \
-        [2, 7, 1, 8, 7, 6, 8, 6, 8]
-    monkeypatch.setattr(model_runner, "PREFILL_GROUP_MAX", 1)
+    assert [buckets.layer_group_size(n) for n in (2, 7, 13, 24, 28, 30, 32, 36, 80)] == [2, 7, 1, 8, 7, 6, 8, 6, 8]
+    monkeypatch.setattr(buckets, "LAYER_GROUP_MAX", 1)
     llm = _llm("llama3", tmp_root)
     prompts, params = _workload()
     outs = _engine(llm).generate(prompts[:4], params[:4])

@@ -31,7 +31,7 @@ from jax_offload.attention import (
     prefill_attention,
     split_qkv,
 )
-from jax_offload.buckets import cache_bucket, prompt_bucket
+from jax_offload.buckets import cache_bucket, layer_group_size, prompt_bucket
 from jax_offload.config import ModelConfig
 from jax_offload.kv import kv_cache_dtype as kv_format
 from jax_offload.kv.host_store import available_host_bytes
@@ -54,8 +54,6 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 # 64, 32 in float32; the jnp twin 16), so a prompt's keys then fall into the same tiles as when it runs alone and its
 # results carry the same bits.
 PACK_ALIGN = 128
-# The most layers one prefill program runs (`prefill_group_size`).
-PREFILL_GROUP_MAX = 8
 
 
 def packed_length(num_tokens: int) -> int:
@@ -213,15 +211,6 @@ def _activation_bytes(cfg: ModelConfig, rows: int, itemsize: int) -> int:
     """One layer's activations over `rows` tokens: hidden states, q, k, v and the MLP's intermediates."""
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     return rows * (6 * cfg.hidden_size + 2 * qkv + 4 * cfg.intermediate_size) * itemsize
-
-
-def prefill_group_size(num_layers: int) -> int:
-    """Consecutive layers one prefill program runs: the largest divisor of num_layers up to PREFILL_GROUP_MAX. Each
-    program launch costs the host about 0.4 ms on an H200 besides its kernels (a graph update for new buffers), so
-    a program per layer made a short prompt's prefill host-bound (15.5 ms for Qwen3-0.6B's 28 layers at 560 tokens,
-    5.6 ms as one program: bench/results/runs/h200_dispatch/); a program over every layer would compile for each
-    prefill length as long as the whole model does. Equal groups share one compiled program."""
-    return max(g for g in range(1, min(num_layers, PREFILL_GROUP_MAX) + 1) if num_layers % g == 0)
 
 
 @functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",), donate_argnums=(4, 5))
@@ -411,7 +400,7 @@ class ModelRunner:
         last[: len(rows)] = rows
         ids, positions, starts, slots = self.tp.replicate((ids, positions, starts, slots))
         x = embed_tokens(self.params.embed, ids)
-        layers, group = tuple(self.params.layers), prefill_group_size(len(self.params.layers))
+        layers, group = tuple(self.params.layers), layer_group_size(len(self.params.layers))
         k_out, v_out = (), ()
         for i in range(0, len(layers), group):
             x, k_pools, v_pools = _prefill_layers(self.cfg, self.impl, layers[i:i + group], x,

@@ -18,7 +18,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jax_offload.buckets import layer_group_size
 from jax_offload.kv import kv_cache_dtype as kv_format
 from jax_offload.kv.host_store import PAGE_UNIT, gather_rows
 from jax_offload.tensor_parallel import TensorParallel
@@ -41,8 +43,8 @@ class CachePlan(NamedTuple):
     """What a step does with the cache (`plan`)."""
 
     slots: jax.Array  # int32 [Hkv, k]: the slot of each chosen page once the misses are copied (0 where none)
-    miss_pages: jax.Array  # int32 [Hkv, k]: pages to copy in, first of each row (missing: past every page)
-    miss_slots: jax.Array  # int32 [Hkv, k]: their slots (missing: past every slot)
+    miss_pages: jax.Array  # int32 [Hkv, k]: the chosen pages to copy in (the others: past every page)
+    miss_slots: jax.Array  # int32 [Hkv, k]: their slots (the others: past every slot)
     hits: jax.Array  # int32: chosen pages already cached, over the KV heads
     chosen: jax.Array  # int32: chosen pages, over the KV heads
     state: CacheState  # the page map and read steps after the step (kv not yet written)
@@ -71,10 +73,8 @@ def plan(state: CacheState, pages: jax.Array, missing: int, step: jax.Array) -> 
     written = jnp.where(miss, new_slot, slots)  # past every slot: dropped
     page = state.page.at[heads, written].set(pages, mode="drop")
     used = state.used.at[heads, jnp.where(valid, slot, slots)].set(step, mode="drop")
-    first = jnp.argsort(~miss, axis=-1, stable=True)  # the misses first, in page order
-    copied = jnp.take_along_axis(miss, first, axis=-1)
-    miss_pages = jnp.where(copied, jnp.take_along_axis(pages, first, axis=-1), missing)
-    miss_slots = jnp.where(copied, jnp.take_along_axis(new_slot, first, axis=-1), slots)
+    miss_pages = jnp.where(miss, pages, missing)
+    miss_slots = jnp.where(miss, new_slot, slots)
     return CachePlan(slot, miss_pages.astype(jnp.int32), miss_slots.astype(jnp.int32),
                      jnp.sum(hit, dtype=jnp.int32), jnp.sum(valid, dtype=jnp.int32), CacheState(state.kv, page, used))
 
@@ -112,6 +112,9 @@ class PageCache:
         if slots < budget_pages:  # the runner names the option
             raise ValueError(f"A page cache of {slots} pages per KV head is smaller than the budget's {budget_pages}.")
         self.slots = slots
+        # Consecutive sparse layers run as one program (`attention.cached_sparse_decode_layers`), starting at these.
+        self.group = layer_group_size(len(layers))
+        self.group_starts = set(layers[::self.group])
         shape = (slots, num_kv_heads, page_size // PAGE_UNIT, 2, PAGE_UNIT, head_dim)
         self._map_shape, self._tp = (num_kv_heads, slots), tp
         self.states = {l: CacheState(
@@ -119,8 +122,8 @@ class PageCache:
             self._never(), self._never()) for l in layers}
         self.nbytes = sum(leaf.nbytes for s in self.states.values() for leaf in jax.tree.leaves(s.kv))
         self.step = 0
-        # Per sparse layer of the last decode step, on the device: [hits, chosen, pages over PCIe] over the KV heads
-        # (`attention.cached_sparse_decode_layer`).
+        # Per group of sparse layers of the last decode step, on the device: [layers, 3] of [hits, chosen, pages over
+        # PCIe] over the KV heads (`attention.cached_sparse_decode_layers`).
         self.counts: list[jax.Array] = []
 
     def _never(self) -> jax.Array:
@@ -138,7 +141,9 @@ class PageCache:
 
     def totals(self) -> tuple[int, int, int]:
         """The last decode step's counts over its sparse layers (reads them from the device)."""
-        return tuple(sum(int(c[i]) for c in self.counts) for i in range(3)) if self.counts else (0, 0, 0)
+        if not self.counts:
+            return 0, 0, 0
+        return tuple(int(n) for n in sum(np.asarray(c, np.int64).sum(axis=0) for c in self.counts))
 
     def hit_rate(self) -> float | None:
         """Of the pages the last decode step chose, the share already cached (None before any step)."""
