@@ -553,10 +553,10 @@ def _cached_sparse_decode_layer(
         counts = jnp.stack([use.hits, use.chosen, moved])
         if tp is not None and tp.size > 1:
             counts = jax.lax.psum(counts, AXIS)
-        return state, page_cache.CacheState(kv, use.state.page, use.state.used), counts
+        return state, use.state._replace(kv=kv), counts
 
     meta_heads = tuple(METADATA_HEADS for _ in meta)
-    cache_heads = page_cache.CacheState(BUFFER_HEADS, 0, 0)
+    cache_heads = page_cache.CacheState(BUFFER_HEADS, 0, 0, 0)
     state, cache, counts = _local(tp, local, (HEADS, meta_heads, BUFFER_HEADS, cache_heads, STATE_HEADS, None, None),
                                   (STATE_HEADS, cache_heads, None))(q, tuple(meta), buffer, cache, state, num_pages,
                                                                     step)

@@ -106,8 +106,9 @@ class OffloadRunner:
                     raise ValueError(f"sparse_cache_gb {engine.sparse_cache_gb} holds {slots} pages per KV head and "
                                      f"layer, fewer than the decode budget's {self.budget_pages}; give at least "
                                      f"{least:.3g}, or 0 for no cache.")
-                self.page_cache = PageCache(sparse_layers, min(slots, num_pages), self.budget_pages, cfg.num_kv_heads,
-                                            engine.page_size, cfg.head_dim, dtype, engine.kv_cache_dtype, tp)
+                self.page_cache = PageCache(sparse_layers, min(slots, num_pages), self.budget_pages, num_pages,
+                                            cfg.num_kv_heads, engine.page_size, cfg.head_dim, dtype,
+                                            engine.kv_cache_dtype, tp)
         self.store = HostKVStore(
             cfg.num_layers, num_blocks, engine.block_size, cfg.num_kv_heads, cfg.head_dim, dtype, tp, places,
             kv_cache_dtype=engine.kv_cache_dtype)

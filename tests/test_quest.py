@@ -322,7 +322,7 @@ def test_page_cache_plan_is_lru_per_kv_head():
     rng = np.random.default_rng(seed)
     hkv, k, num_pages, slots = 3, 6, 20, 9
     state = page_cache.CacheState(jnp.zeros((slots, hkv, 1, 2, 16, 8)), jnp.full((hkv, slots), -1, jnp.int32),
-                                  jnp.full((hkv, slots), -1, jnp.int32))
+                                  jnp.full((hkv, slots), -1, jnp.int32), jnp.full((hkv, num_pages), -1, jnp.int32))
     ref_page, ref_used = np.full((hkv, slots), -1), np.full((hkv, slots), -1)
     for step in range(40):
         chosen = np.sort(np.stack([rng.choice(num_pages, k, replace=False) for _ in range(hkv)]), axis=-1)
