@@ -398,31 +398,34 @@ def dense_stored_layer(
 
 
 @functools.partial(step_jit, static_argnums=(0, 6, 7), static_argnames=("tp",))
-def stored_blocks_attend(impl: str, q: jax.Array, buffer, blocks: jax.Array, num_keys: jax.Array,
-                         state: AttentionState, host, device, tp: TensorParallel | None = None) -> AttentionState:
-    """One request's attention over a one-buffer layer in GPU memory (a dense layer of sketch and Quest decode) as
-    `dense_stored_layer` reads it, through its block table: `blocks` [num_blocks] its store blocks in order, then
-    any (read past `num_keys` keys: masked). q [1, 1, Hq, D] -> `state` continued."""
+def stored_blocks_attend_rows(impl: str, qs: tuple[jax.Array, ...], buffer, blocks: tuple[jax.Array, ...],
+                              num_keys: tuple[jax.Array, ...], states: tuple[AttentionState, ...], host, device,
+                              tp: TensorParallel | None = None) -> tuple[AttentionState, ...]:
+    """Requests' attention over a one-buffer layer in GPU memory (a dense layer of sketch and Quest decode) as
+    `dense_stored_layer` reads it, each through its block table, in one program (a launch costs the host more than a
+    row's work): for each, `blocks` [num_blocks] its store blocks in order, then any (read past its `num_keys` keys:
+    masked), and q [1, 1, Hq, D] -> its state continued."""
     def local(q, buffer, state, blocks, num_keys):
         if impl == "xla":
             mine = jax.tree.map(lambda b: b[blocks], buffer)
             return attend(impl, q, *_layer_blocks(mine, q.dtype), state, causal=False, kv_len=num_keys)
         return attend_rows(impl, q, buffer, _table_rows(buffer, blocks), num_keys, state, host, device)
 
-    return _local(tp, local, (HEADS, BUFFER_HEADS, STATE_HEADS, None, None), STATE_HEADS)(
-        q, buffer, state, blocks, num_keys)
+    row = _local(tp, local, (HEADS, BUFFER_HEADS, STATE_HEADS, None, None), STATE_HEADS)
+    return tuple(row(*args) for args in zip(qs, (buffer,) * len(qs), states, blocks, num_keys))
 
 
 @functools.partial(step_jit, static_argnums=(0, 2, 4, 5, 6, 7, 11, 12), static_argnames=("tp",))
-def chosen_pages_attend(impl: str, q: jax.Array, scorer, meta: tuple[jax.Array, ...], budget_pages: int,
-                        page_size: int, block_size: int, num_candidates: int, num_pages: jax.Array,
-                        page_table: jax.Array, buffer, host, device, state: AttentionState,
-                        tp: TensorParallel | None = None) -> AttentionState:
-    """One request's attention over the pages its policy chooses of a "pages" layer, as `sparse_decode_layer`
-    chooses and reads them, through its page table: `page_table` [num_candidates] the store page of each of its
-    pages (store block * pages a block + page in it; past num_pages: any). The metadata of its pages is gathered
-    by the table, so the scores and the choice are those of the request alone; the chosen pages are read at their
-    store pages in its page order. q [1, 1, Hq, D] -> `state` continued."""
+def chosen_pages_attend_rows(impl: str, qs: tuple[jax.Array, ...], scorer, meta: tuple[jax.Array, ...],
+                             budget_pages: int, page_size: int, block_size: int, num_candidates: int,
+                             num_pages: tuple[jax.Array, ...], page_tables: tuple[jax.Array, ...], buffer, host,
+                             device, states: tuple[AttentionState, ...],
+                             tp: TensorParallel | None = None) -> tuple[AttentionState, ...]:
+    """Requests' attention over the pages each one's policy chooses of a "pages" layer, as `sparse_decode_layer`
+    chooses and reads them, in one program: each through its page table, `page_tables` [num_candidates] the store
+    page of each of its pages (store block * pages a block + page in it; past its num_pages: any). A request's
+    metadata is gathered by its table, so its scores and choice are its own; its chosen pages are read at their
+    store pages in its page order. q [1, 1, Hq, D] -> its state continued."""
     def local(q, meta, buffer, state, num_pages, page_table):
         pages = _chosen_pages(impl, q, scorer, scorer.gather(meta, page_table), num_pages, num_candidates,
                               budget_pages)
@@ -433,8 +436,9 @@ def chosen_pages_attend(impl: str, q: jax.Array, scorer, meta: tuple[jax.Array, 
         return attend_rows(impl, q, buffer, rows.reshape(pages.shape[0], -1), num_keys, state, host, device)
 
     meta_heads = tuple(METADATA_HEADS for _ in meta)
-    return _local(tp, local, (HEADS, meta_heads, BUFFER_HEADS, STATE_HEADS, None, None), STATE_HEADS)(
-        q, tuple(meta), buffer, state, num_pages, page_table)
+    row = _local(tp, local, (HEADS, meta_heads, BUFFER_HEADS, STATE_HEADS, None, None), STATE_HEADS)
+    return tuple(row(q, tuple(meta), buffer, state, n, table)
+                 for q, state, n, table in zip(qs, states, num_pages, page_tables))
 
 
 def _chosen_pages(impl, q, scorer, meta, num_pages, num_candidates, budget_pages) -> jax.Array:

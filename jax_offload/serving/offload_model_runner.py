@@ -12,7 +12,8 @@ be an earlier prompt's, still in the store: its prefill starts after them, chunk
 
 With sketch or Quest decode the store keeps the dense layers in GPU memory and the others in one pinned buffer each,
 and the policy's metadata by store block: a row attends its dense layers through its block table and the pages its
-policy chooses from its own metadata (gathered by its page table), as the one-request step reads them.
+policy chooses from its own metadata (gathered by its page table), as the one-request step reads them; every row of
+such a layer runs in one program (rows with one page-table length), each row's kernels its own.
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jax_offload.attention import (chosen_pages_attend, embed_tokens, pooled_decode_begin, pooled_decode_end,
-                                   stored_blocks_attend)
+from jax_offload.attention import (chosen_pages_attend_rows, embed_tokens, pooled_decode_begin, pooled_decode_end,
+                                   stored_blocks_attend_rows)
 from jax_offload.device_runner import pad_ids
 from jax_offload.kv.ring import BlockRing, grouped
 from jax_offload.offload_runner import OffloadRunner
@@ -110,8 +111,7 @@ class OffloadModelRunner:
             q, q_rows, self.tails[l], states = pooled_decode_begin(
                 self.cfg, layer, x, runner.inv_freq, self.tails[l], slots, positions, tail_lens, tp=runner.tp)
             # Padding rows (past the sequences) keep their empty states.
-            states = tuple(self._attend(l, ring, row_groups, q_row, state, table)
-                           for row_groups, q_row, state, table in zip(groups[l], q_rows, states, tables)) \
+            states = self._attend(l, ring, groups[l], q_rows[:len(seqs)], states[:len(seqs)], tables) \
                 + states[len(seqs):]
             x = pooled_decode_end(self.cfg, runner.impl, layer, x, q, self.tails[l], slots, tail_lens, states,
                                   tp=runner.tp)
@@ -123,22 +123,33 @@ class OffloadModelRunner:
                     runner.write_block(l, block, tail)
         return drawn_to_host(out, len(seqs))
 
-    def _attend(self, layer: int, ring: BlockRing, groups: list, q: jax.Array, state, tables):
-        """One row's attention over its stored KV of `layer`, as the one-request step reads it: its blocks through
-        the ring ("blocks" layers), its blocks of a layer in GPU memory ("gpu"), or the pages its policy chooses
-        ("pages"). `tables`: the row's (block table, key count, page table, page count) (`_tables`)."""
+    def _attend(self, layer: int, ring: BlockRing, groups: list, qs: tuple, states: tuple, tables: list) -> tuple:
+        """Each row's attention over its stored KV of `layer`, as the one-request step reads it: its blocks through
+        the ring ("blocks" layers, row by row), its blocks of a layer in GPU memory ("gpu"), or the pages its policy
+        chooses ("pages"); the last two for every row in one program (rows of one page-table length). `tables`: per
+        row, (block table, key count, page table, page count) (`_tables`)."""
         runner, store = self.runner, self.store
         place = store.places[layer]
         if place == "blocks":
-            return runner.attend_groups(ring, groups, q, state)
-        blocks, num_keys, page_table, num_pages = tables
+            return tuple(runner.attend_groups(ring, row_groups, q, state)
+                         for row_groups, q, state in zip(groups, qs, states))
         if place == "gpu":
-            return stored_blocks_attend(runner.impl, q, store.layer_buffer(layer), blocks, num_keys, state,
-                                        *store.gather_places(layer), tp=runner.tp)
-        pages = runner.pages
-        return chosen_pages_attend(runner.impl, q, pages.scorer, pages.metadata(layer), runner.budget_pages,
-                                   runner.page_size, self.block_size, page_table.shape[0], num_pages, page_table,
-                                   store.layer_buffer(layer), *store.gather_places(layer), state, tp=runner.tp)
+            blocks, num_keys, _, _ = zip(*tables)
+            return stored_blocks_attend_rows(runner.impl, qs, store.layer_buffer(layer), blocks, num_keys, states,
+                                             *store.gather_places(layer), tp=runner.tp)
+        pages, out = runner.pages, list(states)
+        by_length: dict[int, list[int]] = {}
+        for row, (_, _, page_table, _) in enumerate(tables):
+            by_length.setdefault(page_table.shape[0], []).append(row)
+        for num_candidates, rows in by_length.items():
+            done = chosen_pages_attend_rows(
+                runner.impl, tuple(qs[r] for r in rows), pages.scorer, pages.metadata(layer), runner.budget_pages,
+                runner.page_size, self.block_size, num_candidates, tuple(tables[r][3] for r in rows),
+                tuple(tables[r][2] for r in rows), store.layer_buffer(layer), *store.gather_places(layer),
+                tuple(states[r] for r in rows), tp=runner.tp)
+            for r, state in zip(rows, done):
+                out[r] = state
+        return tuple(out)
 
     def _tables(self, seqs: list[Sequence], stored: list[int]) -> list:
         """Per row, what its one-buffer layers are read through (None without a page policy): its
