@@ -429,9 +429,7 @@ def chosen_pages_attend_rows(impl: str, qs: tuple[jax.Array, ...], scorer, meta:
     def local(q, meta, buffer, state, num_pages, page_table):
         pages = _chosen_pages(impl, q, scorer, scorer.gather(meta, page_table), num_pages, num_candidates,
                               budget_pages)
-        store_pages = values_of(buffer).shape[0] * (block_size // page_size)  # past every page: missing
-        stored = jnp.where(pages < num_candidates, page_table[jnp.minimum(pages, num_candidates - 1)], store_pages)
-        rows = quest.page_rows(stored, store_pages, page_size, block_size)
+        rows = _table_page_rows(pages, page_table, num_candidates, buffer, page_size, block_size)
         num_keys = jnp.minimum(num_pages, budget_pages) * page_size
         return attend_rows(impl, q, buffer, rows.reshape(pages.shape[0], -1), num_keys, state, host, device)
 
@@ -439,6 +437,47 @@ def chosen_pages_attend_rows(impl: str, qs: tuple[jax.Array, ...], scorer, meta:
     row = _local(tp, local, (HEADS, meta_heads, BUFFER_HEADS, STATE_HEADS, None, None), STATE_HEADS)
     return tuple(row(q, tuple(meta), buffer, state, n, table)
                  for q, state, n, table in zip(qs, states, num_pages, page_tables))
+
+
+def _table_page_rows(pages, page_table, num_candidates: int, buffer, page_size: int, block_size: int) -> jax.Array:
+    """A request's pages [Hkv, k] (`num_candidates`: missing) -> the store rows of a "pages" layer `buffer` they are
+    kept at, through its page table (`quest.page_rows`' order; missing pages: row 0)."""
+    store_pages = values_of(buffer).shape[0] * (block_size // page_size)  # past every page: missing
+    stored = jnp.where(pages < num_candidates, page_table[jnp.minimum(pages, num_candidates - 1)], store_pages)
+    return quest.page_rows(stored, store_pages, page_size, block_size)
+
+
+@functools.partial(step_jit, static_argnums=(0, 2, 4, 5, 6, 7, 15, 16), static_argnames=("tp",),
+                   donate_argnums=(11, 12))
+def cached_pages_attend_rows(impl: str, qs: tuple[jax.Array, ...], scorer, meta: tuple[jax.Array, ...],
+                             budget_pages: int, page_size: int, block_size: int, num_candidates: int,
+                             num_pages: tuple[jax.Array, ...], page_tables: tuple[jax.Array, ...], buffer, kv,
+                             maps: tuple[page_cache.CacheState, ...], bases: tuple[jax.Array, ...],
+                             steps: tuple[jax.Array, ...], host, device, states: tuple[AttentionState, ...],
+                             tp: TensorParallel | None = None):
+    """`chosen_pages_attend_rows` with each request's pages read through its own region of the layer's page cache
+    (`kv`, the cache's stored KV; `maps`, each region's maps without kv; `bases`, its first slot; `steps`, its decode
+    step): the same bits. -> (states, kv, maps, int32 [requests, 3] of [hits, chosen, pages over PCIe])."""
+    def local(q, meta, buffer, kv, maps, state, num_pages, page_table, base, step):
+        pages = _chosen_pages(impl, q, scorer, scorer.gather(meta, page_table), num_pages, num_candidates,
+                              budget_pages)
+        num_keys = jnp.minimum(num_pages, budget_pages) * page_size
+        return _cached_read(
+            impl, q, pages, num_candidates,
+            lambda p: _table_page_rows(p, page_table, num_candidates, buffer, page_size, block_size),
+            kv, maps, base, step, buffer, num_keys, state, page_size, host, device, tp)
+
+    meta_heads = tuple(METADATA_HEADS for _ in meta)
+    maps_heads = page_cache.CacheState(None, 0, 0, 0)
+    row = _local(tp, local, (HEADS, meta_heads, BUFFER_HEADS, BUFFER_HEADS, maps_heads, STATE_HEADS, None, None,
+                             None, None), (STATE_HEADS, BUFFER_HEADS, maps_heads, None))
+    out_states, out_maps, counts = [], [], []
+    for q, row_maps, state, n, table, base, step in zip(qs, maps, states, num_pages, page_tables, bases, steps):
+        state, kv, row_maps, row_counts = row(q, tuple(meta), buffer, kv, row_maps, state, n, table, base, step)
+        out_states.append(state)
+        out_maps.append(row_maps)
+        counts.append(row_counts)
+    return tuple(out_states), kv, tuple(out_maps), jnp.stack(counts)
 
 
 def _chosen_pages(impl, q, scorer, meta, num_pages, num_candidates, budget_pages) -> jax.Array:
@@ -529,6 +568,28 @@ def sparse_decode_layer(
     return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state, tp), tail
 
 
+def _cached_read(impl, q, pages, missing, store_rows, kv, maps: page_cache.CacheState, base, step, buffer, num_keys,
+                 state, page_size, host, device, tp):
+    """The chosen `pages` [Hkv, k] (`missing`: none) read through a region of the page cache: plan with the region's
+    `maps` (its slots start at slot `base` of the cache's stored KV `kv`), copy the misses from the store rows
+    `store_rows(pages)` of `buffer` into it, and attend every chosen page from it with the kernel and order the store
+    read would use. -> (state, kv, maps after the step, int32 [hits, chosen, pages over PCIe] over the KV heads)."""
+    use = page_cache.plan(maps, pages, missing, step)
+    slots, total = use.state.page.shape[1], values_of(kv).shape[0]
+    kv = page_cache.fill(kv, buffer, store_rows(use.miss_pages),
+                         page_cache.slot_rows(use.miss_slots, slots, page_size, base, total).reshape(-1),
+                         reads_rows_in_place(impl), host, device)
+    cached = jnp.where(pages < missing, use.slots, 0)
+    state = attend_rows(impl, q, kv, page_cache.slot_rows(cached, slots, page_size, base, total), num_keys, state,
+                        device, device)
+    # Pages over PCIe: the misses in place; a gather moves every row of the copy's static shape (the budget).
+    moved = use.chosen - use.hits if reads_rows_in_place(impl) else jnp.int32(pages.size)
+    counts = jnp.stack([use.hits, use.chosen, moved])
+    if tp is not None and tp.size > 1:
+        counts = jax.lax.psum(counts, AXIS)
+    return state, kv, use.state, counts
+
+
 def _cached_sparse_decode_layer(
     cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, inv_freq: jax.Array, tail: jax.Array,
     position: jax.Array, tail_len: jax.Array, scorer, meta: tuple[jax.Array, ...], budget_pages: int,
@@ -543,21 +604,11 @@ def _cached_sparse_decode_layer(
 
     def local(q, meta, buffer, cache, state, num_pages, step):
         pages = _chosen_pages(impl, q, scorer, meta, num_pages, num_candidates, budget_pages)
-        use = page_cache.plan(cache, pages, num_candidates, step)
-        slots = use.state.page.shape[1]
-        kv = page_cache.fill(cache.kv, buffer, quest.page_rows(use.miss_pages, num_candidates, page_size, block_size),
-                             page_cache.slot_rows(use.miss_slots, slots, page_size).reshape(-1),
-                             reads_rows_in_place(impl), host, device)
         num_keys = jnp.minimum(num_pages, budget_pages) * page_size
-        cached_rows = jnp.where(pages < num_candidates, use.slots, 0)
-        state = attend_rows(impl, q, kv, page_cache.slot_rows(cached_rows, slots, page_size), num_keys, state, device,
-                            device)
-        # Pages over PCIe: the misses in place; a gather moves every row of the copy's static shape (the budget).
-        moved = use.chosen - use.hits if reads_rows_in_place(impl) else jnp.int32(pages.size)
-        counts = jnp.stack([use.hits, use.chosen, moved])
-        if tp is not None and tp.size > 1:
-            counts = jax.lax.psum(counts, AXIS)
-        return state, use.state._replace(kv=kv), counts
+        state, kv, maps, counts = _cached_read(
+            impl, q, pages, num_candidates, lambda p: quest.page_rows(p, num_candidates, page_size, block_size),
+            cache.kv, cache, 0, step, buffer, num_keys, state, page_size, host, device, tp)
+        return state, maps._replace(kv=kv), counts
 
     meta_heads = tuple(METADATA_HEADS for _ in meta)
     cache_heads = page_cache.CacheState(BUFFER_HEADS, 0, 0, 0)

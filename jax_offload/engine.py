@@ -248,7 +248,8 @@ class LLM:
         if self._batches() and (len(encoded) > 1 or self._single_prompt_batches()):
             return self._batch().generate(encoded, params, on_text, progress, [self._own_prefill(e) for e in encoded])
         engine = self._serial_engine()
-        if engine.has_unfinished():
+        # The one-request path shares the offloaded store with the batch engine's requests: it must not run among them.
+        if engine.has_unfinished() or (self._batch_engine is not None and self._batch_engine.has_unfinished()):
             raise RuntimeError("generate needs an idle engine; this one still has requests added by add_request.")
         engine.progress = progress
         ids = [f"generate-{i}" for i in range(len(prompts))]

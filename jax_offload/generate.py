@@ -58,7 +58,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="sketch, quest: first layers kept in GPU memory and read in full (2)")
     p.add_argument("--sparse-cache-gb", type=float,
                    help="sketch, quest: GiB of GPU memory keeping recently chosen pages; only new ones cross "
-                        "PCIe (0: none; one prompt at a time)")
+                        "PCIe (0: none)")
     p.add_argument("--sketch-dtype", help="sketch: int4 or int8, the key sketch's codes (int4)")
     p.add_argument("--prefill-policy", default="full", help="full or xattention: which blocks prefill attends")
     p.add_argument("--xattn-threshold", type=float, help="xattention: softmax mass each query block keeps (0.95)")

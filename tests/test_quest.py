@@ -387,6 +387,40 @@ def test_page_policy_prompts_together_equal_each_alone(model_dir, policy, impl, 
     assert llm._runner.store.live_blocks() == [], where
 
 
+def test_page_cache_regions_in_a_batch_change_no_bit(model_dir):
+    """The batch engine with a page cache of two regions (twice the budget each) and 4 sketch requests of
+    70..450 tokens decoding together: the first two to decode read their pages through their own regions, the
+    others from the store, and every request gets its tokens alone without the cache (float32, greedy and seeded).
+    Later steps hit; the regions are free at the end, and after a one-request run through the whole cache the batch
+    gives the same answers again. The one-request path refuses to run among the batch's requests (it shares their
+    store: it used to overwrite their blocks)."""
+    rng = np.random.default_rng(513)
+    prompts = [rng.integers(3, 250, size=int(n)).tolist() for n in (300, 70, 190, 450)]
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=25, ignore_eos=True)] * 2
+    where = f"model seed {MODEL_SEED}, prompt seed 513"
+    plain = _sparse(model_dir, 64, "sketch", attention_impl="xla", max_num_seqs=4, max_model_len=2048)
+    alone = [plain.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
+    cached = _sparse(model_dir, 64, "sketch", attention_impl="xla", max_num_seqs=4, max_model_len=2048,
+                     sparse_cache_gb=2**-13)
+    assert cached._runner.page_cache.slots == 16, where  # two regions of 8 slots: twice the budget's 4 pages
+    assert [o.token_ids for o in cached.generate(prompts, params)] == alone, where
+    runner = cached._batch_engine.runner
+    assert runner.cache_regions_in_use == 0, where
+    hits, chosen, _ = runner.cache.totals()
+    assert 0 < hits <= chosen, f"{where}: the last step hit {hits} of {chosen} pages"
+    assert cached.generate(prompts[:1], params[:1])[0].token_ids == alone[0], where  # the one-request path
+    assert [o.token_ids for o in cached.generate(prompts, params)] == alone, where
+    # The one-request path shares the store (and the cache) with the batch: it refuses to run among its requests.
+    cached.add_request("r0", prompts[0], params[0])
+    cached.step()
+    with pytest.raises(RuntimeError, match="generate needs an idle engine"):
+        cached.generate(prompts[:1], params[:1])
+    cached.abort("r0")
+    cached.step()
+    assert not cached.has_unfinished() and runner.cache_regions_in_use == 0, where
+
+
 def test_page_policy_prompts_preempted_equal_each_alone(model_dir):
     """Sketch decode on the batch engine over a store of 8 blocks: requests are preempted and recomputed (their
     blocks, and the metadata kept by block, written again), and every request still gets its tokens alone."""

@@ -47,7 +47,9 @@ XATTN = dict(prefill_policy="xattention", xattn_threshold=0.5, xattn_stride=4, x
 QUEST = dict(decode_policy="quest", decode_budget=32, page_size=16, dense_layers=1)
 SKETCH = dict(QUEST, decode_policy="sketch")
 SPARSE_MODES = {"xattn_in_gpu": XATTN, "xattn_chunked": dict(MODES["chunked"], **XATTN),
-                "quest_chunked": dict(MODES["chunked"], **QUEST), "sketch_chunked": dict(MODES["chunked"], **SKETCH)}
+                "quest_chunked": dict(MODES["chunked"], **QUEST), "sketch_chunked": dict(MODES["chunked"], **SKETCH),
+                # The GPU cache of chosen pages, split by KV heads as the store is.
+                "sketch_cached_chunked": dict(MODES["chunked"], **SKETCH, sparse_cache_gb=2**-14)}
 # The fp8 store splits by heads too, but rounding to fp8 turns TP's 1e-6 differences in K and V into whole fp8 steps
 # where a value sits near a rounding boundary (3.4e-4 in the logits with jax 0.10.2), so that run is held to a bound
 # of its own: within 1/100 of what fp8 itself costs (TP=1 fp8 against TP=1 over the float32 store: 0.29).

@@ -23,8 +23,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jax_offload.attention import (chosen_pages_attend_rows, embed_tokens, pooled_decode_begin, pooled_decode_end,
-                                   stored_blocks_attend_rows)
+from jax_offload.attention import (cached_pages_attend_rows, chosen_pages_attend_rows, embed_tokens,
+                                   pooled_decode_begin, pooled_decode_end, stored_blocks_attend_rows)
 from jax_offload.device_runner import pad_ids
 from jax_offload.kv.ring import BlockRing, grouped
 from jax_offload.offload_runner import OffloadRunner
@@ -32,6 +32,7 @@ from jax_offload.sampling import TokenLogprobs, drawn_to_host
 from jax_offload.serving.model_runner import batch_buckets, sample_last, sampling_batch
 from jax_offload.serving.sequence import Sequence
 from jax_offload.sparse import xattention
+from jax_offload.sparse.page_cache import CacheState
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -62,6 +63,15 @@ class OffloadModelRunner:
         self._free_slots = list(range(num_slots))[::-1]
         self._slot: dict[int, int] = {}  # sequence index -> its tail slot
         self.host_bytes_used = 0  # swap space in use: none, ever
+        # The page cache (`sparse_cache_gb`): a region of every sparse layer's cache for each of the first requests
+        # to decode while regions are free; the others read their pages from the store.
+        self.cache = runner.page_cache
+        if self.cache is not None:
+            self._region_slots = self.cache.region_slots(runner.budget_pages)
+            self._free_regions = list(range(self.cache.slots // self._region_slots))[::-1]
+        self._region: dict[int, int] = {}  # sequence index -> its region
+        self._maps: dict[int, dict[int, CacheState]] = {}  # sequence index -> its region's maps per sparse layer
+        self._cache_steps: dict[int, int] = {}  # sequence index -> decode steps through its region
 
     def batch_size(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)
@@ -106,12 +116,13 @@ class OffloadModelRunner:
         stored = [seq.num_cached // bs for seq in seqs]
         groups, ring = self._stream(seqs, stored)
         tables = self._tables(seqs, stored)
+        cached = self._cache_rows(seqs)
         x = embed_tokens(self.params.embed, tokens[:, None])
         for l, layer in enumerate(self.params.layers):
             q, q_rows, self.tails[l], states = pooled_decode_begin(
                 self.cfg, layer, x, runner.inv_freq, self.tails[l], slots, positions, tail_lens, tp=runner.tp)
             # Padding rows (past the sequences) keep their empty states.
-            states = self._attend(l, ring, groups[l], q_rows[:len(seqs)], states[:len(seqs)], tables) \
+            states = self._attend(l, ring, groups[l], q_rows[:len(seqs)], states[:len(seqs)], tables, cached) \
                 + states[len(seqs):]
             x = pooled_decode_end(self.cfg, runner.impl, layer, x, q, self.tails[l], slots, tail_lens, states,
                                   tp=runner.tp)
@@ -123,11 +134,13 @@ class OffloadModelRunner:
                     runner.write_block(l, block, tail)
         return drawn_to_host(out, len(seqs))
 
-    def _attend(self, layer: int, ring: BlockRing, groups: list, qs: tuple, states: tuple, tables: list) -> tuple:
+    def _attend(self, layer: int, ring: BlockRing, groups: list, qs: tuple, states: tuple, tables: list,
+                cached: dict[int, tuple]) -> tuple:
         """Each row's attention over its stored KV of `layer`, as the one-request step reads it: its blocks through
         the ring ("blocks" layers, row by row), its blocks of a layer in GPU memory ("gpu"), or the pages its policy
-        chooses ("pages"); the last two for every row in one program (rows of one page-table length). `tables`: per
-        row, (block table, key count, page table, page count) (`_tables`)."""
+        chooses ("pages"), through its region of the page cache where it has one (`cached`: row -> (sequence index,
+        region base, step) on the device); the last two for every row in one program (rows of one page-table length,
+        with or without a region). `tables`: per row, (block table, key count, page table, page count) (`_tables`)."""
         runner, store = self.runner, self.store
         place = store.places[layer]
         if place == "blocks":
@@ -138,18 +151,49 @@ class OffloadModelRunner:
             return stored_blocks_attend_rows(runner.impl, qs, store.layer_buffer(layer), blocks, num_keys, states,
                                              *store.gather_places(layer), tp=runner.tp)
         pages, out = runner.pages, list(states)
-        by_length: dict[int, list[int]] = {}
+        by_kind: dict[tuple[int, bool], list[int]] = {}
         for row, (_, _, page_table, _) in enumerate(tables):
-            by_length.setdefault(page_table.shape[0], []).append(row)
-        for num_candidates, rows in by_length.items():
-            done = chosen_pages_attend_rows(
-                runner.impl, tuple(qs[r] for r in rows), pages.scorer, pages.metadata(layer), runner.budget_pages,
-                runner.page_size, self.block_size, num_candidates, tuple(tables[r][3] for r in rows),
-                tuple(tables[r][2] for r in rows), store.layer_buffer(layer), *store.gather_places(layer),
-                tuple(states[r] for r in rows), tp=runner.tp)
+            by_kind.setdefault((page_table.shape[0], row in cached), []).append(row)
+        for (num_candidates, in_cache), rows in by_kind.items():
+            args = (runner.impl, tuple(qs[r] for r in rows), pages.scorer, pages.metadata(layer), runner.budget_pages,
+                    runner.page_size, self.block_size, num_candidates, tuple(tables[r][3] for r in rows),
+                    tuple(tables[r][2] for r in rows), store.layer_buffer(layer))
+            places, row_states = store.gather_places(layer), tuple(states[r] for r in rows)
+            if not in_cache:
+                done = chosen_pages_attend_rows(*args, *places, row_states, tp=runner.tp)
+            else:
+                cache, seq_of = self.cache, [cached[r][0] for r in rows]
+                done, kv, maps, counts = cached_pages_attend_rows(
+                    *args, cache.states[layer].kv, tuple(self._maps[i][layer] for i in seq_of),
+                    tuple(cached[r][1] for r in rows), tuple(cached[r][2] for r in rows), *places, row_states,
+                    tp=runner.tp)
+                cache.states[layer] = cache.states[layer]._replace(kv=kv)
+                for i, row_maps in zip(seq_of, maps):
+                    self._maps[i][layer] = row_maps
+                cache.counts.append(counts)
             for r, state in zip(rows, done):
                 out[r] = state
         return tuple(out)
+
+    def _cache_rows(self, seqs: list[Sequence]) -> dict[int, tuple]:
+        """Gives regions of the page cache to sequences that have none while some are free, starts the step's
+        counts, and -> row -> (sequence index, its region's first slot, its step through the region), the last two
+        on the device."""
+        cache = self.cache
+        if cache is None:
+            return {}
+        for seq in seqs:
+            if seq.index not in self._region and self._free_regions:
+                self._region[seq.index] = self._free_regions.pop()
+                self._maps[seq.index] = {l: cache.region_maps(self._region_slots) for l in cache.states}
+                self._cache_steps[seq.index] = 0
+        cache.next_step()
+        rows = [(row, seq.index) for row, seq in enumerate(seqs) if seq.index in self._region]
+        for _, i in rows:
+            self._cache_steps[i] += 1
+        on_device = jax.device_put([(np.int32(self._region[i] * self._region_slots), np.int32(self._cache_steps[i]))
+                                    for _, i in rows], self.runner.tp.sharding(None))
+        return {row: (i, base, step) for (row, i), (base, step) in zip(rows, on_device)}
 
     def _tables(self, seqs: list[Sequence], stored: list[int]) -> list:
         """Per row, what its one-buffer layers are read through (None without a page policy): its
@@ -193,8 +237,18 @@ class OffloadModelRunner:
         raise RuntimeError("An offloaded KV cache is already in host memory; preempted sequences are recomputed.")
 
     def drop(self, seq: Sequence) -> None:
-        """Forgets the sequence's stored blocks (but those prefix caching keeps) and frees its tail slot."""
+        """Forgets the sequence's stored blocks (but those prefix caching keeps) and frees its tail slot and its
+        region of the page cache."""
         self.store.forget([b for b in seq.block_table if not self.is_cached(b)])
         slot = self._slot.pop(seq.index, None)
         if slot is not None:
             self._free_slots.append(slot)
+        region = self._region.pop(seq.index, None)
+        if region is not None:
+            self._free_regions.append(region)
+            del self._maps[seq.index], self._cache_steps[seq.index]
+
+    @property
+    def cache_regions_in_use(self) -> int:
+        """Regions of the page cache held by sequences."""
+        return len(self._region)

@@ -84,15 +84,18 @@ def plan(state: CacheState, pages: jax.Array, missing: int, step: jax.Array) -> 
                      CacheState(state.kv, page, used, slot_of))
 
 
-def slot_rows(slots: jax.Array, num_slots: int, page_size: int) -> jax.Array:
-    """Slots [Hkv, n] (>= num_slots: none) -> the cache's 16-token rows [Hkv, n * page_size / PAGE_UNIT], head by
-    head, slot by slot (as `quest.page_rows` numbers a store layer's rows); a missing slot's rows are past every
+def slot_rows(slots: jax.Array, num_slots: int, page_size: int, base: jax.Array | int = 0,
+              total_slots: int | None = None) -> jax.Array:
+    """Slots [Hkv, n] of a region of `num_slots` slots starting at slot `base` of a cache of `total_slots` (default:
+    the region is the cache; >= num_slots: none) -> the cache's 16-token rows [Hkv, n * page_size / PAGE_UNIT], head
+    by head, slot by slot (as `quest.page_rows` numbers a store layer's rows); a missing slot's rows are past every
     row."""
     hkv = slots.shape[0]
     units = page_size // PAGE_UNIT
-    rows = (slots[..., None] * hkv + jnp.arange(hkv, dtype=jnp.int32)[:, None, None]) * units \
+    rows = ((slots[..., None] + base) * hkv + jnp.arange(hkv, dtype=jnp.int32)[:, None, None]) * units \
         + jnp.arange(units, dtype=jnp.int32)
-    return jnp.where(slots[..., None] < num_slots, rows, num_slots * hkv * units).reshape(hkv, -1)
+    past = (num_slots if total_slots is None else total_slots) * hkv * units
+    return jnp.where(slots[..., None] < num_slots, rows, past).reshape(hkv, -1)
 
 
 def fill(kv, buffer, store_rows: jax.Array, cache_rows: jax.Array, in_place: bool, host, device):
@@ -127,19 +130,31 @@ class PageCache:
             *self._empty_maps()) for l in layers}
         self.nbytes = sum(leaf.nbytes for s in self.states.values() for leaf in jax.tree.leaves(s.kv))
         self.step = 0
-        # Per group of sparse layers of the last decode step, on the device: [layers, 3] of [hits, chosen, pages over
-        # PCIe] over the KV heads (`attention.cached_sparse_decode_layers`).
+        # Per program of the last decode step, on the device: [n, 3] of [hits, chosen, pages over PCIe] over the KV
+        # heads, one row per layer (`attention.cached_sparse_decode_layers`) or request (`cached_pages_attend_rows`).
         self.counts: list[jax.Array] = []
 
-    def _empty_maps(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """`page`, `used` and `slot_of` of an empty cache."""
-        return tuple(self._tp.zeros(shape, jnp.int32, 0) + _NEVER
-                     for shape in (self._slots_shape, self._slots_shape, self._pages_shape))
+    def _empty_maps(self, slots: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """`page`, `used` and `slot_of` of an empty cache (or region) of `slots` slots (default: all)."""
+        shape = self._slots_shape if slots is None else (self._slots_shape[0], slots)
+        return tuple(self._tp.zeros(s, jnp.int32, 0) + _NEVER for s in (shape, shape, self._pages_shape))
 
     def reset(self) -> None:
-        """Empties every slot (a new request: its pages are not the last one's)."""
+        """Empties every slot (a new request: its pages are not the last one's). The one-request path never runs
+        while the batch engine's requests hold regions (`LLM.generate` refuses), so none is emptied under them."""
         self.states = {l: CacheState(s.kv, *self._empty_maps()) for l, s in self.states.items()}
         self.step, self.counts = 0, []
+
+    # ---- regions: the batch engine gives each of several requests its own slots of every layer's cache ----------
+
+    def region_slots(self, budget_pages: int) -> int:
+        """Slots of a request's region: twice the budget (an LRU cache of that size held 87-94% of the default
+        model's chosen pages: bench/results/runs/cpu_page_overlap/), or every slot if fewer."""
+        return min(self.slots, 2 * budget_pages)
+
+    def region_maps(self, slots: int) -> CacheState:
+        """Empty maps of a region of `slots` slots (kv None: the region's pages live in `states[l].kv`)."""
+        return CacheState(None, *self._empty_maps(slots))
 
     def next_step(self) -> None:
         """Starts a decode step's counts."""
