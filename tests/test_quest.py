@@ -438,11 +438,12 @@ def test_page_policy_prompts_preempted_equal_each_alone(model_dir):
 
 def test_no_state_leak_over_a_thousand_mixed_requests(model_dir):
     """1,000 requests through the incremental API on the batch engine (sketch decode over XAttention-free chunked
-    prefill, an 8-block store: preemptions), prompts of 1..200 tokens, greedy and seeded, a tenth aborted after
-    their first token: at the end no request, store block, pool block or tail slot is held, and requests that ran
-    beside others still equal themselves alone."""
+    prefill, an 8-block store: preemptions, a page cache of 4 regions), prompts of 1..200 tokens, greedy and seeded, a
+    tenth aborted after their first token: at the end no request, store block, pool block, tail slot or cache region
+    is held, and requests that ran beside others still equal themselves alone."""
     rng = np.random.default_rng(512)
-    llm = _sparse(model_dir, 32, "sketch", max_num_seqs=16, max_model_len=512)
+    cache = dict(sparse_cache_gb=2**-13)  # 16 pages per KV head: regions for 4 of the 16 running requests
+    llm = _sparse(model_dir, 32, "sketch", max_num_seqs=16, max_model_len=512, **cache)
     requests = {}
     for i in range(1000):
         ids = rng.integers(3, 250, size=int(rng.integers(1, 201))).tolist()
@@ -464,7 +465,8 @@ def test_no_state_leak_over_a_thousand_mixed_requests(model_dir):
     assert engine.stats.recomputes > 0, where
     assert runner.store.live_blocks() == [] and engine.blocks.num_used == 0, where
     assert len(engine.runner._free_slots) == engine.scheduler.max_num_seqs, where
-    reference = _sparse(model_dir, 32, "sketch", max_model_len=512)
+    assert engine.runner.cache_regions_in_use == 0, where
+    reference = _sparse(model_dir, 32, "sketch", max_model_len=512, **cache)
     for rid in ["r0", "r1", "r2", "r500", "r998"]:
         ids, sp = requests[rid]
         assert outputs[rid] == reference.generate([ids], sp)[0].token_ids, f"{where}: {rid}"
