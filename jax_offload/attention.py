@@ -448,7 +448,7 @@ def _table_page_rows(pages, page_table, num_candidates: int, buffer, page_size: 
 
 
 @functools.partial(step_jit, static_argnums=(0, 2, 4, 5, 6, 7, 15, 16), static_argnames=("tp",),
-                   donate_argnums=(11, 12))
+                   donate_argnums=(11,))
 def cached_pages_attend_rows(impl: str, qs: tuple[jax.Array, ...], scorer, meta: tuple[jax.Array, ...],
                              budget_pages: int, page_size: int, block_size: int, num_candidates: int,
                              num_pages: tuple[jax.Array, ...], page_tables: tuple[jax.Array, ...], buffer, kv,
@@ -457,27 +457,35 @@ def cached_pages_attend_rows(impl: str, qs: tuple[jax.Array, ...], scorer, meta:
                              tp: TensorParallel | None = None):
     """`chosen_pages_attend_rows` with each request's pages read through its own region of the layer's page cache
     (`kv`, the cache's stored KV; `maps`, each region's maps without kv; `bases`, its first slot; `steps`, its decode
-    step): the same bits. -> (states, kv, maps, int32 [requests, 3] of [hits, chosen, pages over PCIe])."""
-    def local(q, meta, buffer, kv, maps, state, num_pages, page_table, base, step):
+    step): the same bits. Every region is filled before any is read (regions are disjoint), so no read of the cache
+    comes between two writes of it. -> (states, kv, maps, int32 [requests, 3] of [hits, chosen, pages over PCIe])."""
+    def choose_and_fill(q, meta, buffer, kv, maps, num_pages, page_table, base, step):
         pages = _chosen_pages(impl, q, scorer, scorer.gather(meta, page_table), num_pages, num_candidates,
                               budget_pages)
-        num_keys = jnp.minimum(num_pages, budget_pages) * page_size
-        return _cached_read(
-            impl, q, pages, num_candidates,
+        kv, use, counts = _cache_fill(
+            impl, pages, num_candidates,
             lambda p: _table_page_rows(p, page_table, num_candidates, buffer, page_size, block_size),
-            kv, maps, base, step, buffer, num_keys, state, page_size, host, device, tp)
+            kv, maps, base, step, buffer, page_size, host, device, tp)
+        return kv, use, counts
+
+    def read(q, kv, use, base, state, num_pages):
+        return _cache_attend(impl, q, kv, use, base, jnp.minimum(num_pages, budget_pages) * page_size, state,
+                             page_size, device)
 
     meta_heads = tuple(METADATA_HEADS for _ in meta)
     maps_heads = page_cache.CacheState(None, 0, 0, 0)
-    row = _local(tp, local, (HEADS, meta_heads, BUFFER_HEADS, BUFFER_HEADS, maps_heads, STATE_HEADS, None, None,
-                             None, None), (STATE_HEADS, BUFFER_HEADS, maps_heads, None))
-    out_states, out_maps, counts = [], [], []
-    for q, row_maps, state, n, table, base, step in zip(qs, maps, states, num_pages, page_tables, bases, steps):
-        state, kv, row_maps, row_counts = row(q, tuple(meta), buffer, kv, row_maps, state, n, table, base, step)
-        out_states.append(state)
-        out_maps.append(row_maps)
+    use_heads = page_cache.CachePlan(0, 0, 0, None, None, maps_heads)
+    fill_row = _local(tp, choose_and_fill, (HEADS, meta_heads, BUFFER_HEADS, BUFFER_HEADS, maps_heads, None, None,
+                                            None, None), (BUFFER_HEADS, use_heads, None))
+    read_row = _local(tp, read, (HEADS, BUFFER_HEADS, use_heads, None, STATE_HEADS, None), STATE_HEADS)
+    uses, counts = [], []
+    for q, row_maps, n, table, base, step in zip(qs, maps, num_pages, page_tables, bases, steps):
+        kv, use, row_counts = fill_row(q, tuple(meta), buffer, kv, row_maps, n, table, base, step)
+        uses.append(use)
         counts.append(row_counts)
-    return tuple(out_states), kv, tuple(out_maps), jnp.stack(counts)
+    out = tuple(read_row(q, kv, use, base, state, n) for q, use, base, state, n in zip(qs, uses, bases, states,
+                                                                                      num_pages))
+    return out, kv, tuple(use.state for use in uses), jnp.stack(counts)
 
 
 def _chosen_pages(impl, q, scorer, meta, num_pages, num_candidates, budget_pages) -> jax.Array:
@@ -568,26 +576,30 @@ def sparse_decode_layer(
     return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state, tp), tail
 
 
-def _cached_read(impl, q, pages, missing, store_rows, kv, maps: page_cache.CacheState, base, step, buffer, num_keys,
-                 state, page_size, host, device, tp):
-    """The chosen `pages` [Hkv, k] (`missing`: none) read through a region of the page cache: plan with the region's
-    `maps` (its slots start at slot `base` of the cache's stored KV `kv`), copy the misses from the store rows
-    `store_rows(pages)` of `buffer` into it, and attend every chosen page from it with the kernel and order the store
-    read would use. -> (state, kv, maps after the step, int32 [hits, chosen, pages over PCIe] over the KV heads)."""
+def _cache_fill(impl, pages, missing, store_rows, kv, maps: page_cache.CacheState, base, step, buffer, page_size,
+                host, device, tp):
+    """The chosen `pages` [Hkv, k] (`missing`: none) planned in a region of the page cache (its `maps`; its slots
+    start at slot `base` of the cache's stored KV `kv`), and the misses copied in from the store rows
+    `store_rows(pages)` of `buffer`. -> (kv, the plan, int32 [hits, chosen, pages over PCIe] over the KV heads)."""
     use = page_cache.plan(maps, pages, missing, step)
     slots, total = use.state.page.shape[1], values_of(kv).shape[0]
     kv = page_cache.fill(kv, buffer, store_rows(use.miss_pages),
                          page_cache.slot_rows(use.miss_slots, slots, page_size, base, total).reshape(-1),
                          reads_rows_in_place(impl), host, device)
-    cached = jnp.where(pages < missing, use.slots, 0)
-    state = attend_rows(impl, q, kv, page_cache.slot_rows(cached, slots, page_size, base, total), num_keys, state,
-                        device, device)
     # Pages over PCIe: the misses in place; a gather moves every row of the copy's static shape (the budget).
     moved = use.chosen - use.hits if reads_rows_in_place(impl) else jnp.int32(pages.size)
     counts = jnp.stack([use.hits, use.chosen, moved])
     if tp is not None and tp.size > 1:
         counts = jax.lax.psum(counts, AXIS)
-    return state, kv, use.state, counts
+    return kv, use, counts
+
+
+def _cache_attend(impl, q, kv, use: page_cache.CachePlan, base, num_keys, state, page_size, device) -> AttentionState:
+    """`state` continued over the chosen pages of a planned and filled region (`_cache_fill`), read from the cache
+    with the kernel and order the store read would use."""
+    slots, total = use.state.page.shape[1], values_of(kv).shape[0]
+    return attend_rows(impl, q, kv, page_cache.slot_rows(use.slots, slots, page_size, base, total), num_keys, state,
+                       device, device)
 
 
 def _cached_sparse_decode_layer(
@@ -604,11 +616,12 @@ def _cached_sparse_decode_layer(
 
     def local(q, meta, buffer, cache, state, num_pages, step):
         pages = _chosen_pages(impl, q, scorer, meta, num_pages, num_candidates, budget_pages)
-        num_keys = jnp.minimum(num_pages, budget_pages) * page_size
-        state, kv, maps, counts = _cached_read(
-            impl, q, pages, num_candidates, lambda p: quest.page_rows(p, num_candidates, page_size, block_size),
-            cache.kv, cache, 0, step, buffer, num_keys, state, page_size, host, device, tp)
-        return state, maps._replace(kv=kv), counts
+        kv, use, counts = _cache_fill(
+            impl, pages, num_candidates, lambda p: quest.page_rows(p, num_candidates, page_size, block_size),
+            cache.kv, cache, 0, step, buffer, page_size, host, device, tp)
+        state = _cache_attend(impl, q, kv, use, 0, jnp.minimum(num_pages, budget_pages) * page_size, state,
+                              page_size, device)
+        return state, use.state._replace(kv=kv), counts
 
     meta_heads = tuple(METADATA_HEADS for _ in meta)
     cache_heads = page_cache.CacheState(BUFFER_HEADS, 0, 0, 0)

@@ -9,8 +9,9 @@ With a page-choosing decode policy ("sketch", `sparse/sketch.py`, or "quest", `s
 `dense_layers` layers keep their blocks in GPU memory and attend in full; every other layer keeps its blocks in
 one pinned buffer, and each decode step reads, per KV head, the pages the policy chose from it by its metadata on
 the GPU (the key sketch, or Quest's bounds), written with every stored block: with the Pallas kernels on a GPU the
-attention kernel reads them in place over PCIe, otherwise they are gathered on the host and moved. Each layer is one program per step, and the
-step's scalars reach the GPU once (each eager scalar costs the host more than a layer's GPU work at this size).
+attention kernel reads them in place over PCIe, otherwise they are gathered on the host and moved. Each layer is one
+program per step (with the page cache, `sparse/page_cache.py`, consecutive sparse layers share one), and the step's
+scalars reach the GPU once (each eager scalar costs the host more than a layer's GPU work at this size).
 Prefill reads every block in either case.
 
 With prefill_policy="xattention", layerwise prefill attends each layer's whole prompt block-sparsely on the GPU;

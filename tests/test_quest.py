@@ -351,7 +351,8 @@ def test_page_cache_plan_is_lru_per_kv_head():
         miss_pages, miss_slots = np.asarray(use.miss_pages), np.asarray(use.miss_slots)
         listed = [(h, p, s) for h in range(hkv) for p, s in zip(miss_pages[h], miss_slots[h]) if s < slots]
         assert listed == copies, where
-        assert all(p == num_pages for h in range(hkv) for p, s in zip(miss_pages[h], miss_slots[h]) if s == slots), where
+        assert all(p == num_pages for h in range(hkv) for p, s in zip(miss_pages[h], miss_slots[h]) if s == slots), \
+            where
         state = use.state
 
 
@@ -387,7 +388,8 @@ def test_page_policy_prompts_together_equal_each_alone(model_dir, policy, impl, 
     assert llm._runner.store.live_blocks() == [], where
 
 
-def test_page_cache_regions_in_a_batch_change_no_bit(model_dir):
+@pytest.mark.parametrize("impl", ["xla"] + ["pallas"] * (jax.default_backend() == "gpu"))
+def test_page_cache_regions_in_a_batch_change_no_bit(model_dir, impl):
     """The batch engine with a page cache of two regions (twice the budget each) and 4 sketch requests of
     70..450 tokens decoding together: the first two to decode read their pages through their own regions, the
     others from the store, and every request gets its tokens alone without the cache (float32, greedy and seeded).
@@ -398,10 +400,10 @@ def test_page_cache_regions_in_a_batch_change_no_bit(model_dir):
     prompts = [rng.integers(3, 250, size=int(n)).tolist() for n in (300, 70, 190, 450)]
     params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=3, max_tokens=25, ignore_eos=True)] * 2
-    where = f"model seed {MODEL_SEED}, prompt seed 513"
-    plain = _sparse(model_dir, 64, "sketch", attention_impl="xla", max_num_seqs=4, max_model_len=2048)
+    where = f"model seed {MODEL_SEED}, prompt seed 513, {impl}"
+    plain = _sparse(model_dir, 64, "sketch", attention_impl=impl, max_num_seqs=4, max_model_len=2048)
     alone = [plain.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
-    cached = _sparse(model_dir, 64, "sketch", attention_impl="xla", max_num_seqs=4, max_model_len=2048,
+    cached = _sparse(model_dir, 64, "sketch", attention_impl=impl, max_num_seqs=4, max_model_len=2048,
                      sparse_cache_gb=2**-13)
     assert cached._runner.page_cache.slots == 16, where  # two regions of 8 slots: twice the budget's 4 pages
     assert [o.token_ids for o in cached.generate(prompts, params)] == alone, where

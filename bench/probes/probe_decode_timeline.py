@@ -64,9 +64,10 @@ def main():
     lines = {line.name: len(list(line.events)) for plane in data.planes if plane.name.startswith("/device:GPU")
              for line in plane.lines}
     result = {**run_metadata(), "ctx": CTX, "ring_slots": RING, "sparse_cache_gb": CACHE_GB, "decode_step_ms": steps,
-              "runner_decode_host_ms": dispatch_ms,
-              "prefill_s": out.prefill_seconds, "pcie_bytes_last_step": runner.last_decode_pcie_bytes,
-              "page_cache_hit_rate": runner.page_cache.hit_rate() if runner.page_cache else None, "gpu_lines": lines, **decode_steps_by_kernel(data, steps)}
+              "runner_decode_host_ms": dispatch_ms, "prefill_s": out.prefill_seconds,
+              "pcie_bytes_last_step": runner.last_decode_pcie_bytes,
+              "page_cache_hit_rate": runner.page_cache.hit_rate() if runner.page_cache else None, "gpu_lines": lines,
+              **decode_steps_by_kernel(data, steps)}
     Path(os.environ.get("OUT", "."), "probe_decode_timeline.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k not in ("per_kernel_ms_per_step", "host_events_in_window")}))
     for k, v in list(result["per_kernel_ms_per_step"].items())[:20]:

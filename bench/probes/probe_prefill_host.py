@@ -1,9 +1,8 @@
 """Where a served prompt's prefill time goes on the Qwen3-0.6B shape (random bf16 weights, the serving benchmark's
 engine): the host's dispatch of the batch engine's prefill as it runs (`engine_prefill`: a program per group of
 layers, `buckets.layer_group_size`; a program per layer until eeb3eea, the `layer_programs` of older result files)
-against
-its time until the draw is on the host, whether its donated KV pools are taken in place, the same prefill as one
-program over every layer, the one-request path's time to first token, and a decode step at batch 2.
+against its time until the draw is on the host, whether its donated KV pools are taken in place, the same prefill as
+one program over every layer, the one-request path's time to first token, and a decode step at batch 2.
 
     python bench/probes/probe_prefill_host.py --out DIR      # one device call; writes DIR/prefill_host.json
 """

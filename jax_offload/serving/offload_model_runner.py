@@ -35,6 +35,12 @@ from jax_offload.sparse import xattention
 from jax_offload.sparse.page_cache import CacheState
 
 
+def _padded(rows, empty: int) -> list[int]:
+    """`rows` then `empty` (a padding row's index) up to a power of two of entries."""
+    rows = list(rows)
+    return rows + [empty] * ((1 << (len(rows) - 1).bit_length()) - len(rows))
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def _put_tails(pools: tuple[jax.Array, ...], slot: jax.Array, tails: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
     """Writes one request's tails [2, block_size, Hkv, D], one per layer, into row `slot` of every layer's pool."""
@@ -69,6 +75,8 @@ class OffloadModelRunner:
         if self.cache is not None:
             self._region_slots = self.cache.region_slots(runner.budget_pages)
             self._free_regions = list(range(self.cache.slots // self._region_slots))[::-1]
+            self._empty_maps = self.cache.region_maps(self._region_slots)  # a padding row's: it never hits or misses
+        self._zero = jax.device_put(np.int32(0), runner.tp.sharding(None))  # a padding row's key and page counts
         self._region: dict[int, int] = {}  # sequence index -> its region
         self._maps: dict[int, dict[int, CacheState]] = {}  # sequence index -> its region's maps per sparse layer
         self._cache_steps: dict[int, int] = {}  # sequence index -> decode steps through its region
@@ -146,32 +154,44 @@ class OffloadModelRunner:
         if place == "blocks":
             return tuple(runner.attend_groups(ring, row_groups, q, state)
                          for row_groups, q, state in zip(groups, qs, states))
+        # Each program takes a power of two of rows (its compiled shapes), the missing ones empty: row 0's q and
+        # state (every state is still empty here) over no keys, through a region of its own that reads nothing.
+        empty = len(qs)
+        qs, states = qs + (qs[0],), states + (states[0],)
         if place == "gpu":
-            blocks, num_keys, _, _ = zip(*tables)
-            return stored_blocks_attend_rows(runner.impl, qs, store.layer_buffer(layer), blocks, num_keys, states,
-                                             *store.gather_places(layer), tp=runner.tp)
-        pages, out = runner.pages, list(states)
+            blocks, num_keys, _, _ = zip(*tables, (tables[0][0], self._zero, None, None))
+            rows = _padded(range(len(tables)), empty)
+            done = stored_blocks_attend_rows(runner.impl, tuple(qs[r] for r in rows), store.layer_buffer(layer),
+                                             tuple(blocks[r] for r in rows), tuple(num_keys[r] for r in rows),
+                                             tuple(states[r] for r in rows), *store.gather_places(layer),
+                                             tp=runner.tp)
+            return done[:empty]
+        pages, out = runner.pages, list(states[:empty])
         by_kind: dict[tuple[int, bool], list[int]] = {}
         for row, (_, _, page_table, _) in enumerate(tables):
             by_kind.setdefault((page_table.shape[0], row in cached), []).append(row)
-        for (num_candidates, in_cache), rows in by_kind.items():
+        for (num_candidates, in_cache), real in by_kind.items():
+            rows = _padded(real, empty)
+            page_tables = tuple(tables[r if r < empty else real[0]][2] for r in rows)
             args = (runner.impl, tuple(qs[r] for r in rows), pages.scorer, pages.metadata(layer), runner.budget_pages,
-                    runner.page_size, self.block_size, num_candidates, tuple(tables[r][3] for r in rows),
-                    tuple(tables[r][2] for r in rows), store.layer_buffer(layer))
+                    runner.page_size, self.block_size, num_candidates,
+                    tuple(tables[r][3] if r < empty else self._zero for r in rows), page_tables,
+                    store.layer_buffer(layer))
             places, row_states = store.gather_places(layer), tuple(states[r] for r in rows)
             if not in_cache:
                 done = chosen_pages_attend_rows(*args, *places, row_states, tp=runner.tp)
             else:
-                cache, seq_of = self.cache, [cached[r][0] for r in rows]
+                cache, seq_of = self.cache, [cached[r][0] for r in real]
+                maps = tuple(self._maps[i][layer] for i in seq_of) + (self._empty_maps,) * (len(rows) - len(real))
+                bases = tuple(cached[r][1] if r < empty else self._zero for r in rows)
+                steps = tuple(cached[r][2] if r < empty else self._zero for r in rows)
                 done, kv, maps, counts = cached_pages_attend_rows(
-                    *args, cache.states[layer].kv, tuple(self._maps[i][layer] for i in seq_of),
-                    tuple(cached[r][1] for r in rows), tuple(cached[r][2] for r in rows), *places, row_states,
-                    tp=runner.tp)
+                    *args, cache.states[layer].kv, maps, bases, steps, *places, row_states, tp=runner.tp)
                 cache.states[layer] = cache.states[layer]._replace(kv=kv)
                 for i, row_maps in zip(seq_of, maps):
                     self._maps[i][layer] = row_maps
                 cache.counts.append(counts)
-            for r, state in zip(rows, done):
+            for r, state in zip(real, done):
                 out[r] = state
         return tuple(out)
 

@@ -10,7 +10,8 @@ The copy has a static shape (the budget's rows of every KV head) but moves only 
 copy (`pallas_kernels.copy_rows`) reads each missing row in place from the pinned store and skips the rest, so the
 bytes over PCIe are the misses', whatever their spread over the KV heads. A cache of at least the budget always has
 room for a step's misses, so every step reads from the cache. Page ids are the request's page positions: `reset`
-empties the cache when a new request starts.
+empties the cache when a new request starts. The batch engine cuts the cache into regions (`region_slots`), each a
+request's own maps over its share of every layer's slots (`serving/offload_model_runner.py`).
 """
 from __future__ import annotations
 
@@ -84,18 +85,15 @@ def plan(state: CacheState, pages: jax.Array, missing: int, step: jax.Array) -> 
                      CacheState(state.kv, page, used, slot_of))
 
 
-def slot_rows(slots: jax.Array, num_slots: int, page_size: int, base: jax.Array | int = 0,
-              total_slots: int | None = None) -> jax.Array:
-    """Slots [Hkv, n] of a region of `num_slots` slots starting at slot `base` of a cache of `total_slots` (default:
-    the region is the cache; >= num_slots: none) -> the cache's 16-token rows [Hkv, n * page_size / PAGE_UNIT], head
-    by head, slot by slot (as `quest.page_rows` numbers a store layer's rows); a missing slot's rows are past every
-    row."""
+def slot_rows(slots: jax.Array, num_slots: int, page_size: int, base: jax.Array | int, total_slots: int) -> jax.Array:
+    """Slots [Hkv, n] of a region of `num_slots` slots starting at slot `base` of a cache of `total_slots` (>=
+    num_slots: none) -> the cache's 16-token rows [Hkv, n * page_size / PAGE_UNIT], head by head, slot by slot (as
+    `quest.page_rows` numbers a store layer's rows); a missing slot's rows are past every row of the cache."""
     hkv = slots.shape[0]
     units = page_size // PAGE_UNIT
     rows = ((slots[..., None] + base) * hkv + jnp.arange(hkv, dtype=jnp.int32)[:, None, None]) * units \
         + jnp.arange(units, dtype=jnp.int32)
-    past = (num_slots if total_slots is None else total_slots) * hkv * units
-    return jnp.where(slots[..., None] < num_slots, rows, past).reshape(hkv, -1)
+    return jnp.where(slots[..., None] < num_slots, rows, total_slots * hkv * units).reshape(hkv, -1)
 
 
 def fill(kv, buffer, store_rows: jax.Array, cache_rows: jax.Array, in_place: bool, host, device):
@@ -140,8 +138,9 @@ class PageCache:
         return tuple(self._tp.zeros(s, jnp.int32, 0) + _NEVER for s in (shape, shape, self._pages_shape))
 
     def reset(self) -> None:
-        """Empties every slot (a new request: its pages are not the last one's). The one-request path never runs
-        while the batch engine's requests hold regions (`LLM.generate` refuses), so none is emptied under them."""
+        """Empties the one-request path's maps (a new request: its pages are not the last one's). The batch
+        engine's prefill calls it too; its regions keep maps of their own (`region_maps`), untouched here, and the
+        one-request path never decodes among them (`LLM.generate` refuses)."""
         self.states = {l: CacheState(s.kv, *self._empty_maps()) for l, s in self.states.items()}
         self.step, self.counts = 0, []
 
