@@ -57,6 +57,7 @@ def test_tp_on_virtual_devices_equals_tp1(model_dirs):
     device_runs = _device_runs(model_dirs)
     _check_logits_and_greedy_tokens(device_runs)
     _check_batch_equals_one_at_a_time(device_runs)
+    _check_batched_page_cache(device_runs)
     _check_preemption(device_runs)
     _check_only_all_reduce(device_runs)
     _check_batch_invariant(device_runs)
@@ -86,6 +87,15 @@ def _check_batch_equals_one_at_a_time(device_runs):
                 f"{PROMPT_SEED}+i")
         assert r["tokens"] == r["ref_tokens"], f"{case}: greedy tokens differ from TP=1 one at a time"
         assert r["largest_batch"] == 4, case
+
+
+def _check_batched_page_cache(device_runs):
+    """Sketch decode with a page cache of two regions at TP=2: three prompts together (two read through regions split
+    by KV heads, one from the store) give each one's tokens alone at TP=2, and no region is held after."""
+    (r,) = [r for r in device_runs if r.get("case") == "batched_page_cache"]
+    case = f"{r['model']} (model seed {MODELS[r['model']]}), TP=2, sketch, page cache, prompt seed {PROMPT_SEED}+i"
+    assert r["regions"] == 2 and r["regions_in_use"] == 0, case
+    assert r["tokens"] == r["ref_tokens"], f"{case}: greedy tokens together differ from each alone"
 
 
 def _check_preemption(device_runs):

@@ -99,6 +99,7 @@ def devices(seed: int, models: list[str]) -> None:
     # 45eb088), the second (until 07ab582) and the third (until 06cf93d) ran it here too. Batched offloaded: the first
     # model only (one KV head, repeated on both devices; the other two ran it until 6cf7026), to keep the suite's time.
     _emit(case="batched", model=Path(models[0]).name, mode="chunked", **_batched(models[0], seed))
+    _emit(case="batched_page_cache", model=Path(models[1]).name, **_batched_page_cache(models[1], seed))
     _emit(case="batch_invariant", model=Path(models[1]).name, **_batch_invariant(models[1], seed))
     _emit(case="preempted", model=Path(models[1]).name, **_preempted(models[1], seed))
     _emit(case="collectives", steps=_collectives(models[0]))
@@ -117,6 +118,22 @@ def _batched(model: str, seed: int) -> dict:
     tokens = [o.token_ids for o in together.generate(prompts, greedy)]
     return {"tokens": tokens, "ref_tokens": [alone.generate([p], greedy)[0].token_ids for p in prompts],
             "largest_batch": max(n for kind, n, _, _ in together._batch_engine.step_log if kind == "decode")}
+
+
+def _batched_page_cache(model: str, seed: int) -> dict:
+    """Greedy tokens of 3 prompts of 48..80 tokens with sketch decode and a page cache of two regions, run together at
+    TP=2 chunked-offloaded (two through regions, split by KV heads, one from the store) and each alone at TP=2 (the
+    one-request path); the regions held at the end."""
+    from jax_offload import LLM, SamplingParams
+
+    prompts = [_prompt(seed + i, n) for i, n in enumerate((80, 48, 64))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm = LLM(model, dtype="float32", tensor_parallel_size=2, max_num_seqs=len(prompts),
+              **SPARSE_MODES["sketch_cached_chunked"])
+    tokens = [o.token_ids for o in llm.generate(prompts, greedy)]
+    runner = llm._batch_engine.runner
+    return {"tokens": tokens, "ref_tokens": [llm.generate([p], greedy)[0].token_ids for p in prompts],
+            "regions": runner.cache.slots // runner._region_slots, "regions_in_use": runner.cache_regions_in_use}
 
 
 def _batch_invariant(model: str, seed: int) -> dict:
