@@ -21,6 +21,7 @@ Phases, each in a fresh process writing phase_<phase>_<shape>.json under --out:
     python bench/bench_throughput.py --shapes llama-3.1-8b --phases offload --out DIR
     python bench/bench_throughput.py --shapes llama-3.1-8b --phases offload --offload-context 65536 \
         --offload-decode-policy sketch --offload-kv-cache-dtype int8 --out DIR           # 8 x 64K, sketch
+    (add --offload-sparse-cache-gb 4.5 for a page cache: 9 regions of twice the budget at int8)
     python bench/bench_throughput.py --shape smoke --out /tmp/tp                             # CPU check, < 1 min
     --batch-invariant runs the engine's batch-invariant mode; its phase files end in _batch_invariant.json
     python bench/bench_throughput.py --report DIR --out bench/results            # throughput.md and .png
@@ -178,6 +179,8 @@ def phase_offload(args) -> dict:
     sp = SamplingParams(temperature=0.0, max_tokens=args.offload_tokens, ignore_eos=True)
     bs = 64 if args.shape == "smoke" else 1024
     policy = {"decode_policy": args.offload_decode_policy, "kv_cache_dtype": args.offload_kv_cache_dtype}
+    if args.offload_sparse_cache_gb:
+        policy["sparse_cache_gb"] = args.offload_sparse_cache_gb
     llm = m.llm(max_model_len=n * (ctx + args.offload_tokens + bs), offload=True, block_size=bs, max_num_seqs=n,
                 **policy)
     llm.generate(prompts, sp)  # warm-up: every step shape compiled, batched and alone
@@ -208,6 +211,8 @@ def phase_offload(args) -> dict:
             "speedup": stats([a / t for a, t in zip(alone, together)]),
             "full_batch_step_seconds": stats([s for _, s in full]),
             "full_batch_step_pcie_floor_ratio": stats([s / f for (_, s), f in zip(full, floors)]) if floors else None,
+            # With a page cache: of the pages the last step (alone) chose, the share already cached.
+            "page_cache_hit_rate": llm._runner.page_cache.hit_rate() if llm._runner.page_cache else None,
             "h2d_bandwidth": bw}
 
 
@@ -375,6 +380,8 @@ def main() -> None:
     p.add_argument("--offload-tokens", type=int, default=32)
     p.add_argument("--offload-decode-policy", default="full", help="offload phase: full, sketch or quest")
     p.add_argument("--offload-kv-cache-dtype", default="auto", help="offload phase: auto, fp8 or int8")
+    p.add_argument("--offload-sparse-cache-gb", type=float, default=0.0,
+                   help="offload phase, sketch or quest: GiB of page cache (regions of twice the budget per request)")
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
                    help="the engine's batch-invariant mode (default off, as the engine's)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
@@ -407,7 +414,8 @@ def main() -> None:
     extra += ["--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
               "--distinct-runs" if args.distinct_runs else "--no-distinct-runs",
               f"--offload-decode-policy={args.offload_decode_policy}",
-              f"--offload-kv-cache-dtype={args.offload_kv_cache_dtype}"]
+              f"--offload-kv-cache-dtype={args.offload_kv_cache_dtype}",
+              f"--offload-sparse-cache-gb={args.offload_sparse_cache_gb}"]
     for phase in phases:
         for shape in shapes if phase not in ("batch1", "offload") else shapes[-1:]:
             t = time.perf_counter()
