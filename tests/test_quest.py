@@ -423,19 +423,23 @@ def test_page_cache_regions_in_a_batch_change_no_bit(model_dir, impl):
     assert not cached.has_unfinished() and runner.cache_regions_in_use == 0, where
 
 
-def test_page_policy_prompts_preempted_equal_each_alone(model_dir):
+@pytest.mark.parametrize("cache", [{}, dict(sparse_cache_gb=2**-13)])
+def test_page_policy_prompts_preempted_equal_each_alone(model_dir, cache):
     """Sketch decode on the batch engine over a store of 8 blocks: requests are preempted and recomputed (their
-    blocks, and the metadata kept by block, written again), and every request still gets its tokens alone."""
+    blocks, and the metadata kept by block, written again; with a page cache, their regions given back and taken
+    anew), and every request still gets its tokens alone."""
     rng = np.random.default_rng(511)
     prompts = [rng.integers(3, 250, size=int(n)).tolist() for n in (250, 240, 100, 60)]
     params = [SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=5, max_tokens=90, ignore_eos=True)] * 2
-    llm = _sparse(model_dir, 64, "sketch", max_num_seqs=4, max_model_len=512)
+    llm = _sparse(model_dir, 64, "sketch", max_num_seqs=4, max_model_len=512, **cache)
     together, alone, engine = _together_and_alone(llm, _sparse(model_dir, 64, "sketch", max_model_len=512),
                                                   prompts, params)
-    where = f"model seed {MODEL_SEED}, prompt seed 511"
+    where = f"model seed {MODEL_SEED}, prompt seed 511, {cache}"
     assert engine.stats.recomputes > 0, where
     assert together == alone, where
+    if cache:
+        assert engine.runner.cache_regions_in_use == 0 and engine.runner.cache.totals()[0] > 0, where
 
 
 def test_no_state_leak_over_a_thousand_mixed_requests(model_dir):
