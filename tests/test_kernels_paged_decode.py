@@ -1,5 +1,6 @@
 """paged_decode_attention_with_lse (Pallas, interpret mode) and its jnp twin against a float64
-NumPy reference, with shuffled block tables, poisoned padding entries and poisoned pool rows."""
+NumPy reference, with shuffled block tables, poisoned padding entries and poisoned pool rows; and `copy_rows`, which
+fills the page cache that the paged kernel then reads."""
 
 from __future__ import annotations
 
