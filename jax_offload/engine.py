@@ -245,7 +245,7 @@ class LLM:
             return self._batch().generate([ids for ids, _ in pairs], params, on_text, progress,
                                           [blend for _, blend in pairs])
         encoded = [self.encode(p) for p in prompts]
-        if self._batches() and (len(encoded) > 1 or self._single_prompt_batches()):
+        if len(encoded) > 1 or self._single_prompt_batches():
             return self._batch().generate(encoded, params, on_text, progress, [self._own_prefill(e) for e in encoded])
         engine = self._serial_engine()
         # The one-request path shares the offloaded store with the batch engine's requests: it must not run among them.
@@ -261,15 +261,13 @@ class LLM:
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
         """Queues a request; it joins the running requests at a coming `step` (the batch engine's continuous
-        batching, where the options allow it; else one request after another)."""
+        batching)."""
         if isinstance(prompt, Segments):
             prompt_ids, blend = self._blend_prompt(prompt)
             self._batch().add_request(request_id, prompt_ids, params, blend)
-        elif self._batches():
+        else:
             ids = self.encode(prompt)
             self._batch().add_request(request_id, ids, params, self._own_prefill(ids))
-        else:
-            self._serial_engine().add_request(request_id, self.encode(prompt), params)
 
     def step(self) -> list[RequestDelta]:
         """One step of the request engine: what it added to each request."""
@@ -290,9 +288,7 @@ class LLM:
     def warm_up(self) -> None:
         """Compiles what the request engine will run (the batch engine's steps at every batch size and prefill
         length), so a server's first requests wait for no compile."""
-        engine = self.request_engine()
-        if isinstance(engine, BatchEngine):
-            engine.warm_up()
+        self.request_engine().warm_up()
 
     def load(self) -> EngineLoad:
         """Requests running, waiting and swapped, and the KV they hold (the server's metrics)."""
@@ -303,10 +299,10 @@ class LLM:
         store = getattr(self._runner, "store", None)
         return (store.bytes_read, store.bytes_written) if store is not None else (0, 0)
 
-    def request_engine(self) -> BatchEngine | SerialEngine:
-        """The engine `add_request` feeds: the batch engine when the options let requests run together, else the
-        one-at-a-time engine."""
-        return self._batch() if self._batches() else self._serial_engine()
+    def request_engine(self) -> BatchEngine:
+        """The engine `add_request` feeds: the batch engine, whatever the options (the one-request path serves
+        `generate` of one prompt where `_single_prompt_batches` says so)."""
+        return self._batch()
 
     def _serial_engine(self) -> SerialEngine:
         if self._serial is None:
@@ -348,14 +344,6 @@ class LLM:
                                       SegmentStore(int(e.prefix_cache_host_gb * 2**30)), e.blend_recompute_ratio,
                                       cache_tag(self.model_config, self.dtype, e.kv_cache_dtype))
         return self._blend
-
-    def _batches(self) -> bool:
-        """Whether several prompts run together: offloaded, whatever the policies (each prompt's prefill is the
-        one-request runner's; sketch and Quest choose each request's pages from its own metadata), or in GPU memory
-        (XAttention prefill: the one-request runner's, `_own_prefill`) on one device. XAttention prefill in GPU
-        memory under tensor parallelism runs one request at a time."""
-        e = self.engine_config
-        return e.offload or e.prefill_policy == "full" or self.tp.size == 1
 
     def _single_prompt_batches(self) -> bool:
         """Whether one prompt runs on the batch engine too: with its KV in GPU memory and the Pallas kernels, its

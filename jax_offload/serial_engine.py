@@ -1,7 +1,7 @@
-"""`SerialEngine`: requests one after another, each from a fresh KV state, through the per-request runners (what
-the batch engine does not run: one prompt on the XLA twins, offloaded or with XAttention prefill in GPU memory,
-without prefix caching, and XAttention prefill in GPU memory under tensor parallelism). Its incremental API is the
-batch engine's, so the server and `LLM.generate` drive either."""
+"""`SerialEngine`: requests one after another, each from a fresh KV state, through the per-request runners: what
+`LLM.generate` runs for one prompt on the XLA twins, offloaded or with XAttention prefill in GPU memory, without
+prefix caching (`LLM._single_prompt_batches`). Its API is the batch engine's; the server and `add_request` always
+use the batch engine."""
 from __future__ import annotations
 
 import time

@@ -58,6 +58,7 @@ def test_tp_on_virtual_devices_equals_tp1(model_dirs):
     _check_logits_and_greedy_tokens(device_runs)
     _check_batch_equals_one_at_a_time(device_runs)
     _check_batched_page_cache(device_runs)
+    _check_batched_xattn_in_gpu(device_runs)
     _check_preemption(device_runs)
     _check_only_all_reduce(device_runs)
     _check_batch_invariant(device_runs)
@@ -95,6 +96,15 @@ def _check_batched_page_cache(device_runs):
     (r,) = [r for r in device_runs if r.get("case") == "batched_page_cache"]
     case = f"{r['model']} (model seed {MODELS[r['model']]}), TP=2, sketch, page cache, prompt seed {PROMPT_SEED}+i"
     assert r["regions"] == 2 and r["regions_in_use"] == 0, case
+    assert r["tokens"] == r["ref_tokens"], f"{case}: greedy tokens together differ from each alone"
+
+
+def _check_batched_xattn_in_gpu(device_runs):
+    """XAttention prefill in GPU memory at TP=2 on the batch engine: three prompts together give each one's tokens
+    alone at TP=2."""
+    (r,) = [r for r in device_runs if r.get("case") == "batched_xattn_in_gpu"]
+    case = f"{r['model']} (model seed {MODELS[r['model']]}), TP=2, XAttention in GPU memory, prompt seed {PROMPT_SEED}+i"
+    assert r["largest_batch"] == 3, case
     assert r["tokens"] == r["ref_tokens"], f"{case}: greedy tokens together differ from each alone"
 
 

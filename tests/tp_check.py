@@ -100,6 +100,7 @@ def devices(seed: int, models: list[str]) -> None:
     # model only (one KV head, repeated on both devices; the other two ran it until 6cf7026), to keep the suite's time.
     _emit(case="batched", model=Path(models[0]).name, mode="chunked", **_batched(models[0], seed))
     _emit(case="batched_page_cache", model=Path(models[1]).name, **_batched_page_cache(models[1], seed))
+    _emit(case="batched_xattn_in_gpu", model=Path(models[1]).name, **_batched_xattn_in_gpu(models[1], seed))
     _emit(case="batch_invariant", model=Path(models[1]).name, **_batch_invariant(models[1], seed))
     _emit(case="preempted", model=Path(models[1]).name, **_preempted(models[1], seed))
     _emit(case="collectives", steps=_collectives(models[0]))
@@ -134,6 +135,20 @@ def _batched_page_cache(model: str, seed: int) -> dict:
     runner = llm._batch_engine.runner
     return {"tokens": tokens, "ref_tokens": [llm.generate([p], greedy)[0].token_ids for p in prompts],
             "regions": runner.cache.slots // runner._region_slots, "regions_in_use": runner.cache_regions_in_use}
+
+
+def _batched_xattn_in_gpu(model: str, seed: int) -> dict:
+    """Greedy tokens of 3 prompts of 48..80 tokens with XAttention prefill in GPU memory, run together at TP=2 on the
+    batch engine (each prefilled by the one-request runner in a step of its own) and each alone at TP=2; the largest
+    decode batch."""
+    from jax_offload import LLM, SamplingParams
+
+    prompts = [_prompt(seed + i, n) for i, n in enumerate((80, 48, 64))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm = LLM(model, dtype="float32", tensor_parallel_size=2, max_num_seqs=len(prompts), **XATTN)
+    tokens = [o.token_ids for o in llm.generate(prompts, greedy)]
+    return {"tokens": tokens, "ref_tokens": [llm.generate([p], greedy)[0].token_ids for p in prompts],
+            "largest_batch": max(n for kind, n, _, _ in llm._batch_engine.step_log if kind == "decode")}
 
 
 def _batch_invariant(model: str, seed: int) -> dict:
