@@ -292,23 +292,27 @@ def test_bad_page_policy_options(model_dir, kwargs, message):
 # The jnp path: in Pallas interpret mode the kernel is XLA ops that fuse differently in the cache's program (1e-6
 # apart here); on a GPU it is one kernel call reading the same rows in the same order, and the copy reads the missing
 # rows in place from the pinned store: both run there.
-@pytest.mark.parametrize("policy,impl", [("sketch", "xla"), ("quest", "xla")]
-                         + [("sketch", "pallas"), ("quest", "pallas")] * (jax.default_backend() == "gpu"))
-def test_page_cache_changes_no_bit(model_dir, policy, impl):
+@pytest.mark.parametrize("policy,impl,dtype", [("sketch", "xla", "float32"), ("quest", "xla", "float32"),
+                                               ("sketch", "xla", "bfloat16")]
+                         + [("sketch", "pallas", "bfloat16"), ("quest", "pallas", "float32")]
+                         * (jax.default_backend() == "gpu"))
+def test_page_cache_changes_no_bit(model_dir, policy, impl, dtype):
     """With a GPU cache of chosen pages (`sparse_cache_gb`) each step reads its pages from the cache once its misses
-    are copied in: the logits of every step equal those without the cache to the bit, and later steps hit. A second
-    request starts from an empty cache (its pages are not the first one's) and equals a fresh engine's."""
+    are copied in: the logits of every step equal those without the cache to the bit (float32 and bfloat16), and
+    later steps hit. A second request starts from an empty cache (its pages are not the first one's) and equals a
+    fresh engine's."""
     rng = np.random.default_rng(508)
     ids, other = rng.integers(3, tiny_models.VOCAB, size=400).tolist(), rng.integers(3, 250, size=300).tolist()
-    where = f"model seed {MODEL_SEED}, prompt seed 508, {policy}, {impl}"
-    plain = _sparse(model_dir, 64, policy, attention_impl=impl)
-    cached = _sparse(model_dir, 64, policy, attention_impl=impl, sparse_cache_gb=2**-14)
+    where = f"model seed {MODEL_SEED}, prompt seed 508, {policy}, {impl}, {dtype}"
+    gib = 2**-14 if dtype == "float32" else 2**-15  # 8 pages per KV head either way
+    plain = _sparse(model_dir, 64, policy, dtype=dtype, attention_impl=impl)
+    cached = _sparse(model_dir, 64, policy, dtype=dtype, attention_impl=impl, sparse_cache_gb=gib)
     cache = cached._runner.page_cache
     assert cache.slots == 8, where  # twice the budget of 64 tokens: 4 pages of 16 per KV head
     np.testing.assert_array_equal(_decode_logits(cached, ids, 24), _decode_logits(plain, ids, 24), err_msg=where)
     hits, chosen, _ = cache.totals()
     assert 0 < hits <= chosen, f"{where}: the last step hit {hits} of {chosen} pages"
-    fresh = _sparse(model_dir, 64, policy, attention_impl=impl, sparse_cache_gb=2**-14)
+    fresh = _sparse(model_dir, 64, policy, dtype=dtype, attention_impl=impl, sparse_cache_gb=gib)
     assert cached.generate([other], GREEDY)[0].token_ids == fresh.generate([other], GREEDY)[0].token_ids, where
 
 
