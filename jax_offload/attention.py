@@ -427,8 +427,7 @@ def chosen_pages_attend_rows(impl: str, qs: tuple[jax.Array, ...], scorer, meta:
     metadata is gathered by its table, so its scores and choice are its own; its chosen pages are read at their
     store pages in its page order. q [1, 1, Hq, D] -> its state continued."""
     def local(q, meta, buffer, state, num_pages, page_table):
-        pages = _chosen_pages(impl, q, scorer, scorer.gather(meta, page_table), num_pages, num_candidates,
-                              budget_pages)
+        pages = _request_pages(impl, q, scorer, meta, page_table, num_pages, num_candidates, budget_pages)
         rows = _table_page_rows(pages, page_table, num_candidates, buffer, page_size, block_size)
         num_keys = jnp.minimum(num_pages, budget_pages) * page_size
         return attend_rows(impl, q, buffer, rows.reshape(pages.shape[0], -1), num_keys, state, host, device)
@@ -437,6 +436,12 @@ def chosen_pages_attend_rows(impl: str, qs: tuple[jax.Array, ...], scorer, meta:
     row = _local(tp, local, (HEADS, meta_heads, BUFFER_HEADS, STATE_HEADS, None, None), STATE_HEADS)
     return tuple(row(q, tuple(meta), buffer, state, n, table)
                  for q, state, n, table in zip(qs, states, num_pages, page_tables))
+
+
+def _request_pages(impl, q, scorer, meta, page_table, num_pages, num_candidates: int, budget_pages: int) -> jax.Array:
+    """`_chosen_pages` of one request of a shared store: its pages' metadata gathered by its page table, so the
+    scores and the choice are its own (pages numbered in its order)."""
+    return _chosen_pages(impl, q, scorer, scorer.gather(meta, page_table), num_pages, num_candidates, budget_pages)
 
 
 def _table_page_rows(pages, page_table, num_candidates: int, buffer, page_size: int, block_size: int) -> jax.Array:
@@ -460,13 +465,10 @@ def cached_pages_attend_rows(impl: str, qs: tuple[jax.Array, ...], scorer, meta:
     step): the same bits. Every region is filled before any is read (regions are disjoint), so no read of the cache
     comes between two writes of it. -> (states, kv, maps, int32 [requests, 3] of [hits, chosen, pages over PCIe])."""
     def choose_and_fill(q, meta, buffer, kv, maps, num_pages, page_table, base, step):
-        pages = _chosen_pages(impl, q, scorer, scorer.gather(meta, page_table), num_pages, num_candidates,
-                              budget_pages)
-        kv, use, counts = _cache_fill(
-            impl, pages, num_candidates,
-            lambda p: _table_page_rows(p, page_table, num_candidates, buffer, page_size, block_size),
-            kv, maps, base, step, buffer, page_size, host, device, tp)
-        return kv, use, counts
+        pages = _request_pages(impl, q, scorer, meta, page_table, num_pages, num_candidates, budget_pages)
+        return _cache_fill(impl, pages, num_candidates,
+                           lambda p: _table_page_rows(p, page_table, num_candidates, buffer, page_size, block_size),
+                           kv, maps, base, step, buffer, page_size, host, device, tp)
 
     def read(q, kv, use, base, state, num_pages):
         return _cache_attend(impl, q, kv, use, base, jnp.minimum(num_pages, budget_pages) * page_size, state,
