@@ -166,6 +166,9 @@ class EngineConfig:
     dtype: str = "bfloat16"
     max_model_len: int | None = None
     offload: bool = False
+    # Offloaded: tokens of KV the pinned host store holds for all running requests together (default: max_model_len;
+    # more lets several long requests decode together, each still at most max_model_len).
+    host_kv_tokens: int | None = None
     block_size: int | None = None
     num_ring_slots: int | None = None
     prefill: str | None = None
@@ -209,7 +212,7 @@ class EngineConfig:
                     "sparse_policy is the old name of decode_policy, give one."
                 )
             config = dataclasses.replace(self, decode_policy=self.sparse_policy, sparse_policy=None)
-        offload_only = list(OFFLOAD_DEFAULTS) + list(PAGE_POLICY_DEFAULTS) + list(SKETCH_DEFAULTS)
+        offload_only = ["host_kv_tokens", *OFFLOAD_DEFAULTS, *PAGE_POLICY_DEFAULTS, *SKETCH_DEFAULTS]
         given = [name for name in offload_only if getattr(config, name) is not None]
         if not config.offload and given:
             raise ValueError(
@@ -361,7 +364,11 @@ class EngineConfig:
                     f"dense_layers must be an integer from 0 to the model's {model.num_layers} layers, "
                     f"got {self.dense_layers!r}."
                 )
-        return dataclasses.replace(self, max_model_len=max_len)
+        host_tokens = max_len if self.host_kv_tokens is None else self.host_kv_tokens
+        if self.offload and (not _int(host_tokens) or host_tokens < max_len):
+            raise ValueError(f"host_kv_tokens must be an integer >= max_model_len {max_len} (one request's most), "
+                             f"got {self.host_kv_tokens!r}.")
+        return dataclasses.replace(self, max_model_len=max_len, host_kv_tokens=host_tokens if self.offload else None)
 
 
 def _names_apply(names: list[str]) -> str:

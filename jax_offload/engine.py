@@ -41,7 +41,7 @@ class LLM:
 
     Several prompts run together (continuous batching, `jax_offload.serving`): with the KV cache in GPU memory
     over a paged pool allocated at the first such call and kept; offloaded, over the host store, which then holds
-    max_model_len tokens of all running requests together. One prompt also runs on the batch engine with its KV in
+    `host_kv_tokens` tokens (default max_model_len) of all running requests together. One prompt also runs on the batch engine with its KV in
     GPU memory and the Pallas kernels, or with prefix caching; otherwise one prompt, and XAttention prefill in GPU
     memory, run requests one after another, each from a fresh KV cache.
 
@@ -76,6 +76,7 @@ class LLM:
         dtype: str = "bfloat16",
         max_model_len: int | None = None,
         offload: bool = False,
+        host_kv_tokens: int | None = None,
         block_size: int | None = None,
         num_ring_slots: int | None = None,
         prefill: str | None = None,
@@ -109,7 +110,8 @@ class LLM:
             raise FileNotFoundError(f"Model directory {model_dir} does not exist.")
         model_config = ModelConfig.from_hf(model_dir)
         options = EngineConfig(
-            dtype=dtype, max_model_len=max_model_len, offload=offload, block_size=block_size,
+            dtype=dtype, max_model_len=max_model_len, offload=offload, host_kv_tokens=host_kv_tokens,
+            block_size=block_size,
             num_ring_slots=num_ring_slots, prefill=prefill, sparse_policy=sparse_policy, decode_policy=decode_policy,
             decode_budget=decode_budget, page_size=page_size, dense_layers=dense_layers,
             sparse_cache_gb=sparse_cache_gb, sketch_dtype=sketch_dtype, prefill_policy=prefill_policy,

@@ -44,6 +44,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--offload", action="store_true", help="keep the KV cache in pinned host memory")
+    p.add_argument("--host-kv-tokens", type=int,
+                   help="offload: tokens of KV the pinned host store holds for all running requests together "
+                        "(default: --max-model-len)")
     p.add_argument("--block-size", type=int, help="tokens per KV block (offload; default 4096)")
     p.add_argument("--ring-slots", type=int,
                    help="GPU slots the KV blocks stream through (offload; default 16 x the tensor parallel size)")
@@ -87,10 +90,11 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
 
 # The options of add_engine_options that LLM takes under the same name.
 _LLM_OPTIONS = (
-    "max_model_len", "offload", "block_size", "prefill", "decode_policy", "decode_budget", "page_size",
-    "dense_layers", "sparse_cache_gb", "sketch_dtype", "prefill_policy", "xattn_threshold", "xattn_stride", "xattn_block",
-    "xattn_density", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "tensor_parallel_size",
-    "batch_invariant", "enable_prefix_caching", "prefix_cache_host_gb", "kv_cache_dtype", "blend_recompute_ratio",
+    "max_model_len", "offload", "host_kv_tokens", "block_size", "prefill", "decode_policy", "decode_budget",
+    "page_size", "dense_layers", "sparse_cache_gb", "sketch_dtype", "prefill_policy", "xattn_threshold",
+    "xattn_stride", "xattn_block", "xattn_density", "max_num_seqs", "max_num_batched_tokens",
+    "gpu_memory_utilization", "tensor_parallel_size", "batch_invariant", "enable_prefix_caching",
+    "prefix_cache_host_gb", "kv_cache_dtype", "blend_recompute_ratio",
 )
 
 
@@ -111,11 +115,11 @@ def load_llm(args: argparse.Namespace, quiet: bool = False):
 
 
 def _make_room_for_pinned_kv(model_dir: Path, args: argparse.Namespace) -> None:
-    """Raises XLA's pinned host pool limit (read when JAX starts its GPU backend, so before that) to what the
-    offloaded KV store of --max-model-len tokens takes, when that is past the default and the user set none. With
-    a page policy (sketch, Quest) and chunked prefill, it also makes room for the prefill mirror (a second copy of
-    the page layers' blocks while a prompt is prefilled, `HostKVStore.start_mirror`), as far as the host's memory
-    goes: without it those layers' reads are serialized with compute on some hosts."""
+    """Raises XLA's pinned host pool limit (read when JAX starts its GPU backend, so before that) to what the offloaded
+    KV store of --host-kv-tokens (default --max-model-len) tokens takes, when that is past the default and the
+    user set none. With a page policy (sketch, Quest) and chunked prefill, it also makes room for the prefill
+    mirror (a second copy of the page layers' blocks while a prompt is prefilled, `HostKVStore.start_mirror`), as
+    far as the host's memory goes: without it those layers' reads are serialized with compute on some hosts."""
     from jax_offload.config import OFFLOAD_DEFAULTS, PAGE_POLICIES, PAGE_POLICY_DEFAULTS, ModelConfig, round_up
     from jax_offload.kv import host_store
     from jax_offload.kv.kv_cache_dtype import KV_CACHE_DTYPES
@@ -125,7 +129,7 @@ def _make_room_for_pinned_kv(model_dir: Path, args: argparse.Namespace) -> None:
     cfg = ModelConfig.from_hf(model_dir)
     if args.kv_cache_dtype not in KV_CACHE_DTYPES:
         return  # LLM names the allowed values
-    tokens = round_up(args.max_model_len or cfg.max_position_embeddings,
+    tokens = round_up(args.host_kv_tokens or args.max_model_len or cfg.max_position_embeddings,
                       args.block_size or OFFLOAD_DEFAULTS["block_size"])
     # The model's dtype is at most 2 bytes an element on a GPU (bfloat16 or float16).
     shape = (cfg.num_layers, tokens, cfg.num_kv_heads, cfg.head_dim, args.kv_cache_dtype, "bfloat16")

@@ -77,7 +77,7 @@ class OffloadRunner:
         self.cfg, self.params, self.inv_freq, self.dtype, self.impl, self.tp = cfg, params, inv_freq, dtype, impl, tp
         self.block_size, self.num_slots, self.mode = engine.block_size, engine.num_ring_slots, engine.prefill
         self.group = group_size(engine.num_ring_slots)
-        num_blocks = -(-engine.max_model_len // engine.block_size)
+        num_blocks = -(-engine.host_kv_tokens // engine.block_size)
         # The page-choosing policy's metadata on the GPU (Quest's bounds or the key sketch), None for full decode.
         self.pages: QuestPages | KeySketch | None = None
         self.page_cache: PageCache | None = None  # recently chosen pages in GPU memory (`sparse_cache_gb`)
@@ -183,7 +183,7 @@ class OffloadRunner:
         is the request's block table (default: the store's blocks 0, 1, ...; full attention only), whose first
         `cached_blocks` already hold the prompt's KV (a cached prefix): prefill then runs chunk by chunk after
         them, as chunked prefill would. `total_len` is the in-GPU runner's argument (it sizes that runner's cache;
-        the store here is sized for max_model_len)."""
+        the store here is sized for host_kv_tokens)."""
         if blocks is not None:
             if len(blocks) < prompt_len // self.block_size:
                 raise ValueError(f"A block table of {len(blocks)} blocks cannot hold a {prompt_len}-token prompt.")

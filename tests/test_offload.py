@@ -193,6 +193,7 @@ def _pinned_host_bytes() -> int:
     (dict(block_size=64), "block_size"), (dict(num_ring_slots=2), "num_ring_slots"),
     (dict(prefill="layerwise"), "prefill"), (dict(sparse_policy="full"), "decode_policy"),
     (dict(decode_policy="quest", decode_budget=512), "decode_policy, decode_budget"),
+    (dict(host_kv_tokens=4096), "host_kv_tokens"),
 ])
 def test_offload_options_need_offload(model, option, name):
     path, _, _ = model
@@ -208,6 +209,8 @@ def test_offload_options_need_offload(model, option, name):
         (dict(block_size=0), "block_size must be a positive multiple of 16"),
         (dict(block_size=100), "block_size must be a positive multiple of 16"),
         (dict(num_ring_slots=0), "num_ring_slots must be an integer >= 1"),
+        (dict(max_model_len=512, host_kv_tokens=256),
+         "host_kv_tokens must be an integer >= max_model_len 512 .one request's most., got 256"),
         (dict(max_model_len=4096, block_size=16), None),
     ],
 )

@@ -372,19 +372,20 @@ XATTN_CHUNKED = dict(prefill_policy="xattention", prefill="chunked", xattn_thres
 
 
 @pytest.mark.parametrize("policy,impl,dtype,options", [
-    ("sketch", "pallas", "float32", {}), ("quest", "xla", "float32", {}), ("sketch", "xla", "bfloat16", {}),
-    ("sketch", "xla", "float32", XATTN_CHUNKED)])
+    ("sketch", "pallas", "float32", {}), ("quest", "xla", "float32", dict(max_model_len=512, host_kv_tokens=2048)),
+    ("sketch", "xla", "bfloat16", {}), ("sketch", "xla", "float32", XATTN_CHUNKED)])
 def test_page_policy_prompts_together_equal_each_alone(model_dir, policy, impl, dtype, options):
     """Offloaded sketch and Quest decode on the batch engine: 4 prompts of 70..450 tokens (budget 64 of them),
     greedy and seeded, together give each one's tokens alone (the one-request path), in float32 and in bfloat16,
     after full or XAttention prefill: each request's pages are chosen from its own metadata, kept by store block,
-    and read at its store pages. The store is empty after."""
+    and read at its store pages. The store is empty after. With a store of more tokens than max_model_len
+    (`host_kv_tokens`), prompts that one request's length could not hold together still run together."""
     rng = np.random.default_rng(510)
     prompts = [rng.integers(3, 250, size=int(n)).tolist() for n in (300, 70, 190, 450)]
     params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=3, max_tokens=25, ignore_eos=True)] * 2
-    llm = _sparse(model_dir, 64, policy, attention_impl=impl, max_num_seqs=4, max_model_len=2048, dtype=dtype,
-                  **options)
+    llm = _sparse(model_dir, 64, policy, attention_impl=impl, max_num_seqs=4, dtype=dtype,
+                  **{"max_model_len": 2048, **options})
     together, alone, engine = _together_and_alone(llm, llm, prompts, params)
     where = f"model seed {MODEL_SEED}, prompt seed 510, {policy}, {impl}, {dtype}, {options}"
     assert max(n for kind, n, _, _ in engine.step_log if kind == "decode") == 4, where

@@ -163,7 +163,7 @@ class BatchEngine:
         gpu_memory_utilization: float = 0.9,
         enable_prefix_caching: bool = False,
     ) -> "BatchEngine":
-        """Requests share the host store of the offloaded engine's `runner` (its blocks: max_model_len tokens in
+        """Requests share the host store of the offloaded engine's `runner` (its blocks: host_kv_tokens tokens in
         all) and each running one holds a GPU tail slot (a block of every layer); as many slots as
         `gpu_memory_utilization` of the device memory leaves, at most max_num_seqs, bound how many run at
         once. `enable_prefix_caching`: prompts reuse the stored blocks of earlier prompts' equal prefixes, kept in
