@@ -20,7 +20,8 @@ Phases, each in a fresh process writing phase_<phase>_<shape>.json under --out:
     python bench/bench_throughput.py --shapes llama-3.1-8b --phases ours,hf,batch1 --runs 3 --out DIR
     python bench/bench_throughput.py --shapes llama-3.1-8b --phases offload --out DIR
     python bench/bench_throughput.py --shapes llama-3.1-8b --phases offload --offload-context 65536 \
-        --offload-decode-policy sketch --offload-kv-cache-dtype int8 --out DIR           # 8 x 64K, sketch
+        --offload-decode-policy sketch --offload-kv-cache-dtype int8 --offload-block-size 4096 --runs 0 \
+        --out DIR                                                   # 8 x 64K, sketch: decode steps only
     (add --offload-sparse-cache-gb 4.5 for a page cache: 9 regions of twice the budget at int8)
     python bench/bench_throughput.py --shape smoke --out /tmp/tp                             # CPU check, < 1 min
     --batch-invariant runs the engine's batch-invariant mode; its phase files end in _batch_invariant.json
@@ -32,6 +33,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -177,14 +179,20 @@ def phase_offload(args) -> dict:
     rng = random.Random(2)
     prompts = [rng.choices(range(1000), k=ctx) for _ in range(n)]
     sp = SamplingParams(temperature=0.0, max_tokens=args.offload_tokens, ignore_eos=True)
-    bs = 64 if args.shape == "smoke" else 1024
+    bs = 64 if args.shape == "smoke" else args.offload_block_size
     policy = {"decode_policy": args.offload_decode_policy, "kv_cache_dtype": args.offload_kv_cache_dtype}
     if args.offload_sparse_cache_gb:
         policy["sparse_cache_gb"] = args.offload_sparse_cache_gb
-    llm = m.llm(max_model_len=n * (ctx + args.offload_tokens + bs), offload=True, block_size=bs, max_num_seqs=n,
-                **policy)
+    per_request = ctx + args.offload_tokens + bs
+    llm = m.llm(max_model_len=per_request, host_kv_tokens=n * per_request, offload=True, block_size=bs,
+                max_num_seqs=n, **policy)
+    start = time.perf_counter()
     llm.generate(prompts, sp)  # warm-up: every step shape compiled, batched and alone
-    llm.generate(prompts[:1], sp)
+    print(f"offload: {n} requests together (warm-up) in {time.perf_counter() - start:.0f} s", flush=True)
+    # Decode steps of one request alone (the one-request path where the engine sends it there): the warm-up's and
+    # every timed alone request's.
+    alone_steps = list(llm.generate(prompts[:1], sp)[0].decode_token_seconds)
+    print(f"offload: one request alone (warm-up) done at {time.perf_counter() - start:.0f} s", flush=True)
     together, alone = [], []
     for _ in range(args.runs):
         t = time.perf_counter()
@@ -192,7 +200,7 @@ def phase_offload(args) -> dict:
         together.append(time.perf_counter() - t)
         t = time.perf_counter()
         for prompt in prompts:
-            llm.generate([prompt], sp)
+            alone_steps += llm.generate([prompt], sp)[0].decode_token_seconds
         alone.append(time.perf_counter() - t)
     engine = llm._batch_engine
     bw = h2d_bandwidth(GiB if args.shape != "smoke" else 2**24)
@@ -203,12 +211,16 @@ def phase_offload(args) -> dict:
     floors = [n * ((kv // n - 1) // bs * bs) * cfg.kv_bytes_per_token / bw["median"] for kv, _ in full] \
         if policy == {"decode_policy": "full", "kv_cache_dtype": "auto"} else []
     tokens = n * args.offload_tokens
+    end_to_end = {"together_seconds": stats(together), "alone_seconds": stats(alone),
+                  "together_tokens_per_second": stats([tokens / s for s in together]),
+                  "alone_tokens_per_second": stats([tokens / s for s in alone]),
+                  "speedup": stats([a / t for a, t in zip(alone, together)])} if together else {}
     return {"shape": shape, "requests": n, "context": ctx, "new_tokens": args.offload_tokens, "block_size": bs,
-            **policy,
-            "together_seconds": stats(together), "alone_seconds": stats(alone),
-            "together_tokens_per_second": stats([tokens / s for s in together]),
-            "alone_tokens_per_second": stats([tokens / s for s in alone]),
-            "speedup": stats([a / t for a, t in zip(alone, together)]),
+            **policy, **end_to_end,
+            # Decode alone: output tok/s of steps of one request and of steps of all n together, and their ratio.
+            "decode_together_tokens_per_second": stats([n / s for _, s in full]),
+            "decode_alone_tokens_per_second": stats([1 / s for s in alone_steps]),
+            "decode_speedup": statistics.median(n / s for _, s in full) * statistics.median(alone_steps),
             "full_batch_step_seconds": stats([s for _, s in full]),
             "full_batch_step_pcie_floor_ratio": stats([s / f for (_, s), f in zip(full, floors)]) if floors else None,
             # With a page cache: of the pages the last step (alone) chose, the share already cached.
@@ -342,11 +354,15 @@ def report(srcs: list[Path], out: Path) -> None:
     for key, o in phases.items():
         if key.startswith("offload_"):
             policy = f"{o.get('decode_policy', 'full')} decode, KV {o.get('kv_cache_dtype', 'auto')}"
+            end_to_end = (f"together {fmt(o['together_tokens_per_second'], digits=1)} output tok/s, one after "
+                          f"another {fmt(o['alone_tokens_per_second'], digits=1)} (speedup {fmt(o['speedup'])}); "
+                          if "speedup" in o else "")
+            decode = (f"decode steps alone: together {fmt(o['decode_together_tokens_per_second'], digits=1)} tok/s, "
+                      f"one request {fmt(o['decode_alone_tokens_per_second'], digits=1)} (speedup "
+                      f"{o['decode_speedup']:.2f}); " if "decode_speedup" in o else "")
             lines += ["", f"Offloaded KV, {o['shape']}, {o['requests']} requests of {o['context']} tokens, "
-                      f"{o['new_tokens']} new tokens each (block {o['block_size']}, {policy}): together "
-                      f"{fmt(o['together_tokens_per_second'], digits=1)} output tok/s, one after another "
-                      f"{fmt(o['alone_tokens_per_second'], digits=1)} (speedup {fmt(o['speedup'])}); a decode step of "
-                      f"all {o['requests']}: {fmt(o['full_batch_step_seconds'], 1e3)} ms"
+                      f"{o['new_tokens']} new tokens each (block {o['block_size']}, {policy}): {end_to_end}{decode}"
+                      f"a decode step of all {o['requests']}: {fmt(o['full_batch_step_seconds'], 1e3)} ms"
                       + (f", {fmt(o['full_batch_step_pcie_floor_ratio'])}x its PCIe floor (stored KV of every request "
                          f"/ {o['h2d_bandwidth']['median'] / 1e9:.1f} GB/s host-to-GPU)"
                          if o["full_batch_step_pcie_floor_ratio"] else "") + "."]
@@ -377,6 +393,8 @@ def main() -> None:
     p.add_argument("--batch1-context", type=int, default=8192)
     p.add_argument("--offload-context", type=int, default=8192)
     p.add_argument("--offload-requests", type=int, default=8)
+    p.add_argument("--offload-block-size", type=int, default=1024,
+                   help="offload phase: tokens per KV block (1024; the engine's default is 4096)")
     p.add_argument("--offload-tokens", type=int, default=32)
     p.add_argument("--offload-decode-policy", default="full", help="offload phase: full, sketch or quest")
     p.add_argument("--offload-kv-cache-dtype", default="auto", help="offload phase: auto, fp8 or int8")
@@ -409,7 +427,7 @@ def main() -> None:
     else:
         extra = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
                  ("runs", "hf_runs", "num_seqs", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
-                  "batch1_context", "offload_context", "offload_requests", "offload_tokens")]
+                  "batch1_context", "offload_context", "offload_requests", "offload_tokens", "offload_block_size")]
         extra.append("--batch-invariant" if args.batch_invariant else "--no-batch-invariant")
     extra += ["--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
               "--distinct-runs" if args.distinct_runs else "--no-distinct-runs",

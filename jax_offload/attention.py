@@ -391,7 +391,7 @@ def dense_stored_layer(
     def local(q, buffer, state, num_keys):
         if impl == "xla":
             return attend(impl, q, *_layer_blocks(buffer, q.dtype), state, causal=False, kv_len=num_keys)
-        return attend_rows(impl, q, buffer, _all_rows(buffer), num_keys, state, host, device)
+        return attend_rows(impl, q, buffer, _all_rows(buffer), num_keys, state, host, device, LAYER_SPLIT_KEYS)
 
     state = _local(tp, local, (HEADS, BUFFER_HEADS, STATE_HEADS, None), STATE_HEADS)(q, buffer, state, num_keys)
     return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state, tp), tail
@@ -405,14 +405,16 @@ def stored_blocks_attend_rows(impl: str, qs: tuple[jax.Array, ...], buffer, bloc
     `dense_stored_layer` reads it, each through its block table, in one program (a launch costs the host more than a
     row's work): for each, `blocks` [num_blocks] its store blocks in order, then any (read past its `num_keys` keys:
     masked), and q [1, 1, Hq, D] -> its state continued."""
-    def local(q, buffer, state, blocks, num_keys):
+    def local(qs, buffer, states, blocks, num_keys):
         if impl == "xla":
-            mine = jax.tree.map(lambda b: b[blocks], buffer)
-            return attend(impl, q, *_layer_blocks(mine, q.dtype), state, causal=False, kv_len=num_keys)
-        return attend_rows(impl, q, buffer, _table_rows(buffer, blocks), num_keys, state, host, device)
+            return tuple(attend(impl, q, *_layer_blocks(jax.tree.map(lambda b: b[table], buffer), q.dtype), state,
+                                causal=False, kv_len=n) for q, state, table, n in zip(qs, states, blocks, num_keys))
+        return attend_rows_many(impl, qs, buffer, tuple(_table_rows(buffer, table) for table in blocks), num_keys,
+                                states, host, device, LAYER_SPLIT_KEYS)
 
-    row = _local(tp, local, (HEADS, BUFFER_HEADS, STATE_HEADS, None, None), STATE_HEADS)
-    return tuple(row(*args) for args in zip(qs, (buffer,) * len(qs), states, blocks, num_keys))
+    each = tuple(None for _ in qs)
+    return _local(tp, local, ((HEADS,) * len(qs), BUFFER_HEADS, (STATE_HEADS,) * len(qs), each, each),
+                  (STATE_HEADS,) * len(qs))(qs, buffer, states, blocks, num_keys)
 
 
 @functools.partial(step_jit, static_argnums=(0, 2, 4, 5, 6, 7, 11, 12), static_argnames=("tp",))
@@ -426,16 +428,19 @@ def chosen_pages_attend_rows(impl: str, qs: tuple[jax.Array, ...], scorer, meta:
     page of each of its pages (store block * pages a block + page in it; past its num_pages: any). A request's
     metadata is gathered by its table, so its scores and choice are its own; its chosen pages are read at their
     store pages in its page order. q [1, 1, Hq, D] -> its state continued."""
-    def local(q, meta, buffer, state, num_pages, page_table):
-        pages = _request_pages(impl, q, scorer, meta, page_table, num_pages, num_candidates, budget_pages)
-        rows = _table_page_rows(pages, page_table, num_candidates, buffer, page_size, block_size)
-        num_keys = jnp.minimum(num_pages, budget_pages) * page_size
-        return attend_rows(impl, q, buffer, rows.reshape(pages.shape[0], -1), num_keys, state, host, device)
+    def local(qs, meta, buffer, states, num_pages, page_tables):
+        rows = []
+        for q, n, table in zip(qs, num_pages, page_tables):
+            pages = _request_pages(impl, q, scorer, meta, table, n, num_candidates, budget_pages)
+            rows.append(_table_page_rows(pages, table, num_candidates, buffer, page_size, block_size)
+                        .reshape(pages.shape[0], -1))
+        num_keys = tuple(jnp.minimum(n, budget_pages) * page_size for n in num_pages)
+        return attend_rows_many(impl, qs, buffer, tuple(rows), num_keys, states, host, device)
 
     meta_heads = tuple(METADATA_HEADS for _ in meta)
-    row = _local(tp, local, (HEADS, meta_heads, BUFFER_HEADS, STATE_HEADS, None, None), STATE_HEADS)
-    return tuple(row(q, tuple(meta), buffer, state, n, table)
-                 for q, state, n, table in zip(qs, states, num_pages, page_tables))
+    each = tuple(None for _ in qs)
+    return _local(tp, local, ((HEADS,) * len(qs), meta_heads, BUFFER_HEADS, (STATE_HEADS,) * len(qs), each, each),
+                  (STATE_HEADS,) * len(qs))(qs, tuple(meta), buffer, states, num_pages, page_tables)
 
 
 def _request_pages(impl, q, scorer, meta, page_table, num_pages, num_candidates: int, budget_pages: int) -> jax.Array:
@@ -470,23 +475,25 @@ def cached_pages_attend_rows(impl: str, qs: tuple[jax.Array, ...], scorer, meta:
                            lambda p: _table_page_rows(p, page_table, num_candidates, buffer, page_size, block_size),
                            kv, maps, base, step, buffer, page_size, host, device, tp)
 
-    def read(q, kv, use, base, state, num_pages):
-        return _cache_attend(impl, q, kv, use, base, jnp.minimum(num_pages, budget_pages) * page_size, state,
-                             page_size, device)
+    def read(qs, kv, uses, bases, states, num_pages):
+        rows = tuple(_cache_page_rows(kv, use, base, page_size) for use, base in zip(uses, bases))
+        return attend_rows_many(impl, qs, kv, rows, tuple(jnp.minimum(n, budget_pages) * page_size for n in num_pages),
+                                states, device, device)
 
     meta_heads = tuple(METADATA_HEADS for _ in meta)
     maps_heads = page_cache.CacheState(None, 0, 0, 0)
     use_heads = page_cache.CachePlan(0, 0, 0, None, None, maps_heads)
     fill_row = _local(tp, choose_and_fill, (HEADS, meta_heads, BUFFER_HEADS, BUFFER_HEADS, maps_heads, None, None,
                                             None, None), (BUFFER_HEADS, use_heads, None))
-    read_row = _local(tp, read, (HEADS, BUFFER_HEADS, use_heads, None, STATE_HEADS, None), STATE_HEADS)
+    each = tuple(None for _ in qs)
+    read_rows = _local(tp, read, ((HEADS,) * len(qs), BUFFER_HEADS, (use_heads,) * len(qs), each,
+                                  (STATE_HEADS,) * len(qs), each), (STATE_HEADS,) * len(qs))
     uses, counts = [], []
     for q, row_maps, n, table, base, step in zip(qs, maps, num_pages, page_tables, bases, steps):
         kv, use, row_counts = fill_row(q, tuple(meta), buffer, kv, row_maps, n, table, base, step)
         uses.append(use)
         counts.append(row_counts)
-    out = tuple(read_row(q, kv, use, base, state, n) for q, use, base, state, n in zip(qs, uses, bases, states,
-                                                                                      num_pages))
+    out = read_rows(qs, kv, tuple(uses), bases, states, num_pages)
     return out, kv, tuple(use.state for use in uses), jnp.stack(counts)
 
 
@@ -516,30 +523,60 @@ def reads_rows_in_place(impl: str) -> bool:
     return impl == "pallas" and jax.default_backend() == "gpu"
 
 
+# Keys per split of the fold in `attend_rows_many`: a request's bits depend on its keys and this alone (not on the
+# rows read with it, the tables' width or the programs), so alone or together, from the store or from the page
+# cache, it gets the same bits. Chosen pages: 64 keys, a 4,096-key budget in 64 splits per KV head (30 sparse layers
+# at 128K on an H200: 0.71 ms from GPU memory against 0.99 in 16 splits, bench/results/runs/h200_sparse_batch/).
+# Whole layers in GPU memory (the dense layers of sketch and Quest): 256 keys, as the batch-invariant decode.
+CHOSEN_SPLIT_KEYS = 64
+LAYER_SPLIT_KEYS = 256
+# Programs of one `attend_rows_many` call over all its requests and KV heads (the speed, not the bits).
+ROWS_TARGET_PROGRAMS = 1024
+
+
 def attend_rows(impl: str, q: jax.Array, buffer: jax.Array, rows: jax.Array, num_keys: jax.Array,
-                state: AttentionState, host, device) -> AttentionState:
+                state: AttentionState, host, device, split_keys: int = CHOSEN_SPLIT_KEYS) -> AttentionState:
     """Continues `state` of q [1, 1, Hq, D] over store rows [Hkv, n] of a one-buffer layer `buffer` (each KV
-    head's own rows, its first `num_keys` keys). With the Pallas kernels on a GPU, or a buffer in GPU memory, the
-    paged kernel reads the rows straight from the buffer: from a pinned host buffer only they cross PCIe and
-    nothing is gathered first. The jnp path (and Pallas interpret mode, which cannot read host memory) gathers
-    the rows on the host and moves them first."""
+    head's own rows, its first `num_keys` keys): `attend_rows_many` of one request."""
+    return attend_rows_many(impl, (q,), buffer, (rows,), (num_keys,), (state,), host, device, split_keys)[0]
+
+
+def attend_rows_many(impl: str, qs: tuple[jax.Array, ...], buffer: jax.Array, rows: tuple[jax.Array, ...],
+                     num_keys: tuple[jax.Array, ...], states: tuple[AttentionState, ...], host, device,
+                     split_keys: int = CHOSEN_SPLIT_KEYS) -> tuple[AttentionState, ...]:
+    """Continues each request's `state` of q [1, 1, Hq, D] over its store rows [Hkv, n] of a one-buffer layer
+    `buffer` (each KV head's own rows, its first `num_keys` keys). With the Pallas kernels all requests' rows go
+    through one paged-kernel call (each KV head of each request a "sequence"), folded in key order in splits of
+    `split_keys` keys: each request gets the bits it gets alone. On a GPU, or with a buffer in GPU memory, the kernel
+    reads the rows straight from the buffer: from a pinned host buffer only they cross PCIe and nothing is gathered
+    first. The jnp path (and Pallas interpret mode, which cannot read host memory) gathers the rows on the host and
+    moves them first."""
     values = values_of(buffer)
     hkv, d = values.shape[1], values.shape[-1]
     if impl == "xla":
-        pages = gather_rows(buffer, rows.reshape(-1), host, device)
-        return attend(impl, q, *_page_keys(pages, hkv, q.dtype), state, causal=False, kv_len=num_keys)
+        return tuple(attend(impl, q, *_page_keys(gather_rows(buffer, r.reshape(-1), host, device), hkv, q.dtype), s,
+                            causal=False, kv_len=n) for q, r, n, s in zip(qs, rows, num_keys, states))
+    width = max(r.shape[1] for r in rows)  # entries past a request's keys are never read
+    tables = jnp.concatenate([jnp.pad(r, ((0, 0), (0, width - r.shape[1]))) for r in rows])
     if reads_rows_in_place(impl) or in_device_memory(host):
         # each KV head's rows: a "sequence"
-        pool, tables = jax.tree.map(lambda b: b.reshape(-1, 2, PAGE_UNIT, 1, b.shape[-1]), buffer), rows
+        pool = jax.tree.map(lambda b: b.reshape(-1, 2, PAGE_UNIT, 1, b.shape[-1]), buffer)
     else:
-        pool = jax.tree.map(lambda p: p[:, :, :, None], gather_rows(buffer, rows.reshape(-1), host, device))
-        tables = jnp.arange(rows.size, dtype=jnp.int32).reshape(rows.shape)
+        pool = jax.tree.map(lambda p: p[:, :, :, None], gather_rows(buffer, tables.reshape(-1), host, device))
+        tables = jnp.arange(tables.size, dtype=jnp.int32).reshape(tables.shape)
     pool, scales = (pool.values, dict(kv_scales=pool.scales)) if isinstance(pool, QuantizedKV) else (pool, {})
-    hq = q.shape[2]
-    o, lse = pallas_kernels.paged_decode_attention_kv_with_lse(
-        q.reshape(hkv, hq // hkv, d), pool, tables, jnp.full((hkv,), num_keys, jnp.int32), out_dtype=jnp.float32,
-        **scales)
-    return pallas_kernels.merge_into_state(state, o.reshape(1, 1, hq, d), lse.reshape(1, hq, 1))
+    hq = qs[0].shape[2]
+    group = hq // hkv
+    state = AttentionState(jnp.concatenate([s.acc.reshape(hkv, 1, group, d) for s in states]),
+                           jnp.concatenate([s.m.reshape(hkv, group, 1) for s in states]),
+                           jnp.concatenate([s.l.reshape(hkv, group, 1) for s in states]))
+    state = pallas_kernels.paged_decode_state_kv(
+        jnp.concatenate([q.reshape(hkv, group, d) for q in qs]), pool, tables,
+        jnp.concatenate([jnp.full((hkv,), n, jnp.int32) for n in num_keys]), state, split_len=split_keys,
+        num_programs=-(-ROWS_TARGET_PROGRAMS // (len(qs) * hkv)), **scales)
+    return tuple(AttentionState(state.acc[i * hkv:(i + 1) * hkv].reshape(1, 1, hq, d),
+                                state.m[i * hkv:(i + 1) * hkv].reshape(1, hq, 1),
+                                state.l[i * hkv:(i + 1) * hkv].reshape(1, hq, 1)) for i in range(len(qs)))
 
 
 def _page_choice(cfg, impl, layer, x, inv_freq, tail, position, tail_len, scorer, meta, budget_pages, page_size,
@@ -596,12 +633,10 @@ def _cache_fill(impl, pages, missing, store_rows, kv, maps: page_cache.CacheStat
     return kv, use, counts
 
 
-def _cache_attend(impl, q, kv, use: page_cache.CachePlan, base, num_keys, state, page_size, device) -> AttentionState:
-    """`state` continued over the chosen pages of a planned and filled region (`_cache_fill`), read from the cache
-    with the kernel and order the store read would use."""
-    slots, total = use.state.page.shape[1], values_of(kv).shape[0]
-    return attend_rows(impl, q, kv, page_cache.slot_rows(use.slots, slots, page_size, base, total), num_keys, state,
-                       device, device)
+def _cache_page_rows(kv, use: page_cache.CachePlan, base, page_size: int) -> jax.Array:
+    """The cache rows [Hkv, n] of the chosen pages of a planned and filled region (`_cache_fill`) starting at slot
+    `base`, in the order the store read would take them."""
+    return page_cache.slot_rows(use.slots, use.state.page.shape[1], page_size, base, values_of(kv).shape[0])
 
 
 def _cached_sparse_decode_layer(
@@ -621,8 +656,8 @@ def _cached_sparse_decode_layer(
         kv, use, counts = _cache_fill(
             impl, pages, num_candidates, lambda p: quest.page_rows(p, num_candidates, page_size, block_size),
             cache.kv, cache, 0, step, buffer, page_size, host, device, tp)
-        state = _cache_attend(impl, q, kv, use, 0, jnp.minimum(num_pages, budget_pages) * page_size, state,
-                              page_size, device)
+        state = attend_rows(impl, q, kv, _cache_page_rows(kv, use, 0, page_size),
+                            jnp.minimum(num_pages, budget_pages) * page_size, state, device, device)
         return state, use.state._replace(kv=kv), counts
 
     meta_heads = tuple(METADATA_HEADS for _ in meta)

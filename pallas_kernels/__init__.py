@@ -34,6 +34,7 @@ from pallas_kernels.paged_decode import (
     paged_decode_attention_with_lse,
     paged_decode_attention_with_lse_xla,
     paged_decode_state,
+    paged_decode_state_kv,
 )
 from pallas_kernels.sketch import sketch_page_lse
 from pallas_kernels.state import AttentionState, empty_state, finish_state, merge_into_state
@@ -78,6 +79,7 @@ __all__ = [
     "paged_decode_attention_with_lse",
     "paged_decode_attention_with_lse_xla",
     "paged_decode_state",
+    "paged_decode_state_kv",
     "select_blocks",
     "sketch_page_lse",
     "softmax_normalize_block_sum",

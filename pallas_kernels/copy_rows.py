@@ -33,7 +33,7 @@ def _copy_rows_kernel(src_row_ref, dst_row_ref, *refs, num_dst_rows: int):
             output[pl.ds(dst, 1), :] = source[pl.ds(src, 1), :]
 
 
-def _copy_rows(dst, src, src_rows, dst_rows, *, interpret):
+def _copy_rows(dst, src, src_rows, dst_rows, *, interpret, num_warps):
     flat_dst = [d.reshape(d.shape[0], -1) for d in dst]
     flat_src = [s.reshape(s.shape[0], -1) for s in src]
     whole = [pl.BlockSpec(a.shape, lambda i: (0, 0)) for a in flat_src + flat_dst]
@@ -44,17 +44,18 @@ def _copy_rows(dst, src, src_rows, dst_rows, *, interpret):
         out_specs=whole[len(src):],
         out_shape=[jax.ShapeDtypeStruct(d.shape, d.dtype) for d in flat_dst],
         input_output_aliases={2 + len(src) + i: i for i in range(len(dst))},
-        compiler_params=compiler_params(num_warps=4, num_stages=1),
+        compiler_params=compiler_params(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="copy_rows",
     )(src_rows, dst_rows, *flat_src, *flat_dst)
     return [o.reshape(d.shape) for o, d in zip(out, dst)]
 
 
-_copy_rows = interpret_aware_jit(_copy_rows, ("interpret",))
+_copy_rows = interpret_aware_jit(_copy_rows, ("interpret", "num_warps"))
 
 
-def copy_rows(dst, src, src_rows: jax.Array, dst_rows: jax.Array, *, interpret: bool | None = None):
+def copy_rows(dst, src, src_rows: jax.Array, dst_rows: jax.Array, *, interpret: bool | None = None,
+              num_warps: int = 4):
     """dst with dst[dst_rows[i]] = src[src_rows[i]] for each i where dst_rows[i] < dst's rows (the others skipped,
     their source row not read).
 
@@ -64,6 +65,7 @@ def copy_rows(dst, src, src_rows: jax.Array, dst_rows: jax.Array, *, interpret: 
         of two (a Triton block).
       src_rows, dst_rows: int [n], the same n; a kept entry's src row must lie in [0, src's rows).
       interpret: None picks Triton on a GPU backend and interpret mode elsewhere.
+      num_warps: Triton's warps per program (static).
     """
     dst_leaves, tree = jax.tree.flatten(dst)
     src_leaves = tree.flatten_up_to(src)
@@ -78,5 +80,5 @@ def copy_rows(dst, src, src_rows: jax.Array, dst_rows: jax.Array, *, interpret: 
         raise ValueError(f"src_rows {list(src_rows.shape)} and dst_rows {list(dst_rows.shape)}; allowed: one "
                          "shape [n]")
     out = _copy_rows(dst_leaves, src_leaves, src_rows.astype(jnp.int32), dst_rows.astype(jnp.int32),
-                     interpret=resolve_interpret(interpret))
+                     interpret=resolve_interpret(interpret), num_warps=num_warps)
     return tree.unflatten(out)

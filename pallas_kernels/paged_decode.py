@@ -240,6 +240,42 @@ def paged_decode_state(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, blo
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
+def paged_decode_state_kv(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
+                          state: AttentionState, *, kv_scales: jax.Array | None = None, sm_scale: float | None = None,
+                          split_len: int = DECODE_SPLIT, interpret: bool | None = None,
+                          num_programs: int | None = None) -> AttentionState:
+    """`paged_decode_state` over one pool kv_pages [num_pages, 2, page_size, Hkv, D] whose page p holds its keys at
+    [p, 0] and its values at [p, 1] (an 8-bit pool's scales as kv_scales [num_pages, 2, page_size, Hkv, 1]); same
+    arguments and bits rule: each sequence's result depends on its own keys and `split_len` only, not on the batch,
+    the width of the block tables or `num_programs`. The pool may live in pinned host memory, as for
+    `paged_decode_attention_kv_with_lse`."""
+    _check_kv_pool(kv_pages)
+    num_pages, _, page_size, hkv, d = kv_pages.shape
+    half = jax.ShapeDtypeStruct((num_pages, page_size, hkv, d), kv_pages.dtype)
+    half_scales = None if kv_scales is None else jax.ShapeDtypeStruct((num_pages, page_size, hkv, 1), kv_scales.dtype)
+    if kv_scales is not None and kv_scales.shape != (num_pages, 2, page_size, hkv, 1):
+        raise ValueError(f"kv_scales has shape {kv_scales.shape}; allowed: {(num_pages, 2, page_size, hkv, 1)}")
+    block_tables, seq_lens = _check_paged_args(q, half, half, block_tables, seq_lens, half_scales, half_scales)
+    batch, hq, _ = q.shape
+    check_pallas_head_dim(d)
+    check_state(state, batch, 1, hq, d)
+    if split_len < MIN_BLOCK or split_len % MIN_BLOCK or split_len % page_size:
+        raise ValueError(f"split_len={split_len}; allowed: a positive multiple of {MIN_BLOCK} and of the page size "
+                         f"{page_size}")
+    cfg = default_decode_config(q.dtype)
+    max_splits = -(-block_tables.shape[1] * page_size // split_len)
+    if num_programs is None:
+        num_programs = -(-_TARGET_PROGRAMS // (batch * hkv))
+    rows = num_pages * 2 * page_size
+    pool = kv_pages.reshape(rows, hkv, d)
+    return _paged_decode_state(
+        q, pool, pool, _scale_rows(rows, hkv, kv_scales, kv_scales), block_tables, seq_lens, state,
+        page_size=page_size, v_offset=page_size, sm_scale=check_sm_scale(sm_scale, d),
+        interpret=resolve_interpret(interpret), block_k=math.gcd(cfg["block_k"], split_len, page_size),
+        split_len=split_len, num_programs=int(max(1, min(num_programs, max_splits))), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+
+
 def _scale_rows(rows: int, hkv: int, k_scales, v_scales):
     """None, or the scales of k and v as [rows, Hkv] (the kernel's row indexing)."""
     if k_scales is None:
