@@ -407,8 +407,9 @@ def stored_blocks_attend_rows(impl: str, qs: tuple[jax.Array, ...], buffer, bloc
     masked), and q [1, 1, Hq, D] -> its state continued."""
     def local(qs, buffer, states, blocks, num_keys):
         if impl == "xla":
-            return tuple(attend(impl, q, *_layer_blocks(jax.tree.map(lambda b: b[table], buffer), q.dtype), state,
-                                causal=False, kv_len=n) for q, state, table, n in zip(qs, states, blocks, num_keys))
+            mine = [jax.tree.map(lambda b, t=table: b[t], buffer) for table in blocks]
+            return tuple(attend(impl, q, *_layer_blocks(m, q.dtype), state, causal=False, kv_len=n)
+                         for q, state, m, n in zip(qs, states, mine, num_keys))
         return attend_rows_many(impl, qs, buffer, tuple(_table_rows(buffer, table) for table in blocks), num_keys,
                                 states, host, device, LAYER_SPLIT_KEYS)
 
@@ -429,11 +430,10 @@ def chosen_pages_attend_rows(impl: str, qs: tuple[jax.Array, ...], scorer, meta:
     metadata is gathered by its table, so its scores and choice are its own; its chosen pages are read at their
     store pages in its page order. q [1, 1, Hq, D] -> its state continued."""
     def local(qs, meta, buffer, states, num_pages, page_tables):
-        rows = []
-        for q, n, table in zip(qs, num_pages, page_tables):
-            pages = _request_pages(impl, q, scorer, meta, table, n, num_candidates, budget_pages)
-            rows.append(_table_page_rows(pages, table, num_candidates, buffer, page_size, block_size)
-                        .reshape(pages.shape[0], -1))
+        hkv = meta[0].shape[0]
+        pages = _requests_pages(impl, qs, scorer, meta, page_tables, num_pages, num_candidates, budget_pages)
+        rows = [_table_page_rows(_heads_of(pages, i, hkv), table, num_candidates, buffer, page_size, block_size)
+                .reshape(hkv, -1) for i, table in enumerate(page_tables)]
         num_keys = tuple(jnp.minimum(n, budget_pages) * page_size for n in num_pages)
         return attend_rows_many(impl, qs, buffer, tuple(rows), num_keys, states, host, device)
 
@@ -443,10 +443,25 @@ def chosen_pages_attend_rows(impl: str, qs: tuple[jax.Array, ...], scorer, meta:
                   (STATE_HEADS,) * len(qs))(qs, tuple(meta), buffer, states, num_pages, page_tables)
 
 
-def _request_pages(impl, q, scorer, meta, page_table, num_pages, num_candidates: int, budget_pages: int) -> jax.Array:
-    """`_chosen_pages` of one request of a shared store: its pages' metadata gathered by its page table, so the
-    scores and the choice are its own (pages numbered in its order)."""
-    return _chosen_pages(impl, q, scorer, scorer.gather(meta, page_table), num_pages, num_candidates, budget_pages)
+def _requests_pages(impl, qs, scorer, meta, page_tables, num_pages, num_candidates: int,
+                    budget_pages: int) -> jax.Array:
+    """`_chosen_pages` of requests of a shared store, stacked on the KV-head axis [requests * Hkv, budget_pages]:
+    each one's pages' metadata gathered by its page table and scored alone (pages numbered in its order), then one
+    top-k for all (a selection, each KV head's row on its own: the choice each gets alone)."""
+    hkv = meta[0].shape[0]
+    scores = [scorer.page_scores(impl, q[0, 0], scorer.gather(meta, table), n, num_candidates)
+              for q, n, table in zip(qs, num_pages, page_tables)]
+    return quest.top_pages(jnp.concatenate(scores), _per_head(num_pages, hkv), budget_pages)
+
+
+def _per_head(values: tuple[jax.Array, ...], hkv: int) -> jax.Array:
+    """One int32 scalar per request -> [requests * Hkv, 1], each repeated for its KV heads."""
+    return jnp.concatenate([jnp.full((hkv, 1), v, jnp.int32) for v in values])
+
+
+def _heads_of(x: jax.Array, request: int, hkv: int) -> jax.Array:
+    """A request's rows of an array stacked on the KV-head axis (`_requests_pages`)."""
+    return x[request * hkv:(request + 1) * hkv]
 
 
 def _table_page_rows(pages, page_table, num_candidates: int, buffer, page_size: int, block_size: int) -> jax.Array:
@@ -469,32 +484,43 @@ def cached_pages_attend_rows(impl: str, qs: tuple[jax.Array, ...], scorer, meta:
     (`kv`, the cache's stored KV; `maps`, each region's maps without kv; `bases`, its first slot; `steps`, its decode
     step): the same bits. Every region is filled before any is read (regions are disjoint), so no read of the cache
     comes between two writes of it. -> (states, kv, maps, int32 [requests, 3] of [hits, chosen, pages over PCIe])."""
-    def choose_and_fill(q, meta, buffer, kv, maps, num_pages, page_table, base, step):
-        pages = _request_pages(impl, q, scorer, meta, page_table, num_pages, num_candidates, budget_pages)
-        return _cache_fill(impl, pages, num_candidates,
-                           lambda p: _table_page_rows(p, page_table, num_candidates, buffer, page_size, block_size),
-                           kv, maps, base, step, buffer, page_size, host, device, tp)
-
-    def read(qs, kv, uses, bases, states, num_pages):
-        rows = tuple(_cache_page_rows(kv, use, base, page_size) for use, base in zip(uses, bases))
-        return attend_rows_many(impl, qs, kv, rows, tuple(jnp.minimum(n, budget_pages) * page_size for n in num_pages),
-                                states, device, device)
+    def local(qs, meta, buffer, kv, maps, num_pages, page_tables, bases, steps, states):
+        # One top-k, one plan and one copy for all requests (selection and integer work, each KV head's row on its
+        # own: what each gets alone), and one kernel call reading every request's pages.
+        hkv, rows = meta[0].shape[0], range(len(qs))
+        pages = _requests_pages(impl, qs, scorer, meta, page_tables, num_pages, num_candidates, budget_pages)
+        stacked = page_cache.CacheState(None, *(jnp.concatenate(m) for m in
+                                                zip(*((r.page, r.used, r.slot_of) for r in maps))))
+        use = page_cache.plan(stacked, pages, num_candidates, _per_head(steps, hkv))
+        slots, total = stacked.page.shape[1], values_of(kv).shape[0]
+        store_rows = [_table_page_rows(_heads_of(use.miss_pages, i, hkv), page_tables[i], num_candidates, buffer,
+                                       page_size, block_size) for i in rows]
+        cache_rows = [page_cache.slot_rows(_heads_of(use.miss_slots, i, hkv), slots, page_size, bases[i], total)
+                      .reshape(-1) for i in rows]
+        kv = page_cache.fill(kv, buffer, jnp.concatenate(store_rows), jnp.concatenate(cache_rows),
+                             reads_rows_in_place(impl), host, device)
+        read_rows = tuple(page_cache.slot_rows(_heads_of(use.slots, i, hkv), slots, page_size, bases[i], total)
+                          for i in rows)
+        states = attend_rows_many(impl, qs, kv, read_rows,
+                                  tuple(jnp.minimum(n, budget_pages) * page_size for n in num_pages), states, device,
+                                  device)
+        hits, chosen = (jnp.stack([jnp.sum(_heads_of(x, i, hkv)) for i in rows]) for x in (use.hits, use.chosen))
+        # Pages over PCIe: the misses in place; a gather moves every row of the copy's static shape (the budget).
+        moved = chosen - hits if reads_rows_in_place(impl) else jnp.full_like(chosen, hkv * budget_pages)
+        counts = jnp.stack([hits, chosen, moved], axis=1)
+        if tp is not None and tp.size > 1:
+            counts = jax.lax.psum(counts, AXIS)
+        return states, kv, tuple(page_cache.CacheState(None, *(_heads_of(x, i, hkv) for x in use.state[1:]))
+                                 for i in rows), counts
 
     meta_heads = tuple(METADATA_HEADS for _ in meta)
     maps_heads = page_cache.CacheState(None, 0, 0, 0)
-    use_heads = page_cache.CachePlan(0, 0, 0, None, None, maps_heads)
-    fill_row = _local(tp, choose_and_fill, (HEADS, meta_heads, BUFFER_HEADS, BUFFER_HEADS, maps_heads, None, None,
-                                            None, None), (BUFFER_HEADS, use_heads, None))
-    each = tuple(None for _ in qs)
-    read_rows = _local(tp, read, ((HEADS,) * len(qs), BUFFER_HEADS, (use_heads,) * len(qs), each,
-                                  (STATE_HEADS,) * len(qs), each), (STATE_HEADS,) * len(qs))
-    uses, counts = [], []
-    for q, row_maps, n, table, base, step in zip(qs, maps, num_pages, page_tables, bases, steps):
-        kv, use, row_counts = fill_row(q, tuple(meta), buffer, kv, row_maps, n, table, base, step)
-        uses.append(use)
-        counts.append(row_counts)
-    out = read_rows(qs, kv, tuple(uses), bases, states, num_pages)
-    return out, kv, tuple(use.state for use in uses), jnp.stack(counts)
+    rows = len(qs)
+    each = (None,) * rows
+    return _local(tp, local, ((HEADS,) * rows, meta_heads, BUFFER_HEADS, BUFFER_HEADS, (maps_heads,) * rows, each,
+                              each, each, each, (STATE_HEADS,) * rows),
+                  ((STATE_HEADS,) * rows, BUFFER_HEADS, (maps_heads,) * rows, None))(
+        qs, tuple(meta), buffer, kv, maps, num_pages, page_tables, bases, steps, states)
 
 
 def _chosen_pages(impl, q, scorer, meta, num_pages, num_candidates, budget_pages) -> jax.Array:
@@ -626,8 +652,9 @@ def _cache_fill(impl, pages, missing, store_rows, kv, maps: page_cache.CacheStat
                          page_cache.slot_rows(use.miss_slots, slots, page_size, base, total).reshape(-1),
                          reads_rows_in_place(impl), host, device)
     # Pages over PCIe: the misses in place; a gather moves every row of the copy's static shape (the budget).
-    moved = use.chosen - use.hits if reads_rows_in_place(impl) else jnp.int32(pages.size)
-    counts = jnp.stack([use.hits, use.chosen, moved])
+    hits, chosen = jnp.sum(use.hits), jnp.sum(use.chosen)
+    moved = chosen - hits if reads_rows_in_place(impl) else jnp.int32(pages.size)
+    counts = jnp.stack([hits, chosen, moved])
     if tp is not None and tp.size > 1:
         counts = jax.lax.psum(counts, AXIS)
     return kv, use, counts

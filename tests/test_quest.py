@@ -345,7 +345,7 @@ def test_page_cache_plan_is_lru_per_kv_head():
                 ref_page[h, s], ref_used[h, s] = p, step
                 copies.append((h, p, s))
         where = f"seed {seed}, step {step}"
-        assert int(use.hits) == hits, where
+        assert int(use.hits.sum()) == hits, where
         np.testing.assert_array_equal(np.asarray(use.state.page), ref_page, err_msg=where)
         slot, page = np.asarray(use.slots), np.asarray(use.state.page)
         for h in range(hkv):

@@ -48,8 +48,8 @@ class CachePlan(NamedTuple):
     slots: jax.Array  # int32 [Hkv, k]: the slot of each chosen page once the misses are copied (0 where none)
     miss_pages: jax.Array  # int32 [Hkv, k]: the chosen pages to copy in (the others: past every page)
     miss_slots: jax.Array  # int32 [Hkv, k]: their slots (the others: past every slot)
-    hits: jax.Array  # int32: chosen pages already cached, over the KV heads
-    chosen: jax.Array  # int32: chosen pages, over the KV heads
+    hits: jax.Array  # int32 [Hkv]: chosen pages already cached, per KV head
+    chosen: jax.Array  # int32 [Hkv]: chosen pages, per KV head
     state: CacheState  # the page maps and read steps after the step (kv not yet written)
 
 
@@ -57,7 +57,8 @@ def plan(state: CacheState, pages: jax.Array, missing: int, step: jax.Array) -> 
     """The step's use of the cache for the chosen pages [Hkv, k] (ascending; `missing`, past every page, marks a
     missing entry, as `quest.top_pages` gives them): hits keep their slots; misses, in page order, take the least
     recently read slots not hit at this step. A cache of at least k slots always has room: hits and misses are at
-    most k."""
+    most k. Each KV head's row is planned on its own: maps of several regions stacked on the head axis (with
+    `step` [rows, 1], each row's own) are planned at once, as each alone."""
     hkv, slots = state.page.shape
     if slots < pages.shape[1]:
         raise ValueError(f"A cache of {slots} slots per KV head cannot hold the {pages.shape[1]} pages a step chooses.")
@@ -81,7 +82,7 @@ def plan(state: CacheState, pages: jax.Array, missing: int, step: jax.Array) -> 
     miss_pages = jnp.where(miss, pages, missing)
     miss_slots = jnp.where(miss, new_slot, slots)
     return CachePlan(slot, miss_pages.astype(jnp.int32), miss_slots.astype(jnp.int32),
-                     jnp.sum(hit, dtype=jnp.int32), jnp.sum(valid, dtype=jnp.int32),
+                     jnp.sum(hit, axis=-1, dtype=jnp.int32), jnp.sum(valid, axis=-1, dtype=jnp.int32),
                      CacheState(state.kv, page, used, slot_of))
 
 
