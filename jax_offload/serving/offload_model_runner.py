@@ -121,6 +121,8 @@ class OffloadModelRunner:
         for row, seq in enumerate(seqs):
             tokens[row], positions[row], slots[row] = seq.last_token, seq.num_cached, self._slot[seq.index]
             tail_lens[row] = seq.num_cached % bs
+        # Once a step on the device, not once per layer's two calls (each would move them again).
+        slots, positions, tail_lens = jax.device_put([slots, positions, tail_lens], runner.tp.sharding(None))
         stored = [seq.num_cached // bs for seq in seqs]
         groups, ring = self._stream(seqs, stored)
         tables = self._tables(seqs, stored)
