@@ -148,13 +148,14 @@ def _make_room_for_pinned_kv(model_dir: Path, args: argparse.Namespace) -> None:
 def _keep_compiled_programs(path: str | None) -> None:
     """JAX's persistent compilation cache: a later run of the same configuration loads its programs instead of
     compiling them again (and, on a GPU, XLA's autotuning results), up to COMPILATION_CACHE_BYTES, the least
-    recently used dropped first. An explicit JAX_COMPILATION_CACHE_DIR wins over the default."""
+    recently used dropped first. An explicit JAX_COMPILATION_CACHE_DIR, or a cache the calling program configured
+    already (`main` called as a function), wins over the default."""
     import jax
 
     from jax_offload.default_model import cache_root
 
     if path is None:
-        if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
             return
         path = str(cache_root() / "xla")
     if not path:

@@ -134,6 +134,23 @@ def test_llm_generate_batches_several_prompts(tmp_root):
     assert engine.overlapped_steps > 0, where  # stop strings are met while the next step is in flight
 
 
+def test_cli_keeps_the_compilation_cache_its_caller_configured(tmp_path):
+    """`generate.main` called from a program that configured JAX's compilation cache keeps that cache (the
+    command line's default, $JAX_OFFLOAD_CACHE/xla, is for a run of its own); an explicit directory still wins."""
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_compilation_cache_max_size")
+    before = {name: getattr(jax.config, name) for name in names}
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine"))
+        generate_cli._keep_compiled_programs(None)
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "mine")
+        generate_cli._keep_compiled_programs(str(tmp_path / "asked"))
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "asked")
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
+
+
 def test_cli_prompt_file_jsonl_writes_json_lines(tmp_root, tmp_path, capsys):
     """`--prompt-file x.jsonl --json`: the prompts run together, one JSON line per output in prompt order, the
     tokens those of one-at-a-time greedy `LLM.generate`."""
