@@ -13,7 +13,8 @@ be an earlier prompt's, still in the store: its prefill starts after them, chunk
 With sketch or Quest decode the store keeps the dense layers in GPU memory and the others in one pinned buffer each,
 and the policy's metadata by store block: a row attends its dense layers through its block table and the pages its
 policy chooses from its own metadata (gathered by its page table), as the one-request step reads them; every row of
-such a layer runs in one program (rows with one page-table length), each row's kernels its own.
+such a layer runs in one program (rows with one page-table length): each row's pages scored on its own, then one
+top-k, one plan and copy of the page cache and one paged-kernel call for all of them.
 """
 from __future__ import annotations
 
