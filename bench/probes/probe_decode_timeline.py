@@ -1,6 +1,7 @@
 """Where a sketch decode step's time goes at 128K (Llama-3.1-8B shape, random bf16, offloaded, budget 4096, page 16,
 2 dense layers, block 4096, ring 4; env SPARSE_CACHE_GB for a GPU cache of chosen pages, RING for the ring's
-slots): one generate of 12 tokens after a warm-up, recorded with jax.profiler.trace.
+slots, KV for the KV cache dtype, BATCH=N for N such requests decoding together on the batch engine, the store
+sized for all of them): one generate of 12 tokens after a warm-up, recorded with jax.profiler.trace.
 For the decode steps (the trace's last window as long as decode steps 2-12 took by the engine's own clock) it writes
 the GPU time per step by kernel (names with their digits dropped), the union of busy GPU time, and the step's wall
 time, with the page cache's hit rate and the bytes over PCIe of the last step. Writes probe_decode_timeline.json under
@@ -28,27 +29,35 @@ from jax_offload.kv.ring import group_size  # noqa: E402
 CTX, BLOCK, TOKENS = int(os.environ.get("CTX", 131072)), int(os.environ.get("BLOCK", 4096)), 12
 SHAPE, LAYERS = os.environ.get("SHAPE", "llama-3.1-8b"), os.environ.get("LAYERS")  # a smaller model: a CPU smoke test
 CACHE_GB, RING = float(os.environ.get("SPARSE_CACHE_GB", 0)), int(os.environ.get("RING", 4))
+KV, BATCH = os.environ.get("KV", "auto"), int(os.environ.get("BATCH", 1))
 
 
 def main():
     cfg = model_config(SHAPE, int(LAYERS) if LAYERS else None)
     cfg = dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings, CTX + 2 * BLOCK))
     params = random_params(cfg, jnp.bfloat16)
+    max_len = CTX + TOKENS + BLOCK
     llm = LLM.from_params(cfg, params, dtype="bfloat16", offload=True, block_size=BLOCK, num_ring_slots=RING,
-                          max_model_len=CTX + TOKENS + BLOCK, decode_policy="sketch", decode_budget=min(4096, CTX // 4),
-                          page_size=16, dense_layers=2, sketch_dtype="int4", sparse_cache_gb=CACHE_GB)
+                          max_model_len=max_len, host_kv_tokens=BATCH * max_len, max_num_seqs=BATCH,
+                          decode_policy="sketch", decode_budget=min(4096, CTX // 4), page_size=16, dense_layers=2,
+                          sketch_dtype="int4", sparse_cache_gb=CACHE_GB, kv_cache_dtype=KV)
     rng = np.random.default_rng(0)
     sampling = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
 
-    def run(n):
-        return llm.generate([rng.integers(0, cfg.vocab_size, size=n).tolist()], sampling)[0]
+    def run(n, batch=1):
+        return llm.generate([rng.integers(0, cfg.vocab_size, size=n).tolist() for _ in range(batch)], sampling)[0]
 
-    for k in range(1, 2 * group_size(RING) + 2):
-        run(k * BLOCK)
-    run(BLOCK + 7)
-    # The host's time in the runner's decode (it dispatches the step's programs and returns before they finish).
+    if BATCH > 1:
+        run(CTX, BATCH)  # the batch engine's steps for these lengths, compiled
+    else:
+        for k in range(1, 2 * group_size(RING) + 2):
+            run(k * BLOCK)
+        run(BLOCK + 7)
+    # The host's time in the runner's decode (it dispatches the step's programs and returns before they finish):
+    # the one-request runner's, or the batch engine's.
     runner, dispatch_ms = llm._runner, []
-    decode = runner.decode
+    decoder = llm._batch_engine.runner if BATCH > 1 else runner
+    decode = decoder.decode
 
     def timed_decode(*args, **kwargs):
         start = time.perf_counter()
@@ -56,14 +65,15 @@ def main():
         dispatch_ms.append((time.perf_counter() - start) * 1e3)
         return out
 
-    runner.decode = timed_decode
+    decoder.decode = timed_decode
     outs = []
-    data = profiled(lambda: outs.append(run(CTX)))
+    data = profiled(lambda: outs.append(run(CTX, BATCH)))
     out = outs[0]
     steps = [s * 1e3 for s in out.decode_token_seconds]
     lines = {line.name: len(list(line.events)) for plane in data.planes if plane.name.startswith("/device:GPU")
              for line in plane.lines}
-    result = {**run_metadata(), "ctx": CTX, "ring_slots": RING, "sparse_cache_gb": CACHE_GB, "decode_step_ms": steps,
+    result = {**run_metadata(), "ctx": CTX, "batch": BATCH, "kv_cache_dtype": KV, "ring_slots": RING,
+              "sparse_cache_gb": CACHE_GB, "decode_step_ms": steps,
               "runner_decode_host_ms": dispatch_ms, "prefill_s": out.prefill_seconds,
               "pcie_bytes_last_step": runner.last_decode_pcie_bytes,
               "page_cache_hit_rate": runner.page_cache.hit_rate() if runner.page_cache else None, "gpu_lines": lines,
