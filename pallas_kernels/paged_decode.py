@@ -220,24 +220,34 @@ def paged_decode_state(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, blo
         ~128 programs on a GPU. Changes the speed, not the bits.
     """
     block_tables, seq_lens = _check_paged_args(q, k_pages, v_pages, block_tables, seq_lens, k_scales, v_scales)
+    num_pages, page_size, hkv, d = k_pages.shape
+    rows = num_pages * page_size
+    return _launch_state(q, k_pages.reshape(rows, hkv, d), v_pages.reshape(rows, hkv, d),
+                         _scale_rows(rows, hkv, k_scales, v_scales), block_tables, seq_lens, state, page_size=page_size,
+                         v_offset=0, sm_scale=sm_scale, split_len=split_len, interpret=interpret,
+                         num_programs=num_programs)
+
+
+def _launch_state(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, state, *, page_size, v_offset, sm_scale,
+                  split_len, interpret, num_programs):
+    """Checks the state and split length, defaults the launch parameters (see `paged_decode_state`) and runs the
+    kernel and the fold."""
     batch, hq, d = q.shape
-    num_pages, page_size, hkv, _ = k_pages.shape
+    hkv = k_rows.shape[1]
     check_pallas_head_dim(d)
     check_state(state, batch, 1, hq, d)
     if split_len < MIN_BLOCK or split_len % MIN_BLOCK:
         raise ValueError(f"split_len={split_len}; allowed: a positive multiple of {MIN_BLOCK}")
     cfg = default_decode_config(q.dtype)
-    block_k = math.gcd(cfg["block_k"], split_len, page_size)
     max_splits = -(-block_tables.shape[1] * page_size // split_len)
     if num_programs is None:
         num_programs = -(-_TARGET_PROGRAMS // (batch * hkv))
-    rows = num_pages * page_size
     return _paged_decode_state(
-        q, k_pages.reshape(rows, hkv, d), v_pages.reshape(rows, hkv, d),
-        _scale_rows(rows, hkv, k_scales, v_scales), block_tables, seq_lens, state,
-        page_size=page_size, v_offset=0, sm_scale=check_sm_scale(sm_scale, d), interpret=resolve_interpret(interpret),
-        block_k=block_k, split_len=split_len, num_programs=int(max(1, min(num_programs, max_splits))),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        q, k_rows, v_rows, scale_rows, block_tables, seq_lens, state, page_size=page_size, v_offset=v_offset,
+        sm_scale=check_sm_scale(sm_scale, d), interpret=resolve_interpret(interpret),
+        block_k=math.gcd(cfg["block_k"], split_len, page_size), split_len=split_len,
+        num_programs=int(max(1, min(num_programs, max_splits))), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
 
 
 def paged_decode_state_kv(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
@@ -249,31 +259,11 @@ def paged_decode_state_kv(q: jax.Array, kv_pages: jax.Array, block_tables: jax.A
     arguments and bits rule: each sequence's result depends on its own keys and `split_len` only, not on the batch,
     the width of the block tables or `num_programs`. The pool may live in pinned host memory, as for
     `paged_decode_attention_kv_with_lse`."""
-    _check_kv_pool(kv_pages)
-    num_pages, _, page_size, hkv, d = kv_pages.shape
-    half = jax.ShapeDtypeStruct((num_pages, page_size, hkv, d), kv_pages.dtype)
-    half_scales = None if kv_scales is None else jax.ShapeDtypeStruct((num_pages, page_size, hkv, 1), kv_scales.dtype)
-    if kv_scales is not None and kv_scales.shape != (num_pages, 2, page_size, hkv, 1):
-        raise ValueError(f"kv_scales has shape {kv_scales.shape}; allowed: {(num_pages, 2, page_size, hkv, 1)}")
-    block_tables, seq_lens = _check_paged_args(q, half, half, block_tables, seq_lens, half_scales, half_scales)
-    batch, hq, _ = q.shape
-    check_pallas_head_dim(d)
-    check_state(state, batch, 1, hq, d)
-    if split_len < MIN_BLOCK or split_len % MIN_BLOCK or split_len % page_size:
-        raise ValueError(f"split_len={split_len}; allowed: a positive multiple of {MIN_BLOCK} and of the page size "
-                         f"{page_size}")
-    cfg = default_decode_config(q.dtype)
-    max_splits = -(-block_tables.shape[1] * page_size // split_len)
-    if num_programs is None:
-        num_programs = -(-_TARGET_PROGRAMS // (batch * hkv))
-    rows = num_pages * 2 * page_size
-    pool = kv_pages.reshape(rows, hkv, d)
-    return _paged_decode_state(
-        q, pool, pool, _scale_rows(rows, hkv, kv_scales, kv_scales), block_tables, seq_lens, state,
-        page_size=page_size, v_offset=page_size, sm_scale=check_sm_scale(sm_scale, d),
-        interpret=resolve_interpret(interpret), block_k=math.gcd(cfg["block_k"], split_len, page_size),
-        split_len=split_len, num_programs=int(max(1, min(num_programs, max_splits))), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+    block_tables, seq_lens, pool, scale_rows = _kv_pool_args(q, kv_pages, kv_scales, block_tables, seq_lens)
+    page_size = kv_pages.shape[2]
+    return _launch_state(q, pool, pool, scale_rows, block_tables, seq_lens, state, page_size=page_size,
+                         v_offset=page_size, sm_scale=sm_scale, split_len=split_len, interpret=interpret,
+                         num_programs=num_programs)
 
 
 def _scale_rows(rows: int, hkv: int, k_scales, v_scales):
@@ -374,6 +364,21 @@ def paged_decode_attention_kv_with_lse(q: jax.Array, kv_pages: jax.Array, block_
     The pool may live in pinned host memory (memory kind "pinned_host") when the call runs on a
     GPU inside `jax.jit`: the kernel then reads only the pages its block tables name, over PCIe,
     and nothing copies the pool."""
+    block_tables, seq_lens, pool, scale_rows = _kv_pool_args(q, kv_pages, kv_scales, block_tables, seq_lens)
+    page_size = kv_pages.shape[2]
+    return _launch(q, pool, pool, scale_rows, block_tables, seq_lens, page_size=page_size, v_offset=page_size,
+                   **options)
+
+
+def _check_kv_pool(kv_pages) -> None:
+    if kv_pages.ndim != 5 or kv_pages.shape[1] != 2:
+        raise ValueError(f"kv_pages has shape {kv_pages.shape}; allowed: [num_pages, 2, page_size, Hkv, D]")
+
+
+def _kv_pool_args(q, kv_pages, kv_scales, block_tables, seq_lens):
+    """Checks the arguments of a call over one pool kv_pages [num_pages, 2, page_size, Hkv, D] (scales
+    [num_pages, 2, page_size, Hkv, 1]) -> (block tables, key counts, the pool as kernel rows [rows, Hkv, D] with a
+    page's keys then its values, the scales' rows or None)."""
     _check_kv_pool(kv_pages)
     num_pages, _, page_size, hkv, d = kv_pages.shape
     half = jax.ShapeDtypeStruct((num_pages, page_size, hkv, d), kv_pages.dtype)
@@ -382,15 +387,7 @@ def paged_decode_attention_kv_with_lse(q: jax.Array, kv_pages: jax.Array, block_
         raise ValueError(f"kv_scales has shape {kv_scales.shape}; allowed: {(num_pages, 2, page_size, hkv, 1)}")
     block_tables, seq_lens = _check_paged_args(q, half, half, block_tables, seq_lens, half_scales, half_scales)
     rows = num_pages * 2 * page_size
-    scale_rows = _scale_rows(rows, hkv, kv_scales, kv_scales)
-    pool = kv_pages.reshape(rows, hkv, d)
-    return _launch(q, pool, pool, scale_rows, block_tables, seq_lens, page_size=page_size, v_offset=page_size,
-                   **options)
-
-
-def _check_kv_pool(kv_pages) -> None:
-    if kv_pages.ndim != 5 or kv_pages.shape[1] != 2:
-        raise ValueError(f"kv_pages has shape {kv_pages.shape}; allowed: [num_pages, 2, page_size, Hkv, D]")
+    return block_tables, seq_lens, kv_pages.reshape(rows, hkv, d), _scale_rows(rows, hkv, kv_scales, kv_scales)
 
 
 def _check_scales(k_pages, k_scales, v_pages, v_scales) -> None:

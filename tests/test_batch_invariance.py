@@ -122,6 +122,31 @@ def test_paged_decode_state_is_batch_invariant_and_equals_pieces():
         assert float(jnp.abs(o[:, 0] - ref).max()) < 2e-2, f"seed {seed}: sequence {b}"
 
 
+def test_paged_decode_state_kv_equals_split_pools_and_is_batch_invariant():
+    """The one-pool form (a page's keys then its values, as the store and the page cache keep them) gives the bits of
+    the two-pool form, and a sequence alone (a narrow table) the bits it gets in a batch (a wider one, other
+    programs): what `attention.attend_rows_many` relies on."""
+    seed = 4110
+    rng = np.random.default_rng(seed)
+    batch, hq, hkv, d, page, split = 3, 4, 2, 32, 16, 64
+    lengths = np.array([100, 300, 31])
+    kv = jnp.asarray(rng.standard_normal((40, 2, page, hkv, d)), jnp.bfloat16)
+    tables = np.zeros((batch, 24), np.int32)
+    for b in range(batch):
+        tables[b, :-(-lengths[b] // page)] = rng.permutation(40)[:-(-lengths[b] // page)]
+    q = jnp.asarray(rng.standard_normal((batch, hq, d)), jnp.bfloat16)
+    together = pk.paged_decode_state_kv(q, kv, tables, lengths, pk.empty_state(batch, 1, hq, d), split_len=split,
+                                        num_programs=5)
+    split_pools = pk.paged_decode_state(q, kv[:, 0], kv[:, 1], tables, lengths, pk.empty_state(batch, 1, hq, d),
+                                        split_len=split)
+    assert all(np.array_equal(x, y) for x, y in zip(together, split_pools)), f"seed {seed}"
+    for b in range(batch):
+        used = -(-lengths[b] // page)
+        alone = pk.paged_decode_state_kv(q[b:b + 1], kv, tables[b:b + 1, :used], lengths[b:b + 1],
+                                         pk.empty_state(1, 1, hq, d), split_len=split)
+        assert all(np.array_equal(x[b], y[0]) for x, y in zip(together, alone)), f"seed {seed}: sequence {b}"
+
+
 @pytest.mark.parametrize("num_queries", [1, 20])
 def test_xla_twin_gives_each_batch_row_its_bits_alone(num_queries):
     """The jnp attention twin runs batch rows one after another, as the kernels give each row programs of its own:
