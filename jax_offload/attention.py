@@ -485,33 +485,17 @@ def cached_pages_attend_rows(impl: str, qs: tuple[jax.Array, ...], scorer, meta:
     step): the same bits. Every region is filled before any is read (regions are disjoint), so no read of the cache
     comes between two writes of it. -> (states, kv, maps, int32 [requests, 3] of [hits, chosen, pages over PCIe])."""
     def local(qs, meta, buffer, kv, maps, num_pages, page_tables, bases, steps, states):
-        # One top-k, one plan and one copy for all requests (selection and integer work, each KV head's row on its
-        # own: what each gets alone), and one kernel call reading every request's pages.
-        hkv, rows = meta[0].shape[0], range(len(qs))
+        # One top-k, one plan and one copy for all requests, and one kernel call reading every request's pages.
         pages = _requests_pages(impl, qs, scorer, meta, page_tables, num_pages, num_candidates, budget_pages)
-        stacked = page_cache.CacheState(None, *(jnp.concatenate(m) for m in
-                                                zip(*((r.page, r.used, r.slot_of) for r in maps))))
-        use = page_cache.plan(stacked, pages, num_candidates, _per_head(steps, hkv))
-        slots, total = stacked.page.shape[1], values_of(kv).shape[0]
-        store_rows = [_table_page_rows(_heads_of(use.miss_pages, i, hkv), page_tables[i], num_candidates, buffer,
-                                       page_size, block_size) for i in rows]
-        cache_rows = [page_cache.slot_rows(_heads_of(use.miss_slots, i, hkv), slots, page_size, bases[i], total)
-                      .reshape(-1) for i in rows]
-        kv = page_cache.fill(kv, buffer, jnp.concatenate(store_rows), jnp.concatenate(cache_rows),
-                             reads_rows_in_place(impl), host, device)
-        read_rows = tuple(page_cache.slot_rows(_heads_of(use.slots, i, hkv), slots, page_size, bases[i], total)
-                          for i in rows)
-        states = attend_rows_many(impl, qs, kv, read_rows,
+        store_rows = tuple(functools.partial(_table_page_rows, page_table=table, num_candidates=num_candidates,
+                                             buffer=buffer, page_size=page_size, block_size=block_size)
+                           for table in page_tables)
+        kv, reads, maps, counts = _cache_fill(impl, pages, num_candidates, store_rows, kv, maps, bases, steps, buffer,
+                                              page_size, host, device, tp)
+        states = attend_rows_many(impl, qs, kv, reads,
                                   tuple(jnp.minimum(n, budget_pages) * page_size for n in num_pages), states, device,
                                   device)
-        hits, chosen = (jnp.stack([jnp.sum(_heads_of(x, i, hkv)) for i in rows]) for x in (use.hits, use.chosen))
-        # Pages over PCIe: the misses in place; a gather moves every row of the copy's static shape (the budget).
-        moved = chosen - hits if reads_rows_in_place(impl) else jnp.full_like(chosen, hkv * budget_pages)
-        counts = jnp.stack([hits, chosen, moved], axis=1)
-        if tp is not None and tp.size > 1:
-            counts = jax.lax.psum(counts, AXIS)
-        return states, kv, tuple(page_cache.CacheState(None, *(_heads_of(x, i, hkv) for x in use.state[1:]))
-                                 for i in rows), counts
+        return states, kv, maps, counts
 
     meta_heads = tuple(METADATA_HEADS for _ in meta)
     maps_heads = page_cache.CacheState(None, 0, 0, 0)
@@ -641,29 +625,34 @@ def sparse_decode_layer(
     return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state, tp), tail
 
 
-def _cache_fill(impl, pages, missing, store_rows, kv, maps: page_cache.CacheState, base, step, buffer, page_size,
-                host, device, tp):
-    """The chosen `pages` [Hkv, k] (`missing`: none) planned in a region of the page cache (its `maps`; its slots
-    start at slot `base` of the cache's stored KV `kv`), and the misses copied in from the store rows
-    `store_rows(pages)` of `buffer`. -> (kv, the plan, int32 [hits, chosen, pages over PCIe] over the KV heads)."""
-    use = page_cache.plan(maps, pages, missing, step)
-    slots, total = use.state.page.shape[1], values_of(kv).shape[0]
-    kv = page_cache.fill(kv, buffer, store_rows(use.miss_pages),
-                         page_cache.slot_rows(use.miss_slots, slots, page_size, base, total).reshape(-1),
-                         reads_rows_in_place(impl), host, device)
+def _cache_fill(impl, pages, missing, store_rows, kv, maps: tuple[page_cache.CacheState, ...], bases, steps, buffer,
+                page_size, host, device, tp):
+    """Requests' chosen pages, stacked on the KV-head axis [requests * Hkv, k] (`missing`: none, as
+    `_requests_pages` gives them), each planned in its region of the page cache (`maps[i]` its maps, whose slots
+    start at slot `bases[i]` of the cache's stored KV `kv`; `steps[i]` its step; each KV head's row on its own, so
+    each as alone), and every request's misses copied in at once from its store rows `store_rows[i](its miss
+    pages)` of `buffer`. -> (kv, per request the cache rows of its chosen pages [Hkv, n] in the order the store read
+    would take them, per request its maps after the step (kv None), int32 [requests, 3] of [hits, chosen, pages
+    over PCIe])."""
+    hkv, requests = maps[0].page.shape[0], range(len(maps))
+    stacked = page_cache.CacheState(None, *(jnp.concatenate(m) for m in
+                                            zip(*((r.page, r.used, r.slot_of) for r in maps))))
+    use = page_cache.plan(stacked, pages, missing, _per_head(steps, hkv))
+    slots, total = stacked.page.shape[1], values_of(kv).shape[0]
+    kv = page_cache.fill(
+        kv, buffer, jnp.concatenate([store_rows[i](_heads_of(use.miss_pages, i, hkv)) for i in requests]),
+        jnp.concatenate([page_cache.slot_rows(_heads_of(use.miss_slots, i, hkv), slots, page_size, bases[i], total)
+                         .reshape(-1) for i in requests]), reads_rows_in_place(impl), host, device)
+    reads = tuple(page_cache.slot_rows(_heads_of(use.slots, i, hkv), slots, page_size, bases[i], total)
+                  for i in requests)
+    hits, chosen = (jnp.stack([jnp.sum(_heads_of(x, i, hkv)) for i in requests]) for x in (use.hits, use.chosen))
     # Pages over PCIe: the misses in place; a gather moves every row of the copy's static shape (the budget).
-    hits, chosen = jnp.sum(use.hits), jnp.sum(use.chosen)
-    moved = chosen - hits if reads_rows_in_place(impl) else jnp.int32(pages.size)
-    counts = jnp.stack([hits, chosen, moved])
+    moved = chosen - hits if reads_rows_in_place(impl) else jnp.full_like(chosen, hkv * pages.shape[1])
+    counts = jnp.stack([hits, chosen, moved], axis=1)
     if tp is not None and tp.size > 1:
         counts = jax.lax.psum(counts, AXIS)
-    return kv, use, counts
-
-
-def _cache_page_rows(kv, use: page_cache.CachePlan, base, page_size: int) -> jax.Array:
-    """The cache rows [Hkv, n] of the chosen pages of a planned and filled region (`_cache_fill`) starting at slot
-    `base`, in the order the store read would take them."""
-    return page_cache.slot_rows(use.slots, use.state.page.shape[1], page_size, base, values_of(kv).shape[0])
+    new_maps = tuple(page_cache.CacheState(None, *(_heads_of(x, i, hkv) for x in use.state[1:])) for i in requests)
+    return kv, reads, new_maps, counts
 
 
 def _cached_sparse_decode_layer(
@@ -680,12 +669,12 @@ def _cached_sparse_decode_layer(
 
     def local(q, meta, buffer, cache, state, num_pages, step):
         pages = _chosen_pages(impl, q, scorer, meta, num_pages, num_candidates, budget_pages)
-        kv, use, counts = _cache_fill(
-            impl, pages, num_candidates, lambda p: quest.page_rows(p, num_candidates, page_size, block_size),
-            cache.kv, cache, 0, step, buffer, page_size, host, device, tp)
-        state = attend_rows(impl, q, kv, _cache_page_rows(kv, use, 0, page_size),
-                            jnp.minimum(num_pages, budget_pages) * page_size, state, device, device)
-        return state, use.state._replace(kv=kv), counts
+        kv, reads, maps, counts = _cache_fill(
+            impl, pages, num_candidates, (lambda p: quest.page_rows(p, num_candidates, page_size, block_size),),
+            cache.kv, (cache,), (0,), (step,), buffer, page_size, host, device, tp)
+        state = attend_rows(impl, q, kv, reads[0], jnp.minimum(num_pages, budget_pages) * page_size, state, device,
+                            device)
+        return state, maps[0]._replace(kv=kv), counts[0]
 
     meta_heads = tuple(METADATA_HEADS for _ in meta)
     cache_heads = page_cache.CacheState(BUFFER_HEADS, 0, 0, 0)
