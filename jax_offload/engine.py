@@ -39,11 +39,11 @@ PROGRESS_MIN_TOKENS = 4096  # shorter prompts prefill too fast for a progress ba
 class LLM:
     """A Hugging Face Llama / Qwen2 / Qwen3 checkpoint ready to generate.
 
-    Several prompts run together (continuous batching, `jax_offload.serving`): with the KV cache in GPU memory
-    over a paged pool allocated at the first such call and kept; offloaded, over the host store, which then holds
-    `host_kv_tokens` tokens (default max_model_len) of all running requests together. One prompt also runs on the batch engine with its KV in
-    GPU memory and the Pallas kernels, or with prefix caching; otherwise one prompt, and XAttention prefill in GPU
-    memory, run requests one after another, each from a fresh KV cache.
+    Several prompts run together (continuous batching, `jax_offload.serving`): with the KV cache in GPU memory over
+    a paged pool allocated at the first such call and kept; offloaded, over the host store, which then holds
+    `host_kv_tokens` tokens (default max_model_len) of all running requests together. One prompt also runs on the
+    batch engine with its KV in GPU memory and the Pallas kernels, or with prefix caching; otherwise one prompt, and
+    XAttention prefill in GPU memory, run requests one after another, each from a fresh KV cache.
 
     `tensor_parallel_size` N splits every layer over N devices by KV-head groups (the KV cache too, offloaded or
     not, and the paged pool of continuous batching).

@@ -103,7 +103,8 @@ def _check_batched_xattn_in_gpu(device_runs):
     """XAttention prefill in GPU memory at TP=2 on the batch engine: three prompts together give each one's tokens
     alone at TP=2."""
     (r,) = [r for r in device_runs if r.get("case") == "batched_xattn_in_gpu"]
-    case = f"{r['model']} (model seed {MODELS[r['model']]}), TP=2, XAttention in GPU memory, prompt seed {PROMPT_SEED}+i"
+    case = (f"{r['model']} (model seed {MODELS[r['model']]}), TP=2, XAttention in GPU memory, "
+            f"prompt seed {PROMPT_SEED}+i")
     assert r["largest_batch"] == 3, case
     assert r["tokens"] == r["ref_tokens"], f"{case}: greedy tokens together differ from each alone"
 
