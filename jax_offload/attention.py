@@ -323,8 +323,7 @@ def decode_end(
 # rows share only the layer's matmuls and the tail attention, whose kernels compute every row on its own.
 
 
-@functools.partial(step_jit, static_argnums=(0,), static_argnames=("tp",), donate_argnums=(4,))
-def pooled_decode_begin(
+def _pooled_begin(
     cfg: ModelConfig, layer: LayerParams, x: jax.Array, inv_freq: jax.Array, tails: jax.Array, slots: jax.Array,
     positions: jax.Array, tail_lens: jax.Array, tp: TensorParallel | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...], jax.Array, tuple[AttentionState, ...]]:
@@ -339,17 +338,42 @@ def pooled_decode_begin(
     return q, q_rows, tails, tuple(_empty_state(tp, q_row) for q_row in q_rows)
 
 
-@functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",))
-def pooled_decode_end(
+pooled_decode_begin = functools.partial(step_jit, static_argnums=(0,), static_argnames=("tp",),
+                                        donate_argnums=(4,))(_pooled_begin)
+
+
+def _pooled_end(
     cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, q: jax.Array, tails: jax.Array,
     slots: jax.Array, tail_lens: jax.Array, states: tuple[AttentionState, ...], tp: TensorParallel | None = None,
 ) -> jax.Array:
     """Each row continues the state its host blocks left over its tail (its newest keys, last in key order), then
     the rest of the layer runs for the whole batch."""
     state = jax.tree.map(lambda *rows: jnp.concatenate(rows), *states)
-    tail = tails[jnp.maximum(slots, 0)]  # [B, 2, block_size, Hkv, D]
-    o = attend_and_finish(impl, q, tail[:, 0], tail[:, 1], state, causal=False, kv_len=tail_lens + 1, tp=tp)
+    o = _attend_tails(impl, q, tails, slots, tail_lens + 1, state, tp)
     return decoder.attention_output_and_mlp(cfg, layer, x, o)  # the one rounding to the model dtype
+
+
+pooled_decode_end = functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",))(_pooled_end)
+
+
+POOL_HEADS = 3  # a tail pool [S, 2, block_size, Hkv, D]
+
+
+def _attend_tails(impl: str, q: jax.Array, tails: jax.Array, slots: jax.Array, kv_len: jax.Array,
+                  state: AttentionState, tp: TensorParallel | None) -> jax.Array:
+    """Each row's `state` continued over the first `kv_len` keys of its slot of the tail pool and finished: o float32
+    [B, 1, Hq, D]. The Pallas kernel reads the pool in place, a slot a page of `paged_decode_state_kv` (same splits
+    and bits as `decode_state` over the slot's block), so a step reads the keys its rows hold, not whole blocks."""
+    def local(q, tails, state, slots, kv_len):
+        rows = jnp.maximum(slots, 0)  # a padding row (slot -1) reads slot 0 and is never used
+        if impl == "pallas":
+            state = pallas_kernels.paged_decode_state_kv(q[:, 0], tails, rows[:, None], kv_len, state)
+        else:
+            tail = tails[rows]
+            state = attend(impl, q, tail[:, 0], tail[:, 1], state, causal=False, kv_len=kv_len)
+        return pallas_kernels.finish_state(state)[0]
+
+    return _local(tp, local, (HEADS, POOL_HEADS, STATE_HEADS, None, None), HEADS)(q, tails, state, slots, kv_len)
 
 
 def _layer_blocks(buffer, dtype) -> tuple[jax.Array, jax.Array]:
@@ -418,8 +442,7 @@ def stored_blocks_attend_rows(impl: str, qs: tuple[jax.Array, ...], buffer, bloc
                   (STATE_HEADS,) * len(qs))(qs, buffer, states, blocks, num_keys)
 
 
-@functools.partial(step_jit, static_argnums=(0, 2, 4, 5, 6, 7, 11, 12), static_argnames=("tp",))
-def chosen_pages_attend_rows(impl: str, qs: tuple[jax.Array, ...], scorer, meta: tuple[jax.Array, ...],
+def _chosen_pages_rows(impl: str, qs: tuple[jax.Array, ...], scorer, meta: tuple[jax.Array, ...],
                              budget_pages: int, page_size: int, block_size: int, num_candidates: int,
                              num_pages: tuple[jax.Array, ...], page_tables: tuple[jax.Array, ...], buffer, host,
                              device, states: tuple[AttentionState, ...],
@@ -443,15 +466,18 @@ def chosen_pages_attend_rows(impl: str, qs: tuple[jax.Array, ...], scorer, meta:
                   (STATE_HEADS,) * len(qs))(qs, tuple(meta), buffer, states, num_pages, page_tables)
 
 
+chosen_pages_attend_rows = functools.partial(step_jit, static_argnums=(0, 2, 4, 5, 6, 7, 11, 12),
+                                             static_argnames=("tp",))(_chosen_pages_rows)
+
+
 def _requests_pages(impl, qs, scorer, meta, page_tables, num_pages, num_candidates: int,
                     budget_pages: int) -> jax.Array:
     """`_chosen_pages` of requests of a shared store, stacked on the KV-head axis [requests * Hkv, budget_pages]:
-    each one's pages' metadata gathered by its page table and scored alone (pages numbered in its order), then one
+    each one's pages scored as alone by the policy (`requests_page_scores`: pages numbered in its order), then one
     top-k for all (a selection, each KV head's row on its own: the choice each gets alone)."""
-    hkv = meta[0].shape[0]
-    scores = [scorer.page_scores(impl, q[0, 0], scorer.gather(meta, table), n, num_candidates)
-              for q, n, table in zip(qs, num_pages, page_tables)]
-    return quest.top_pages(jnp.concatenate(scores), _per_head(num_pages, hkv), budget_pages)
+    scores = scorer.requests_page_scores(impl, tuple(q[0, 0] for q in qs), meta, page_tables, num_pages,
+                                         num_candidates)
+    return quest.top_pages(scores, _per_head(num_pages, meta[0].shape[0]), budget_pages)
 
 
 def _per_head(values: tuple[jax.Array, ...], hkv: int) -> jax.Array:
@@ -472,9 +498,7 @@ def _table_page_rows(pages, page_table, num_candidates: int, buffer, page_size: 
     return quest.page_rows(stored, store_pages, page_size, block_size)
 
 
-@functools.partial(step_jit, static_argnums=(0, 2, 4, 5, 6, 7, 15, 16), static_argnames=("tp",),
-                   donate_argnums=(11,))
-def cached_pages_attend_rows(impl: str, qs: tuple[jax.Array, ...], scorer, meta: tuple[jax.Array, ...],
+def _cached_pages_rows(impl: str, qs: tuple[jax.Array, ...], scorer, meta: tuple[jax.Array, ...],
                              budget_pages: int, page_size: int, block_size: int, num_candidates: int,
                              num_pages: tuple[jax.Array, ...], page_tables: tuple[jax.Array, ...], buffer, kv,
                              maps: tuple[page_cache.CacheState, ...], bases: tuple[jax.Array, ...],
@@ -505,6 +529,47 @@ def cached_pages_attend_rows(impl: str, qs: tuple[jax.Array, ...], scorer, meta:
                               each, each, each, (STATE_HEADS,) * rows),
                   ((STATE_HEADS,) * rows, BUFFER_HEADS, (maps_heads,) * rows, None))(
         qs, tuple(meta), buffer, kv, maps, num_pages, page_tables, bases, steps, states)
+
+
+cached_pages_attend_rows = functools.partial(step_jit, static_argnums=(0, 2, 4, 5, 6, 7, 15, 16),
+                                             static_argnames=("tp",), donate_argnums=(11,))(_cached_pages_rows)
+
+
+@functools.partial(step_jit, static_argnums=(0, 1, 9, 11, 12, 13, 14, 22, 23), static_argnames=("tp",),
+                   donate_argnums=(5, 18))
+def pooled_pages_decode_layers(
+    cfg: ModelConfig, impl: str, layers: tuple[LayerParams, ...], x: jax.Array, inv_freq: jax.Array,
+    tails: tuple[jax.Array, ...], slots: jax.Array, positions: jax.Array, tail_lens: jax.Array, scorer,
+    metas: tuple, budget_pages: int, page_size: int, block_size: int, num_candidates: int,
+    num_pages: tuple[jax.Array, ...], page_tables: tuple[jax.Array, ...], buffers: tuple[jax.Array, ...],
+    cache_kvs: tuple[jax.Array, ...] | None, maps: tuple | None, bases: tuple[jax.Array, ...] | None,
+    steps: tuple[jax.Array, ...] | None, host, device, tp: TensorParallel | None = None,
+):
+    """Consecutive sparse layers of a batch decode step whose rows are all of one kind (one page-table length, and
+    all reading through their regions of the page cache or none) as one program, each layer as its three calls
+    would run it: `pooled_decode_begin`, every row's chosen pages (`cached_pages_attend_rows`, with per layer its
+    cache's stored KV `cache_kvs` and each row's `maps`; or `chosen_pages_attend_rows`, both None) and
+    `pooled_decode_end`. Every row of the batch takes part (a padding row has no pages). Each launch costs the
+    host ~0.5 ms besides its kernels, more than such a layer's GPU time once its pages come from the cache.
+    -> (hidden, tails, cache_kvs, maps (None without the cache), int32 [layers, rows, 3] counts or None)."""
+    tails, kvs, new_maps, counts = list(tails), [], [], []
+    for i, layer in enumerate(layers):
+        q, q_rows, tails[i], states = _pooled_begin(cfg, layer, x, inv_freq, tails[i], slots, positions, tail_lens,
+                                                    tp)
+        args = (impl, q_rows, scorer, metas[i], budget_pages, page_size, block_size, num_candidates, num_pages,
+                page_tables, buffers[i])
+        if cache_kvs is None:
+            states = _chosen_pages_rows(*args, host, device, states, tp)
+        else:
+            states, kv, layer_maps, layer_counts = _cached_pages_rows(*args, cache_kvs[i], maps[i], bases, steps,
+                                                                      host, device, states, tp)
+            kvs.append(kv)
+            new_maps.append(layer_maps)
+            counts.append(layer_counts)
+        x = _pooled_end(cfg, impl, layer, x, q, tails[i], slots, tail_lens, states, tp)
+    if cache_kvs is None:
+        return x, tuple(tails), None, None, None
+    return x, tuple(tails), tuple(kvs), tuple(new_maps), jnp.stack(counts)
 
 
 def _chosen_pages(impl, q, scorer, meta, num_pages, num_candidates, budget_pages) -> jax.Array:

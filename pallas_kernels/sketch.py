@@ -229,7 +229,8 @@ def runs_on_hopper_kernel(codes: jax.Array, *, bits: int) -> bool:
 
 def sketch_page_lse(q: jax.Array, codes: jax.Array, scale: jax.Array, *, bits: int, num_pages: int | None = None,
                     sm_scale: float | None = None, interpret: bool | None = None, block_p: int | None = None,
-                    num_warps: int = 4, num_stages: int = 1, splits: int | None = None) -> jax.Array:
+                    num_warps: int = 4, num_stages: int = 1, splits: int | None = None,
+                    launch_heads: int | None = None) -> jax.Array:
     """Per page and query head, the log-sum-exp of the sketch's estimated attention logits.
 
     Args:
@@ -243,6 +244,8 @@ def sketch_page_lse(q: jax.Array, codes: jax.Array, scale: jax.Array, *, bits: i
       splits: programs sharing a page's token offsets (a divisor of page_size), their log-sum-exps combined after.
         block_p and splits default to `default_launch`; the Hopper kernel takes none of the Triton kernel's launch
         parameters.
+      launch_heads: the KV heads `default_launch` sizes the launch for (default Hkv): one request's, when several
+        requests' heads are stacked on the head axis, so that each is scored with the bits it gets alone.
 
     Returns:
       float32 [Hkv, G, num_pages]: log sum over each page's tokens of exp((q . codes) * scale * sm_scale).
@@ -274,7 +277,7 @@ def sketch_page_lse(q: jax.Array, codes: jax.Array, scale: jax.Array, *, bits: i
                              f"cannot run this call (q {q.shape} {q.dtype}, block_p={block_p}, splits={splits}, "
                              f"interpret={interpret}, on Hopper: {on_hopper()}); store the sketch as bytes")
         return mgpu_sketch.sketch_page_lse_mgpu(q, codes, scale, num_pages=num_pages, sm_scale=sm_scale)
-    auto_block, auto_splits = default_launch(num_pages, hkv, page)
+    auto_block, auto_splits = default_launch(num_pages, hkv if launch_heads is None else launch_heads, page)
     block_p = auto_block if block_p is None else block_p
     splits = auto_splits if splits is None else splits
     if splits < 1 or page % splits:

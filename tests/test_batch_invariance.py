@@ -25,7 +25,7 @@ import tiny_models
 from jax_offload import LLM, SamplingParams
 from jax_offload.config import ModelConfig, RopeConfig
 from jax_offload.models import decoder
-from jax_offload.models.decoder import _sum_last_axis
+from jax_offload.precision import sum_last_axis
 from jax_offload.models.params import LayerParams, ModelParams
 from jax_offload.precision import step_jit
 
@@ -44,9 +44,9 @@ def test_rms_norm_row_sum_is_one_fixed_tree(rows, width):
     while ref.shape[-1] > 1:
         half = ref.shape[-1] // 2
         ref = ref[:, :half] + ref[:, half:]
-    got = np.asarray(_sum_last_axis(jnp.asarray(x)))
+    got = np.asarray(sum_last_axis(jnp.asarray(x)))
     np.testing.assert_array_equal(got, ref, err_msg=f"seed {seed}")
-    np.testing.assert_array_equal(np.asarray(_sum_last_axis(jnp.asarray(x[-1:]))), got[-1:], err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(np.asarray(sum_last_axis(jnp.asarray(x[-1:]))), got[-1:], err_msg=f"seed {seed}")
 
 
 @pytest.mark.parametrize("k,n,transpose_w", [(192, 96, False), (320, 64, True)])

@@ -18,30 +18,9 @@ from jax_offload.config import ModelConfig
 from jax_offload.kv.kv_cache_dtype import round_trip
 from jax_offload.models.params import LayerParams, ModelParams
 from jax_offload.models.rope import apply_rope, cos_sin
+from jax_offload.precision import sum_last_axis
 from jax_offload.tensor_parallel import AXIS
 from pallas_kernels.matmul import matmul
-
-
-# XLA fuses a whole halving tree into loops in which one GPU thread sums a row's columns one after another: with
-# thousands of rows that leaves most of the GPU idle (a 16K-token chunk's RMSNorm of 4096 columns took 1.5 ms on an
-# H100). Materialising the [rows, 64] partial sums splits it into two parallel fusions; the additions stay the same.
-_TREE_CUT_WIDTH = 64
-_TREE_CUT_MIN_ROWS = 1024
-
-
-def _sum_last_axis(x: jax.Array) -> jax.Array:
-    """Sum over the last axis by pairwise halving: the same additions in the same order however many rows
-    are computed together (XLA's CPU reductions change their order with the row count), so a token's
-    result does not depend on the chunk or batch it is computed in."""
-    size = 1 << (x.shape[-1] - 1).bit_length()
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
-    cut = x.size // size >= _TREE_CUT_MIN_ROWS
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-        if cut and half == _TREE_CUT_WIDTH:
-            x = jax.lax.optimization_barrier(x)
-    return x
 
 
 def _split_shard_groups(x: jax.Array, n: int, widths: tuple[int, ...]) -> list[jax.Array]:
@@ -96,7 +75,7 @@ def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm in float32, rounded back to the input dtype before the weight (as transformers does)."""
     x32 = x.astype(jnp.float32)
-    mean_square = _sum_last_axis(x32 * x32) / x.shape[-1]
+    mean_square = sum_last_axis(x32 * x32) / x.shape[-1]
     normed = x32 * jax.lax.rsqrt(mean_square + eps)
     return weight * normed.astype(x.dtype)
 

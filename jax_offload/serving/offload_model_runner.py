@@ -25,7 +25,9 @@ import jax
 import numpy as np
 
 from jax_offload.attention import (cached_pages_attend_rows, chosen_pages_attend_rows, embed_tokens,
-                                   pooled_decode_begin, pooled_decode_end, stored_blocks_attend_rows)
+                                   pooled_decode_begin, pooled_decode_end, pooled_pages_decode_layers,
+                                   stored_blocks_attend_rows)
+from jax_offload.buckets import layer_group_size
 from jax_offload.device_runner import pad_ids
 from jax_offload.kv.ring import BlockRing, grouped
 from jax_offload.offload_runner import OffloadRunner
@@ -40,6 +42,27 @@ def _padded(rows, empty: int) -> list[int]:
     """`rows` then `empty` (a padding row's index) up to a power of two of entries."""
     rows = list(rows)
     return rows + [empty] * ((1 << (len(rows) - 1).bit_length()) - len(rows))
+
+
+def _layer_groups(layers: list[int]) -> list[list[int]]:
+    """Layers -> runs of consecutive ones, each cut into equal groups (`layer_group_size`)."""
+    runs: list[list[int]] = []
+    for l in layers:
+        if runs and runs[-1][-1] == l - 1:
+            runs[-1].append(l)
+        else:
+            runs.append([l])
+    return [run[i:i + layer_group_size(len(run))] for run in runs
+            for i in range(0, len(run), layer_group_size(len(run)))]
+
+
+def _one_kind(tables: list, cached: dict[int, tuple]) -> tuple[int, bool] | None:
+    """The rows' one kind, (page-table length, through regions of the page cache), or None where they differ (or
+    no page policy runs)."""
+    if not tables or tables[0] is None:
+        return None
+    kinds = {(t[2].shape[0], row in cached) for row, t in enumerate(tables)}
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -78,6 +101,8 @@ class OffloadModelRunner:
             self._free_regions = list(range(self.cache.slots // self._region_slots))[::-1]
             self._empty_maps = self.cache.region_maps(self._region_slots)  # a padding row's: it never hits or misses
         self._zero = jax.device_put(np.int32(0), runner.tp.sharding(None))  # a padding row's key and page counts
+        # A step whose rows are all of one kind runs consecutive sparse layers as one program, in these groups.
+        self._page_groups = _layer_groups([l for l, place in enumerate(self.store.places) if place == "pages"])
         self._region: dict[int, int] = {}  # sequence index -> its region
         self._maps: dict[int, dict[int, CacheState]] = {}  # sequence index -> its region's maps per sparse layer
         self._cache_steps: dict[int, int] = {}  # sequence index -> decode steps through its region
@@ -128,8 +153,15 @@ class OffloadModelRunner:
         groups, ring = self._stream(seqs, stored)
         tables = self._tables(seqs, stored)
         cached = self._cache_rows(seqs)
+        kind = _one_kind(tables, cached)
+        groups_at = {group[0]: group for group in self._page_groups} if kind is not None else {}
         x = embed_tokens(self.params.embed, tokens[:, None])
         for l, layer in enumerate(self.params.layers):
+            if l in groups_at:
+                x = self._pages_layers(groups_at[l], x, kind, slots, positions, tail_lens, tables, cached)
+                continue
+            if self.store.places[l] == "pages" and kind is not None:
+                continue  # run by its group's program
             q, q_rows, self.tails[l], states = pooled_decode_begin(
                 self.cfg, layer, x, runner.inv_freq, self.tails[l], slots, positions, tail_lens, tp=runner.tp)
             # Padding rows (past the sequences) keep their empty states.
@@ -197,6 +229,39 @@ class OffloadModelRunner:
             for r, state in zip(real, done):
                 out[r] = state
         return tuple(out)
+
+    def _pages_layers(self, group: list[int], x: jax.Array, kind: tuple[int, bool], slots, positions, tail_lens,
+                      tables: list, cached: dict[int, tuple]) -> jax.Array:
+        """A group of consecutive sparse layers of a step whose rows are all of `kind` (page-table length, through
+        regions of the page cache or not) as one program (`pooled_pages_decode_layers`): each padding row reads no
+        page, through a region of its own that never hits or misses. -> the hidden state after the group."""
+        runner, store, cache = self.runner, self.store, self.cache
+        num_candidates, in_cache = kind
+        real, pad = len(tables), x.shape[0] - len(tables)
+        num_pages = tuple(t[3] for t in tables) + (self._zero,) * pad
+        page_tables = tuple(t[2] for t in tables) + (tables[0][2],) * pad
+        kvs = maps = bases = steps = None
+        if in_cache:
+            seq_of = [cached[r][0] for r in range(real)]
+            kvs = tuple(cache.states[l].kv for l in group)
+            maps = tuple(tuple(self._maps[i][l] for i in seq_of) + (self._empty_maps,) * pad for l in group)
+            bases, steps = (tuple(cached[r][k] for r in range(real)) + (self._zero,) * pad for k in (1, 2))
+        layers = self.params.layers
+        x, tails, kvs, maps, counts = pooled_pages_decode_layers(
+            self.cfg, runner.impl, tuple(layers[l] for l in group), x, runner.inv_freq,
+            tuple(self.tails[l] for l in group), slots, positions, tail_lens, runner.pages.scorer,
+            tuple(runner.pages.metadata(l) for l in group), runner.budget_pages, runner.page_size, self.block_size,
+            num_candidates, num_pages, page_tables, tuple(store.layer_buffer(l) for l in group), kvs, maps, bases,
+            steps, *store.gather_places(group[0]), tp=runner.tp)
+        for j, l in enumerate(group):
+            self.tails[l] = tails[j]
+            if in_cache:
+                cache.states[l] = cache.states[l]._replace(kv=kvs[j])
+                for i, row_maps in zip(seq_of, maps[j]):
+                    self._maps[i][l] = row_maps
+        if in_cache:
+            cache.counts.append(counts.reshape(-1, 3))  # a padding row counts nothing
+        return x
 
     def _cache_rows(self, seqs: list[Sequence]) -> dict[int, tuple]:
         """Gives regions of the page cache to sequences that have none while some are free, starts the step's

@@ -21,7 +21,7 @@ import numpy as np
 
 import pallas_kernels
 from jax_offload.config import SKETCH_DTYPES
-from jax_offload.precision import step_jit
+from jax_offload.precision import step_jit, sum_last_axis
 from jax_offload.sparse.quest import candidate_count
 from jax_offload.tensor_parallel import TensorParallel
 
@@ -108,12 +108,15 @@ def page_lse(scores: jax.Array, page_size: int) -> jax.Array:
 def mass_of_pages(lse: jax.Array, num_pages: jax.Array) -> jax.Array:
     """Per KV head the estimated attention mass of each page: page log-sum-exps [Hkv, G, P] -> float32 [Hkv, P],
     each query head's softmax over the first `num_pages` pages (its tokens' softmax, summed per page) summed over
-    the group; a page past num_pages gets 0."""
-    visible = jnp.arange(lse.shape[-1]) < num_pages
+    the group; a page past num_pages gets 0. `num_pages`: a scalar, or one per KV head [Hkv]. The sums are fixed
+    trees (`sum_last_axis`), so a head's mass has the same bits however many heads are scored together and however
+    many page slots past num_pages there are."""
+    visible = jnp.arange(lse.shape[-1]) < jnp.reshape(num_pages, (-1, 1, 1))
     s = jnp.where(visible, lse, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     e = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
-    return (e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)).sum(axis=1)
+    share = e / jnp.maximum(sum_last_axis(e), 1e-30)
+    return sum_last_axis(jnp.moveaxis(share, 1, -1))[..., 0]
 
 
 def page_mass(scores: jax.Array, num_pages: jax.Array, page_size: int) -> jax.Array:
@@ -147,14 +150,37 @@ class SketchScore:
         and returns each page's log-sum-exp; the jnp path unpacks them in memory and scores every token."""
         packed, scale = meta
         qg = q.reshape(packed.shape[0], -1, q.shape[-1])
+        return mass_of_pages(self._page_lse(impl, qg, packed, scale, num_candidates, packed.shape[0]), num_pages)
+
+    def requests_page_scores(self, impl: str, qs: tuple[jax.Array, ...], meta: tuple[jax.Array, jax.Array],
+                             page_tables: tuple[jax.Array, ...], num_pages: tuple[jax.Array, ...],
+                             num_candidates: int) -> jax.Array:
+        """`page_scores` of requests sharing a store, stacked on the KV-head axis: qs [Hq, D] each, `page_tables`
+        [num_candidates] each (its pages' store pages, in its order), `num_pages` a scalar each -> float32
+        [requests * Hkv, num_candidates], each request's rows the bits it gets alone. With the Pallas kernels one
+        gather and one kernel call score all requests' pages (the kernel scores each KV head's pages on their own,
+        launched as for one request); the jnp path scores request by request (XLA's CPU dots choose their order by
+        shape)."""
+        hkv = meta[0].shape[0]
+        if impl != "pallas":
+            return jnp.concatenate([self.page_scores(impl, q, self.gather(meta, table), n, num_candidates)
+                                    for q, table, n in zip(qs, page_tables, num_pages)])
+        packed, scale = (jnp.moveaxis(m[:, :, jnp.stack(page_tables)], 2, 0) for m in meta)  # [R, Hkv, page, N, ...]
+        packed, scale = (x.reshape(-1, *x.shape[2:]) for x in (packed, scale))
+        qg = jnp.concatenate(qs).reshape(packed.shape[0], -1, qs[0].shape[-1])
+        return mass_of_pages(self._page_lse(impl, qg, packed, scale, num_candidates, hkv),
+                             jnp.repeat(jnp.stack(num_pages), hkv))
+
+    def _page_lse(self, impl, qg, packed, scale, num_candidates: int, heads_per_request: int) -> jax.Array:
+        """Each page's log-sum-exp of its tokens' estimated logits, float32 [heads, G, num_candidates], for q
+        [heads, G, D] of requests of `heads_per_request` KV heads each (the Triton kernel's launch is chosen for
+        one request, so its bits do not depend on how many are scored together)."""
         if impl == "pallas":
-            lse = pallas_kernels.sketch_page_lse(qg, packed, scale, bits=4 if self.dtype == "int4" else 8,
-                                                 num_pages=num_candidates)
-        else:
-            packed, scale = packed[:, :, :num_candidates], scale[:, :, :num_candidates]
-            scores = token_scores(qg, from_page_layout(packed), from_page_layout(scale), self.dtype)
-            lse = page_lse(scores, self.page_size)
-        return mass_of_pages(lse, num_pages)
+            return pallas_kernels.sketch_page_lse(qg, packed, scale, bits=4 if self.dtype == "int4" else 8,
+                                                  num_pages=num_candidates, launch_heads=heads_per_request)
+        packed, scale = packed[:, :, :num_candidates], scale[:, :, :num_candidates]
+        scores = token_scores(qg, from_page_layout(packed), from_page_layout(scale), self.dtype)
+        return page_lse(scores, self.page_size)
 
     def gather(self, meta: tuple[jax.Array, jax.Array], pages: jax.Array) -> tuple[jax.Array, jax.Array]:
         """A layer's sketch of `pages` [n], in that order (one request's pages of a shared store)."""
