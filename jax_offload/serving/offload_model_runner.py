@@ -103,6 +103,7 @@ class OffloadModelRunner:
         self._zero = jax.device_put(np.int32(0), runner.tp.sharding(None))  # a padding row's key and page counts
         # A step whose rows are all of one kind runs consecutive sparse layers as one program, in these groups.
         self._page_groups = _layer_groups([l for l, place in enumerate(self.store.places) if place == "pages"])
+        self._row_tables: dict[int, tuple] = {}  # sequence index -> (stored blocks, its row of `_tables`)
         self._region: dict[int, int] = {}  # sequence index -> its region
         self._maps: dict[int, dict[int, CacheState]] = {}  # sequence index -> its region's maps per sparse layer
         self._cache_steps: dict[int, int] = {}  # sequence index -> decode steps through its region
@@ -287,21 +288,27 @@ class OffloadModelRunner:
         """Per row, what its one-buffer layers are read through (None without a page policy): its
         block table over the store's blocks (then block 0), its stored key count, its page table (each of its pages'
         store page, over the candidates its page count asks, `QuestPages.candidates`; then page 0) and page count,
-        on the device."""
+        on the device. A sequence's row changes only when it stores a block, so it is built and moved then (at 64K
+        tokens building and moving every row each step took ~6 ms of the host's step)."""
         store, runner = self.store, self.runner
         if runner.pages is None:  # every layer's blocks stream through the ring
             return [None] * len(seqs)
         per_block = self.block_size // runner.page_size
-        rows = []
+        new = {}
         for seq, n in zip(seqs, stored):
+            if self._row_tables.get(seq.index, (None,))[0] == n:
+                continue
             blocks = np.zeros(store.num_blocks, np.int32)
             blocks[:n] = seq.block_table[:n]
             num_pages = n * per_block
             page_table = np.zeros(runner.pages.candidates(num_pages, runner.budget_pages), np.int32)
             page = np.arange(num_pages)
             page_table[:num_pages] = blocks[page // per_block] * per_block + page % per_block
-            rows.append((blocks, np.int32(n * self.block_size), page_table, np.int32(num_pages)))
-        return jax.device_put(rows, runner.tp.sharding(None))  # one transfer for the step
+            new[seq.index] = n, (blocks, np.int32(n * self.block_size), page_table, np.int32(num_pages))
+        moved = jax.device_put([row for _, row in new.values()], runner.tp.sharding(None))  # one transfer
+        for (i, (n, _)), row in zip(new.items(), moved):
+            self._row_tables[i] = (n, row)
+        return [self._row_tables[seq.index][1] for seq in seqs]
 
     def _stream(self, seqs: list[Sequence], stored: list[int]):
         """Per layer and row, the row's stored blocks of a "blocks" layer in ring groups (as one request groups
@@ -328,6 +335,7 @@ class OffloadModelRunner:
         """Forgets the sequence's stored blocks (but those prefix caching keeps) and frees its tail slot and its
         region of the page cache."""
         self.store.forget([b for b in seq.block_table if not self.is_cached(b)])
+        self._row_tables.pop(seq.index, None)
         slot = self._slot.pop(seq.index, None)
         if slot is not None:
             self._free_slots.append(slot)
