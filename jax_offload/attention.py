@@ -499,56 +499,58 @@ def _table_page_rows(pages, page_table, num_candidates: int, buffer, page_size: 
 
 
 def _cached_pages_rows(impl: str, qs: tuple[jax.Array, ...], scorer, meta: tuple[jax.Array, ...],
-                             budget_pages: int, page_size: int, block_size: int, num_candidates: int,
-                             num_pages: tuple[jax.Array, ...], page_tables: tuple[jax.Array, ...], buffer, kv,
-                             maps: tuple[page_cache.CacheState, ...], bases: tuple[jax.Array, ...],
-                             steps: tuple[jax.Array, ...], host, device, states: tuple[AttentionState, ...],
-                             tp: TensorParallel | None = None):
+                       budget_pages: int, page_size: int, block_size: int, num_candidates: int,
+                       num_pages: tuple[jax.Array, ...], page_tables: tuple[jax.Array, ...], buffer, kv,
+                       maps: page_cache.CacheState, regions: jax.Array, region_slots: int, steps: jax.Array, host,
+                       device, states: tuple[AttentionState, ...], tp: TensorParallel | None = None):
     """`chosen_pages_attend_rows` with each request's pages read through its own region of the layer's page cache
-    (`kv`, the cache's stored KV; `maps`, each region's maps without kv; `bases`, its first slot; `steps`, its decode
-    step): the same bits. Every region is filled before any is read (regions are disjoint), so no read of the cache
-    comes between two writes of it. -> (states, kv, maps, int32 [requests, 3] of [hits, chosen, pages over PCIe])."""
-    def local(qs, meta, buffer, kv, maps, num_pages, page_tables, bases, steps, states):
+    (`kv`, the cache's stored KV; `maps`, every region's maps stacked by region, kv None; `regions` [requests] each
+    one's region of `region_slots` slots, `steps` [requests] its decode steps through it): the same bits. Every region
+    is filled before any is read (regions are disjoint), so no read of the cache comes between two writes of it.
+    -> (states, kv, maps, int32 [requests, 3] of [hits, chosen, pages over PCIe])."""
+    def local(qs, meta, buffer, kv, maps, num_pages, page_tables, regions, steps, states):
         # One top-k, one plan and one copy for all requests, and one kernel call reading every request's pages.
         pages = _requests_pages(impl, qs, scorer, meta, page_tables, num_pages, num_candidates, budget_pages)
-        store_rows = tuple(functools.partial(_table_page_rows, page_table=table, num_candidates=num_candidates,
-                                             buffer=buffer, page_size=page_size, block_size=block_size)
-                           for table in page_tables)
-        kv, reads, maps, counts = _cache_fill(impl, pages, num_candidates, store_rows, kv, maps, bases, steps, buffer,
-                                              page_size, host, device, tp)
+        rows_of = jax.vmap(functools.partial(_table_page_rows, num_candidates=num_candidates, buffer=buffer,
+                                             page_size=page_size, block_size=block_size))
+        tables = jnp.stack(page_tables)
+        kv, reads, maps, counts = _cache_fill(
+            impl, pages, num_candidates, lambda miss: rows_of(miss.reshape(len(qs), -1, miss.shape[-1]), tables),
+            kv, maps, regions, region_slots, steps, buffer, page_size, host, device, tp)
         states = attend_rows_many(impl, qs, kv, reads,
                                   tuple(jnp.minimum(n, budget_pages) * page_size for n in num_pages), states, device,
                                   device)
         return states, kv, maps, counts
 
     meta_heads = tuple(METADATA_HEADS for _ in meta)
-    maps_heads = page_cache.CacheState(None, 0, 0, 0)
+    maps_heads = page_cache.CacheState(None, 1, 1, 1)
     rows = len(qs)
     each = (None,) * rows
-    return _local(tp, local, ((HEADS,) * rows, meta_heads, BUFFER_HEADS, BUFFER_HEADS, (maps_heads,) * rows, each,
-                              each, each, each, (STATE_HEADS,) * rows),
-                  ((STATE_HEADS,) * rows, BUFFER_HEADS, (maps_heads,) * rows, None))(
-        qs, tuple(meta), buffer, kv, maps, num_pages, page_tables, bases, steps, states)
+    return _local(tp, local, ((HEADS,) * rows, meta_heads, BUFFER_HEADS, BUFFER_HEADS, maps_heads, each, each, None,
+                              None, (STATE_HEADS,) * rows),
+                  ((STATE_HEADS,) * rows, BUFFER_HEADS, maps_heads, None))(
+        qs, tuple(meta), buffer, kv, maps, num_pages, page_tables, regions, steps, states)
 
 
-cached_pages_attend_rows = functools.partial(step_jit, static_argnums=(0, 2, 4, 5, 6, 7, 15, 16),
-                                             static_argnames=("tp",), donate_argnums=(11,))(_cached_pages_rows)
+cached_pages_attend_rows = functools.partial(step_jit, static_argnums=(0, 2, 4, 5, 6, 7, 14, 16, 17),
+                                             static_argnames=("tp",), donate_argnums=(11, 12))(_cached_pages_rows)
 
 
-@functools.partial(step_jit, static_argnums=(0, 1, 9, 11, 12, 13, 14, 22, 23), static_argnames=("tp",),
-                   donate_argnums=(5, 18))
+@functools.partial(step_jit, static_argnums=(0, 1, 9, 11, 12, 13, 14, 21, 23, 24), static_argnames=("tp",),
+                   donate_argnums=(5, 18, 19))
 def pooled_pages_decode_layers(
     cfg: ModelConfig, impl: str, layers: tuple[LayerParams, ...], x: jax.Array, inv_freq: jax.Array,
     tails: tuple[jax.Array, ...], slots: jax.Array, positions: jax.Array, tail_lens: jax.Array, scorer,
     metas: tuple, budget_pages: int, page_size: int, block_size: int, num_candidates: int,
     num_pages: tuple[jax.Array, ...], page_tables: tuple[jax.Array, ...], buffers: tuple[jax.Array, ...],
-    cache_kvs: tuple[jax.Array, ...] | None, maps: tuple | None, bases: tuple[jax.Array, ...] | None,
-    steps: tuple[jax.Array, ...] | None, host, device, tp: TensorParallel | None = None,
+    cache_kvs: tuple[jax.Array, ...] | None, maps: tuple[page_cache.CacheState, ...] | None,
+    regions: jax.Array | None, region_slots: int | None, steps: jax.Array | None, host, device,
+    tp: TensorParallel | None = None,
 ):
     """Consecutive sparse layers of a batch decode step whose rows are all of one kind (one page-table length, and
     all reading through their regions of the page cache or none) as one program, each layer as its three calls
     would run it: `pooled_decode_begin`, every row's chosen pages (`cached_pages_attend_rows`, with per layer its
-    cache's stored KV `cache_kvs` and each row's `maps`; or `chosen_pages_attend_rows`, both None) and
+    cache's stored KV `cache_kvs` and its regions' `maps`; or `chosen_pages_attend_rows`, all None) and
     `pooled_decode_end`. Every row of the batch takes part (a padding row has no pages). Each launch costs the
     host ~0.5 ms besides its kernels, more than such a layer's GPU time once its pages come from the cache.
     -> (hidden, tails, cache_kvs, maps (None without the cache), int32 [layers, rows, 3] counts or None)."""
@@ -561,8 +563,8 @@ def pooled_pages_decode_layers(
         if cache_kvs is None:
             states = _chosen_pages_rows(*args, host, device, states, tp)
         else:
-            states, kv, layer_maps, layer_counts = _cached_pages_rows(*args, cache_kvs[i], maps[i], bases, steps,
-                                                                      host, device, states, tp)
+            states, kv, layer_maps, layer_counts = _cached_pages_rows(*args, cache_kvs[i], maps[i], regions,
+                                                                      region_slots, steps, host, device, states, tp)
             kvs.append(kv)
             new_maps.append(layer_maps)
             counts.append(layer_counts)
@@ -616,11 +618,13 @@ def attend_rows(impl: str, q: jax.Array, buffer: jax.Array, rows: jax.Array, num
     return attend_rows_many(impl, (q,), buffer, (rows,), (num_keys,), (state,), host, device, split_keys)[0]
 
 
-def attend_rows_many(impl: str, qs: tuple[jax.Array, ...], buffer: jax.Array, rows: tuple[jax.Array, ...],
-                     num_keys: tuple[jax.Array, ...], states: tuple[AttentionState, ...], host, device,
+def attend_rows_many(impl: str, qs: tuple[jax.Array, ...], buffer: jax.Array,
+                     rows: tuple[jax.Array, ...] | jax.Array, num_keys: tuple[jax.Array, ...],
+                     states: tuple[AttentionState, ...], host, device,
                      split_keys: int = CHOSEN_SPLIT_KEYS) -> tuple[AttentionState, ...]:
     """Continues each request's `state` of q [1, 1, Hq, D] over its store rows [Hkv, n] of a one-buffer layer
-    `buffer` (each KV head's own rows, its first `num_keys` keys). With the Pallas kernels all requests' rows go
+    `buffer` (each KV head's own rows, its first `num_keys` keys; or all requests' rows of one width stacked,
+    [requests * Hkv, n]). With the Pallas kernels all requests' rows go
     through one paged-kernel call (each KV head of each request a "sequence"), folded in key order in splits of
     `split_keys` keys: each request gets the bits it gets alone. On a GPU, or with a buffer in GPU memory, the kernel
     reads the rows straight from the buffer: from a pinned host buffer only they cross PCIe and nothing is gathered
@@ -629,10 +633,14 @@ def attend_rows_many(impl: str, qs: tuple[jax.Array, ...], buffer: jax.Array, ro
     values = values_of(buffer)
     hkv, d = values.shape[1], values.shape[-1]
     if impl == "xla":
+        each = rows if isinstance(rows, tuple) else tuple(rows[i * hkv:(i + 1) * hkv] for i in range(len(qs)))
         return tuple(attend(impl, q, *_page_keys(gather_rows(buffer, r.reshape(-1), host, device), hkv, q.dtype), s,
-                            causal=False, kv_len=n) for q, r, n, s in zip(qs, rows, num_keys, states))
-    width = max(r.shape[1] for r in rows)  # entries past a request's keys are never read
-    tables = jnp.concatenate([jnp.pad(r, ((0, 0), (0, width - r.shape[1]))) for r in rows])
+                            causal=False, kv_len=n) for q, r, n, s in zip(qs, each, num_keys, states))
+    if isinstance(rows, tuple):
+        width = max(r.shape[1] for r in rows)  # entries past a request's keys are never read
+        tables = jnp.concatenate([jnp.pad(r, ((0, 0), (0, width - r.shape[1]))) for r in rows])
+    else:
+        tables = rows
     if reads_rows_in_place(impl) or in_device_memory(host):
         # each KV head's rows: a "sequence"
         pool = jax.tree.map(lambda b: b.reshape(-1, 2, PAGE_UNIT, 1, b.shape[-1]), buffer)
@@ -690,34 +698,36 @@ def sparse_decode_layer(
     return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state, tp), tail
 
 
-def _cache_fill(impl, pages, missing, store_rows, kv, maps: tuple[page_cache.CacheState, ...], bases, steps, buffer,
-                page_size, host, device, tp):
+def _cache_fill(impl, pages, missing, store_rows, kv, maps: page_cache.CacheState, regions, region_slots: int, steps,
+                buffer, page_size, host, device, tp):
     """Requests' chosen pages, stacked on the KV-head axis [requests * Hkv, k] (`missing`: none, as
-    `_requests_pages` gives them), each planned in its region of the page cache (`maps[i]` its maps, whose slots
-    start at slot `bases[i]` of the cache's stored KV `kv`; `steps[i]` its step; each KV head's row on its own, so
-    each as alone), and every request's misses copied in at once from its store rows `store_rows[i](its miss
-    pages)` of `buffer`. -> (kv, per request the cache rows of its chosen pages [Hkv, n] in the order the store read
-    would take them, per request its maps after the step (kv None), int32 [requests, 3] of [hits, chosen, pages
-    over PCIe])."""
-    hkv, requests = maps[0].page.shape[0], range(len(maps))
-    stacked = page_cache.CacheState(None, *(jnp.concatenate(m) for m in
-                                            zip(*((r.page, r.used, r.slot_of) for r in maps))))
-    use = page_cache.plan(stacked, pages, missing, _per_head(steps, hkv))
-    slots, total = stacked.page.shape[1], values_of(kv).shape[0]
-    kv = page_cache.fill(
-        kv, buffer, jnp.concatenate([store_rows[i](_heads_of(use.miss_pages, i, hkv)) for i in requests]),
-        jnp.concatenate([page_cache.slot_rows(_heads_of(use.miss_slots, i, hkv), slots, page_size, bases[i], total)
-                         .reshape(-1) for i in requests]), reads_rows_in_place(impl), host, device)
-    reads = tuple(page_cache.slot_rows(_heads_of(use.slots, i, hkv), slots, page_size, bases[i], total)
-                  for i in requests)
-    hits, chosen = (jnp.stack([jnp.sum(_heads_of(x, i, hkv)) for i in requests]) for x in (use.hits, use.chosen))
+    `_requests_pages` gives them), each planned in its region of the page cache: `maps` every region's maps stacked by
+    region (kv None), `regions` [requests] each one's (region r: slots r * region_slots onward of the cache's stored
+    KV `kv`), `steps` [requests] its steps through it (its first starts from an empty region); each KV head's row
+    on its own, so each as alone. Every request's misses are copied in at once from the store rows
+    `store_rows(miss pages [requests * Hkv, k])` of `buffer`, request by request. -> (kv, the cache rows of every
+    request's chosen pages [requests * Hkv, n] in the order the store read would take them, the regions' maps after
+    the step, int32 [requests, 3] of [hits, chosen, pages over PCIe])."""
+    requests = regions.shape[0]
+    hkv = pages.shape[0] // requests
+    use = page_cache.plan(page_cache.region_rows(maps, regions, steps == 1), pages, missing,
+                          jnp.repeat(steps, hkv)[:, None])
+    total = values_of(kv).shape[0]
+
+    def cache_rows(slots):  # [requests * Hkv, k] -> [requests * Hkv, k * units]
+        rows = jax.vmap(page_cache.slot_rows, in_axes=(0, None, None, 0, None))(
+            slots.reshape(requests, hkv, -1), region_slots, page_size, regions * region_slots, total)
+        return rows.reshape(requests * hkv, -1)
+
+    kv = page_cache.fill(kv, buffer, store_rows(use.miss_pages).reshape(-1), cache_rows(use.miss_slots).reshape(-1),
+                         reads_rows_in_place(impl), host, device)
+    hits, chosen = (x.reshape(requests, hkv).sum(axis=1) for x in (use.hits, use.chosen))
     # Pages over PCIe: the misses in place; a gather moves every row of the copy's static shape (the budget).
     moved = chosen - hits if reads_rows_in_place(impl) else jnp.full_like(chosen, hkv * pages.shape[1])
     counts = jnp.stack([hits, chosen, moved], axis=1)
     if tp is not None and tp.size > 1:
         counts = jax.lax.psum(counts, AXIS)
-    new_maps = tuple(page_cache.CacheState(None, *(_heads_of(x, i, hkv) for x in use.state[1:])) for i in requests)
-    return kv, reads, new_maps, counts
+    return kv, cache_rows(use.slots), page_cache.put_region_rows(maps, regions, use.state), counts
 
 
 def _cached_sparse_decode_layer(
@@ -734,12 +744,14 @@ def _cached_sparse_decode_layer(
 
     def local(q, meta, buffer, cache, state, num_pages, step):
         pages = _chosen_pages(impl, q, scorer, meta, num_pages, num_candidates, budget_pages)
+        one_region = page_cache.CacheState(None, *(m[None] for m in cache[1:]))  # the whole cache, region 0
         kv, reads, maps, counts = _cache_fill(
-            impl, pages, num_candidates, (lambda p: quest.page_rows(p, num_candidates, page_size, block_size),),
-            cache.kv, (cache,), (0,), (step,), buffer, page_size, host, device, tp)
-        state = attend_rows(impl, q, kv, reads[0], jnp.minimum(num_pages, budget_pages) * page_size, state, device,
+            impl, pages, num_candidates, lambda p: quest.page_rows(p, num_candidates, page_size, block_size),
+            cache.kv, one_region, jnp.zeros(1, jnp.int32), cache.page.shape[1], step[None], buffer, page_size, host,
+            device, tp)
+        state = attend_rows(impl, q, kv, reads, jnp.minimum(num_pages, budget_pages) * page_size, state, device,
                             device)
-        return state, maps[0]._replace(kv=kv), counts[0]
+        return state, page_cache.CacheState(kv, *(m[0] for m in maps[1:])), counts[0]
 
     meta_heads = tuple(METADATA_HEADS for _ in meta)
     cache_heads = page_cache.CacheState(BUFFER_HEADS, 0, 0, 0)

@@ -13,8 +13,10 @@ be an earlier prompt's, still in the store: its prefill starts after them, chunk
 With sketch or Quest decode the store keeps the dense layers in GPU memory and the others in one pinned buffer each,
 and the policy's metadata by store block: a row attends its dense layers through its block table and the pages its
 policy chooses from its own metadata (gathered by its page table), as the one-request step reads them; every row of
-such a layer runs in one program (rows with one page-table length): each row's pages scored on its own, then one
-top-k, one plan and copy of the page cache and one paged-kernel call for all of them.
+such a layer runs in one program (rows with one page-table length): one gather and one kernel call score every row's
+pages (each as alone), then one top-k, one plan and copy of the page cache (each request's region, the regions' maps
+stacked a layer) and one paged-kernel call for all of them. When all rows are of one kind, consecutive sparse layers
+run as one program, as the one-request step runs them.
 """
 from __future__ import annotations
 
@@ -35,7 +37,6 @@ from jax_offload.sampling import TokenLogprobs, drawn_to_host
 from jax_offload.serving.model_runner import batch_buckets, sample_last, sampling_batch
 from jax_offload.serving.sequence import Sequence
 from jax_offload.sparse import xattention
-from jax_offload.sparse.page_cache import CacheState
 
 
 def _padded(rows, empty: int) -> list[int]:
@@ -98,15 +99,19 @@ class OffloadModelRunner:
         self.cache = runner.page_cache
         if self.cache is not None:
             self._region_slots = self.cache.region_slots(runner.budget_pages)
-            self._free_regions = list(range(self.cache.slots // self._region_slots))[::-1]
-            self._empty_maps = self.cache.region_maps(self._region_slots)  # a padding row's: it never hits or misses
+            regions = self.cache.slots // self._region_slots
+            self._free_regions = list(range(regions))[::-1]
+            self._spare_region = regions  # the padding rows': they plan no page, so it stays empty
+            # Per sparse layer, every region's maps stacked (one argument a layer, not three a row).
+            self._region_maps = {l: self.cache.region_maps(self._region_slots, regions + 1)
+                                 for l in self.cache.states}
         self._zero = jax.device_put(np.int32(0), runner.tp.sharding(None))  # a padding row's key and page counts
         # A step whose rows are all of one kind runs consecutive sparse layers as one program, in these groups.
         self._page_groups = _layer_groups([l for l, place in enumerate(self.store.places) if place == "pages"])
         self._row_tables: dict[int, tuple] = {}  # sequence index -> (stored blocks, its row of `_tables`)
         self._region: dict[int, int] = {}  # sequence index -> its region
-        self._maps: dict[int, dict[int, CacheState]] = {}  # sequence index -> its region's maps per sparse layer
         self._cache_steps: dict[int, int] = {}  # sequence index -> decode steps through its region
+        self._region_args_of_step: dict[tuple, tuple] = {}  # a step's rows -> their regions and steps on the device
 
     def batch_size(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)
@@ -154,6 +159,7 @@ class OffloadModelRunner:
         groups, ring = self._stream(seqs, stored)
         tables = self._tables(seqs, stored)
         cached = self._cache_rows(seqs)
+        self._region_args_of_step: dict[tuple, tuple] = {}
         kind = _one_kind(tables, cached)
         groups_at = {group[0]: group for group in self._page_groups} if kind is not None else {}
         x = embed_tokens(self.params.embed, tokens[:, None])
@@ -182,8 +188,8 @@ class OffloadModelRunner:
                 cached: dict[int, tuple]) -> tuple:
         """Each row's attention over its stored KV of `layer`, as the one-request step reads it: its blocks through
         the ring ("blocks" layers, row by row), its blocks of a layer in GPU memory ("gpu"), or the pages its policy
-        chooses ("pages"), through its region of the page cache where it has one (`cached`: row -> (sequence index,
-        region base, step) on the device); the last two for every row in one program (rows of one page-table length,
+        chooses ("pages"), through its region of the page cache where it has one (`cached`: row -> (region, step));
+        the last two for every row in one program (rows of one page-table length,
         with or without a region). `tables`: per row, (block table, key count, page table, page count) (`_tables`)."""
         runner, store = self.runner, self.store
         place = store.places[layer]
@@ -217,15 +223,12 @@ class OffloadModelRunner:
             if not in_cache:
                 done = chosen_pages_attend_rows(*args, *places, row_states, tp=runner.tp)
             else:
-                cache, seq_of = self.cache, [cached[r][0] for r in real]
-                maps = tuple(self._maps[i][layer] for i in seq_of) + (self._empty_maps,) * (len(rows) - len(real))
-                bases = tuple(cached[r][1] if r < empty else self._zero for r in rows)
-                steps = tuple(cached[r][2] if r < empty else self._zero for r in rows)
-                done, kv, maps, counts = cached_pages_attend_rows(
-                    *args, cache.states[layer].kv, maps, bases, steps, *places, row_states, tp=runner.tp)
+                cache = self.cache
+                regions, steps = self._region_args(rows, cached)
+                done, kv, self._region_maps[layer], counts = cached_pages_attend_rows(
+                    *args, cache.states[layer].kv, self._region_maps[layer], regions, self._region_slots, steps,
+                    *places, row_states, tp=runner.tp)
                 cache.states[layer] = cache.states[layer]._replace(kv=kv)
-                for i, row_maps in zip(seq_of, maps):
-                    self._maps[i][layer] = row_maps
                 cache.counts.append(counts)
             for r, state in zip(real, done):
                 out[r] = state
@@ -241,48 +244,56 @@ class OffloadModelRunner:
         real, pad = len(tables), x.shape[0] - len(tables)
         num_pages = tuple(t[3] for t in tables) + (self._zero,) * pad
         page_tables = tuple(t[2] for t in tables) + (tables[0][2],) * pad
-        kvs = maps = bases = steps = None
+        kvs = maps = regions = region_slots = steps = None
         if in_cache:
-            seq_of = [cached[r][0] for r in range(real)]
             kvs = tuple(cache.states[l].kv for l in group)
-            maps = tuple(tuple(self._maps[i][l] for i in seq_of) + (self._empty_maps,) * pad for l in group)
-            bases, steps = (tuple(cached[r][k] for r in range(real)) + (self._zero,) * pad for k in (1, 2))
+            maps = tuple(self._region_maps[l] for l in group)
+            regions, steps = self._region_args(list(range(real)) + [real] * pad, cached)
+            region_slots = self._region_slots
         layers = self.params.layers
         x, tails, kvs, maps, counts = pooled_pages_decode_layers(
             self.cfg, runner.impl, tuple(layers[l] for l in group), x, runner.inv_freq,
             tuple(self.tails[l] for l in group), slots, positions, tail_lens, runner.pages.scorer,
             tuple(runner.pages.metadata(l) for l in group), runner.budget_pages, runner.page_size, self.block_size,
-            num_candidates, num_pages, page_tables, tuple(store.layer_buffer(l) for l in group), kvs, maps, bases,
-            steps, *store.gather_places(group[0]), tp=runner.tp)
+            num_candidates, num_pages, page_tables, tuple(store.layer_buffer(l) for l in group), kvs, maps, regions,
+            region_slots, steps, *store.gather_places(group[0]), tp=runner.tp)
         for j, l in enumerate(group):
             self.tails[l] = tails[j]
             if in_cache:
                 cache.states[l] = cache.states[l]._replace(kv=kvs[j])
-                for i, row_maps in zip(seq_of, maps[j]):
-                    self._maps[i][l] = row_maps
+                self._region_maps[l] = maps[j]
         if in_cache:
             cache.counts.append(counts.reshape(-1, 3))  # a padding row counts nothing
         return x
 
-    def _cache_rows(self, seqs: list[Sequence]) -> dict[int, tuple]:
-        """Gives regions of the page cache to sequences that have none while some are free, starts the step's
-        counts, and -> row -> (sequence index, its region's first slot, its step through the region), the last two
-        on the device."""
+    def _cache_rows(self, seqs: list[Sequence]) -> dict[int, tuple[int, int]]:
+        """Gives regions of the page cache to sequences that have none while some are free (a region's maps start
+        empty at its first step: `attention._cache_fill`), starts the step's counts, and -> row -> (its region, its
+        step through it)."""
         cache = self.cache
         if cache is None:
             return {}
         for seq in seqs:
             if seq.index not in self._region and self._free_regions:
                 self._region[seq.index] = self._free_regions.pop()
-                self._maps[seq.index] = {l: cache.region_maps(self._region_slots) for l in cache.states}
                 self._cache_steps[seq.index] = 0
         cache.next_step()
-        rows = [(row, seq.index) for row, seq in enumerate(seqs) if seq.index in self._region]
-        for _, i in rows:
-            self._cache_steps[i] += 1
-        on_device = jax.device_put([(np.int32(self._region[i] * self._region_slots), np.int32(self._cache_steps[i]))
-                                    for _, i in rows], self.runner.tp.sharding(None))
-        return {row: (i, base, step) for (row, i), (base, step) in zip(rows, on_device)}
+        rows = {}
+        for row, seq in enumerate(seqs):
+            if seq.index in self._region:
+                self._cache_steps[seq.index] += 1
+                rows[row] = (self._region[seq.index], self._cache_steps[seq.index])
+        return rows
+
+    def _region_args(self, rows: list[int], cached: dict[int, tuple[int, int]]) -> tuple[jax.Array, jax.Array]:
+        """The regions and steps [len(rows)] of a program's rows (a row not in `cached`, padding: the spare region,
+        step 0), on the device; moved once a step for each set of rows."""
+        key = tuple(rows)
+        if key not in self._region_args_of_step:
+            regions = np.asarray([cached[r][0] if r in cached else self._spare_region for r in rows], np.int32)
+            steps = np.asarray([cached[r][1] if r in cached else 0 for r in rows], np.int32)
+            self._region_args_of_step[key] = tuple(jax.device_put([regions, steps], self.runner.tp.sharding(None)))
+        return self._region_args_of_step[key]
 
     def _tables(self, seqs: list[Sequence], stored: list[int]) -> list:
         """Per row, what its one-buffer layers are read through (None without a page policy): its
@@ -342,7 +353,7 @@ class OffloadModelRunner:
         region = self._region.pop(seq.index, None)
         if region is not None:
             self._free_regions.append(region)
-            del self._maps[seq.index], self._cache_steps[seq.index]
+            del self._cache_steps[seq.index]
 
     @property
     def cache_regions_in_use(self) -> int:

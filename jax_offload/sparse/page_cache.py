@@ -86,6 +86,21 @@ def plan(state: CacheState, pages: jax.Array, missing: int, step: jax.Array) -> 
                      CacheState(state.kv, page, used, slot_of))
 
 
+def region_rows(maps: CacheState, regions: jax.Array, fresh: jax.Array) -> CacheState:
+    """The maps of `regions` [n] out of maps stacked by region (kv None; page and used [regions, Hkv, slots],
+    slot_of [regions, Hkv, pages]), stacked on the KV-head axis [n * Hkv, ...] as `plan` takes several; a `fresh`
+    [n] region (its request's first step through it) as empty."""
+    return CacheState(None, *(jnp.where(fresh[:, None, None], _NEVER, m[regions]).reshape(-1, m.shape[-1])
+                              for m in maps[1:]))
+
+
+def put_region_rows(maps: CacheState, regions: jax.Array, rows: CacheState) -> CacheState:
+    """`maps` with the maps of `regions` [n] replaced by `rows` (`region_rows`' layout). A region named twice (the
+    padding rows' spare region) takes either row: a padding row plans no page, so both are its maps unchanged."""
+    return CacheState(None, *(m.at[regions].set(r.reshape(regions.shape[0], *m.shape[1:]))
+                              for m, r in zip(maps[1:], rows[1:])))
+
+
 def slot_rows(slots: jax.Array, num_slots: int, page_size: int, base: jax.Array | int, total_slots: int) -> jax.Array:
     """Slots [Hkv, n] of a region of `num_slots` slots starting at slot `base` of a cache of `total_slots` (>=
     num_slots: none) -> the cache's 16-token rows [Hkv, n * page_size / PAGE_UNIT], head by head, slot by slot (as
@@ -133,10 +148,13 @@ class PageCache:
         # heads, one row per layer (`attention.cached_sparse_decode_layers`) or request (`cached_pages_attend_rows`).
         self.counts: list[jax.Array] = []
 
-    def _empty_maps(self, slots: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """`page`, `used` and `slot_of` of an empty cache (or region) of `slots` slots (default: all)."""
+    def _empty_maps(self, slots: int | None = None, regions: int | None = None) -> tuple[jax.Array, ...]:
+        """`page`, `used` and `slot_of` of an empty cache of `slots` slots (default: all), or of `regions` such
+        regions stacked on a leading axis."""
         shape = self._slots_shape if slots is None else (self._slots_shape[0], slots)
-        return tuple(self._tp.zeros(s, jnp.int32, 0) + _NEVER for s in (shape, shape, self._pages_shape))
+        lead, head_axis = ((), 0) if regions is None else ((regions,), 1)
+        return tuple(self._tp.zeros((*lead, *s), jnp.int32, head_axis) + _NEVER
+                     for s in (shape, shape, self._pages_shape))
 
     def reset(self) -> None:
         """Empties the one-request path's maps (a new request: its pages are not the last one's). The batch
@@ -152,9 +170,10 @@ class PageCache:
         model's chosen pages: bench/results/runs/cpu_page_overlap/), or every slot if fewer."""
         return min(self.slots, 2 * budget_pages)
 
-    def region_maps(self, slots: int) -> CacheState:
-        """Empty maps of a region of `slots` slots (kv None: the region's pages live in `states[l].kv`)."""
-        return CacheState(None, *self._empty_maps(slots))
+    def region_maps(self, slots: int, regions: int) -> CacheState:
+        """Empty maps of `regions` regions of `slots` slots, stacked on a leading axis (kv None: region r's pages
+        live in slots r * slots onward of `states[l].kv`)."""
+        return CacheState(None, *self._empty_maps(slots, regions))
 
     def next_step(self) -> None:
         """Starts a decode step's counts."""
