@@ -32,6 +32,7 @@ LSE_HEADS = 1  # lse [B, H, T]
 MASK_HEADS = 1  # XAttention's block mask [B, H, nqb, nkb]
 METADATA_HEADS = 0  # a page policy's metadata: Quest's bounds [Hkv, pages, D], the sketch [Hkv, page_size, pages, ...]
 BUFFER_HEADS = 1  # a one-buffer layer of the KV store [num_blocks, Hkv, ...]
+POOL_HEADS = 3  # the batch engine's tail pool [slots, 2, block_size, Hkv, D]
 
 
 def default_attention_impl() -> str:
@@ -356,9 +357,6 @@ def _pooled_end(
 pooled_decode_end = functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",))(_pooled_end)
 
 
-POOL_HEADS = 3  # a tail pool [S, 2, block_size, Hkv, D]
-
-
 def _attend_tails(impl: str, q: jax.Array, tails: jax.Array, slots: jax.Array, kv_len: jax.Array,
                   state: AttentionState, tp: TensorParallel | None) -> jax.Array:
     """Each row's `state` continued over the first `kv_len` keys of its slot of the tail pool and finished: o float32
@@ -443,10 +441,9 @@ def stored_blocks_attend_rows(impl: str, qs: tuple[jax.Array, ...], buffer, bloc
 
 
 def _chosen_pages_rows(impl: str, qs: tuple[jax.Array, ...], scorer, meta: tuple[jax.Array, ...],
-                             budget_pages: int, page_size: int, block_size: int, num_candidates: int,
-                             num_pages: tuple[jax.Array, ...], page_tables: tuple[jax.Array, ...], buffer, host,
-                             device, states: tuple[AttentionState, ...],
-                             tp: TensorParallel | None = None) -> tuple[AttentionState, ...]:
+                       budget_pages: int, page_size: int, block_size: int, num_candidates: int,
+                       num_pages: tuple[jax.Array, ...], page_tables: tuple[jax.Array, ...], buffer, host, device,
+                       states: tuple[AttentionState, ...], tp: TensorParallel | None = None) -> tuple[AttentionState, ...]:
     """Requests' attention over the pages each one's policy chooses of a "pages" layer, as `sparse_decode_layer`
     chooses and reads them, in one program: each through its page table, `page_tables` [num_candidates] the store
     page of each of its pages (store block * pages a block + page in it; past its num_pages: any). A request's
@@ -705,7 +702,7 @@ def _cache_fill(impl, pages, missing, store_rows, kv, maps: page_cache.CacheStat
     region (kv None), `regions` [requests] each one's (region r: slots r * region_slots onward of the cache's stored
     KV `kv`), `steps` [requests] its steps through it (its first starts from an empty region); each KV head's row
     on its own, so each as alone. Every request's misses are copied in at once from the store rows
-    `store_rows(miss pages [requests * Hkv, k])` of `buffer`, request by request. -> (kv, the cache rows of every
+    `store_rows(miss pages [requests * Hkv, k])` of `buffer` (request-major). -> (kv, the cache rows of every
     request's chosen pages [requests * Hkv, n] in the order the store read would take them, the regions' maps after
     the step, int32 [requests, 3] of [hits, chosen, pages over PCIe])."""
     requests = regions.shape[0]

@@ -450,8 +450,8 @@ def test_page_policy_prompts_preempted_equal_each_alone(model_dir, cache):
 def test_no_state_leak_over_a_thousand_mixed_requests(model_dir):
     """1,000 requests through the incremental API on the batch engine (sketch decode over XAttention-free chunked
     prefill, an 8-block store: preemptions, a page cache of 4 regions), prompts of 1..200 tokens, greedy and seeded, a
-    tenth aborted after their first token: at the end no request, store block, pool block, tail slot or cache region
-    is held, and requests that ran beside others still equal themselves alone."""
+    tenth aborted after their first token: at the end no request, store block, pool block, tail slot, cache region or
+    sequence's tables is held, and requests that ran beside others still equal themselves alone."""
     rng = np.random.default_rng(512)
     cache = dict(sparse_cache_gb=2**-13)  # 16 pages per KV head: regions for 4 of the 16 running requests
     llm = _sparse(model_dir, 32, "sketch", max_num_seqs=16, max_model_len=512, **cache)
@@ -476,7 +476,7 @@ def test_no_state_leak_over_a_thousand_mixed_requests(model_dir):
     assert engine.stats.recomputes > 0, where
     assert runner.store.live_blocks() == [] and engine.blocks.num_used == 0, where
     assert len(engine.runner._free_slots) == engine.scheduler.max_num_seqs, where
-    assert engine.runner.cache_regions_in_use == 0, where
+    assert engine.runner.cache_regions_in_use == 0 and engine.runner.sequences_held == 0, where
     reference = _sparse(model_dir, 32, "sketch", max_model_len=512, **cache)
     for rid in ["r0", "r1", "r2", "r500", "r998"]:
         ids, sp = requests[rid]

@@ -159,7 +159,7 @@ class OffloadModelRunner:
         groups, ring = self._stream(seqs, stored)
         tables = self._tables(seqs, stored)
         cached = self._cache_rows(seqs)
-        self._region_args_of_step: dict[tuple, tuple] = {}
+        self._region_args_of_step = {}
         kind = _one_kind(tables, cached)
         groups_at = {group[0]: group for group in self._page_groups} if kind is not None else {}
         x = embed_tokens(self.params.embed, tokens[:, None])
@@ -359,3 +359,8 @@ class OffloadModelRunner:
     def cache_regions_in_use(self) -> int:
         """Regions of the page cache held by sequences."""
         return len(self._region)
+
+    @property
+    def sequences_held(self) -> int:
+        """Sequences whose tail slot, cache region or tables the runner still keeps."""
+        return len(set(self._slot) | set(self._region) | set(self._row_tables) | set(self._cache_steps))
