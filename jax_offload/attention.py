@@ -331,12 +331,17 @@ def _pooled_begin(
     """New tokens x [B, 1, hidden] at `positions` [B], of requests whose tails are rows `slots` [B] of the pool
     tails [S, 2, block_size, Hkv, D] (slot -1: a padding row) -> q [B, 1, Hq, D], each row's own q [1, 1, Hq, D],
     the pool with each token's K, V written at its row's tail length, and each row's empty attention state."""
+    q, tails = _pooled_qkv(cfg, layer, x, inv_freq, tails, slots, positions, tail_lens, tp)
+    q_rows = tuple(q[r : r + 1] for r in range(q.shape[0]))
+    return q, q_rows, tails, tuple(_empty_state(tp, q_row) for q_row in q_rows)
+
+
+def _pooled_qkv(cfg, layer, x, inv_freq, tails, slots, positions, tail_lens, tp):
+    """`_pooled_begin`'s q [B, 1, Hq, D] and pool."""
     q, k, v = split_qkv(cfg, tp, layer, x, positions[:, None], inv_freq)
     rows = jnp.where(slots >= 0, slots, tails.shape[0])
     kv = jnp.stack([k[:, 0], v[:, 0]], axis=1).astype(tails.dtype)  # [B, 2, Hkv, D]
-    tails = tails.at[rows, :, tail_lens].set(kv, mode="drop")
-    q_rows = tuple(q[r : r + 1] for r in range(q.shape[0]))
-    return q, q_rows, tails, tuple(_empty_state(tp, q_row) for q_row in q_rows)
+    return q, tails.at[rows, :, tail_lens].set(kv, mode="drop")
 
 
 pooled_decode_begin = functools.partial(step_jit, static_argnums=(0,), static_argnames=("tp",),
@@ -349,9 +354,23 @@ def _pooled_end(
 ) -> jax.Array:
     """Each row continues the state its host blocks left over its tail (its newest keys, last in key order), then
     the rest of the layer runs for the whole batch."""
-    state = jax.tree.map(lambda *rows: jnp.concatenate(rows), *states)
+    return _pooled_finish(cfg, impl, layer, x, q, tails, slots, tail_lens, _stack_states(states), tp)
+
+
+def _pooled_finish(cfg, impl, layer, x, q, tails, slots, tail_lens, state, tp):
+    """`_pooled_end` with the rows' states as one batch state."""
     o = _attend_tails(impl, q, tails, slots, tail_lens + 1, state, tp)
     return decoder.attention_output_and_mlp(cfg, layer, x, o)  # the one rounding to the model dtype
+
+
+def _stack_states(states: tuple[AttentionState, ...]) -> AttentionState:
+    """Rows' states [1, ...] -> one batch state [rows, ...]."""
+    return jax.tree.map(lambda *rows: jnp.concatenate(rows), *states)
+
+
+def _split_state(state: AttentionState) -> tuple[AttentionState, ...]:
+    """A batch state [rows, ...] -> each row's [1, ...]."""
+    return tuple(jax.tree.map(lambda x, r=r: x[r:r + 1], state) for r in range(state.acc.shape[0]))
 
 
 pooled_decode_end = functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",))(_pooled_end)
@@ -449,42 +468,52 @@ def _chosen_pages_rows(impl: str, qs: tuple[jax.Array, ...], scorer, meta: tuple
     page of each of its pages (store block * pages a block + page in it; past its num_pages: any). A request's
     metadata is gathered by its table, so its scores and choice are its own; its chosen pages are read at their
     store pages in its page order. q [1, 1, Hq, D] -> its state continued."""
-    def local(qs, meta, buffer, states, num_pages, page_tables):
-        hkv = meta[0].shape[0]
-        pages = _requests_pages(impl, qs, scorer, meta, page_tables, num_pages, num_candidates, budget_pages)
-        rows = [_table_page_rows(_heads_of(pages, i, hkv), table, num_candidates, buffer, page_size, block_size)
-                .reshape(hkv, -1) for i, table in enumerate(page_tables)]
+    return _split_state(_chosen_pages_batch(impl, jnp.concatenate(qs), scorer, meta, budget_pages, page_size,
+                                            block_size, num_candidates, num_pages, page_tables, buffer, host, device,
+                                            _stack_states(states), tp))
+
+
+def _chosen_pages_batch(impl, q, scorer, meta, budget_pages, page_size, block_size, num_candidates, num_pages,
+                        page_tables, buffer, host, device, state, tp):
+    """`_chosen_pages_rows` of the rows q [R, 1, Hq, D] with one batch state [R, ...]."""
+    def local(q, meta, buffer, state, num_pages, page_tables):
+        pages = _requests_pages(impl, q, scorer, meta, page_tables, num_pages, num_candidates, budget_pages)
+        rows = _requests_page_rows(pages, page_tables, num_candidates, buffer, page_size, block_size)
         num_keys = tuple(jnp.minimum(n, budget_pages) * page_size for n in num_pages)
-        return attend_rows_many(impl, qs, buffer, tuple(rows), num_keys, states, host, device)
+        return attend_rows_batch(impl, q, buffer, rows, num_keys, state, host, device)
 
     meta_heads = tuple(METADATA_HEADS for _ in meta)
-    each = tuple(None for _ in qs)
-    return _local(tp, local, ((HEADS,) * len(qs), meta_heads, BUFFER_HEADS, (STATE_HEADS,) * len(qs), each, each),
-                  (STATE_HEADS,) * len(qs))(qs, tuple(meta), buffer, states, num_pages, page_tables)
+    each = tuple(None for _ in num_pages)
+    return _local(tp, local, (HEADS, meta_heads, BUFFER_HEADS, STATE_HEADS, each, each), STATE_HEADS)(
+        q, tuple(meta), buffer, state, num_pages, page_tables)
+
+
+def _requests_page_rows(pages, page_tables, num_candidates: int, buffer, page_size: int, block_size: int):
+    """Requests' pages stacked on the KV-head axis [requests * Hkv, k] -> their store rows [requests * Hkv, n],
+    each through its page table (`_table_page_rows`)."""
+    requests = len(page_tables)
+    rows = jax.vmap(functools.partial(_table_page_rows, num_candidates=num_candidates, buffer=buffer,
+                                      page_size=page_size, block_size=block_size))(
+        pages.reshape(requests, -1, pages.shape[-1]), jnp.stack(page_tables))
+    return rows.reshape(pages.shape[0], -1)
 
 
 chosen_pages_attend_rows = functools.partial(step_jit, static_argnums=(0, 2, 4, 5, 6, 7, 11, 12),
                                              static_argnames=("tp",))(_chosen_pages_rows)
 
 
-def _requests_pages(impl, qs, scorer, meta, page_tables, num_pages, num_candidates: int,
+def _requests_pages(impl, q, scorer, meta, page_tables, num_pages, num_candidates: int,
                     budget_pages: int) -> jax.Array:
-    """`_chosen_pages` of requests of a shared store, stacked on the KV-head axis [requests * Hkv, budget_pages]:
+    """`_chosen_pages` of requests q [R, 1, Hq, D] of a shared store, stacked on the KV-head axis [R * Hkv, k]:
     each one's pages scored as alone by the policy (`requests_page_scores`: pages numbered in its order), then one
     top-k for all (a selection, each KV head's row on its own: the choice each gets alone)."""
-    scores = scorer.requests_page_scores(impl, tuple(q[0, 0] for q in qs), meta, page_tables, num_pages,
-                                         num_candidates)
+    scores = scorer.requests_page_scores(impl, q[:, 0], meta, page_tables, num_pages, num_candidates)
     return quest.top_pages(scores, _per_head(num_pages, meta[0].shape[0]), budget_pages)
 
 
 def _per_head(values: tuple[jax.Array, ...], hkv: int) -> jax.Array:
     """One int32 scalar per request -> [requests * Hkv, 1], each repeated for its KV heads."""
     return jnp.concatenate([jnp.full((hkv, 1), v, jnp.int32) for v in values])
-
-
-def _heads_of(x: jax.Array, request: int, hkv: int) -> jax.Array:
-    """A request's rows of an array stacked on the KV-head axis (`_requests_pages`)."""
-    return x[request * hkv:(request + 1) * hkv]
 
 
 def _table_page_rows(pages, page_table, num_candidates: int, buffer, page_size: int, block_size: int) -> jax.Array:
@@ -505,28 +534,33 @@ def _cached_pages_rows(impl: str, qs: tuple[jax.Array, ...], scorer, meta: tuple
     one's region of `region_slots` slots, `steps` [requests] its decode steps through it): the same bits. Every region
     is filled before any is read (regions are disjoint), so no read of the cache comes between two writes of it.
     -> (states, kv, maps, int32 [requests, 3] of [hits, chosen, pages over PCIe])."""
-    def local(qs, meta, buffer, kv, maps, num_pages, page_tables, regions, steps, states):
+    state, kv, maps, counts = _cached_pages_batch(
+        impl, jnp.concatenate(qs), scorer, meta, budget_pages, page_size, block_size, num_candidates, num_pages,
+        page_tables, buffer, kv, maps, regions, region_slots, steps, host, device, _stack_states(states), tp)
+    return _split_state(state), kv, maps, counts
+
+
+def _cached_pages_batch(impl, q, scorer, meta, budget_pages, page_size, block_size, num_candidates, num_pages,
+                        page_tables, buffer, kv, maps, regions, region_slots, steps, host, device, state, tp):
+    """`_cached_pages_rows` of the rows q [R, 1, Hq, D] with one batch state [R, ...]."""
+    def local(q, meta, buffer, kv, maps, num_pages, page_tables, regions, steps, state):
         # One top-k, one plan and one copy for all requests, and one kernel call reading every request's pages.
-        pages = _requests_pages(impl, qs, scorer, meta, page_tables, num_pages, num_candidates, budget_pages)
-        rows_of = jax.vmap(functools.partial(_table_page_rows, num_candidates=num_candidates, buffer=buffer,
-                                             page_size=page_size, block_size=block_size))
-        tables = jnp.stack(page_tables)
+        pages = _requests_pages(impl, q, scorer, meta, page_tables, num_pages, num_candidates, budget_pages)
         kv, reads, maps, counts = _cache_fill(
-            impl, pages, num_candidates, lambda miss: rows_of(miss.reshape(len(qs), -1, miss.shape[-1]), tables),
+            impl, pages, num_candidates,
+            lambda miss: _requests_page_rows(miss, page_tables, num_candidates, buffer, page_size, block_size),
             kv, maps, regions, region_slots, steps, buffer, page_size, host, device, tp)
-        states = attend_rows_many(impl, qs, kv, reads,
-                                  tuple(jnp.minimum(n, budget_pages) * page_size for n in num_pages), states, device,
-                                  device)
-        return states, kv, maps, counts
+        state = attend_rows_batch(impl, q, kv, reads, tuple(jnp.minimum(n, budget_pages) * page_size
+                                                            for n in num_pages), state, device, device)
+        return state, kv, maps, counts
 
     meta_heads = tuple(METADATA_HEADS for _ in meta)
     maps_heads = page_cache.CacheState(None, 1, 1, 1)
-    rows = len(qs)
-    each = (None,) * rows
-    return _local(tp, local, ((HEADS,) * rows, meta_heads, BUFFER_HEADS, BUFFER_HEADS, maps_heads, each, each, None,
-                              None, (STATE_HEADS,) * rows),
-                  ((STATE_HEADS,) * rows, BUFFER_HEADS, maps_heads, None))(
-        qs, tuple(meta), buffer, kv, maps, num_pages, page_tables, regions, steps, states)
+    each = (None,) * len(num_pages)
+    return _local(tp, local, (HEADS, meta_heads, BUFFER_HEADS, BUFFER_HEADS, maps_heads, each, each, None, None,
+                              STATE_HEADS),
+                  (STATE_HEADS, BUFFER_HEADS, maps_heads, None))(
+        q, tuple(meta), buffer, kv, maps, num_pages, page_tables, regions, steps, state)
 
 
 cached_pages_attend_rows = functools.partial(step_jit, static_argnums=(0, 2, 4, 5, 6, 7, 14, 16, 17),
@@ -553,19 +587,18 @@ def pooled_pages_decode_layers(
     -> (hidden, tails, cache_kvs, maps (None without the cache), int32 [layers, rows, 3] counts or None)."""
     tails, kvs, new_maps, counts = list(tails), [], [], []
     for i, layer in enumerate(layers):
-        q, q_rows, tails[i], states = _pooled_begin(cfg, layer, x, inv_freq, tails[i], slots, positions, tail_lens,
-                                                    tp)
-        args = (impl, q_rows, scorer, metas[i], budget_pages, page_size, block_size, num_candidates, num_pages,
+        q, tails[i] = _pooled_qkv(cfg, layer, x, inv_freq, tails[i], slots, positions, tail_lens, tp)
+        args = (impl, q, scorer, metas[i], budget_pages, page_size, block_size, num_candidates, num_pages,
                 page_tables, buffers[i])
         if cache_kvs is None:
-            states = _chosen_pages_rows(*args, host, device, states, tp)
+            state = _chosen_pages_batch(*args, host, device, _empty_state(tp, q), tp)
         else:
-            states, kv, layer_maps, layer_counts = _cached_pages_rows(*args, cache_kvs[i], maps[i], regions,
-                                                                      region_slots, steps, host, device, states, tp)
+            state, kv, layer_maps, layer_counts = _cached_pages_batch(
+                *args, cache_kvs[i], maps[i], regions, region_slots, steps, host, device, _empty_state(tp, q), tp)
             kvs.append(kv)
             new_maps.append(layer_maps)
             counts.append(layer_counts)
-        x = _pooled_end(cfg, impl, layer, x, q, tails[i], slots, tail_lens, states, tp)
+        x = _pooled_finish(cfg, impl, layer, x, q, tails[i], slots, tail_lens, state, tp)
     if cache_kvs is None:
         return x, tuple(tails), None, None, None
     return x, tuple(tails), tuple(kvs), tuple(new_maps), jnp.stack(counts)
@@ -621,7 +654,16 @@ def attend_rows_many(impl: str, qs: tuple[jax.Array, ...], buffer: jax.Array,
                      split_keys: int = CHOSEN_SPLIT_KEYS) -> tuple[AttentionState, ...]:
     """Continues each request's `state` of q [1, 1, Hq, D] over its store rows [Hkv, n] of a one-buffer layer
     `buffer` (each KV head's own rows, its first `num_keys` keys; or all requests' rows of one width stacked,
-    [requests * Hkv, n]). With the Pallas kernels all requests' rows go
+    [requests * Hkv, n]): `attend_rows_batch` of the requests as one batch."""
+    return _split_state(attend_rows_batch(impl, jnp.concatenate(qs), buffer, rows, num_keys, _stack_states(states),
+                                          host, device, split_keys))
+
+
+def attend_rows_batch(impl: str, q: jax.Array, buffer: jax.Array, rows: tuple[jax.Array, ...] | jax.Array,
+                      num_keys: tuple[jax.Array, ...], state: AttentionState, host, device,
+                      split_keys: int = CHOSEN_SPLIT_KEYS) -> AttentionState:
+    """Continues the batch state of requests q [R, 1, Hq, D] over each one's store rows of a one-buffer layer
+    `buffer` (`attend_rows_many`'s `rows`; its first `num_keys` keys). With the Pallas kernels all requests' rows go
     through one paged-kernel call (each KV head of each request a "sequence"), folded in key order in splits of
     `split_keys` keys: each request gets the bits it gets alone. On a GPU, or with a buffer in GPU memory, the kernel
     reads the rows straight from the buffer: from a pinned host buffer only they cross PCIe and nothing is gathered
@@ -629,10 +671,12 @@ def attend_rows_many(impl: str, qs: tuple[jax.Array, ...], buffer: jax.Array,
     moves them first."""
     values = values_of(buffer)
     hkv, d = values.shape[1], values.shape[-1]
+    requests, _, hq, _ = q.shape
     if impl == "xla":
-        each = rows if isinstance(rows, tuple) else tuple(rows[i * hkv:(i + 1) * hkv] for i in range(len(qs)))
-        return tuple(attend(impl, q, *_page_keys(gather_rows(buffer, r.reshape(-1), host, device), hkv, q.dtype), s,
-                            causal=False, kv_len=n) for q, r, n, s in zip(qs, each, num_keys, states))
+        each = rows if isinstance(rows, tuple) else tuple(rows[i * hkv:(i + 1) * hkv] for i in range(requests))
+        return _stack_states(tuple(
+            attend(impl, q[i:i + 1], *_page_keys(gather_rows(buffer, r.reshape(-1), host, device), hkv, q.dtype), s,
+                   causal=False, kv_len=n) for i, (r, n, s) in enumerate(zip(each, num_keys, _split_state(state)))))
     if isinstance(rows, tuple):
         width = max(r.shape[1] for r in rows)  # entries past a request's keys are never read
         tables = jnp.concatenate([jnp.pad(r, ((0, 0), (0, width - r.shape[1]))) for r in rows])
@@ -645,18 +689,14 @@ def attend_rows_many(impl: str, qs: tuple[jax.Array, ...], buffer: jax.Array,
         pool = jax.tree.map(lambda p: p[:, :, :, None], gather_rows(buffer, tables.reshape(-1), host, device))
         tables = jnp.arange(tables.size, dtype=jnp.int32).reshape(tables.shape)
     pool, scales = (pool.values, dict(kv_scales=pool.scales)) if isinstance(pool, QuantizedKV) else (pool, {})
-    hq = qs[0].shape[2]
     group = hq // hkv
-    state = AttentionState(jnp.concatenate([s.acc.reshape(hkv, 1, group, d) for s in states]),
-                           jnp.concatenate([s.m.reshape(hkv, group, 1) for s in states]),
-                           jnp.concatenate([s.l.reshape(hkv, group, 1) for s in states]))
     state = pallas_kernels.paged_decode_state_kv(
-        jnp.concatenate([q.reshape(hkv, group, d) for q in qs]), pool, tables,
-        jnp.concatenate([jnp.full((hkv,), n, jnp.int32) for n in num_keys]), state, split_len=split_keys,
-        num_programs=-(-ROWS_TARGET_PROGRAMS // (len(qs) * hkv)), **scales)
-    return tuple(AttentionState(state.acc[i * hkv:(i + 1) * hkv].reshape(1, 1, hq, d),
-                                state.m[i * hkv:(i + 1) * hkv].reshape(1, hq, 1),
-                                state.l[i * hkv:(i + 1) * hkv].reshape(1, hq, 1)) for i in range(len(qs)))
+        q.reshape(requests * hkv, group, d), pool, tables, jnp.repeat(jnp.stack(num_keys).astype(jnp.int32), hkv),
+        AttentionState(state.acc.reshape(requests * hkv, 1, group, d), state.m.reshape(requests * hkv, group, 1),
+                       state.l.reshape(requests * hkv, group, 1)),
+        split_len=split_keys, num_programs=-(-ROWS_TARGET_PROGRAMS // (requests * hkv)), **scales)
+    return AttentionState(state.acc.reshape(requests, 1, hq, d), state.m.reshape(requests, hq, 1),
+                          state.l.reshape(requests, hq, 1))
 
 
 def _page_choice(cfg, impl, layer, x, inv_freq, tail, position, tail_len, scorer, meta, budget_pages, page_size,

@@ -109,14 +109,14 @@ class QuestScore:
         kmin, kmax = meta
         return page_scores(q, kmin[:, :num_candidates], kmax[:, :num_candidates])
 
-    def requests_page_scores(self, impl: str, qs: tuple[jax.Array, ...], meta: tuple[jax.Array, jax.Array],
+    def requests_page_scores(self, impl: str, q: jax.Array, meta: tuple[jax.Array, jax.Array],
                              page_tables: tuple[jax.Array, ...], num_pages: tuple[jax.Array, ...],
                              num_candidates: int) -> jax.Array:
-        """`page_scores` of requests sharing a store, each over its pages' bounds gathered by its page table
-        [num_candidates], stacked on the KV-head axis -> float32 [requests * Hkv, num_candidates]. Request by
-        request: a batched dot may choose another summation order than one request's."""
-        return jnp.concatenate([self.page_scores(impl, q, self.gather(meta, table), n, num_candidates)
-                                for q, table, n in zip(qs, page_tables, num_pages)])
+        """`page_scores` of requests q [requests, Hq, D] sharing a store, each over its pages' bounds gathered by its
+        page table [num_candidates], stacked on the KV-head axis -> float32 [requests * Hkv, num_candidates].
+        Request by request: a batched dot may choose another summation order than one request's."""
+        return jnp.concatenate([self.page_scores(impl, q[i], self.gather(meta, table), n, num_candidates)
+                                for i, (table, n) in enumerate(zip(page_tables, num_pages))])
 
     def gather(self, meta: tuple[jax.Array, jax.Array], pages: jax.Array) -> tuple[jax.Array, jax.Array]:
         """A layer's bounds of `pages` [n], in that order (one request's pages of a shared store)."""

@@ -152,10 +152,10 @@ class SketchScore:
         qg = q.reshape(packed.shape[0], -1, q.shape[-1])
         return mass_of_pages(self._page_lse(impl, qg, packed, scale, num_candidates, packed.shape[0]), num_pages)
 
-    def requests_page_scores(self, impl: str, qs: tuple[jax.Array, ...], meta: tuple[jax.Array, jax.Array],
+    def requests_page_scores(self, impl: str, q: jax.Array, meta: tuple[jax.Array, jax.Array],
                              page_tables: tuple[jax.Array, ...], num_pages: tuple[jax.Array, ...],
                              num_candidates: int) -> jax.Array:
-        """`page_scores` of requests sharing a store, stacked on the KV-head axis: qs [Hq, D] each, `page_tables`
+        """`page_scores` of requests sharing a store, stacked on the KV-head axis: q [requests, Hq, D], `page_tables`
         [num_candidates] each (its pages' store pages, in its order), `num_pages` a scalar each -> float32
         [requests * Hkv, num_candidates], each request's rows the bits it gets alone. With the Pallas kernels one
         gather and one kernel call score all requests' pages (the kernel scores each KV head's pages on their own,
@@ -163,11 +163,11 @@ class SketchScore:
         shape)."""
         hkv = meta[0].shape[0]
         if impl != "pallas":
-            return jnp.concatenate([self.page_scores(impl, q, self.gather(meta, table), n, num_candidates)
-                                    for q, table, n in zip(qs, page_tables, num_pages)])
+            return jnp.concatenate([self.page_scores(impl, q[i], self.gather(meta, table), n, num_candidates)
+                                    for i, (table, n) in enumerate(zip(page_tables, num_pages))])
         packed, scale = (jnp.moveaxis(m[:, :, jnp.stack(page_tables)], 2, 0) for m in meta)  # [R, Hkv, page, N, ...]
         packed, scale = (x.reshape(-1, *x.shape[2:]) for x in (packed, scale))
-        qg = jnp.concatenate(qs).reshape(packed.shape[0], -1, qs[0].shape[-1])
+        qg = q.reshape(packed.shape[0], -1, q.shape[-1])
         return mass_of_pages(self._page_lse(impl, qg, packed, scale, num_candidates, hkv),
                              jnp.repeat(jnp.stack(num_pages), hkv))
 
