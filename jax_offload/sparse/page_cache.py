@@ -11,7 +11,8 @@ copy (`pallas_kernels.copy_rows`) reads each missing row in place from the pinne
 bytes over PCIe are the misses', whatever their spread over the KV heads. A cache of at least the budget always has
 room for a step's misses, so every step reads from the cache. Page ids are the request's page positions: `reset`
 empties the cache when a new request starts. The batch engine cuts the cache into regions (`region_slots`), each a
-request's own maps over its share of every layer's slots (`serving/offload_model_runner.py`).
+request's share of every layer's slots, every region's maps of a layer stacked in one array (`region_maps`,
+`region_rows`; `serving/offload_model_runner.py`).
 """
 from __future__ import annotations
 
