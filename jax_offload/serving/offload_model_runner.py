@@ -57,13 +57,13 @@ def _layer_groups(layers: list[int]) -> list[list[int]]:
             for i in range(0, len(run), layer_group_size(len(run)))]
 
 
-def _one_kind(tables: list, cached: dict[int, tuple]) -> tuple[int, bool] | None:
-    """The rows' one kind, (page-table length, through regions of the page cache), or None where they differ (or
-    no page policy runs)."""
-    if not tables or tables[0] is None:
-        return None
-    kinds = {(t[2].shape[0], row in cached) for row, t in enumerate(tables)}
-    return kinds.pop() if len(kinds) == 1 else None
+def _row_kinds(tables: list, cached: dict[int, tuple]) -> dict[tuple[int, bool], list[int]]:
+    """The rows by kind, (page-table length, through regions of the page cache); none without a page policy."""
+    kinds: dict[tuple[int, bool], list[int]] = {}
+    if tables and tables[0] is not None:
+        for row, table in enumerate(tables):
+            kinds.setdefault((table[2].shape[0], row in cached), []).append(row)
+    return kinds
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -160,7 +160,8 @@ class OffloadModelRunner:
         tables = self._tables(seqs, stored)
         cached = self._cache_rows(seqs)
         self._region_args_of_step = {}
-        kind = _one_kind(tables, cached)
+        kinds = _row_kinds(tables, cached)
+        kind = next(iter(kinds)) if len(kinds) == 1 else None
         groups_at = {group[0]: group for group in self._page_groups} if kind is not None else {}
         x = embed_tokens(self.params.embed, tokens[:, None])
         for l, layer in enumerate(self.params.layers):
@@ -172,7 +173,7 @@ class OffloadModelRunner:
             q, q_rows, self.tails[l], states = pooled_decode_begin(
                 self.cfg, layer, x, runner.inv_freq, self.tails[l], slots, positions, tail_lens, tp=runner.tp)
             # Padding rows (past the sequences) keep their empty states.
-            states = self._attend(l, ring, groups[l], q_rows[:len(seqs)], states[:len(seqs)], tables, cached) \
+            states = self._attend(l, ring, groups[l], q_rows[:len(seqs)], states[:len(seqs)], tables, cached, kinds) \
                 + states[len(seqs):]
             x = pooled_decode_end(self.cfg, runner.impl, layer, x, q, self.tails[l], slots, tail_lens, states,
                                   tp=runner.tp)
@@ -185,12 +186,13 @@ class OffloadModelRunner:
         return drawn_to_host(out, len(seqs))
 
     def _attend(self, layer: int, ring: BlockRing, groups: list, qs: tuple, states: tuple, tables: list,
-                cached: dict[int, tuple]) -> tuple:
+                cached: dict[int, tuple], kinds: dict[tuple[int, bool], list[int]]) -> tuple:
         """Each row's attention over its stored KV of `layer`, as the one-request step reads it: its blocks through
         the ring ("blocks" layers, row by row), its blocks of a layer in GPU memory ("gpu"), or the pages its policy
         chooses ("pages"), through its region of the page cache where it has one (`cached`: row -> (region, step));
         the last two for every row in one program (rows of one page-table length,
-        with or without a region). `tables`: per row, (block table, key count, page table, page count) (`_tables`)."""
+        with or without a region: `kinds`, `_row_kinds`). `tables`: per row, (block table, key count, page table,
+        page count) (`_tables`)."""
         runner, store = self.runner, self.store
         place = store.places[layer]
         if place == "blocks":
@@ -209,10 +211,7 @@ class OffloadModelRunner:
                                              tp=runner.tp)
             return done[:empty]
         pages, out = runner.pages, list(states[:empty])
-        by_kind: dict[tuple[int, bool], list[int]] = {}
-        for row, (_, _, page_table, _) in enumerate(tables):
-            by_kind.setdefault((page_table.shape[0], row in cached), []).append(row)
-        for (num_candidates, in_cache), real in by_kind.items():
+        for (num_candidates, in_cache), real in kinds.items():
             rows = _padded(real, empty)
             page_tables = tuple(tables[r if r < empty else real[0]][2] for r in rows)
             args = (runner.impl, tuple(qs[r] for r in rows), pages.scorer, pages.metadata(layer), runner.budget_pages,

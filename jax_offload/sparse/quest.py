@@ -115,12 +115,19 @@ class QuestScore:
         """`page_scores` of requests q [requests, Hq, D] sharing a store, each over its pages' bounds gathered by its
         page table [num_candidates], stacked on the KV-head axis -> float32 [requests * Hkv, num_candidates].
         Request by request: a batched dot may choose another summation order than one request's."""
-        return jnp.concatenate([self.page_scores(impl, q[i], self.gather(meta, table), n, num_candidates)
-                                for i, (table, n) in enumerate(zip(page_tables, num_pages))])
+        return scores_each(self, impl, q, meta, page_tables, num_pages, num_candidates)
 
     def gather(self, meta: tuple[jax.Array, jax.Array], pages: jax.Array) -> tuple[jax.Array, jax.Array]:
         """A layer's bounds of `pages` [n], in that order (one request's pages of a shared store)."""
         return tuple(m[:, pages] for m in meta)
+
+
+def scores_each(scorer, impl: str, q: jax.Array, meta: tuple[jax.Array, ...], page_tables: tuple[jax.Array, ...],
+                num_pages: tuple[jax.Array, ...], num_candidates: int) -> jax.Array:
+    """A page policy's `page_scores` of requests q [requests, Hq, D] of a shared store, request by request, each over
+    its pages' metadata gathered by its page table (`scorer.gather`), stacked on the KV-head axis."""
+    return jnp.concatenate([scorer.page_scores(impl, q[i], scorer.gather(meta, table), n, num_candidates)
+                            for i, (table, n) in enumerate(zip(page_tables, num_pages))])
 
 
 class QuestPages:

@@ -22,7 +22,7 @@ import numpy as np
 import pallas_kernels
 from jax_offload.config import SKETCH_DTYPES
 from jax_offload.precision import step_jit, sum_last_axis
-from jax_offload.sparse.quest import candidate_count
+from jax_offload.sparse.quest import candidate_count, scores_each
 from jax_offload.tensor_parallel import TensorParallel
 
 # The largest code of each sketch dtype: codes lie in [-qmax, qmax], symmetric around zero.
@@ -163,8 +163,7 @@ class SketchScore:
         shape)."""
         hkv = meta[0].shape[0]
         if impl != "pallas":
-            return jnp.concatenate([self.page_scores(impl, q[i], self.gather(meta, table), n, num_candidates)
-                                    for i, (table, n) in enumerate(zip(page_tables, num_pages))])
+            return scores_each(self, impl, q, meta, page_tables, num_pages, num_candidates)
         packed, scale = (jnp.moveaxis(m[:, :, jnp.stack(page_tables)], 2, 0) for m in meta)  # [R, Hkv, page, N, ...]
         packed, scale = (x.reshape(-1, *x.shape[2:]) for x in (packed, scale))
         qg = q.reshape(packed.shape[0], -1, q.shape[-1])
