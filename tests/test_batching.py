@@ -453,6 +453,7 @@ def test_offloaded_batch_equals_one_at_a_time(tmp_root, prefill):
     _check(outs, reference, where)
     engine = llm._batch_engine
     assert engine is not None and max(n for kind, n, _, _ in engine.step_log if kind == "decode") > 6, where
+    assert engine.overlapped_steps > 0, where  # decode steps dispatched before the previous one's tokens are read
     assert not llm._runner.store.live_blocks(), where
     # A request alone afterwards runs on the one-request path over the same store.
     assert llm.generate([prompts[0]], params[0])[0].token_ids == reference[0][0], where

@@ -217,8 +217,8 @@ class BatchEngine:
 
     def step(self) -> list[RequestDelta]:
         """Runs one scheduled step (or reads the tokens of a decode step in flight) and returns what it added to
-        each request. In GPU memory, while only running requests decode, a decode step is dispatched before the
-        previous one's tokens are read, so the host's bookkeeping overlaps the device's work. If the step raises,
+        each request. While only running requests decode (in GPU memory or offloaded), a decode step is dispatched
+        before the previous one's tokens are read, so the host's bookkeeping overlaps the device's work. If the step raises,
         its requests (and those of a step in flight) are aborted and `StepFailed` names them; the engine goes on."""
         deltas: list[RequestDelta] = []
         self._involved = list(self._pending[0].seqs) if self._pending else []
@@ -270,7 +270,7 @@ class BatchEngine:
         # KV tokens the step reads, before it adds a token.
         kv_tokens = (step.chunk[1] if step.chunk else sum(seq.num_tokens for seq in step.seqs)) \
             + sum(seq.num_tokens for seq in step.decodes)
-        if step.kind == "decode" and isinstance(self.runner, ModelRunner):
+        if step.kind == "decode":
             # Dispatch this step first, then read the previous one's tokens while the device computes.
             drawn = self.runner.decode_async(step.seqs, (pending[0].seqs, pending[1]) if pending else None)
             for seq in step.seqs:
@@ -376,7 +376,8 @@ class BatchEngine:
         """Reads the decode step in flight; before that, if prompts wait that run whole, dispatches their prefill
         behind it: the host's work for the prefill overlaps the device's for the decode (a new request's time to
         first token)."""
-        step = self.scheduler.admit_whole_prompts()
+        # The offloaded prefill is the one-request runner's, which reads its draw: nothing to overlap.
+        step = self.scheduler.admit_whole_prompts() if isinstance(self.runner, ModelRunner) else None
         if step is None:
             self._read(*pending, deltas)
             return

@@ -301,7 +301,7 @@ def _sample(logits: jax.Array, sampling: SamplingBatch, draws: Draws) -> Drawn:
 
 
 @jax.jit
-def _feed_tokens(drawn: jax.Array, rows: jax.Array, tokens: jax.Array) -> jax.Array:
+def feed_tokens(drawn: jax.Array, rows: jax.Array, tokens: jax.Array) -> jax.Array:
     """Input tokens of a decode step: row r takes drawn[rows[r]] (a token still on the device) where rows[r] >= 0,
     else tokens[r]."""
     return jnp.where(rows >= 0, drawn[jnp.maximum(rows, 0)], tokens)
@@ -523,7 +523,7 @@ class ModelRunner:
             for previous in self.buckets:
                 drawn, rows, tokens = jax.device_put((np.zeros(previous, np.int32), np.full(size, -1, np.int32),
                                                       np.zeros(size, np.int32)), placed)
-                _feed_tokens(drawn, rows, tokens).block_until_ready()
+                feed_tokens(drawn, rows, tokens).block_until_ready()
 
     def decode_async(self, seqs: list[Sequence], previous: tuple[list[Sequence], Drawn] | None = None
                      ) -> Drawn:
@@ -538,11 +538,11 @@ class ModelRunner:
             if seq.num_pending:
                 rows[row] = previous_row[id(seq)]
         # Placed as a previous step's draw is (on one device too, where `tp.replicate` leaves host arrays) and
-        # through _feed_tokens even with nothing to take from a previous step: the step's tokens are then always
+        # through feed_tokens even with nothing to take from a previous step: the step's tokens are then always
         # an array of one kind and placement, and the step compiles once per batch size, not once more for host
         # tokens (a server's steps after each admission).
         tokens, rows, seq_lens, tables = jax.device_put((tokens, rows, seq_lens, tables), self.tp.sharding(None))
-        tokens = _feed_tokens(previous[1].tokens if previous else tokens, rows, tokens)
+        tokens = feed_tokens(previous[1].tokens if previous else tokens, rows, tokens)
         logits, self.k_pool, self.v_pool = _decode_step(
             self.cfg, self.impl, self.params, self.k_pool, self.v_pool, self.inv_freq, tokens, seq_lens, tables,
             tp=self.tp)

@@ -33,8 +33,8 @@ from jax_offload.buckets import layer_group_size
 from jax_offload.device_runner import pad_ids
 from jax_offload.kv.ring import BlockRing, grouped
 from jax_offload.offload_runner import OffloadRunner
-from jax_offload.sampling import TokenLogprobs, drawn_to_host
-from jax_offload.serving.model_runner import batch_buckets, sample_last, sampling_batch
+from jax_offload.sampling import Drawn, TokenLogprobs, drawn_to_host
+from jax_offload.serving.model_runner import feed_tokens, batch_buckets, sample_last, sampling_batch
 from jax_offload.serving.sequence import Sequence
 from jax_offload.sparse import xattention
 
@@ -144,17 +144,31 @@ class OffloadModelRunner:
         return draw
 
     def decode(self, seqs: list[Sequence]) -> list[tuple[int, TokenLogprobs | None]]:
-        """Runs each sequence's last token and samples the next one; a tail that fills up is stored in the
-        sequence's next block."""
+        """Runs each sequence's last token and samples the next one, waiting for the draw."""
+        return drawn_to_host(self.decode_async(seqs), len(seqs))
+
+    def decode_async(self, seqs: list[Sequence], previous: tuple[list[Sequence], Drawn] | None = None) -> Drawn:
+        """Runs each sequence's last token and samples the next one, without waiting: the draw [batch bucket] stays
+        on the device, so the host prepares the next step while this one runs (a step of 8 sketch requests of 64K
+        keeps the host busy for most of the GPU's time). A sequence whose last token is still pending takes it from `previous` (the sequences and
+        the draw of the step that drew it). A tail that fills up is stored in the sequence's next block."""
         runner, bs = self.runner, self.block_size
         size = self.batch_size(len(seqs))
         tokens, positions, tail_lens = (np.zeros(size, np.int32) for _ in range(3))
-        slots = np.full(size, -1, np.int32)
+        slots, rows = np.full(size, -1, np.int32), np.full(size, -1, np.int32)
+        previous_row = {id(seq): row for row, seq in enumerate(previous[0])} if previous else {}
         for row, seq in enumerate(seqs):
-            tokens[row], positions[row], slots[row] = seq.last_token, seq.num_cached, self._slot[seq.index]
+            if seq.num_pending:
+                rows[row] = previous_row[id(seq)]
+            else:
+                tokens[row] = seq.last_token
+            positions[row], slots[row] = seq.num_cached, self._slot[seq.index]
             tail_lens[row] = seq.num_cached % bs
-        # Once a step on the device, not once per layer's two calls (each would move them again).
-        slots, positions, tail_lens = jax.device_put([slots, positions, tail_lens], runner.tp.sharding(None))
+        # Once a step on the device, not once per layer's two calls (each would move them again). The tokens go
+        # through feed_tokens even when none is pending: one kind of array, one compile per batch size.
+        tokens, rows, slots, positions, tail_lens = jax.device_put([tokens, rows, slots, positions, tail_lens],
+                                                                   runner.tp.sharding(None))
+        tokens = feed_tokens(previous[1].tokens if previous else tokens, rows, tokens)
         stored = [seq.num_cached // bs for seq in seqs]
         groups, ring = self._stream(seqs, stored)
         tables = self._tables(seqs, stored)
@@ -183,7 +197,7 @@ class OffloadModelRunner:
                 block = seq.block_table[seq.num_cached // bs]
                 for l, tail in enumerate(_tails_at(tuple(self.tails), np.int32(self._slot[seq.index]))):
                     runner.write_block(l, block, tail)
-        return drawn_to_host(out, len(seqs))
+        return out
 
     def _attend(self, layer: int, ring: BlockRing, groups: list, qs: tuple, states: tuple, tables: list,
                 cached: dict[int, tuple], kinds: dict[tuple[int, bool], list[int]]) -> tuple:
