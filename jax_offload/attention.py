@@ -477,7 +477,8 @@ def _chosen_pages_batch(impl, q, scorer, meta, budget_pages, page_size, block_si
                         page_tables, buffer, host, device, state, tp):
     """`_chosen_pages_rows` of the rows q [R, 1, Hq, D] with one batch state [R, ...]."""
     def local(q, meta, buffer, state, num_pages, page_tables):
-        pages = _requests_pages(impl, q, scorer, meta, page_tables, num_pages, num_candidates, budget_pages)
+        pages = _requests_pages(impl, q, scorer, meta, page_tables, num_pages, num_candidates, budget_pages,
+                                block_size // page_size)
         rows = _requests_page_rows(pages, page_tables, num_candidates, buffer, page_size, block_size)
         num_keys = tuple(jnp.minimum(n, budget_pages) * page_size for n in num_pages)
         return attend_rows_batch(impl, q, buffer, rows, num_keys, state, host, device)
@@ -502,12 +503,13 @@ chosen_pages_attend_rows = functools.partial(step_jit, static_argnums=(0, 2, 4, 
                                              static_argnames=("tp",))(_chosen_pages_rows)
 
 
-def _requests_pages(impl, q, scorer, meta, page_tables, num_pages, num_candidates: int,
-                    budget_pages: int) -> jax.Array:
+def _requests_pages(impl, q, scorer, meta, page_tables, num_pages, num_candidates: int, budget_pages: int,
+                    block_pages: int) -> jax.Array:
     """`_chosen_pages` of requests q [R, 1, Hq, D] of a shared store, stacked on the KV-head axis [R * Hkv, k]:
-    each one's pages scored as alone by the policy (`requests_page_scores`: pages numbered in its order), then one
-    top-k for all (a selection, each KV head's row on its own: the choice each gets alone)."""
-    scores = scorer.requests_page_scores(impl, q[:, 0], meta, page_tables, num_pages, num_candidates)
+    each one's pages scored as alone by the policy (`requests_page_scores`: pages numbered in its order, store blocks
+    of `block_pages` pages), then one top-k for all (a selection, each KV head's row on its own: the choice each gets
+    alone)."""
+    scores = scorer.requests_page_scores(impl, q[:, 0], meta, page_tables, num_pages, num_candidates, block_pages)
     return quest.top_pages(scores, _per_head(num_pages, meta[0].shape[0]), budget_pages)
 
 
@@ -545,7 +547,8 @@ def _cached_pages_batch(impl, q, scorer, meta, budget_pages, page_size, block_si
     """`_cached_pages_rows` of the rows q [R, 1, Hq, D] with one batch state [R, ...]."""
     def local(q, meta, buffer, kv, maps, num_pages, page_tables, regions, steps, state):
         # One top-k, one plan and one copy for all requests, and one kernel call reading every request's pages.
-        pages = _requests_pages(impl, q, scorer, meta, page_tables, num_pages, num_candidates, budget_pages)
+        pages = _requests_pages(impl, q, scorer, meta, page_tables, num_pages, num_candidates, budget_pages,
+                                block_size // page_size)
         kv, reads, maps, counts = _cache_fill(
             impl, pages, num_candidates,
             lambda miss: _requests_page_rows(miss, page_tables, num_candidates, buffer, page_size, block_size),

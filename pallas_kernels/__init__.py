@@ -36,7 +36,7 @@ from pallas_kernels.paged_decode import (
     paged_decode_state,
     paged_decode_state_kv,
 )
-from pallas_kernels.sketch import sketch_page_lse
+from pallas_kernels.sketch import sketch_page_lse, sketch_page_lse_requests
 from pallas_kernels.state import AttentionState, empty_state, finish_state, merge_into_state
 from pallas_kernels.xattn import (
     antidiagonal_scores,
@@ -82,6 +82,7 @@ __all__ = [
     "paged_decode_state_kv",
     "select_blocks",
     "sketch_page_lse",
+    "sketch_page_lse_requests",
     "softmax_normalize_block_sum",
     "softmax_partial_stats",
     "xattn_estimate",

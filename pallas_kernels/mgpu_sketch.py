@@ -114,9 +114,10 @@ def _widen(tile):
 
 
 def _kernel(q_ref, codes_ref, scale_ref, out_ref, codes_words, codes_i4, q_smem, scale_smem, out_smem, ready,
-            q_ready, scale_ready, *, batch: int, rescale: float):
+            q_ready, scale_ready, *, batch: int, rescale: float, blocks_per_request: int | None):
     block = lax.axis_index("pages")
     head = lax.axis_index("heads")
+    request = 0 if blocks_per_request is None else block // blocks_per_request  # None: one request
     pages = pl.ds(block * BLOCK_PAGES, BLOCK_PAGES)
     offsets = scale_smem.shape[0]
     slots = codes_words.shape[0]
@@ -124,7 +125,7 @@ def _kernel(q_ref, codes_ref, scale_ref, out_ref, codes_words, codes_i4, q_smem,
     def fetch(o, slot):
         plgpu.copy_gmem_to_smem(codes_ref.at[head, o, pages], codes_words.at[slot], ready.at[slot])
 
-    plgpu.copy_gmem_to_smem(q_ref.at[head], q_smem, q_ready)
+    plgpu.copy_gmem_to_smem(q_ref.at[request, head], q_smem, q_ready)
     plgpu.copy_gmem_to_smem(scale_ref.at[head, :, pages], scale_smem, scale_ready)
     for o in range(slots):  # pages past the sketch's end read as zeros
         fetch(o, o)
@@ -170,11 +171,15 @@ def _kernel(q_ref, codes_ref, scale_ref, out_ref, codes_words, codes_i4, q_smem,
 
 @functools.partial(jax.jit, static_argnames=("num_pages", "sm_scale"))
 def _launch(q, codes, scale, *, num_pages: int, sm_scale: float):
-    hkv, group, d = q.shape
+    """q [R, Hkv, G, D] of R requests whose sketches lie end to end on the page axis, each a whole number of
+    tiles (or one request) -> [R, Hkv, G, num_pages]. A CTA's tile is one request's, so its bits are those of the
+    request alone."""
+    requests, hkv, group, d = q.shape
     page = codes.shape[1]
     blocks = -(-num_pages // BLOCK_PAGES)
     half = d // 2
-    q_pad = jnp.pad(q[..., _wgmma_channels(d)], ((0, 0), (0, _GROUP_PAD - group), (0, 0))) * jnp.bfloat16(_Q_LIFT)
+    q_pad = jnp.pad(q[..., _wgmma_channels(d)], ((0, 0), (0, 0), (0, _GROUP_PAD - group), (0, 0))) \
+        * jnp.bfloat16(_Q_LIFT)
 
     def swizzled(shape, dtype, swizzle_bytes):
         elements = swizzle_bytes * 8 // jnp.iinfo(dtype).bits if jnp.issubdtype(dtype, jnp.integer) else \
@@ -187,10 +192,11 @@ def _launch(q, codes, scale, *, num_pages: int, sm_scale: float):
     codes_smem = plgpu.RefUnion(swizzled((slots, BLOCK_PAGES, d // 8), jnp.uint32, half),
                                 swizzled((slots, BLOCK_PAGES, d), jnp.int4, half))
     batch = math.gcd(_OFFSETS_A_WAIT, page)
-    kernel = functools.partial(_kernel, batch=batch, rescale=sm_scale * LOG2E * _CODE_LIFT / _Q_LIFT)
+    kernel = functools.partial(_kernel, batch=batch, rescale=sm_scale * LOG2E * _CODE_LIFT / _Q_LIFT,
+                               blocks_per_request=blocks if requests > 1 else None)
     out = plgpu.kernel(
         lambda q_ref, c_ref, s_ref, o_ref, views, *rest: kernel(q_ref, c_ref, s_ref, o_ref, *views, *rest),
-        out_type=jax.ShapeDtypeStruct((hkv, blocks * BLOCK_PAGES, _GROUP_PAD), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((hkv, requests * blocks * BLOCK_PAGES, _GROUP_PAD), jnp.float32),
         scratch_types=(
             codes_smem,
             swizzled((_GROUP_PAD, d), jnp.bfloat16, 128),
@@ -200,11 +206,12 @@ def _launch(q, codes, scale, *, num_pages: int, sm_scale: float):
             plgpu.Barrier(),  # the query group is in
             plgpu.Barrier(),  # the scales are in
         ),
-        grid=(blocks, hkv),
+        grid=(requests * blocks, hkv),
         grid_names=("pages", "heads"),
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
     )(q_pad, codes, scale)
-    return jnp.moveaxis(out[:, :num_pages, :group], 2, 1)
+    out = out.reshape(hkv, requests, blocks * BLOCK_PAGES, _GROUP_PAD)[:, :, :num_pages, :group]
+    return jnp.transpose(out, (1, 0, 3, 2))
 
 
 def sketch_page_lse_mgpu(q: jax.Array, codes: jax.Array, scale: jax.Array, *, num_pages: int | None = None,
@@ -218,4 +225,19 @@ def sketch_page_lse_mgpu(q: jax.Array, codes: jax.Array, scale: jax.Array, *, nu
     num_pages = p if num_pages is None else int(num_pages)
     if not 1 <= num_pages <= p:
         raise ValueError(f"num_pages={num_pages}; allowed: 1 to the sketch's {p} pages")
+    return _launch(q[None], codes, scale.astype(jnp.float32), num_pages=num_pages,
+                   sm_scale=check_sm_scale(sm_scale, d))[0]
+
+
+def sketch_page_lse_requests_mgpu(q: jax.Array, codes: jax.Array, scale: jax.Array, *, num_pages: int,
+                                  sm_scale: float | None = None) -> jax.Array:
+    """`sketch_page_lse_mgpu` of R requests in one launch: q [R, Hkv, G, D], their sketches end to end on the page
+    axis (codes [Hkv, page_size, R * num_pages, D / 8], scales alike), num_pages a multiple of 64 (a tile is one
+    request's) -> [R, Hkv, G, num_pages], each request's the bits it gets alone. The caller checks `is_supported`
+    (with q[0]) first."""
+    requests, hkv, _, d = q.shape
+    page = codes.shape[1]
+    if num_pages % BLOCK_PAGES or codes.shape[2] != requests * num_pages or scale.shape != (hkv, page, codes.shape[2]):
+        raise ValueError(f"codes {codes.shape} and scales {scale.shape} hold {requests} requests of num_pages="
+                         f"{num_pages} pages; allowed: a multiple of {BLOCK_PAGES} pages each, end to end")
     return _launch(q, codes, scale.astype(jnp.float32), num_pages=num_pages, sm_scale=check_sm_scale(sm_scale, d))

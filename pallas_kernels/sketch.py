@@ -186,8 +186,10 @@ def _page_lse_call(q, codes, scale, *, bits, num_pages, sm_scale, interpret, blo
     )(q, codes, scale)
     if splits == 1:
         return lse[0]
-    top = jnp.max(lse, axis=0)
-    return top + jnp.log(jnp.sum(jnp.exp(lse - top), axis=0))
+    top = functools.reduce(jnp.maximum, list(lse))
+    # Added share by share, in order: XLA's CPU reduce over the shares sums in an order that depends on the array's
+    # shape, so the heads of requests scored together would not get the bits each gets alone.
+    return top + jnp.log(functools.reduce(jnp.add, [jnp.exp(share - top) for share in lse]))
 
 
 _page_lse_call = interpret_aware_jit(
@@ -286,3 +288,37 @@ def sketch_page_lse(q: jax.Array, codes: jax.Array, scale: jax.Array, *, bits: i
                           sm_scale=check_sm_scale(sm_scale, d), interpret=resolve_interpret(interpret),
                           block_p=fit_block(block_p, num_pages), num_warps=num_warps, num_stages=num_stages,
                           splits=splits)
+
+
+def sketch_page_lse_requests(q: jax.Array, codes: jax.Array, scale: jax.Array, *, bits: int, num_pages: int,
+                             sm_scale: float | None = None, interpret: bool | None = None) -> jax.Array:
+    """`sketch_page_lse` of R requests whose sketches lie end to end on the page axis, each the bits it gets alone.
+
+    Args:
+      q: [R, Hkv, G, D], each request's query heads grouped by their KV head.
+      codes: [Hkv, page_size, R * num_pages, width] (`sketch_page_lse`'s layouts): request r's pages at
+        [r * num_pages, (r + 1) * num_pages). scale: float32 [Hkv, page_size, R * num_pages].
+      num_pages: each request's pages (static).
+
+    Returns:
+      float32 [R, Hkv, G, num_pages].
+
+    The Hopper kernel scores them in one launch straight from this layout when num_pages is a multiple of its tile
+    (64 pages); otherwise the requests' pages are moved to the head axis first and scored as `sketch_page_lse` of
+    R * Hkv heads, launched as for one request's Hkv.
+    """
+    requests, hkv, group, d = q.shape
+    page, p = codes.shape[1:3]
+    if p != requests * num_pages:
+        raise ValueError(f"codes {codes.shape} hold {p} pages; allowed: {requests} requests of num_pages={num_pages}")
+    if (runs_on_hopper_kernel(codes, bits=bits) and num_pages % mgpu_sketch.BLOCK_PAGES == 0
+            and not resolve_interpret(interpret) and mgpu_sketch.is_supported(q[0], codes)):
+        return mgpu_sketch.sketch_page_lse_requests_mgpu(q, codes, scale, num_pages=num_pages, sm_scale=sm_scale)
+
+    def by_head(x):  # [Hkv, page_size, R * N, ...] -> [R * Hkv, page_size, N, ...]
+        x = jnp.moveaxis(x.reshape(hkv, page, requests, num_pages, *x.shape[3:]), 2, 0)
+        return x.reshape(requests * hkv, page, num_pages, *x.shape[4:])
+
+    lse = sketch_page_lse(q.reshape(requests * hkv, group, d), by_head(codes), by_head(scale), bits=bits,
+                          sm_scale=sm_scale, interpret=interpret, launch_heads=hkv)
+    return lse.reshape(requests, hkv, group, num_pages)

@@ -111,10 +111,11 @@ class QuestScore:
 
     def requests_page_scores(self, impl: str, q: jax.Array, meta: tuple[jax.Array, jax.Array],
                              page_tables: tuple[jax.Array, ...], num_pages: tuple[jax.Array, ...],
-                             num_candidates: int) -> jax.Array:
+                             num_candidates: int, block_pages: int) -> jax.Array:
         """`page_scores` of requests q [requests, Hq, D] sharing a store, each over its pages' bounds gathered by its
         page table [num_candidates], stacked on the KV-head axis -> float32 [requests * Hkv, num_candidates].
-        Request by request: a batched dot may choose another summation order than one request's."""
+        Request by request: a batched dot may choose another summation order than one request's (`block_pages`,
+        the pages of a store block, is the sketch's concern)."""
         return scores_each(self, impl, q, meta, page_tables, num_pages, num_candidates)
 
     def gather(self, meta: tuple[jax.Array, jax.Array], pages: jax.Array) -> tuple[jax.Array, jax.Array]:
