@@ -276,7 +276,7 @@ class OffloadModelRunner:
                 cache.states[l] = cache.states[l]._replace(kv=kvs[j])
                 self._region_maps[l] = maps[j]
         if in_cache:
-            cache.counts.append(counts.reshape(-1, 3))  # a padding row counts nothing
+            cache.counts.append(counts)  # [layers, rows, 3]; a padding row counts nothing
         return x
 
     def _cache_rows(self, seqs: list[Sequence]) -> dict[int, tuple[int, int]]:
