@@ -1,9 +1,10 @@
 """One long sketch request through the batch engine (a batch of one) against the one-request path that
-`LLM.generate` takes for a single prompt today (issue 63: `_run_request` goes, or becomes the batch of one). Llama-3.1-8B
-shape, random bf16, CTX tokens (default 131072) offloaded, sketch (budget 4096, page 16, 2 dense layers, int4
-sketch), block 4096, RING ring slots (16), SPARSE_CACHE_GB of page cache (2). Each path runs the prompt twice (the
-first compiles) in one process; the decode steps of the second are reported: ms/token median (min-max) of TOKENS
-tokens, the page cache's hit rate at the last step and the tokens' equality. Writes probe_batch_of_one.json under $OUT.
+`LLM.generate` takes for a single prompt today (issue 63: `_run_request` goes, or becomes the batch of one).
+Llama-3.1-8B shape, random bf16, CTX tokens (default 131072) offloaded, sketch (budget 4096, page 16, 2 dense
+layers, int4 sketch), block 4096, RING ring slots (16), SPARSE_CACHE_GB of page cache (2). Each path runs the prompt
+twice (the first compiles) in one process; the decode steps of the second are reported: ms/token median (min-max)
+of TOKENS tokens, the page cache's hit rate at the last step and the tokens' equality. Writes
+probe_batch_of_one.json under $OUT (SHAPE=qwen3-0.6b LAYERS=3 CTX=8192 for a CPU smoke test).
 
     python bench/probes/probe_batch_of_one.py
 """

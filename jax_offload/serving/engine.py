@@ -218,8 +218,9 @@ class BatchEngine:
     def step(self) -> list[RequestDelta]:
         """Runs one scheduled step (or reads the tokens of a decode step in flight) and returns what it added to
         each request. While only running requests decode (in GPU memory or offloaded), a decode step is dispatched
-        before the previous one's tokens are read, so the host's bookkeeping overlaps the device's work. If the step raises,
-        its requests (and those of a step in flight) are aborted and `StepFailed` names them; the engine goes on."""
+        before the previous one's tokens are read, so the host's bookkeeping overlaps the device's work. If the step
+        raises, its requests (and those of a step in flight) are aborted and `StepFailed` names them; the engine goes
+        on."""
         deltas: list[RequestDelta] = []
         self._involved = list(self._pending[0].seqs) if self._pending else []
         try:

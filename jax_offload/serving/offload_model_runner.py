@@ -16,7 +16,8 @@ policy chooses from its own metadata (gathered by its page table), as the one-re
 such a layer runs in one program (rows with one page-table length): one gather and one kernel call score every row's
 pages (each as alone), then one top-k, one plan and copy of the page cache (each request's region, the regions' maps
 stacked a layer) and one paged-kernel call for all of them. When all rows are of one kind, consecutive sparse layers
-run as one program, as the one-request step runs them.
+run as one program, as the one-request step runs them; the dense layers always do. Steps run ahead: a step is
+dispatched before the last one's tokens are read (`decode_async`).
 """
 from __future__ import annotations
 
@@ -28,13 +29,13 @@ import numpy as np
 
 from jax_offload.attention import (cached_pages_attend_rows, chosen_pages_attend_rows, embed_tokens,
                                    pooled_decode_begin, pooled_decode_end, pooled_pages_decode_layers,
-                                   stored_blocks_attend_rows)
+                                   pooled_stored_decode_layers)
 from jax_offload.buckets import layer_group_size
 from jax_offload.device_runner import pad_ids
 from jax_offload.kv.ring import BlockRing, grouped
 from jax_offload.offload_runner import OffloadRunner
 from jax_offload.sampling import Drawn, TokenLogprobs, drawn_to_host
-from jax_offload.serving.model_runner import feed_tokens, batch_buckets, sample_last, sampling_batch
+from jax_offload.serving.model_runner import batch_buckets, feed_tokens, sample_last, sampling_batch
 from jax_offload.serving.sequence import Sequence
 from jax_offload.sparse import xattention
 
@@ -108,6 +109,9 @@ class OffloadModelRunner:
         self._zero = jax.device_put(np.int32(0), runner.tp.sharding(None))  # a padding row's key and page counts
         # A step whose rows are all of one kind runs consecutive sparse layers as one program, in these groups.
         self._page_groups = _layer_groups([l for l, place in enumerate(self.store.places) if place == "pages"])
+        # Consecutive layers kept in GPU memory (the dense layers) run as one program, whatever the rows' kinds.
+        self._dense_groups = {group[0]: group for group in
+                              _layer_groups([l for l, place in enumerate(self.store.places) if place == "gpu"])}
         self._row_tables: dict[int, tuple] = {}  # sequence index -> (stored blocks, its row of `_tables`)
         self._region: dict[int, int] = {}  # sequence index -> its region
         self._cache_steps: dict[int, int] = {}  # sequence index -> decode steps through its region
@@ -150,8 +154,9 @@ class OffloadModelRunner:
     def decode_async(self, seqs: list[Sequence], previous: tuple[list[Sequence], Drawn] | None = None) -> Drawn:
         """Runs each sequence's last token and samples the next one, without waiting: the draw [batch bucket] stays
         on the device, so the host prepares the next step while this one runs (a step of 8 sketch requests of 64K
-        keeps the host busy for most of the GPU's time). A sequence whose last token is still pending takes it from `previous` (the sequences and
-        the draw of the step that drew it). A tail that fills up is stored in the sequence's next block."""
+        keeps the host busy for most of the GPU's time). A sequence whose last token is still pending takes it from
+        `previous` (the sequences and the draw of the step that drew it). A tail that fills up is stored in the
+        sequence's next block."""
         runner, bs = self.runner, self.block_size
         size = self.batch_size(len(seqs))
         tokens, positions, tail_lens = (np.zeros(size, np.int32) for _ in range(3))
@@ -182,7 +187,10 @@ class OffloadModelRunner:
             if l in groups_at:
                 x = self._pages_layers(groups_at[l], x, kind, slots, positions, tail_lens, tables, cached)
                 continue
-            if self.store.places[l] == "pages" and kind is not None:
+            if l in self._dense_groups:
+                x = self._dense_layers(self._dense_groups[l], x, slots, positions, tail_lens, tables)
+                continue
+            if self.store.places[l] == "gpu" or (self.store.places[l] == "pages" and kind is not None):
                 continue  # run by its group's program
             q, q_rows, self.tails[l], states = pooled_decode_begin(
                 self.cfg, layer, x, runner.inv_freq, self.tails[l], slots, positions, tail_lens, tp=runner.tp)
@@ -202,11 +210,10 @@ class OffloadModelRunner:
     def _attend(self, layer: int, ring: BlockRing, groups: list, qs: tuple, states: tuple, tables: list,
                 cached: dict[int, tuple], kinds: dict[tuple[int, bool], list[int]]) -> tuple:
         """Each row's attention over its stored KV of `layer`, as the one-request step reads it: its blocks through
-        the ring ("blocks" layers, row by row), its blocks of a layer in GPU memory ("gpu"), or the pages its policy
-        chooses ("pages"), through its region of the page cache where it has one (`cached`: row -> (region, step));
-        the last two for every row in one program (rows of one page-table length,
-        with or without a region: `kinds`, `_row_kinds`). `tables`: per row, (block table, key count, page table,
-        page count) (`_tables`)."""
+        the ring ("blocks" layers, row by row), or the pages its policy chooses ("pages"), through its region of the
+        page cache where it has one (`cached`: row -> (region, step)), every row of one kind in one program (rows of
+        one page-table length, with or without a region: `kinds`, `_row_kinds`). `tables`: per row, (block table,
+        key count, page table, page count) (`_tables`). The layers in GPU memory ("gpu") run as `_dense_layers`."""
         runner, store = self.runner, self.store
         place = store.places[layer]
         if place == "blocks":
@@ -216,14 +223,6 @@ class OffloadModelRunner:
         # state (every state is still empty here) over no keys, through a region of its own that reads nothing.
         empty = len(qs)
         qs, states = qs + (qs[0],), states + (states[0],)
-        if place == "gpu":
-            blocks, num_keys, _, _ = zip(*tables, (tables[0][0], self._zero, None, None))
-            rows = _padded(range(len(tables)), empty)
-            done = stored_blocks_attend_rows(runner.impl, tuple(qs[r] for r in rows), store.layer_buffer(layer),
-                                             tuple(blocks[r] for r in rows), tuple(num_keys[r] for r in rows),
-                                             tuple(states[r] for r in rows), *store.gather_places(layer),
-                                             tp=runner.tp)
-            return done[:empty]
         pages, out = runner.pages, list(states[:empty])
         for (num_candidates, in_cache), real in kinds.items():
             rows = _padded(real, empty)
@@ -246,6 +245,22 @@ class OffloadModelRunner:
             for r, state in zip(real, done):
                 out[r] = state
         return tuple(out)
+
+    def _dense_layers(self, group: list[int], x: jax.Array, slots, positions, tail_lens, tables: list) -> jax.Array:
+        """A group of consecutive layers kept in GPU memory as one program (`pooled_stored_decode_layers`), each row
+        through its block table (a padding row: row 0's table, no key). -> the hidden state after the group."""
+        runner, store = self.runner, self.store
+        pad = x.shape[0] - len(tables)
+        blocks = tuple(t[0] for t in tables) + (tables[0][0],) * pad
+        num_keys = tuple(t[1] for t in tables) + (self._zero,) * pad
+        x, tails = pooled_stored_decode_layers(
+            self.cfg, runner.impl, tuple(self.params.layers[l] for l in group), x, runner.inv_freq,
+            tuple(self.tails[l] for l in group), slots, positions, tail_lens,
+            tuple(store.layer_buffer(l) for l in group), blocks, num_keys, *store.gather_places(group[0]),
+            tp=runner.tp)
+        for j, l in enumerate(group):
+            self.tails[l] = tails[j]
+        return x
 
     def _pages_layers(self, group: list[int], x: jax.Array, kind: tuple[int, bool], slots, positions, tail_lens,
                       tables: list, cached: dict[int, tuple]) -> jax.Array:

@@ -150,7 +150,7 @@ class SketchScore:
         and returns each page's log-sum-exp; the jnp path unpacks them in memory and scores every token."""
         packed, scale = meta
         qg = q.reshape(packed.shape[0], -1, q.shape[-1])
-        return mass_of_pages(self._page_lse(impl, qg, packed, scale, num_candidates, packed.shape[0]), num_pages)
+        return mass_of_pages(self._page_lse(impl, qg, packed, scale, num_candidates), num_pages)
 
     def requests_page_scores(self, impl: str, q: jax.Array, meta: tuple[jax.Array, jax.Array],
                              page_tables: tuple[jax.Array, ...], num_pages: tuple[jax.Array, ...],
@@ -180,13 +180,12 @@ class SketchScore:
                                                       num_pages=num_candidates)
         return mass_of_pages(lse.reshape(-1, *lse.shape[2:]), jnp.repeat(jnp.stack(num_pages), hkv))
 
-    def _page_lse(self, impl, qg, packed, scale, num_candidates: int, heads_per_request: int) -> jax.Array:
-        """Each page's log-sum-exp of its tokens' estimated logits, float32 [heads, G, num_candidates], for q
-        [heads, G, D] of requests of `heads_per_request` KV heads each (the Triton kernel's launch is chosen for
-        one request, so its bits do not depend on how many are scored together)."""
+    def _page_lse(self, impl, qg, packed, scale, num_candidates: int) -> jax.Array:
+        """Each page's log-sum-exp of its tokens' estimated logits, float32 [Hkv, G, num_candidates], for q
+        [Hkv, G, D] of one request."""
         if impl == "pallas":
             return pallas_kernels.sketch_page_lse(qg, packed, scale, bits=4 if self.dtype == "int4" else 8,
-                                                  num_pages=num_candidates, launch_heads=heads_per_request)
+                                                  num_pages=num_candidates)
         packed, scale = packed[:, :, :num_candidates], scale[:, :, :num_candidates]
         scores = token_scores(qg, from_page_layout(packed), from_page_layout(scale), self.dtype)
         return page_lse(scores, self.page_size)
