@@ -304,12 +304,10 @@ class BatchEngine:
             seq.num_cached = len(seq.prompt_ids)
             self._took(step, draws, start, kv_tokens, deltas, rows=1)
             return
-        run = self.runner.prefill if step.kind == "prefill" else self.runner.decode
-        draws = run(step.seqs)
+        draws = self.runner.prefill(step.seqs)  # a prefill: decode, chunk and alone steps returned above
         for seq in step.seqs:
             seq.num_cached = seq.num_tokens
-            if step.kind == "prefill":
-                self.blocks.register(seq)
+            self.blocks.register(seq)
         self._took(step, draws, start, kv_tokens, deltas)
 
     def generate(

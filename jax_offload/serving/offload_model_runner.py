@@ -147,10 +147,6 @@ class OffloadModelRunner:
             seq.prefill_density = xattention.density(self.runner.prefill_block_counts)
         return draw
 
-    def decode(self, seqs: list[Sequence]) -> list[tuple[int, TokenLogprobs | None]]:
-        """Runs each sequence's last token and samples the next one, waiting for the draw."""
-        return drawn_to_host(self.decode_async(seqs), len(seqs))
-
     def decode_async(self, seqs: list[Sequence], previous: tuple[list[Sequence], Drawn] | None = None) -> Drawn:
         """Runs each sequence's last token and samples the next one, without waiting: the draw [batch bucket] stays
         on the device, so the host prepares the next step while this one runs (a step of 8 sketch requests of 64K
