@@ -36,7 +36,7 @@ from pallas_kernels.paged_decode import (
     paged_decode_state,
     paged_decode_state_kv,
 )
-from pallas_kernels.sketch import sketch_page_lse, sketch_page_lse_requests
+from pallas_kernels.sketch import SKETCH_TILE_PAGES, sketch_page_lse, sketch_page_lse_requests
 from pallas_kernels.state import AttentionState, empty_state, finish_state, merge_into_state
 from pallas_kernels.xattn import (
     antidiagonal_scores,
@@ -81,6 +81,7 @@ __all__ = [
     "paged_decode_state",
     "paged_decode_state_kv",
     "select_blocks",
+    "SKETCH_TILE_PAGES",
     "sketch_page_lse",
     "sketch_page_lse_requests",
     "softmax_normalize_block_sum",

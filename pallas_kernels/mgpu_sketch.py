@@ -12,8 +12,9 @@ of the same bytes in 1.54-1.77, all by the wall-time estimate of `bench/results/
 from a trace instead, one 256K launch takes 55 us at 80% of the H100's DRAM peak, the engine's 30-layer scoring 1.91
 ms (`bench/results/runs/h100_sketch_timeline/`).
 
-How: one CTA (one warpgroup) per (64 pages, KV head); several requests' sketches laid end to end are one launch,
-each CTA taking its request's query (`sketch_page_lse_requests_mgpu`). Its token offsets' code tiles ([64 pages,
+How: one CTA (one warpgroup) per (64 pages, KV head); several requests' pages are one launch, each CTA taking its
+request's query and reading its tile where it lies (`sketch_page_lse_requests_mgpu`'s `tile_starts`: a shared
+store's sketch needs no gather, which took 4.1 ms of an H200's 25.5 ms step of 8 x 64K). Its token offsets' code tiles ([64 pages,
 D / 2] bytes, 4 KiB each) come by TMA into a ring of 4 slots. Offset after offset it reads a tile as int4 through a
 second view of the same shared memory, eight codes (one word) per 32-bit load (Mosaic GPU's WGMMA_UPCAST_4X layout),
 and widens each word where it is: rotated and masked, pair k of the word is two bfloat16 subnormals, code * 2^-133
@@ -115,12 +116,12 @@ def _widen(tile):
     return widen(tile)
 
 
-def _kernel(q_ref, codes_ref, scale_ref, out_ref, codes_words, codes_i4, q_smem, scale_smem, out_smem, ready,
-            q_ready, scale_ready, *, batch: int, rescale: float, blocks_per_request: int | None):
+def _kernel(q_ref, codes_ref, scale_ref, starts_ref, out_ref, codes_words, codes_i4, q_smem, scale_smem, out_smem,
+            ready, q_ready, scale_ready, *, batch: int, rescale: float, blocks_per_request: int | None):
     block = lax.axis_index("pages")
     head = lax.axis_index("heads")
     request = 0 if blocks_per_request is None else block // blocks_per_request  # None: one request
-    pages = pl.ds(block * BLOCK_PAGES, BLOCK_PAGES)
+    pages = pl.ds(starts_ref[block], BLOCK_PAGES)  # where the tile's pages lie in the sketch
     offsets = scale_smem.shape[0]
     slots = codes_words.shape[0]
 
@@ -167,15 +168,15 @@ def _kernel(q_ref, codes_ref, scale_ref, out_ref, codes_words, codes_i4, q_smem,
     m, l = lax.fori_loop(0, offsets // batch, group, (m, l))
     out_smem[...] = (m + jnp.log2(l)) * LN2
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[head, pages])
+    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[head, pl.ds(block * BLOCK_PAGES, BLOCK_PAGES)])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the write lands before the kernel ends
 
 
 @functools.partial(jax.jit, static_argnames=("num_pages", "sm_scale"))
-def _launch(q, codes, scale, *, num_pages: int, sm_scale: float):
-    """q [R, Hkv, G, D] of R requests whose sketches lie end to end on the page axis, each a whole number of
-    tiles (or one request) -> [R, Hkv, G, num_pages]. A CTA's tile is one request's, so its bits are those of the
-    request alone."""
+def _launch(q, codes, scale, tile_starts, *, num_pages: int, sm_scale: float):
+    """q [R, Hkv, G, D] of R requests, each num_pages pages (a whole number of tiles, or one request), tile t of
+    them at pages [tile_starts[t], + 64) of the sketch -> [R, Hkv, G, num_pages]. A CTA's tile is one request's, so
+    its bits are those of the request alone."""
     requests, hkv, group, d = q.shape
     page = codes.shape[1]
     blocks = -(-num_pages // BLOCK_PAGES)
@@ -197,7 +198,8 @@ def _launch(q, codes, scale, *, num_pages: int, sm_scale: float):
     kernel = functools.partial(_kernel, batch=batch, rescale=sm_scale * LOG2E * _CODE_LIFT / _Q_LIFT,
                                blocks_per_request=blocks if requests > 1 else None)
     out = plgpu.kernel(
-        lambda q_ref, c_ref, s_ref, o_ref, views, *rest: kernel(q_ref, c_ref, s_ref, o_ref, *views, *rest),
+        lambda q_ref, c_ref, s_ref, t_ref, o_ref, views, *rest: kernel(q_ref, c_ref, s_ref, t_ref, o_ref, *views,
+                                                                       *rest),
         out_type=jax.ShapeDtypeStruct((hkv, requests * blocks * BLOCK_PAGES, _GROUP_PAD), jnp.float32),
         scratch_types=(
             codes_smem,
@@ -211,7 +213,7 @@ def _launch(q, codes, scale, *, num_pages: int, sm_scale: float):
         grid=(requests * blocks, hkv),
         grid_names=("pages", "heads"),
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
-    )(q_pad, codes, scale)
+    )(q_pad, codes, scale, tile_starts.astype(jnp.int32))
     out = out.reshape(hkv, requests, blocks * BLOCK_PAGES, _GROUP_PAD)[:, :, :num_pages, :group]
     return jnp.transpose(out, (1, 0, 3, 2))
 
@@ -227,19 +229,31 @@ def sketch_page_lse_mgpu(q: jax.Array, codes: jax.Array, scale: jax.Array, *, nu
     num_pages = p if num_pages is None else int(num_pages)
     if not 1 <= num_pages <= p:
         raise ValueError(f"num_pages={num_pages}; allowed: 1 to the sketch's {p} pages")
-    return _launch(q[None], codes, scale.astype(jnp.float32), num_pages=num_pages,
+    tiles = jnp.arange(-(-num_pages // BLOCK_PAGES), dtype=jnp.int32) * BLOCK_PAGES
+    return _launch(q[None], codes, scale.astype(jnp.float32), tiles, num_pages=num_pages,
                    sm_scale=check_sm_scale(sm_scale, d))[0]
 
 
 def sketch_page_lse_requests_mgpu(q: jax.Array, codes: jax.Array, scale: jax.Array, *, num_pages: int,
-                                  sm_scale: float | None = None) -> jax.Array:
-    """`sketch_page_lse_mgpu` of R requests in one launch: q [R, Hkv, G, D], their sketches end to end on the page
-    axis (codes [Hkv, page_size, R * num_pages, D / 8], scales alike), num_pages a multiple of 64 (a tile is one
-    request's) -> [R, Hkv, G, num_pages], each request's the bits it gets alone. The caller checks `is_supported`
-    (with q[0]) first."""
+                                  tile_starts: jax.Array | None = None, sm_scale: float | None = None) -> jax.Array:
+    """`sketch_page_lse_mgpu` of R requests in one launch: q [R, Hkv, G, D], each request's num_pages pages (a
+    multiple of 64: a tile is one request's) in 64-page tiles, tile t of them (request t // (num_pages / 64)) at
+    pages [tile_starts[t], + 64) of the sketch (codes [Hkv, page_size, P, D / 8], scales alike; default: the
+    requests end to end, P = R * num_pages) -> [R, Hkv, G, num_pages], each request's the bits it gets alone. The
+    tiles are read where they lie, so a shared store's sketch needs no gather first. The caller checks
+    `is_supported` (with q[0]) first."""
     requests, hkv, _, d = q.shape
-    page = codes.shape[1]
-    if num_pages % BLOCK_PAGES or codes.shape[2] != requests * num_pages or scale.shape != (hkv, page, codes.shape[2]):
-        raise ValueError(f"codes {codes.shape} and scales {scale.shape} hold {requests} requests of num_pages="
-                         f"{num_pages} pages; allowed: a multiple of {BLOCK_PAGES} pages each, end to end")
-    return _launch(q, codes, scale.astype(jnp.float32), num_pages=num_pages, sm_scale=check_sm_scale(sm_scale, d))
+    page, p = codes.shape[1:3]
+    tiles = requests * num_pages // BLOCK_PAGES
+    if tile_starts is None:
+        tile_starts = jnp.arange(tiles, dtype=jnp.int32) * BLOCK_PAGES
+        if p != requests * num_pages:
+            raise ValueError(f"codes {codes.shape} hold {p} pages; allowed: {requests} requests of num_pages="
+                             f"{num_pages} end to end, or tile_starts")
+    if num_pages % BLOCK_PAGES or scale.shape != (hkv, page, p) or tile_starts.shape != (tiles,):
+        raise ValueError(f"codes {codes.shape}, scales {scale.shape} and tile_starts "
+                         f"{getattr(tile_starts, 'shape', None)} for {requests} requests of num_pages={num_pages}; "
+                         f"allowed: num_pages a multiple of {BLOCK_PAGES}, scales ({hkv}, {page}, {p}), tile_starts "
+                         f"({tiles},)")
+    return _launch(q, codes, scale.astype(jnp.float32), tile_starts, num_pages=num_pages,
+                   sm_scale=check_sm_scale(sm_scale, d))

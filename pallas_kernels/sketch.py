@@ -224,6 +224,10 @@ def hopper_scores_int4_words(q_dtype: jnp.dtype, num_kv_heads: int, group: int, 
     return mgpu_sketch.is_supported(q, codes)
 
 
+# Pages per tile of `sketch_page_lse_requests`'s tile_starts (the Hopper kernel's CTA).
+SKETCH_TILE_PAGES = mgpu_sketch.BLOCK_PAGES
+
+
 def runs_on_hopper_kernel(codes: jax.Array, *, bits: int) -> bool:
     """Whether `sketch_page_lse` takes the Hopper kernel rather than the Triton one: int4 codes stored as words."""
     return bits == 4 and codes.dtype == jnp.uint32
@@ -291,29 +295,47 @@ def sketch_page_lse(q: jax.Array, codes: jax.Array, scale: jax.Array, *, bits: i
 
 
 def sketch_page_lse_requests(q: jax.Array, codes: jax.Array, scale: jax.Array, *, bits: int, num_pages: int,
-                             sm_scale: float | None = None, interpret: bool | None = None) -> jax.Array:
-    """`sketch_page_lse` of R requests whose sketches lie end to end on the page axis, each the bits it gets alone.
+                             tile_starts: jax.Array | None = None, sm_scale: float | None = None,
+                             interpret: bool | None = None) -> jax.Array:
+    """`sketch_page_lse` of R requests sharing one sketch, each the bits it gets alone.
 
     Args:
       q: [R, Hkv, G, D], each request's query heads grouped by their KV head.
-      codes: [Hkv, page_size, R * num_pages, width] (`sketch_page_lse`'s layouts): request r's pages at
-        [r * num_pages, (r + 1) * num_pages). scale: float32 [Hkv, page_size, R * num_pages].
+      codes: [Hkv, page_size, P, width] (`sketch_page_lse`'s layouts); scale: float32 [Hkv, page_size, P].
       num_pages: each request's pages (static).
+      tile_starts: int32 [R * num_pages / 64] or None. None: the requests lie end to end (P = R * num_pages, request
+        r's pages at [r * num_pages, (r + 1) * num_pages)). Otherwise num_pages is a multiple of 64 and the requests'
+        pages, cut into tiles of 64 in request order, lie at [tile_starts[t], tile_starts[t] + 64) each (multiples
+        of 64).
 
     Returns:
       float32 [R, Hkv, G, num_pages].
 
-    The Hopper kernel scores them in one launch straight from this layout when num_pages is a multiple of its tile
-    (64 pages); otherwise the requests' pages are moved to the head axis first and scored as `sketch_page_lse` of
-    R * Hkv heads, launched as for one request's Hkv.
+    The Hopper kernel scores them in one launch where they lie when num_pages is a multiple of its tile (64 pages);
+    otherwise the tiles are gathered end to end, the requests' pages moved to the head axis and scored as
+    `sketch_page_lse` of R * Hkv heads, launched as for one request's Hkv.
     """
     requests, hkv, group, d = q.shape
     page, p = codes.shape[1:3]
-    if p != requests * num_pages:
+    tile = SKETCH_TILE_PAGES
+    if tile_starts is None and p != requests * num_pages:
         raise ValueError(f"codes {codes.shape} hold {p} pages; allowed: {requests} requests of num_pages={num_pages}")
-    if (runs_on_hopper_kernel(codes, bits=bits) and num_pages % mgpu_sketch.BLOCK_PAGES == 0
+    if tile_starts is not None and (num_pages % tile or tile_starts.shape != (requests * num_pages // tile,)):
+        raise ValueError(f"tile_starts has shape {tile_starts.shape} for {requests} requests of num_pages="
+                         f"{num_pages}; allowed: num_pages a multiple of {tile}, tile_starts "
+                         f"({requests * num_pages // tile},)")
+    if (runs_on_hopper_kernel(codes, bits=bits) and num_pages % tile == 0
             and not resolve_interpret(interpret) and mgpu_sketch.is_supported(q[0], codes)):
-        return mgpu_sketch.sketch_page_lse_requests_mgpu(q, codes, scale, num_pages=num_pages, sm_scale=sm_scale)
+        return mgpu_sketch.sketch_page_lse_requests_mgpu(q, codes, scale, num_pages=num_pages,
+                                                         tile_starts=tile_starts, sm_scale=sm_scale)
+    if tile_starts is not None:  # gathered end to end, a tile at a time where the sketch is whole tiles
+        def end_to_end(x):
+            if p % tile:
+                return x[:, :, (tile_starts[:, None] + jnp.arange(tile, dtype=tile_starts.dtype)).reshape(-1)]
+            by_tile = x.reshape(*x.shape[:2], p // tile, tile, *x.shape[3:])[:, :, tile_starts // tile]
+            return by_tile.reshape(*x.shape[:2], requests * num_pages, *x.shape[3:])
+
+        codes, scale = end_to_end(codes), end_to_end(scale)
 
     def by_head(x):  # [Hkv, page_size, R * N, ...] -> [R * Hkv, page_size, N, ...]
         x = jnp.moveaxis(x.reshape(hkv, page, requests, num_pages, *x.shape[3:]), 2, 0)

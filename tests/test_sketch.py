@@ -154,12 +154,19 @@ def test_hopper_kernel_lowers_for_cuda():
               jax.ShapeDtypeStruct((8, 16, 384), jnp.float32))
     fn = functools.partial(mgpu_sketch.sketch_page_lse_requests_mgpu, num_pages=128)
     jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
+    # The same requests' tiles read where they lie in a larger store's sketch.
+    shapes = (shapes[0], jax.ShapeDtypeStruct((8, 16, 1024, 16), jnp.uint32),
+              jax.ShapeDtypeStruct((8, 16, 1024), jnp.float32), jax.ShapeDtypeStruct((6,), jnp.int32))
+    fn = lambda q, c, s, t: mgpu_sketch.sketch_page_lse_requests_mgpu(q, c, s, num_pages=128, tile_starts=t)  # noqa: E731
+    jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
 
 
 def test_requests_end_to_end_score_each_as_alone():
     """`sketch_page_lse_requests`: three requests' sketches laid end to end on the page axis, scored in one call,
     give each request's page log-sum-exps of `sketch_page_lse` alone, bit for bit: int4 words in one Hopper launch
-    on an H100/H200 (tiles of 64 pages, each one request's), int4 bytes in interpret mode elsewhere."""
+    on an H100/H200 (tiles of 64 pages, each one request's), int4 bytes in interpret mode elsewhere. So do their
+    64-page tiles scattered over a larger store's sketch and named by `tile_starts` (read where they lie on
+    Hopper, gathered first elsewhere)."""
     seed = 4390
     rng = np.random.default_rng(seed)
     requests, hkv, g, d, page, pages = 3, 2, 3, 128, 16, 128
@@ -175,3 +182,44 @@ def test_requests_end_to_end_score_each_as_alone():
         own = (x[:, :, r * pages:(r + 1) * pages] for x in stored)
         alone = pallas_kernels.sketch_page_lse(q[r], *own, bits=4, interpret=interpret)
         np.testing.assert_array_equal(np.asarray(together[r]), np.asarray(alone), err_msg=f"seed {seed}, request {r}")
+    tile, tiles = pallas_kernels.SKETCH_TILE_PAGES, requests * pages // pallas_kernels.SKETCH_TILE_PAGES
+    slots = rng.permutation(2 * tiles)[:tiles]  # where each tile lies in a store twice as large
+    store = tuple(jnp.zeros((*x.shape[:2], 2 * tiles * tile, *x.shape[3:]), x.dtype)
+                  .reshape(*x.shape[:2], 2 * tiles, tile, *x.shape[3:])
+                  .at[:, :, slots].set(x.reshape(*x.shape[:2], tiles, tile, *x.shape[3:]))
+                  .reshape(*x.shape[:2], 2 * tiles * tile, *x.shape[3:]) for x in stored)
+    scattered = pallas_kernels.sketch_page_lse_requests(q, *store, bits=4, num_pages=pages, interpret=interpret,
+                                                        tile_starts=jnp.asarray(slots * tile, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(scattered), np.asarray(together), err_msg=f"seed {seed}, tiles {slots}")
+
+
+@pytest.mark.parametrize("block_pages", [256, 32])
+def test_requests_page_scores_read_store_blocks_as_each_alone(block_pages):
+    """`SketchScore.requests_page_scores` (Pallas) of two requests whose pages lie in store blocks out of order:
+    each request's rows equal its scores alone over its gathered pages (`scores_each`), bit for bit, whether its
+    64-page tiles are read where they lie (blocks of 256 pages) or its runs are gathered first (blocks of 32). On
+    an H100/H200 the sketch is int4 words, scored by the Hopper kernel."""
+    seed = 4391
+    rng = np.random.default_rng(seed)
+    hkv, g, d, page, store_pages, candidates = 2, 2, 128, 16, 1024, 512
+    q = jnp.asarray(rng.standard_normal((2, hkv * g, d)), jnp.bfloat16)
+    words = mgpu_sketch.is_supported(q[0].reshape(hkv, g, d), jnp.zeros((hkv, page, store_pages, d // 8), jnp.uint32))
+    codes, scale = sketch.quantize_keys(jnp.asarray(rng.standard_normal((hkv, store_pages * page, d)) * 3,
+                                                    jnp.float32), "int4")
+    meta = (sketch.to_page_layout(sketch.pack_codes(codes, "int4", words), page), sketch.to_page_layout(scale, page))
+    blocks = rng.permutation(store_pages // block_pages)
+
+    def table(first_block, n):  # n pages in whole store blocks taken from `blocks`, then page 0
+        used = -(-n // block_pages)
+        pages = np.concatenate([np.arange(b * block_pages, (b + 1) * block_pages)
+                                for b in blocks[first_block:first_block + used]])
+        return jnp.asarray(np.pad(pages, (0, candidates - len(pages))), jnp.int32), used
+
+    t0, used = table(0, 200)
+    t1, _ = table(used, 300)
+    scorer = sketch.SketchScore("int4", page)
+    num_pages = (jnp.int32(200), jnp.int32(300))
+    together = scorer.requests_page_scores("pallas", q, meta, (t0, t1), num_pages, candidates, block_pages)
+    alone = sketch.scores_each(scorer, "pallas", q, meta, (t0, t1), num_pages, candidates)
+    np.testing.assert_array_equal(np.asarray(together), np.asarray(alone),
+                                  err_msg=f"seed {seed}, block_pages {block_pages}, blocks {blocks}, words {words}")

@@ -158,26 +158,33 @@ class SketchScore:
         """`page_scores` of requests sharing a store, stacked on the KV-head axis: q [requests, Hq, D], `page_tables`
         [num_candidates] each (its pages' store pages, in its order: whole store blocks of `block_pages` pages, then
         page 0), `num_pages` a scalar each -> float32 [requests * Hkv, num_candidates], each request's rows the bits
-        it gets alone. With the Pallas kernels one gather and one kernel call score all requests' pages: the gather
-        takes runs of whole pages (a store block, or the largest run dividing both it and num_candidates) and lays the
-        requests end to end on the page axis, which the Hopper kernel reads as it is (a 4,096-token block is 256
-        pages: 4 KiB runs of a head's token offset, where a gather page by page moved 16 bytes at a time and then
-        transposed every byte; on an H200 a step of 8 x 64K spent 4.1 ms in this gather against 5.1 before). The jnp
-        path scores request by request (XLA's CPU dots choose their order by shape)."""
+        it gets alone. With the Pallas kernels one kernel call scores all requests' pages, in runs of whole pages (a
+        store block, or the largest run dividing both it and num_candidates). Where a run is whole 64-page tiles the
+        kernel is told where each tile lies in the store and reads it there (`tile_starts`: on Hopper nothing is
+        gathered; an H200 step of 8 x 64K spent 4.1 ms in that gather); otherwise the runs are gathered end to end
+        first. The jnp path scores request by request (XLA's CPU dots choose their order by shape)."""
         hkv = meta[0].shape[0]
         if impl != "pallas":
             return scores_each(self, impl, q, meta, page_tables, num_pages, num_candidates)
         run = math.gcd(block_pages, num_candidates)
-        runs = (jnp.stack(page_tables)[:, ::run] // run).reshape(-1)  # padding pages (page 0): run 0, never counted
-
-        def gathered(m):  # [Hkv, page_size, slots, ...] -> [Hkv, page_size, requests * num_candidates, ...]
-            by_run = m.reshape(*m.shape[:2], m.shape[2] // run, run, *m.shape[3:])
-            return by_run[:, :, runs].reshape(*m.shape[:2], runs.shape[0] * run, *m.shape[3:])
-
-        packed, scale = (gathered(m) for m in meta)
+        tables = jnp.stack(page_tables)
         qg = q.reshape(q.shape[0], hkv, -1, q.shape[-1])
-        lse = pallas_kernels.sketch_page_lse_requests(qg, packed, scale, bits=4 if self.dtype == "int4" else 8,
-                                                      num_pages=num_candidates)
+        bits = 4 if self.dtype == "int4" else 8
+        if run % pallas_kernels.SKETCH_TILE_PAGES == 0:
+            # Each 64-page tile lies in one run of whole pages: the kernel reads it where it is.
+            first = jnp.arange(0, num_candidates, pallas_kernels.SKETCH_TILE_PAGES, dtype=jnp.int32)
+            starts = tables[:, first // run * run] // run * run + first % run  # padding pages: run 0, never counted
+            lse = pallas_kernels.sketch_page_lse_requests(qg, *meta, bits=bits, num_pages=num_candidates,
+                                                          tile_starts=starts.reshape(-1))
+        else:
+            runs = (tables[:, ::run] // run).reshape(-1)  # padding pages (page 0): run 0, never counted
+
+            def gathered(m):  # [Hkv, page_size, slots, ...] -> [Hkv, page_size, requests * num_candidates, ...]
+                by_run = m.reshape(*m.shape[:2], m.shape[2] // run, run, *m.shape[3:])
+                return by_run[:, :, runs].reshape(*m.shape[:2], runs.shape[0] * run, *m.shape[3:])
+
+            lse = pallas_kernels.sketch_page_lse_requests(qg, *(gathered(m) for m in meta), bits=bits,
+                                                          num_pages=num_candidates)
         return mass_of_pages(lse.reshape(-1, *lse.shape[2:]), jnp.repeat(jnp.stack(num_pages), hkv))
 
     def _page_lse(self, impl, qg, packed, scale, num_candidates: int) -> jax.Array:
