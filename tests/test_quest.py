@@ -10,6 +10,7 @@ import pytest
 
 import tiny_models
 from jax_offload import LLM, SamplingParams
+from jax_offload.serving.engine import run_requests
 from jax_offload.sparse.quest import TOP_K_CHUNK, page_bounds, page_rows, select_pages, top_k
 from pallas_kernels import mgpu_sketch
 from pallas_kernels._common import on_hopper
@@ -360,10 +361,18 @@ def test_page_cache_plan_is_lru_per_kv_head():
         state = use.state
 
 
+def _one_request(llm, prompt, params):
+    """The tokens of the one-request path (`SerialEngine`): the reference the batch engine is held to (`generate` of
+    one prompt takes the batch engine itself offloaded with sketch or Quest on the Pallas kernels)."""
+    engine = llm._serial_engine()
+    engine.add_request("alone", prompt, params)
+    return run_requests(engine, ["alone"], None)[0].token_ids
+
+
 def _together_and_alone(llm, reference, prompts, params):
     together = [o.token_ids for o in llm.generate(prompts, params)]
     engine = llm._batch_engine
-    alone = [reference.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
+    alone = [_one_request(reference, p, sp) for p, sp in zip(prompts, params)]
     return together, alone, engine
 
 
@@ -391,6 +400,9 @@ def test_page_policy_prompts_together_equal_each_alone(model_dir, policy, impl, 
     assert max(n for kind, n, _, _ in engine.step_log if kind == "decode") == 4, where
     assert together == alone, where
     assert llm._runner.store.live_blocks() == [], where
+    # One prompt alone takes the batch engine too on the Pallas kernels (its steps run ahead), the one-request path
+    # on the XLA twins.
+    assert llm._single_prompt_batches() == (impl == "pallas"), where
 
 
 @pytest.mark.parametrize("impl", ["xla"] + ["pallas"] * (jax.default_backend() == "gpu"))
@@ -407,7 +419,7 @@ def test_page_cache_regions_in_a_batch_change_no_bit(model_dir, impl):
               SamplingParams(temperature=0.8, seed=3, max_tokens=25, ignore_eos=True)] * 2
     where = f"model seed {MODEL_SEED}, prompt seed 513, {impl}"
     plain = _sparse(model_dir, 64, "sketch", attention_impl=impl, max_num_seqs=4, max_model_len=2048)
-    alone = [plain.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
+    alone = [_one_request(plain, p, sp) for p, sp in zip(prompts, params)]
     cached = _sparse(model_dir, 64, "sketch", attention_impl=impl, max_num_seqs=4, max_model_len=2048,
                      sparse_cache_gb=2**-13)
     assert cached._runner.page_cache.slots == 16, where  # two regions of 8 slots: twice the budget's 4 pages
@@ -416,7 +428,9 @@ def test_page_cache_regions_in_a_batch_change_no_bit(model_dir, impl):
     assert runner.cache_regions_in_use == 0, where
     hits, chosen, _ = runner.cache.totals()
     assert 0 < hits <= chosen, f"{where}: the last step hit {hits} of {chosen} pages"
-    assert cached.generate(prompts[:1], params[:1])[0].token_ids == alone[0], where  # the one-request path
+    assert cached.generate(prompts[:1], params[:1])[0].token_ids == alone[0], where
+    if impl == "pallas":  # generate of one prompt took the batch engine: the one-request path through the whole cache
+        assert _one_request(cached, prompts[0], params[0]) == alone[0], where
     assert [o.token_ids for o in cached.generate(prompts, params)] == alone, where
     # The one-request path shares the store (and the cache) with the batch: it refuses to run among its requests.
     cached.add_request("r0", prompts[0], params[0])
