@@ -391,8 +391,9 @@ def test_page_policy_prompts_together_equal_each_alone(model_dir, policy, impl, 
     (`host_kv_tokens`), prompts that one request's length could not hold together still run together."""
     rng = np.random.default_rng(510)
     prompts = [rng.integers(3, 250, size=int(n)).tolist() for n in (300, 70, 190, 450)]
-    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
-              SamplingParams(temperature=0.8, seed=3, max_tokens=25, ignore_eos=True)] * 2
+    # The greedy 190-token prompt moves into its fourth block (to 210 tokens) while the four decode together.
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True)] * 2
     llm = _sparse(model_dir, 64, policy, attention_impl=impl, max_num_seqs=4, dtype=dtype,
                   **{"max_model_len": 2048, **options})
     together, alone, engine = _together_and_alone(llm, llm, prompts, params)
@@ -463,7 +464,7 @@ def test_page_policy_prompts_preempted_equal_each_alone(model_dir, cache):
 
 def test_no_state_leak_over_a_thousand_mixed_requests(model_dir):
     """1,000 requests through the incremental API on the batch engine (sketch decode over XAttention-free chunked
-    prefill, an 8-block store: preemptions, a page cache of 4 regions), prompts of 1..200 tokens, greedy and seeded, a
+    prefill, an 8-block store: preemptions, a page cache of 4 regions), prompts of 1..120 tokens, greedy and seeded, a
     tenth aborted after their first token: at the end no request, store block, pool block, tail slot, cache region or
     sequence's tables is held, and requests that ran beside others still equal themselves alone."""
     rng = np.random.default_rng(512)
@@ -471,8 +472,8 @@ def test_no_state_leak_over_a_thousand_mixed_requests(model_dir):
     llm = _sparse(model_dir, 32, "sketch", max_num_seqs=16, max_model_len=512, **cache)
     requests = {}
     for i in range(1000):
-        ids = rng.integers(3, 250, size=int(rng.integers(1, 201))).tolist()
-        sp = SamplingParams(temperature=float(rng.choice([0.0, 0.8])), seed=i, max_tokens=int(rng.integers(1, 9)),
+        ids = rng.integers(3, 250, size=int(rng.integers(1, 121))).tolist()
+        sp = SamplingParams(temperature=float(rng.choice([0.0, 0.8])), seed=i, max_tokens=int(rng.integers(1, 7)),
                             ignore_eos=True)
         requests[f"r{i}"] = (ids, sp)
         llm.add_request(f"r{i}", ids, sp)
