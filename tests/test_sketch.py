@@ -157,8 +157,10 @@ def test_hopper_kernel_lowers_for_cuda():
     # The same requests' tiles read where they lie in a larger store's sketch.
     shapes = (shapes[0], jax.ShapeDtypeStruct((8, 16, 1024, 16), jnp.uint32),
               jax.ShapeDtypeStruct((8, 16, 1024), jnp.float32), jax.ShapeDtypeStruct((6,), jnp.int32))
-    fn = lambda q, c, s, t: mgpu_sketch.sketch_page_lse_requests_mgpu(q, c, s, num_pages=128, tile_starts=t)  # noqa: E731
-    jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
+    def scattered(q, codes, scales, tile_starts):
+        return mgpu_sketch.sketch_page_lse_requests_mgpu(q, codes, scales, num_pages=128, tile_starts=tile_starts)
+
+    jax.jit(scattered).trace(*shapes).lower(lowering_platforms=("cuda",))
 
 
 def test_requests_end_to_end_score_each_as_alone():
