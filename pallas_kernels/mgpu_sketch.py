@@ -17,9 +17,9 @@ request's query and reading its tile where it lies (`sketch_page_lse_requests_mg
 store's sketch needs no gather, which took 4.1 ms of an H200's 25.5 ms step of 8 x 64K). Its token offsets' code
 tiles ([64 pages, D / 2] bytes, 4 KiB each) come by TMA into a ring of 4 slots. Offset after offset it reads a tile
 as int4 through a second view of the same shared memory, eight codes (one word) per 32-bit load (Mosaic GPU's
-WGMMA_UPCAST_4X layout), and widens each word where it is: rotated and masked, pair k of the word is two bfloat16 subnormals, code * 2^-133
-(`_widen`: 7 instructions per 8 codes), handed to wgmma in its operand's layout without moving between threads;
-wgmma multiplies them with the query group (scaled by 2^40, exact, so that the products are normal float32 numbers;
+WGMMA_UPCAST_4X layout), and widens each word where it is: rotated and masked, pair k of the word is two bfloat16
+subnormals, code * 2^-133 (`_widen`: 7 instructions per 8 codes), handed to wgmma in its operand's layout without
+moving between threads; wgmma multiplies them with the query group (scaled by 2^40, exact, so that the products are normal float32 numbers;
 |q| must stay under 2^88) held in shared memory: M = 64 pages, N = the group padded to 8, K = D, two offsets'
 products issued before one wait. Once every thread holds a group's codes, their slots take the offsets 4 ahead. The
 groups of offsets are a loop, not unrolled: 16 unrolled tiles overflowed the instruction cache (H200, 30 layers of
