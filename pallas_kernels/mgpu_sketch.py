@@ -19,20 +19,19 @@ tiles ([64 pages, D / 2] bytes, 4 KiB each) come by TMA into a ring of 4 slots. 
 as int4 through a second view of the same shared memory, eight codes (one word) per 32-bit load (Mosaic GPU's
 WGMMA_UPCAST_4X layout), and widens each word where it is: rotated and masked, pair k of the word is two bfloat16
 subnormals, code * 2^-133 (`_widen`: 7 instructions per 8 codes), handed to wgmma in its operand's layout without
-moving between threads; wgmma multiplies them with the query group (scaled by 2^40, exact, so that the products are normal float32 numbers;
-|q| must stay under 2^88) held in shared memory: M = 64 pages, N = the group padded to 8, K = D, two offsets'
-products issued before one wait. Once every thread holds a group's codes, their slots take the offsets 4 ahead. The
-groups of offsets are a loop, not unrolled: 16 unrolled tiles overflowed the instruction cache (H200, 30 layers of
-256K: 1.88 ms against 2.07 for groups of four unrolled, `bench/results/runs/h200_sketch_persistent/`). The words and
-the ring took 3.4-4.6% off at 256K and 6-9% at 128K against the two's-complement bytes with all 16 tiles in shared
-memory (H100, three calls; 99 registers a thread against 117 and ~25 KiB of shared memory a CTA against ~74 KiB, so
-four CTAs share an SM, held back by registers, instead of three: `bench/results/runs/h100_sketch_words/`). Rings of
-2, 3, 8 or 16 slots, or one offset a wait (62 registers, eight CTAs an SM), time the same or slower
-(`bench/results/runs/h100_sketch_slots/`). The query's channels are permuted to the order the codes land in
-(`_wgmma_channels`), so no code moves. Each token's scale and the softmax scale go on in float32 and the tiles fold
-into a running per-page log-sum-exp in base 2. The sketch is read once, by TMA, and no per-token score reaches
-memory.
-"""
+moving between threads; wgmma multiplies them with the query group (scaled by 2^40, exact, so that the products are
+normal float32 numbers; |q| must stay under 2^88) held in shared memory: M = 64 pages, N = the group padded to 8, K
+= D, two offsets' products issued before one wait. Once every thread holds a group's codes, their slots take the
+offsets 4 ahead. The groups of offsets are a loop, not unrolled: 16 unrolled tiles overflowed the instruction cache
+(H200, 30 layers of 256K: 1.88 ms against 2.07 for groups of four unrolled,
+`bench/results/runs/h200_sketch_persistent/`). The words and the ring took 3.4-4.6% off at 256K and 6-9% at 128K
+against the two's-complement bytes with all 16 tiles in shared memory (H100, three calls; 99 registers a thread
+against 117 and ~25 KiB of shared memory a CTA against ~74 KiB, so four CTAs share an SM, held back by registers,
+instead of three: `bench/results/runs/h100_sketch_words/`). Rings of 2, 3, 8 or 16 slots, or one offset a wait (62
+registers, eight CTAs an SM), time the same or slower (`bench/results/runs/h100_sketch_slots/`). The query's
+channels are permuted to the order the codes land in (`_wgmma_channels`), so no code moves. Each token's scale and
+the softmax scale go on in float32 and the tiles fold into a running per-page log-sum-exp in base 2. The sketch is
+read once, by TMA, and no per-token score reaches memory. """
 
 from __future__ import annotations
 
