@@ -31,7 +31,8 @@ instead of three: `bench/results/runs/h100_sketch_words/`). Rings of 2, 3, 8 or 
 registers, eight CTAs an SM), time the same or slower (`bench/results/runs/h100_sketch_slots/`). The query's
 channels are permuted to the order the codes land in (`_wgmma_channels`), so no code moves. Each token's scale and
 the softmax scale go on in float32 and the tiles fold into a running per-page log-sum-exp in base 2. The sketch is
-read once, by TMA, and no per-token score reaches memory. """
+read once, by TMA, and no per-token score reaches memory.
+"""
 
 from __future__ import annotations
 
