@@ -1,11 +1,11 @@
-"""Where a sketch decode step's time goes at 128K (Llama-3.1-8B shape, random bf16, offloaded, budget 4096, page 16,
-2 dense layers, block 4096, ring 4; env SPARSE_CACHE_GB for a GPU cache of chosen pages, RING for the ring's
-slots, KV for the KV cache dtype, BATCH=N for N such requests decoding together on the batch engine, the store
-sized for all of them): one generate of 12 tokens after a warm-up, recorded with jax.profiler.trace.
-For the decode steps (the trace's last window as long as decode steps 2-12 took by the engine's own clock) it writes
-the GPU time per step by kernel (names with their digits dropped), the union of busy GPU time, and the step's wall
-time, with the page cache's hit rate and the bytes over PCIe of the last step. Writes probe_decode_timeline.json under
-$OUT (an H100's: `bench/results/runs/h100_decode_timeline/`).
+"""Where a sketch decode step's time goes at 128K (Llama-3.1-8B shape, random bf16, offloaded, budget 4096, page 16, 2
+dense layers, block 4096, ring 4; env SPARSE_CACHE_GB for a GPU cache of chosen pages, RING for the ring's slots, KV
+for the KV cache dtype, BATCH=N for N such requests decoding together on the batch engine, the store sized for all
+of them; one request runs there too where `LLM.generate` takes it there): one generate of 12 tokens after a warm-up,
+recorded with jax.profiler.trace. For the decode steps (the trace's last window as long as decode steps 2-12 took by
+the engine's own clock) it writes the GPU time per step by kernel (names with their digits dropped), the union of
+busy GPU time, and the step's wall time, with the page cache's hit rate and the bytes over PCIe of the last step.
+Writes probe_decode_timeline.json under $OUT (an H100's: `bench/results/runs/h100_decode_timeline/`).
 
     python bench/probes/probe_decode_timeline.py
 """
@@ -47,7 +47,9 @@ def main():
     def run(n, batch=1):
         return llm.generate([rng.integers(0, cfg.vocab_size, size=n).tolist() for _ in range(batch)], sampling)[0]
 
-    if BATCH > 1:
+    # One prompt takes the batch engine too where `LLM.generate` routes it there (sketch on the Pallas kernels).
+    batched = BATCH > 1 or llm._single_prompt_batches()
+    if batched:
         run(CTX, BATCH)  # the batch engine's steps for these lengths, compiled
     else:
         for k in range(1, 2 * group_size(RING) + 2):
@@ -56,8 +58,8 @@ def main():
     # The host's time in the runner's decode (it dispatches the step's programs and returns before they finish):
     # the one-request runner's, or the batch engine's.
     runner, dispatch_ms = llm._runner, []
-    decoder = llm._batch_engine.runner if BATCH > 1 else runner
-    name = "decode_async" if BATCH > 1 else "decode"
+    decoder = llm._batch_engine.runner if batched else runner
+    name = "decode_async" if batched else "decode"
     decode = getattr(decoder, name)
 
     def timed_decode(*args, **kwargs):
@@ -76,7 +78,8 @@ def main():
     result = {**run_metadata(), "ctx": CTX, "batch": BATCH, "kv_cache_dtype": KV, "ring_slots": RING,
               "sparse_cache_gb": CACHE_GB, "decode_step_ms": steps,
               "runner_decode_host_ms": dispatch_ms, "prefill_s": out.prefill_seconds,
-              "pcie_bytes_last_step": runner.last_decode_pcie_bytes,
+              "pcie_bytes_last_step": runner.page_cache.totals()[2] * runner.page_bytes // cfg.num_kv_heads
+              if batched and runner.page_cache else runner.last_decode_pcie_bytes,  # the batch moves only misses
               "page_cache_hit_rate": runner.page_cache.hit_rate() if runner.page_cache else None, "gpu_lines": lines,
               **decode_steps_by_kernel(data, steps)}
     Path(os.environ.get("OUT", "."), "probe_decode_timeline.json").write_text(json.dumps(result, indent=1))
