@@ -171,9 +171,9 @@ class SketchScore:
         qg = q.reshape(q.shape[0], hkv, -1, q.shape[-1])
         bits = 4 if self.dtype == "int4" else 8
         if run % pallas_kernels.SKETCH_TILE_PAGES == 0:
-            # Each 64-page tile lies in one run of whole pages: the kernel reads it where it is.
-            first = jnp.arange(0, num_candidates, pallas_kernels.SKETCH_TILE_PAGES, dtype=jnp.int32)
-            starts = tables[:, first // run * run] // run * run + first % run  # padding pages: run 0, never counted
+            # Each 64-page tile lies in one run of consecutive store pages, from its first page's: the kernel reads
+            # it there (padding pages: page 0, never counted).
+            starts = tables[:, ::pallas_kernels.SKETCH_TILE_PAGES]
             lse = pallas_kernels.sketch_page_lse_requests(qg, *meta, bits=bits, num_pages=num_candidates,
                                                           tile_starts=starts.reshape(-1))
         else:
