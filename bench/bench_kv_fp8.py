@@ -146,7 +146,8 @@ def phase_long(a) -> dict:
         llm = LLM.from_params(cfg, params, dtype="bfloat16", offload=True, block_size=a.long_block_size,
                               num_ring_slots=a.ring_slots, prefill="chunked", max_model_len=n + a.long_tokens + 1,
                               kv_cache_dtype="fp8", **xattn, **_policy_options(policy, a))
-        out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=a.long_tokens, ignore_eos=True))[0]
+        out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=a.long_tokens, ignore_eos=True),
+                           progress=True)[0]  # the prefill bar on stderr: a run stopped by a time limit shows its rate
         row = {"policy": policy, "ctx": n, "prefill_s": out.prefill_seconds,
                "decode_ms": stats([s * 1e3 for s in out.decode_token_seconds[1:]]),
                "first_step_ms": out.decode_token_seconds[0] * 1e3 if out.decode_token_seconds else None,

@@ -10,7 +10,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 
 from convert.safetensors_loader import load_params
 from jax_offload.attention import check_attention_impl, default_attention_impl
@@ -23,6 +22,7 @@ from jax_offload.models.rope import inverse_frequencies
 from jax_offload.offload_runner import OffloadRunner
 from jax_offload.outputs import RequestDelta, RequestOutput
 from jax_offload.precision import step_jit
+from jax_offload.progress import prefill_bar
 from jax_offload.sampling import SamplingParams
 from jax_offload.serial_engine import SerialEngine
 from jax_offload.serving.block_manager import cache_tag
@@ -33,7 +33,6 @@ from jax_offload.sparse import xattention
 from jax_offload.tensor_parallel import TensorParallel, check_devices, sharded_model_config, to_host
 
 Prompt = str | Sequence[int] | Segments
-PROGRESS_MIN_TOKENS = 4096  # shorter prompts prefill too fast for a progress bar to help
 
 
 class LLM:
@@ -418,10 +417,8 @@ class LLM:
         self, ids: list[int], total_len: int, progress: bool = False, keep_all: bool = False
     ) -> tuple[jax.Array, int]:
         padded = pad_ids(ids, self._runner.padded_length(len(ids)))
-        if not progress or len(ids) < PROGRESS_MIN_TOKENS:
-            return self._runner.prefill(padded, len(ids), total_len, keep_all=keep_all)
-        with tqdm(total=len(ids), desc="prefill", unit="tok", unit_scale=True, leave=False) as bar:
-            return self._runner.prefill(padded, len(ids), total_len, bar.update, keep_all)
+        with prefill_bar(len(ids), progress) as bar:
+            return self._runner.prefill(padded, len(ids), total_len, bar, keep_all)
 
     def _last_logits(self, hidden: jax.Array, row: np.int32) -> jax.Array:
         """float32 [vocab] logits of hidden state row `row` (of batch row 0)."""

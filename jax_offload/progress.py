@@ -1,9 +1,23 @@
 """Progress reporting that never stalls the GPU."""
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import jax
+from tqdm import tqdm
+
+PROGRESS_MIN_TOKENS = 4096  # shorter prompts prefill too fast for a progress bar to help
+
+
+@contextlib.contextmanager
+def prefill_bar(num_tokens: int, show: bool) -> Iterator[Callable[[float], None] | None]:
+    """A bar over one prompt's prefill: its update function (told tokens done), or None where no bar helps."""
+    if not show or num_tokens < PROGRESS_MIN_TOKENS:
+        yield None
+        return
+    with tqdm(total=num_tokens, desc="prefill", unit="tok", unit_scale=True, leave=False) as bar:
+        yield bar.update
 
 
 class LaggedProgress:

@@ -334,10 +334,15 @@ class BatchEngine:
             self.add_request(rid, prompt, p, own)
         self.step_log.clear()
         self.overlapped_steps = self.prefills_behind = 0
+        offloaded = isinstance(self.runner, OffloadModelRunner)
+        if offloaded:  # an offloaded prompt prefills in one step: a bar over it, as the one-request path shows
+            self.runner.prefill_bars = progress
         try:
             outputs = run_requests(self, ids, on_text, progress)
         finally:
             self._pending = None  # only these requests' steps can be in flight
+            if offloaded:
+                self.runner.prefill_bars = False
         if self.blocks.num_used or self.runner.host_bytes_used:
             raise RuntimeError(f"{self.blocks.num_used} KV blocks and {self.runner.host_bytes_used} host bytes "
                                "are still held after every request finished.")

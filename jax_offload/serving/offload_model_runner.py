@@ -34,6 +34,7 @@ from jax_offload.buckets import layer_group_size
 from jax_offload.device_runner import pad_ids
 from jax_offload.kv.ring import BlockRing, grouped
 from jax_offload.offload_runner import OffloadRunner
+from jax_offload.progress import prefill_bar
 from jax_offload.sampling import Drawn, TokenLogprobs, drawn_to_host
 from jax_offload.serving.model_runner import batch_buckets, feed_tokens, sample_last, sampling_batch
 from jax_offload.serving.sequence import Sequence
@@ -95,6 +96,7 @@ class OffloadModelRunner:
         self._free_slots = list(range(num_slots))[::-1]
         self._slot: dict[int, int] = {}  # sequence index -> its tail slot
         self.host_bytes_used = 0  # swap space in use: none, ever
+        self.prefill_bars = False  # a bar over each long prompt's prefill (`BatchEngine.generate`'s progress)
         # The page cache (`sparse_cache_gb`): a region of every sparse layer's cache for each of the first requests
         # to decode while regions are free; the others read their pages from the store.
         self.cache = runner.page_cache
@@ -134,8 +136,9 @@ class OffloadModelRunner:
         ids = seq.token_ids
         padded = pad_ids(ids, self.runner.padded_length(len(ids)))
         try:
-            hidden, first = self.runner.prefill(padded, len(ids), seq.max_len, blocks=seq.block_table,
-                                                cached_blocks=seq.num_cached // self.block_size)
+            with prefill_bar(len(ids) - seq.num_cached, self.prefill_bars) as bar:
+                hidden, first = self.runner.prefill(padded, len(ids), seq.max_len, bar, blocks=seq.block_table,
+                                                    cached_blocks=seq.num_cached // self.block_size)
         finally:  # the runner lets go of the request either way; its blocks are the sequence's, dropped with it
             tails = self.runner.hand_over()
         slot = self._free_slots.pop()
