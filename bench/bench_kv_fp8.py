@@ -196,14 +196,14 @@ def main() -> None:
     if "long" in a.phases.split(","):
         # XLA reads its pinned-pool limit when the GPU backend starts: size it for the long prompt's fp8 store and,
         # for the page policies, the chunked prefill's mirror of their page layers (as the CLI does).
-        from jax_offload.kv.host_store import pinned_bytes
+        from jax_offload.kv.host_store import pinned_bytes, pinned_limit_gb
 
         cfg = model_config(a.shape, a.num_layers)
-        tokens = a.long_ctx + a.long_tokens + a.long_block_size
+        shape = (cfg.num_layers, a.long_ctx + a.long_tokens + a.long_block_size, cfg.num_kv_heads, cfg.head_dim,
+                 "fp8", "bfloat16")
         sparse_layers = cfg.num_layers - PAGE_POLICY_DEFAULTS["dense_layers"]
-        pinned = pinned_bytes(cfg.num_layers, tokens, cfg.num_kv_heads, cfg.head_dim, "fp8", "bfloat16",
-                              mirror_layers=sparse_layers if set(a.long_policies) - {"full"} else None)
-        os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(int(pinned / GiB) + 8))
+        mirror = pinned_bytes(*shape, mirror_layers=sparse_layers) if set(a.long_policies) - {"full"} else None
+        os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(pinned_limit_gb(pinned_bytes(*shape), mirror)))
     for name in a.phases.split(","):
         start = time.perf_counter()
         result = {**run_metadata(), "phase": name, "args": {k: str(v) for k, v in vars(a).items()},

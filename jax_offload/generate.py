@@ -133,16 +133,15 @@ def _make_room_for_pinned_kv(model_dir: Path, args: argparse.Namespace) -> None:
                       args.block_size or OFFLOAD_DEFAULTS["block_size"])
     # The model's dtype is at most 2 bytes an element on a GPU (bfloat16 or float16).
     shape = (cfg.num_layers, tokens, cfg.num_kv_heads, cfg.head_dim, args.kv_cache_dtype, "bfloat16")
-    need = host_store.pinned_bytes(*shape)
+    with_mirror = None
     chunked = args.prefill == "chunked" or (args.prefill is None and args.prefill_policy != "xattention")
     if args.decode_policy in PAGE_POLICIES and chunked:
         page_layers = cfg.num_layers - (args.dense_layers if args.dense_layers is not None
                                         else PAGE_POLICY_DEFAULTS["dense_layers"])
         with_mirror = host_store.pinned_bytes(*shape, mirror_layers=max(page_layers, 0))
-        need = max(need, min(with_mirror, host_store.total_host_bytes()))
-    gib = need / 2**30
+    gib = host_store.pinned_limit_gb(host_store.pinned_bytes(*shape), with_mirror)
     if gib > host_store.DEFAULT_PINNED_LIMIT_GB:
-        os.environ[host_store.PINNED_LIMIT_VAR] = str(int(gib) + 4)
+        os.environ[host_store.PINNED_LIMIT_VAR] = str(gib)
 
 
 def _keep_compiled_programs(path: str | None) -> None:

@@ -69,6 +69,17 @@ def pinned_bytes(num_layers: int, tokens: int, num_kv_heads: int, head_dim: int,
     return num_layers * layer + mirror
 
 
+def pinned_limit_gb(store_bytes: int, with_mirror_bytes: int | None = None) -> int:
+    """The value of PINNED_LIMIT_VAR for a store of `store_bytes` (`pinned_bytes`) and, where they fit in the host's
+    memory less an eighth kept for the process, a prefill mirror and its headroom (`with_mirror_bytes`: store and
+    mirror, `pinned_bytes(mirror_layers=...)`); 4 GiB more for swap space and small buffers. Never more than that:
+    XLA's pool grows in doubling regions up to its limit and, where the host has less, backs off until one fits, so
+    a limit past what the host can spare pins it all (an H200 host of 125 GiB was killed at a 1M-token store of 66
+    GiB under a limit of 134)."""
+    fits = with_mirror_bytes is not None and with_mirror_bytes <= total_host_bytes() * 7 // 8
+    return int((with_mirror_bytes if fits else store_bytes) / 2**30) + 4
+
+
 def pinned_limit_bytes() -> int | None:
     """How much pinned host memory XLA will allocate on this backend; None where it sets no limit (CPU)."""
     if jax.default_backend() != "gpu":
