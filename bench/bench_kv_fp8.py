@@ -153,7 +153,7 @@ def phase_long(a) -> dict:
                "first_step_ms": out.decode_token_seconds[0] * 1e3 if out.decode_token_seconds else None,
                "prefill_density_mean": (float(np.mean(out.prefill_density)) if out.prefill_density else None),
                "prefill_pcie_GB": llm._runner.last_prefill_pcie_bytes / 1e9,
-               "prefill_mirrored": llm._runner.last_prefill_mirrored,
+               "prefill_mirror": llm._runner.last_prefill_mirror,
                "pinned_host_GiB": llm._runner.store.host_bytes_held() / GiB, "gpu_memory": gpu_memory()}
         rows.append(row)
         print(json.dumps(row), flush=True)

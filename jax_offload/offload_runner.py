@@ -116,7 +116,8 @@ class OffloadRunner:
         self.xattn = xattention.policy_of(engine)
         self._decode_pcie_bytes = 0  # bytes the last decode step moved from host to GPU, the page cache's aside
         self.last_prefill_pcie_bytes = 0  # bytes the last prefill moved from host to GPU
-        self.last_prefill_mirrored = False  # whether the last prefill read its page layers from the mirror
+        # Page layers whose blocks the last prefill read from the prefill mirror, by its memory kind (`start_mirror`).
+        self.last_prefill_mirror: dict[str, int] = {}
         self.prefill_block_counts: list[jax.Array] = []  # per layer, XAttention's [selected, visible] blocks
         self._keys: jax.Array | None = None  # chunked XAttention: the current layer's keys, for the estimate
         self._key_counts: dict[int, jax.Array] = {}  # by block count: the kernels' kv_len, on the GPU
@@ -196,11 +197,11 @@ class OffloadRunner:
             self.page_cache.reset()
         self._tails = [None] * self.cfg.num_layers
         self.last_prefill_pcie_bytes = 0
-        self.last_prefill_mirrored = False
+        self.last_prefill_mirror = {}
         self.prefill_block_counts = [jnp.zeros(2, jnp.int32)] * self.cfg.num_layers
         if self.mode == "chunked" or cached_blocks:
             ids = ids[:, : round_up(prompt_len, self.block_size)]  # layerwise pads further
-            self.last_prefill_mirrored = self.store.start_mirror(prompt_len // self.block_size)
+            self.last_prefill_mirror = self.store.start_mirror(prompt_len // self.block_size)
             try:
                 out = self._prefill_chunked(ids, prompt_len, progress, keep_all, cached_blocks)
             finally:
@@ -225,7 +226,7 @@ class OffloadRunner:
             h = embed_tokens(self.params.embed, ids[:, c * bs : (c + 1) * bs])
             if self.xattn is None:
                 groups, ring = self._stream([range(c)] * len(layers))
-                self.last_prefill_pcie_bytes += c * self._host_layers() * self.store.block_bytes
+                self.last_prefill_pcie_bytes += c * self._pcie_layers() * self.store.block_bytes
             start, length = self.tp.replicate((np.int32(c * bs), np.int32(chunk_len)))
             for l, layer in enumerate(layers):
                 q, kv, state = chunk_begin(self.cfg, layer, h, self.inv_freq, start, tp=self.tp)
@@ -244,8 +245,8 @@ class OffloadRunner:
             return jnp.concatenate(outputs, axis=1), first_chunk * bs
         return outputs[0], (num_chunks - 1) * bs
 
-    def _host_layers(self) -> int:
-        return sum(place != "gpu" for place in self.store.places)
+    def _pcie_layers(self) -> int:
+        return sum(self.store.reads_cross_pcie(l) for l in range(self.cfg.num_layers))
 
     def _xattn_chunk_layer(self, l: int, layer, h, q, kv, state, c: int, chunk_len: int) -> jax.Array:
         """One layer of a prompt chunk under XAttention: the earlier blocks stream once into the key buffer for
@@ -266,7 +267,7 @@ class OffloadRunner:
             state = xattn_attend_blocks(self.impl, self.xattn, q, padded(ring.take(), self.group), ids, mask, state,
                                         tp=self.tp)
             ring.release(state.m, len(g))
-        if self.store.places[l] != "gpu":
+        if self.store.reads_cross_pcie(l):
             self.last_prefill_pcie_bytes += (c + len(chosen)) * self.store.block_bytes
         self.prefill_block_counts[l] = self.prefill_block_counts[l] + counts
         return xattn_chunk_end(self.cfg, self.impl, self.xattn, layer, h, q, kv, np.int32(chunk_len), state, mask,

@@ -126,33 +126,43 @@ def test_full_budget_equals_full_decode(model_dir, policy):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prefill_mirror_reads_the_same_bits(model_dir, monkeypatch, dtype):
-    """A chunked prefill reads a "pages" layer's earlier blocks from the prefill mirror (pinned copies of their
-    own, which overlap compute on a GPU) where the copies fit, from the layer's one buffer where they do not: the
-    same logits to the bit either way, and the mirror is gone once the prefill ends."""
+    """A chunked prefill reads a "pages" layer's earlier blocks from the prefill mirror (copies of their own, which
+    overlap compute on a GPU) where the copies fit, in GPU memory first, then pinned, from the layer's one buffer
+    where they do not: the same logits to the bit every way, only pinned reads counted as PCIe bytes, and the
+    mirror gone once the prefill ends."""
     from jax_offload.kv import host_store
 
     ids = np.random.default_rng(507).integers(3, tiny_models.VOCAB, size=200).tolist()
-    where = f"model seed {MODEL_SEED}, prompt seed 507, {dtype}"
     runs = {}
-    for mirrored in (True, False):
+    for mirror in ("device", "pinned_host", None):
+        where = f"model seed {MODEL_SEED}, prompt seed 507, {dtype}, mirror {mirror}"
         llm = LLM(model_dir, dtype=dtype, offload=True, block_size=64, num_ring_slots=2, decode_policy="sketch",
                   decode_budget=48, page_size=16, dense_layers=1)
         store, sources = llm._runner.store, []
-        if not mirrored:  # pinned memory for the store and nothing more
+        room = 1 << 40 if mirror == "device" else 0  # the CPU backend reports no free device memory: say some
+        monkeypatch.setattr(host_store, "device_free_bytes", lambda tp, room=room: room)
+        if mirror is None:  # pinned memory for the store and nothing more
             monkeypatch.setattr(host_store, "pinned_limit_bytes", lambda: store.host_bytes)
         fetch = store.fetch
 
         def spy(keys, store=store, sources=sources, fetch=fetch):
             if store.places[keys[0][0]] == "pages":
-                sources.append(store._mirror is not None and all(key in store._mirror for key in keys))
+                held = store._mirror is not None and all(key in store._mirror for key in keys)
+                sources.append(store._mirror[keys[0]].sharding.memory_kind if held else None)
             return fetch(keys)
 
         monkeypatch.setattr(store, "fetch", spy)
-        runs[mirrored] = _decode_logits(llm, ids, 3)
-        assert sources and set(sources) == {mirrored}, f"{where}: mirrored {mirrored}, reads {sources}"
-        assert llm._runner.last_prefill_mirrored == mirrored, where
+        runs[mirror] = _decode_logits(llm, ids, 3)
+        assert sources and set(sources) == {mirror}, f"{where}: reads {sources}"
+        page_layers = store.places.count("pages")
+        assert llm._runner.last_prefill_mirror == ({mirror: page_layers} if mirror else {}), where
+        # 4 chunks: chunk c reads c earlier blocks of each layer whose reads cross PCIe (the dense layer's: GPU memory)
+        pcie_layers = 0 if mirror == "device" else page_layers
+        assert llm._runner.last_prefill_pcie_bytes == 6 * pcie_layers * store.block_bytes, where
         assert store._mirror is None, where
-    np.testing.assert_array_equal(runs[True], runs[False], err_msg=where)
+    for mirror in ("device", "pinned_host"):
+        np.testing.assert_array_equal(runs[mirror], runs[None],
+                                      err_msg=f"model seed {MODEL_SEED}, prompt seed 507, {dtype}: mirror {mirror}")
 
 
 def test_budget_past_max_model_len_reads_every_page(model_dir, policy="quest"):

@@ -121,7 +121,7 @@ def main() -> None:
               "before_GiB": {"peak": start_peak / GiB, "in_use": start_in_use / GiB},
               "after_GiB": {"peak": end_peak / GiB, "in_use": end_in_use / GiB},
               "at_first_decode_GiB": at_first_decode,
-              "prefill_s": out.prefill_seconds, "mirrored": llm._runner.last_prefill_mirrored,
+              "prefill_s": out.prefill_seconds, "mirror": llm._runner.last_prefill_mirror,
               "calls": CALLS, "rises": RISES}
     (a.out / f"probe_memory_peak_{a.policy}_{n}.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result[k] for k in ("params_GiB", "before_GiB", "at_first_decode_GiB", "after_GiB", "prefill_s",

@@ -17,8 +17,10 @@ Each layer lives in one of three places:
 A chunked prefill reads each chunk's earlier blocks back. XLA runs a program that slices a pinned buffer in order
 with the compute programs (`bench/results/runs/h200_sketch_prefill/`: a slice program and a matmul cost their sum on
 an H100; in one program too, and a second stream is refused), while a `device_put` of whole pinned arrays overlaps
-compute. So during a chunked prefill the blocks written to "pages" layers are also kept as pinned buffers of their
-own (the prefill mirror, `start_mirror`), read the way "blocks" layers are, and dropped when the prefill ends.
+compute. So during a chunked prefill the blocks written to "pages" layers are also kept as buffers of their own (the
+prefill mirror, `start_mirror`), read the way "blocks" layers are, and dropped when the prefill ends: in GPU memory
+where it has room (a 1M-token prompt's mirror does not fit beside its store in a 125 GiB host, and an H200 has room for
+it), else pinned.
 
 Under tensor parallelism every buffer is split on its KV-head axis over the mesh: each device's heads live in
 pinned memory attached to that device and cross only its own link.
@@ -50,6 +52,9 @@ PLACES = ("gpu", "blocks", "pages")
 PINNED_LIMIT_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 DEFAULT_PINNED_LIMIT_GB = 64
 MIRROR_HEADROOM_BYTES = 2 * 2**30  # pinned memory left free beside the store and a prefill mirror
+# GPU memory a prefill mirror leaves free for the chunked prefill's own buffers (at 1M tokens of the 8B shape: a layer's
+# keys, 2 GiB, XAttention's estimate scores, 1 GiB, a 16K-token chunk's activations) and the other requests' steps.
+DEVICE_MIRROR_HEADROOM_BYTES = 16 * 2**30
 
 
 def available_host_bytes() -> int:
@@ -67,6 +72,14 @@ def pinned_bytes(num_layers: int, tokens: int, num_kv_heads: int, head_dim: int,
     layer = 2 * tokens * num_kv_heads * kv_format.bytes_per_vector(kv_cache_dtype, head_dim, dtype)
     mirror = 0 if mirror_layers is None else mirror_layers * layer + MIRROR_HEADROOM_BYTES
     return num_layers * layer + mirror
+
+
+def device_free_bytes(tp: TensorParallel) -> int:
+    """GPU memory XLA can still allocate on the fullest device of the mesh; 0 where the backend does not say (CPU)."""
+    stats = [device.memory_stats() for device in tp.mesh.devices.flat]
+    if any(not s or "bytes_limit" not in s for s in stats):
+        return 0
+    return min(s["bytes_limit"] - s["bytes_in_use"] for s in stats)
 
 
 def pinned_limit_gb(store_bytes: int, with_mirror_bytes: int | None = None) -> int:
@@ -181,7 +194,8 @@ class HostKVStore:
         self.tp, self.host_memory_kind = tp, host_memory_kind
         self.device = tp.sharding(0, memory_kind="device")  # a fetched block: [Hkv, ...] on the GPUs
         self._block_sharding = tp.sharding(0, host_memory_kind)  # a "blocks" layer's block, or a mirrored one
-        self._mirror: dict[tuple[int, int], jax.Array] | None = None
+        self._mirror: dict[tuple[int, int], jax.Array] | None = None  # the prefill mirror's blocks
+        self._mirror_sharding: dict[int, jax.sharding.Sharding] = {}  # where each mirrored layer's blocks live
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         # A one-buffer layer ("gpu", "pages") is [num_blocks, Hkv, ...]: split on axis 1; a block on axis 0.
         self._sharding = [tp.sharding(0 if p == "blocks" else 1, "device" if p == "gpu" else host_memory_kind)
@@ -224,20 +238,36 @@ class HostKVStore:
             layer, jax.device_put(new[None], sharding), (index,) + (0,) * (layer.ndim - 1)), layer, new)
         return layer, kv_format.pack(new) if mirrored else None
 
-    def start_mirror(self, num_blocks: int) -> bool:
-        """Keeps a copy of each block written to a "pages" layer from now on as a pinned buffer of its own, so that a
-        chunked prefill's reads of up to `num_blocks` blocks per layer overlap compute (module docstring); only
-        where the copies fit in pinned and host memory beside the store. Returns whether it mirrors."""
-        need = num_blocks * self.places.count("pages") * self.block_bytes
+    def start_mirror(self, num_blocks: int) -> dict[str, int]:
+        """Keeps a copy of each block written to a "pages" layer from now on as a buffer of its own, so that a chunked
+        prefill's reads of up to `num_blocks` blocks per layer overlap compute (module docstring): a layer's copies in
+        GPU memory where they fit beside DEVICE_MIRROR_HEADROOM_BYTES (read without crossing PCIe), else in pinned
+        memory where they fit beside the store, else none (read from the layer's one buffer). Returns how many page
+        layers each memory kind mirrors."""
+        layer_need = num_blocks * self.block_bytes
+        self._mirror, self._mirror_sharding = None, {}
+        if self.host_memory_kind == "device" or not layer_need:
+            return {}
+        device_room = device_free_bytes(self.tp) - DEVICE_MIRROR_HEADROOM_BYTES
         limit = pinned_limit_bytes() if self.host_memory_kind == "pinned_host" else None
-        fits = (self.host_memory_kind != "device" and need <= available_host_bytes()
-                and (limit is None or self.host_bytes + need + MIRROR_HEADROOM_BYTES <= limit))
-        self._mirror = {} if fits and need else None
-        return self._mirror is not None
+        host_room = min(available_host_bytes(), limit - self.host_bytes - MIRROR_HEADROOM_BYTES if limit else 1 << 62)
+        for layer, place in enumerate(self.places):
+            if place != "pages":
+                continue
+            if layer_need // self.tp.size <= device_room:  # each device holds its heads' share
+                device_room -= layer_need // self.tp.size
+                self._mirror_sharding[layer] = self.tp.sharding(0, "device")
+            elif layer_need <= host_room:
+                host_room -= layer_need
+                self._mirror_sharding[layer] = self._block_sharding
+        if self._mirror_sharding:
+            self._mirror = {}
+        kinds = [sharding.memory_kind for sharding in self._mirror_sharding.values()]
+        return {kind: kinds.count(kind) for kind in sorted(set(kinds))}
 
     def stop_mirror(self) -> None:
-        """Drops the prefill mirror (its pinned buffers return to XLA's pool)."""
-        self._mirror = None
+        """Drops the prefill mirror (its buffers return to XLA's pools)."""
+        self._mirror, self._mirror_sharding = None, {}
 
     def write(self, layer: int, index: int, kv: jax.Array) -> None:
         """Stores a GPU block kv [2, block_size, Hkv, D] (as the layer computed it: `round_trip` values) as block
@@ -246,15 +276,21 @@ class HostKVStore:
             raise RuntimeError(f"Block {index} is outside the store's {self.num_blocks} blocks.")
         how = (self._sharding[layer], self.kv_cache_dtype, jnp.dtype(self.dtype))
         if self.places[layer] != "blocks":
-            mirrored = self._mirror is not None and self.places[layer] == "pages"
+            mirrored = layer in self._mirror_sharding
             self._blocks[layer], block = self._write_into_layer(self._blocks[layer], kv, np.int32(index), *how,
                                                                 mirrored)
             if mirrored:
-                self._mirror[layer, index] = jax.device_put(block, self._block_sharding)
+                self._mirror[layer, index] = jax.device_put(block, self._mirror_sharding[layer])
         else:
             self._blocks[layer][index] = self._write_block(self._blocks[layer][index], kv, *how)
         self._written[layer, index] = True
         self._count(layer, 1, "bytes_written")
+
+    def reads_cross_pcie(self, layer: int) -> bool:
+        """Whether reading a block of `layer` now moves it over PCIe (not a "gpu" layer, nor one the prefill mirror
+        keeps in GPU memory)."""
+        mirror = self._mirror_sharding.get(layer)
+        return self.places[layer] != "gpu" and (mirror is None or mirror.memory_kind != "device")
 
     def _count(self, layer: int, num_blocks: int, counter: str) -> None:
         """Adds what `num_blocks` blocks of `layer` carry over PCIe to a byte counter (a "gpu" layer's carry
@@ -272,11 +308,14 @@ class HostKVStore:
             if not self._written[layer, index]:
                 raise RuntimeError(f"Block {index} of layer {layer} holds no live KV (never written, or forgotten).")
         layer = keys[0][0]
-        self._count(layer, len(keys), "bytes_read")
         if self.places[layer] == "blocks":
+            self._count(layer, len(keys), "bytes_read")
             return jax.device_put([self._blocks[l][i] for l, i in keys], self.device)
         if self._mirror is not None and all(key in self._mirror for key in keys):
+            if self.reads_cross_pcie(layer):
+                self._count(layer, len(keys), "bytes_read")
             return jax.device_put([self._mirror[key] for key in keys], self.device)
+        self._count(layer, len(keys), "bytes_read")
         if any(l != layer for l, _ in keys):
             raise RuntimeError(f"Blocks {keys} of a one-buffer layer must be blocks of one layer.")
         runs = [[keys[0][1]]]
@@ -316,7 +355,7 @@ class HostKVStore:
     def reset(self) -> None:
         """Forgets every request: every block counts as unwritten again."""
         self._written[:] = False
-        self._mirror = None
+        self.stop_mirror()
 
     def forget(self, blocks: Sequence[int]) -> None:
         """Forgets one request's blocks (in every layer) when it finishes or gives them up."""
