@@ -145,6 +145,7 @@ def phase_long(a) -> dict:
     for policy in a.long_policies:
         llm = LLM.from_params(cfg, params, dtype="bfloat16", offload=True, block_size=a.long_block_size,
                               num_ring_slots=a.ring_slots, prefill="chunked", max_model_len=n + a.long_tokens + 1,
+                              max_num_seqs=1,  # one request: GPU memory for a prefill mirror, not for 255 more tails
                               kv_cache_dtype="fp8", **xattn, **_policy_options(policy, a))
         out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=a.long_tokens, ignore_eos=True),
                            progress=True)[0]  # the prefill bar on stderr: a run stopped by a time limit shows its rate

@@ -302,6 +302,13 @@ def run_phases(script: str, phases: list[tuple[str, list[str]]], phases_value: s
         print(f"phase {label}: exit {rc} in {time.perf_counter() - t:.0f} s", flush=True)
 
 
+def probe_output(name: str) -> Path:
+    """Where a probe writes its result file `name`: under $OUT (made if missing), else the working directory."""
+    out = Path(os.environ.get("OUT", "."))
+    out.mkdir(parents=True, exist_ok=True)
+    return out / name
+
+
 def stats(samples: list[float]) -> dict:
     """Median with min, max and count: how every timed figure is reported."""
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}

@@ -132,13 +132,15 @@ def xattn_select(impl: str, xattn: XAttention, q: jax.Array, k: jax.Array, *, q_
 
 
 def xattn_attention(impl: str, xattn: XAttention, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
-                    causal: bool, kv_len: int | jax.Array | None = None, out_dtype: jnp.dtype | None = None,
-                    tp: TensorParallel | None = None) -> tuple[jax.Array, jax.Array]:
+                    causal: bool, q_offset: int | jax.Array = 0, kv_len: int | jax.Array | None = None,
+                    out_dtype: jnp.dtype | None = None, tp: TensorParallel | None = None) -> tuple[jax.Array, jax.Array]:
     """`xattention.attention` -> (o, lse), each device over its heads' chosen blocks."""
-    def local(q, k, v, mask, kv_len):
-        return xattention.attention(xattn, impl, q, k, v, mask, causal=causal, kv_len=kv_len, out_dtype=out_dtype)
+    def local(q, k, v, mask, q_offset, kv_len):
+        return xattention.attention(xattn, impl, q, k, v, mask, causal=causal, q_offset=q_offset, kv_len=kv_len,
+                                    out_dtype=out_dtype)
 
-    return _local(tp, local, (HEADS, HEADS, HEADS, MASK_HEADS, None), (HEADS, LSE_HEADS))(q, k, v, mask, kv_len)
+    return _local(tp, local, (HEADS, HEADS, HEADS, MASK_HEADS, None, None), (HEADS, LSE_HEADS))(
+        q, k, v, mask, q_offset, kv_len)
 
 
 def prompt_attention(impl: str, xattn: XAttention | None, q: jax.Array, k: jax.Array, v: jax.Array,
@@ -862,71 +864,42 @@ def layerwise_layer(
     return decoder.attention_output_and_mlp(cfg, layer, x, o), blocks, counts
 
 
-# ---- XAttention over the offloaded KV: a prompt chunk estimates against every earlier key, then attends ---------
-# only the blocks some head chose. The estimate needs the earlier keys on the GPU: they stream through the ring
-# into one layer-sized key buffer (pass 1); the chosen blocks stream again, K and V, for attention (pass 2).
+# ---- XAttention over the offloaded KV: a prompt chunk estimates and attends over every earlier key at once. The
+# earlier blocks stream once through the ring into the layer's key and value buffers (the chunk's own KV joins them);
+# the estimate and the block-sparse attention then read the buffers' first `span` keys: no second stream of the
+# chosen blocks, and no wait for the host to learn which those were.
 
 
-@functools.partial(step_jit, donate_argnums=(0,))
-def gather_keys(keys: jax.Array, blocks: tuple[jax.Array, ...], starts: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Writes the keys of host blocks into the layer's key buffer [1, max_len, Hkv, D], block i's first key at
-    starts[i] (a padded group's repeats all go to the current chunk's place, which its own keys overwrite next);
-    also returns a value computed from the blocks on every device (one key element per head), to tell when their
-    slots are free."""
+@functools.partial(step_jit, donate_argnums=(0, 1))
+def gather_kv(keys: jax.Array, values: jax.Array, blocks: tuple[jax.Array, ...], starts: jax.Array
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Writes host blocks into the layer's key and value buffers [1, max_len, Hkv, D], block i's first key at
+    starts[i] (a padded group's repeats all go to the current chunk's place, which its own KV overwrites next); also
+    returns a value computed from the blocks on every device (one key element per head), to tell when their slots are
+    free. The buffers are donated: written in place (at 1M tokens, 2 GB each a layer and chunk)."""
     for i, block in enumerate(blocks):
-        k, _ = _join_blocks((block,), keys.dtype)
+        k, v = _join_blocks((block,), keys.dtype)
         keys = jax.lax.dynamic_update_slice(keys, k, (0, starts[i], 0, 0))
-    return keys, k[0, 0, :, 0]
+        values = jax.lax.dynamic_update_slice(values, v, (0, starts[i], 0, 0))
+    return keys, values, k[0, 0, :, 0]
 
 
-@functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("span", "tp"), donate_argnums=(3,))
-def xattn_chunk_select(
-    impl: str, xattn: XAttention, q: jax.Array, keys: jax.Array, kv: jax.Array, start: jax.Array,
-    chunk_len: jax.Array, span: int | None = None, tp: TensorParallel | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """XAttention's choice for a chunk's queries q [1, T, Hq, D] at `start`, over the earlier keys in `keys`
-    and the chunk's own (kv [2, T, Hkv, D]) -> (mask [1, Hq, T / block, span / block], the earlier host blocks
-    some head needs as bool [span / T], the keys buffer with the chunk's keys, [selected, visible]). The estimate
-    reads the buffer's first `span` keys (default: all; at least through the chunk), not the whole buffer of
-    max_len keys. The buffer is donated: written in place, not copied (at 1M tokens, 2 GB a layer and chunk)."""
-    keys = jax.lax.dynamic_update_slice(keys, kv[0][None].astype(keys.dtype), (0, start, 0, 0))
-    mask = xattn_select(impl, xattn, q, keys[:, :span], q_offset=start, kv_len=start + chunk_len, tp=tp)
-    t, hq = q.shape[1], q.shape[2]
-    per_block = mask.reshape(hq, t // xattn.block, -1, t // xattn.block)
-    needed = jnp.any(per_block, axis=(0, 1, 3)) & (jnp.arange(per_block.shape[2]) * t < start)
-    return mask, needed, keys, xattention.block_counts(mask, start, start + chunk_len, xattn.block)
-
-
-def _mask_columns(mask: jax.Array, blocks: jax.Array, block_size: int, xattn_block: int) -> jax.Array:
-    """The columns of host blocks `blocks` (int32 [n]; -1 pads a group, and its columns are all False) of a
-    chunk's mask, in that order: [1, Hq, nqb, n * per]."""
-    b, hq, nqb, _ = mask.shape
-    per = block_size // xattn_block
-    cols = mask.reshape(b, hq, nqb, -1, per)[:, :, :, jnp.maximum(blocks, 0)] & (blocks >= 0)[:, None]
-    return cols.reshape(b, hq, nqb, -1)
-
-
-@functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",))
-def xattn_attend_blocks(
-    impl: str, xattn: XAttention, q: jax.Array, blocks: tuple[jax.Array, ...], block_ids: jax.Array,
-    mask: jax.Array, state: AttentionState, tp: TensorParallel | None = None,
-) -> AttentionState:
-    """Continues the chunk's state over earlier host blocks (ids `block_ids`), visiting only the chosen tiles."""
-    k, v = _join_blocks(blocks, q.dtype)
-    values = values_of(blocks[0])  # axes 1 and 3 (units, PAGE_UNIT) are the same in every form, packed too
-    cols = _mask_columns(mask, block_ids, values.shape[1] * values.shape[3], xattn.block)
-    o, lse = xattn_attention(impl, xattn, q, k, v, cols, causal=False, out_dtype=jnp.float32, tp=tp)
-    return pallas_kernels.merge_into_state(state, o, lse)
-
-
-@functools.partial(step_jit, static_argnums=(0, 1, 2), static_argnames=("tp",))
-def xattn_chunk_end(
+@functools.partial(step_jit, static_argnums=(0, 1, 2), static_argnames=("span", "tp"), donate_argnums=(7, 8))
+def xattn_chunk_layer(
     cfg: ModelConfig, impl: str, xattn: XAttention, layer: LayerParams, x: jax.Array, q: jax.Array, kv: jax.Array,
-    chunk_len: jax.Array, state: AttentionState, mask: jax.Array, start: jax.Array, tp: TensorParallel | None = None,
-) -> jax.Array:
-    """The chunk's chosen blocks of its own keys (causal, last in key order), then the rest of the layer."""
-    k, v = _split_block(kv)
-    own = jax.lax.dynamic_slice_in_dim(mask, start // xattn.block, k.shape[1] // xattn.block, axis=3)
-    o, lse = xattn_attention(impl, xattn, q, k, v, own, causal=True, kv_len=chunk_len, out_dtype=jnp.float32, tp=tp)
-    o, _ = pallas_kernels.finish_state(pallas_kernels.merge_into_state(state, o, lse))
-    return decoder.attention_output_and_mlp(cfg, layer, x, o)  # the one rounding to the model dtype
+    keys: jax.Array, values: jax.Array, start: jax.Array, chunk_len: jax.Array, span: int | None = None,
+    tp: TensorParallel | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The rest of a layer for a prompt chunk (queries q [1, T, Hq, D] at `start`, its KV kv [2, T, Hkv, D]) under
+    XAttention, over the earlier keys and values in the buffers and the chunk's own -> (the layer's output, the
+    buffers with the chunk's KV, [selected, visible] blocks). The estimate and the attention read the buffers' first
+    `span` keys (at least through the chunk), not all max_len: one choice and one attention call over keys
+    0..start + chunk_len, as the whole prompt in GPU memory makes them for these rows."""
+    keys = jax.lax.dynamic_update_slice(keys, kv[0][None].astype(keys.dtype), (0, start, 0, 0))
+    values = jax.lax.dynamic_update_slice(values, kv[1][None].astype(values.dtype), (0, start, 0, 0))
+    k, v, end = keys[:, :span], values[:, :span], start + chunk_len
+    mask = xattn_select(impl, xattn, q, k, q_offset=start, kv_len=end, tp=tp)
+    o, _ = xattn_attention(impl, xattn, q, k, v, mask, causal=True, q_offset=start, kv_len=end, out_dtype=q.dtype,
+                           tp=tp)
+    counts = xattention.block_counts(mask, start, end, xattn.block)
+    return decoder.attention_output_and_mlp(cfg, layer, x, o), keys, values, counts

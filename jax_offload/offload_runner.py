@@ -15,8 +15,8 @@ scalars reach the GPU once (each eager scalar costs the host more than a layer's
 Prefill reads every block in either case.
 
 With prefill_policy="xattention", layerwise prefill attends each layer's whole prompt block-sparsely on the GPU;
-chunked prefill streams a chunk's earlier blocks once for XAttention's estimate and again, only those some head
-chose, for attention (`sparse/xattention.py`).
+chunked prefill streams a chunk's earlier blocks once a layer into GPU key and value buffers, over which the chunk
+makes XAttention's estimate and attends the blocks it chose (`sparse/xattention.py`).
 """
 from __future__ import annotations
 
@@ -35,13 +35,11 @@ from jax_offload.attention import (
     decode_end,
     dense_stored_layer,
     embed_tokens,
-    gather_keys,
+    gather_kv,
     layerwise_layer,
     reads_rows_in_place,
     sparse_decode_layer,
-    xattn_attend_blocks,
-    xattn_chunk_end,
-    xattn_chunk_select,
+    xattn_chunk_layer,
 )
 from jax_offload.buckets import key_span_bucket, prompt_bucket
 from jax_offload.config import PAGE_POLICIES, EngineConfig, ModelConfig, round_up
@@ -54,7 +52,7 @@ from jax_offload.sparse import xattention
 from jax_offload.sparse.page_cache import PageCache
 from jax_offload.sparse.quest import QuestPages
 from jax_offload.sparse.sketch import KeySketch
-from jax_offload.tensor_parallel import TensorParallel, to_host
+from jax_offload.tensor_parallel import TensorParallel
 from pallas_kernels import AttentionState
 from pallas_kernels.sketch import hopper_scores_int4_words
 
@@ -119,7 +117,9 @@ class OffloadRunner:
         # Page layers whose blocks the last prefill read from the prefill mirror, by its memory kind (`start_mirror`).
         self.last_prefill_mirror: dict[str, int] = {}
         self.prefill_block_counts: list[jax.Array] = []  # per layer, XAttention's [selected, visible] blocks
-        self._keys: jax.Array | None = None  # chunked XAttention: the current layer's keys, for the estimate
+        # Chunked XAttention: the current layer's keys and values, for the estimate and the attention.
+        self._keys: jax.Array | None = None
+        self._values: jax.Array | None = None
         self._key_counts: dict[int, jax.Array] = {}  # by block count: the kernels' kv_len, on the GPU
         self._tails: list[jax.Array | None] = []
         self._tail_len = 0
@@ -219,8 +219,8 @@ class OffloadRunner:
         num_chunks = ids.shape[1] // bs
         done = LaggedProgress(progress)
         if self.xattn is not None:
-            self._keys = self.tp.zeros((1, self.store.num_blocks * bs, self.cfg.num_kv_heads, self.cfg.head_dim),
-                                       self.dtype, 2)
+            shape = (1, self.store.num_blocks * bs, self.cfg.num_kv_heads, self.cfg.head_dim)
+            self._keys, self._values = self.tp.zeros(shape, self.dtype, 2), self.tp.zeros(shape, self.dtype, 2)
         for c in range(first_chunk, num_chunks):
             chunk_len = min(bs, prompt_len - c * bs)
             h = embed_tokens(self.params.embed, ids[:, c * bs : (c + 1) * bs])
@@ -234,13 +234,13 @@ class OffloadRunner:
                     state = self.attend_groups(ring, groups[l], q, state, whole_groups=True)
                     h = chunk_end(self.cfg, self.impl, layer, h, q, kv, length, state, tp=self.tp)
                 else:
-                    h = self._xattn_chunk_layer(l, layer, h, q, kv, state, c, chunk_len)
+                    h = self._xattn_chunk_layer(l, layer, h, q, kv, c, chunk_len)
                 self._keep_block(l, c, kv, chunk_len)
             if keep_all or c == num_chunks - 1:
                 outputs.append(h)
             done.step(h, chunk_len)
         done.close()
-        self._keys = None
+        self._keys = self._values = None
         if keep_all:
             return jnp.concatenate(outputs, axis=1), first_chunk * bs
         return outputs[0], (num_chunks - 1) * bs
@@ -248,30 +248,24 @@ class OffloadRunner:
     def _pcie_layers(self) -> int:
         return sum(self.store.reads_cross_pcie(l) for l in range(self.cfg.num_layers))
 
-    def _xattn_chunk_layer(self, l: int, layer, h, q, kv, state, c: int, chunk_len: int) -> jax.Array:
-        """One layer of a prompt chunk under XAttention: the earlier blocks stream once into the key buffer for
-        the estimate, then the blocks some head chose stream again for attention."""
-        bs, start = self.block_size, np.int32(c * self.block_size)
+    def _xattn_chunk_layer(self, l: int, layer, h, q, kv, c: int, chunk_len: int) -> jax.Array:
+        """One layer of a prompt chunk under XAttention: the earlier blocks stream once into the layer's key and value
+        buffers, then the estimate and the attention over the chosen blocks read those (`xattn_chunk_layer`)."""
+        bs = self.block_size
         ring = BlockRing(self.store, self.num_slots, grouped(self._keys_of(l, range(c)), self.group))
         for g in grouped(range(c), self.group):
             starts = np.array(padded(g, self.group, fill=c), np.int32) * bs
-            self._keys, done = gather_keys(self._keys, padded(ring.take(), self.group), starts)
+            self._keys, self._values, done = gather_kv(self._keys, self._values, padded(ring.take(), self.group),
+                                                       starts)
             ring.release(done, len(g))
-        span = min(key_span_bucket((c + 1) * bs), self._keys.shape[1])
-        mask, needed, self._keys, counts = xattn_chunk_select(
-            self.impl, self.xattn, q, self._keys, kv, start, np.int32(chunk_len), span=span, tp=self.tp)
-        chosen = [int(b) for b in np.flatnonzero(to_host(needed))]
-        ring = BlockRing(self.store, self.num_slots, grouped(self._keys_of(l, chosen), self.group))
-        for g in grouped(chosen, self.group):
-            ids = np.array(padded(g, self.group, fill=-1), np.int32)
-            state = xattn_attend_blocks(self.impl, self.xattn, q, padded(ring.take(), self.group), ids, mask, state,
-                                        tp=self.tp)
-            ring.release(state.m, len(g))
         if self.store.reads_cross_pcie(l):
-            self.last_prefill_pcie_bytes += (c + len(chosen)) * self.store.block_bytes
+            self.last_prefill_pcie_bytes += c * self.store.block_bytes
+        span = min(key_span_bucket((c + 1) * bs), self._keys.shape[1])
+        h, self._keys, self._values, counts = xattn_chunk_layer(
+            self.cfg, self.impl, self.xattn, layer, h, q, kv, self._keys, self._values, np.int32(c * bs),
+            np.int32(chunk_len), span=span, tp=self.tp)
         self.prefill_block_counts[l] = self.prefill_block_counts[l] + counts
-        return xattn_chunk_end(self.cfg, self.impl, self.xattn, layer, h, q, kv, np.int32(chunk_len), state, mask,
-                               start, tp=self.tp)
+        return h
 
     def _prefill_layerwise(self, x: jax.Array, prompt_len: int, progress) -> jax.Array:
         length = np.int32(prompt_len)

@@ -441,15 +441,19 @@ def _offloaded_engine(llm: LLM, max_num_seqs: int) -> BatchEngine:
 # Chunked prefill at max_num_seqs 3 too until the suite needed the time (last passed at 07ab582): the recompute test
 # below runs these 12 requests at max_num_seqs 8 over the offloaded store, where they queue and are preempted.
 @pytest.mark.parametrize("prefill", ["chunked", "layerwise"])
-def test_offloaded_batch_equals_one_at_a_time(tmp_root, prefill):
+def test_offloaded_batch_equals_one_at_a_time(tmp_root, prefill, monkeypatch, capsys):
     """`LLM(offload=True).generate` with several prompts runs them together over the host store, each request's
     blocks streamed through the ring: the outputs are those of one request at a time, and the store holds no live
-    block afterwards."""
+    block afterwards. With `progress`, each long prompt's prefill shows a bar (here every prompt counts as long)."""
+    from jax_offload import progress
+
     llm = _offloaded(tmp_root, prefill)
     prompts, params = _offload_workload()
     reference = _offloaded_one_at_a_time(tmp_root, prefill)
     where = f"model seed {MODEL_SEEDS['llama3']}, prompt seed {PROMPT_SEED}, prefill {prefill}"
-    outs = llm.generate(prompts, params)
+    monkeypatch.setattr(progress, "PROGRESS_MIN_TOKENS", 1)
+    outs = llm.generate(prompts, params, progress=True)
+    assert capsys.readouterr().err.count("prefill:") >= len(prompts), where
     _check(outs, reference, where)
     engine = llm._batch_engine
     assert engine is not None and max(n for kind, n, _, _ in engine.step_log if kind == "decode") > 6, where

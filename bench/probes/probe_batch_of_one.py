@@ -21,7 +21,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import model_config, random_params, run_metadata, stats  # noqa: E402
+from common import model_config, probe_output, random_params, run_metadata, stats  # noqa: E402
 from jax_offload import LLM, SamplingParams  # noqa: E402
 from jax_offload.serving.engine import run_requests  # noqa: E402
 
@@ -74,7 +74,7 @@ def main():
                         "pcie_bytes_last_step": pcie_bytes(path)}
         print(path, json.dumps(result[path]), flush=True)
     result["same_tokens"] = all(t == tokens["one_request"][0] for runs in tokens.values() for t in runs)
-    Path(os.environ.get("OUT", "."), "probe_batch_of_one.json").write_text(json.dumps(result, indent=1))
+    probe_output("probe_batch_of_one.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
 
 

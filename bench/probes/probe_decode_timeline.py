@@ -22,7 +22,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import decode_steps_by_kernel, model_config, profiled, random_params, run_metadata  # noqa: E402
+from common import (  # noqa: E402
+    decode_steps_by_kernel, model_config, probe_output, profiled, random_params, run_metadata,
+)
 from jax_offload import LLM, SamplingParams  # noqa: E402
 from jax_offload.kv.ring import group_size  # noqa: E402
 
@@ -82,7 +84,7 @@ def main():
               if batched and runner.page_cache else runner.last_decode_pcie_bytes,  # the batch moves only misses
               "page_cache_hit_rate": runner.page_cache.hit_rate() if runner.page_cache else None, "gpu_lines": lines,
               **decode_steps_by_kernel(data, steps)}
-    Path(os.environ.get("OUT", "."), "probe_decode_timeline.json").write_text(json.dumps(result, indent=1))
+    probe_output("probe_decode_timeline.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k not in ("per_kernel_ms_per_step", "host_events_in_window")}))
     for k, v in list(result["per_kernel_ms_per_step"].items())[:20]:
         print(f"{v['ms_per_step']:8.3f} ms {v['count_per_step']:7.1f}x  {k}")

@@ -9,7 +9,6 @@ Median (min-max) of 20 timed runs after 3 warm-ups, ms for the 30 layers. Writes
     python bench/probes/probe_sparse_read.py
 """
 import json
-import os
 import statistics
 import sys
 import time
@@ -22,7 +21,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import run_metadata  # noqa: E402
+from common import probe_output, run_metadata  # noqa: E402
 from pallas_kernels import paged_decode_attention_kv_with_lse  # noqa: E402
 from pallas_kernels.copy_rows import copy_rows  # noqa: E402
 
@@ -95,8 +94,7 @@ def main():
         results["copy_ms"][num_warps] = timed(copy, cache, store, src, dst)
         print("copy", num_warps, results["copy_ms"][num_warps]["median"], flush=True)
     results["copy_bytes"] = LAYERS * MISSES * int(np.prod(row)) * 2
-    out = Path(os.environ.get("OUT", "."))
-    (out / "probe_sparse_read.json").write_text(json.dumps({"meta": run_metadata(), **results}, indent=1) + "\n")
+    probe_output("probe_sparse_read.json").write_text(json.dumps({"meta": run_metadata(), **results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

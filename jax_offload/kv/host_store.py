@@ -75,8 +75,11 @@ def pinned_bytes(num_layers: int, tokens: int, num_kv_heads: int, head_dim: int,
 
 
 def device_free_bytes(tp: TensorParallel) -> int:
-    """GPU memory XLA can still allocate on the fullest device of the mesh; 0 where the backend does not say (CPU)."""
-    stats = [device.memory_stats() for device in tp.mesh.devices.flat]
+    """GPU memory XLA can still allocate on the fullest device of the mesh; 0 where the backend does not say (CPU) or
+    the mesh spans processes (each would see its own devices and could place a mirror where the others do not)."""
+    if len(tp.mesh.local_devices) < tp.mesh.size:
+        return 0
+    stats = [device.memory_stats() for device in tp.mesh.local_devices]
     if any(not s or "bytes_limit" not in s for s in stats):
         return 0
     return min(s["bytes_limit"] - s["bytes_in_use"] for s in stats)
