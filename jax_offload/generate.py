@@ -69,7 +69,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--xattn-block", type=int, help="xattention: tokens per selection block (128)")
     p.add_argument("--xattn-density", type=float,
                    help="xattention: instead of a threshold, this fraction of each query block's key blocks")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="several prompts: running requests at most (256)")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="running requests at most (256; the CLI: at most its number of prompts)")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384,
                    help="several prompts: tokens per prefill step, padding included (16384)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -221,6 +222,9 @@ def _run(args: argparse.Namespace) -> int:
 
     from jax_offload import Segments
 
+    # A run of N prompts never has more than N running: no GPU memory for more (offloaded, each is a tail slot of
+    # every layer; a long prompt's prefill can use what is left, `HostKVStore.start_mirror`).
+    args.max_num_seqs = min(args.max_num_seqs, len(prompts))
     llm = load_llm(args, quiet=args.json)
     chat = not args.no_chat_template
 

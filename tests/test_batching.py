@@ -151,10 +151,15 @@ def test_cli_keeps_the_compilation_cache_its_caller_configured(tmp_path):
             jax.config.update(name, value)
 
 
-def test_cli_prompt_file_jsonl_writes_json_lines(tmp_root, tmp_path, capsys):
+def test_cli_prompt_file_jsonl_writes_json_lines(tmp_root, tmp_path, capsys, monkeypatch):
     """`--prompt-file x.jsonl --json`: the prompts run together, one JSON line per output in prompt order, the
-    tokens those of one-at-a-time greedy `LLM.generate`."""
+    tokens those of one-at-a-time greedy `LLM.generate`; the engine sized for 5 running requests, not the 24 asked
+    for."""
     _llm("llama3", tmp_root)
+    built = []
+    load_llm = generate_cli.load_llm
+    monkeypatch.setattr(generate_cli, "load_llm", lambda args, quiet: built.append(args.max_num_seqs) or load_llm(
+        args, quiet))
     prompts = [p for p in _workload()[0][:5]]
     texts = [" ".join(tiny_models.WORDS[i - 3] for i in p) for p in prompts]
     path = tmp_path / "prompts.jsonl"
@@ -168,6 +173,7 @@ def test_cli_prompt_file_jsonl_writes_json_lines(tmp_root, tmp_path, capsys):
     assert [line["index"] for line in lines] == list(range(5))
     assert [line["prompt_tokens"] for line in lines] == [len(p) for p in prompts]
     assert [line["token_ids"] for line in lines] == expected, f"prompt seed {PROMPT_SEED}"
+    assert built == [5]
 
 
 def test_streamed_text_is_the_output_text(tmp_root):
