@@ -229,9 +229,9 @@ class EngineConfig:
             # 16 slots 0.549x, bench/results/runs/h100x2_tp_ring/).
             filled["num_ring_slots"] *= config.tensor_parallel_size
         if "prefill" in filled and config.prefill_policy == "xattention":
-            # Chunked XAttention streams every earlier block for its estimate and then the blocks some head
-            # chose (nearly all): slower than full chunked prefill, while layerwise moves no earlier block at all
-            # (bench/results/sparse.md).
+            # Chunked XAttention streams every earlier block of a layer for each chunk (as full chunked prefill
+            # does), while layerwise moves no earlier block at all; it measured faster when chunks streamed the
+            # chosen blocks a second time (bench/results/sparse.md), and has not been measured against since.
             filled["prefill"] = "layerwise"
         config = dataclasses.replace(config, **filled)
         if config.decode_policy not in DECODE_POLICIES:

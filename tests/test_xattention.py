@@ -78,7 +78,7 @@ def test_sparse_chunks_move_each_earlier_block_once(model_dir, prompt):
 
 
 def test_offloaded_xattention_prefills_layerwise_unless_told(model_dir):
-    """Chunked XAttention moves more bytes than full chunked prefill, so layerwise is its default mode."""
+    """Offloaded XAttention prefills layerwise (no earlier block read back) unless told to chunk."""
     assert LLM(model_dir, dtype="float32", **XATTN, **OFFLOAD).engine_config.prefill == "layerwise"
     assert LLM(model_dir, dtype="float32", **XATTN, **OFFLOAD, prefill="chunked").engine_config.prefill == "chunked"
     assert LLM(model_dir, dtype="float32", **OFFLOAD).engine_config.prefill == "chunked"
