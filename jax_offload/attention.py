@@ -133,7 +133,8 @@ def xattn_select(impl: str, xattn: XAttention, q: jax.Array, k: jax.Array, *, q_
 
 def xattn_attention(impl: str, xattn: XAttention, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
                     causal: bool, q_offset: int | jax.Array = 0, kv_len: int | jax.Array | None = None,
-                    out_dtype: jnp.dtype | None = None, tp: TensorParallel | None = None) -> tuple[jax.Array, jax.Array]:
+                    out_dtype: jnp.dtype | None = None, tp: TensorParallel | None = None
+                    ) -> tuple[jax.Array, jax.Array]:
     """`xattention.attention` -> (o, lse), each device over its heads' chosen blocks."""
     def local(q, k, v, mask, q_offset, kv_len):
         return xattention.attention(xattn, impl, q, k, v, mask, causal=causal, q_offset=q_offset, kv_len=kv_len,

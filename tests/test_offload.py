@@ -251,7 +251,7 @@ def test_cli_sizes_the_pinned_limit_for_the_prefill_mirror(tmp_path, monkeypatch
     monkeypatch.delenv(host_store.PINNED_LIMIT_VAR, raising=False)
     monkeypatch.setattr(host_store, "total_host_bytes", lambda: host_gib * 2**30)
     args = generate.build_parser().parse_args(
-        ["--offload", "--kv-cache-dtype", "fp8", "--max-model-len", str(1 << 19), "--prompt", "x", *argv])  # argv last: wins
+        ["--offload", "--kv-cache-dtype", "fp8", "--max-model-len", str(1 << 19), "--prompt", "x", *argv])
     generate._make_room_for_pinned_kv(tmp_path, args)
     got = os.environ.get(host_store.PINNED_LIMIT_VAR)
     assert got == (None if expected_gib is None else str(expected_gib)), (argv, host_gib, got)

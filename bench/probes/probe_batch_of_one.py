@@ -5,7 +5,8 @@ page 16, 2 dense layers, int4 sketch), block 4096, RING ring slots (16), SPARSE_
 path runs the prompt once to compile, then REPEATS (5) times in one process: each run's decode wall time per token
 (tokens 2..TOKENS, default 32) as median (min-max) over the runs, the per-step times, the page cache's hit rate and
 the bytes that crossed PCIe at the last step, and whether every run of both paths gave the same tokens. Both paths
-are called directly (`LLM.generate` of one prompt now takes the batch engine). Writes probe_batch_of_one.json under $OUT (SHAPE=qwen3-0.6b LAYERS=3 CTX=8192 for a CPU smoke test).
+are called directly (`LLM.generate` of one prompt now takes the batch engine). Writes probe_batch_of_one.json under
+$OUT (SHAPE=qwen3-0.6b LAYERS=3 CTX=8192 for a CPU smoke test).
 
     python bench/probes/probe_batch_of_one.py
 """

@@ -2,8 +2,8 @@
 not fit a 125 GiB host beside its store): from the prefill mirror in GPU memory, from the mirror in pinned memory,
 or from the layers' one pinned buffer (no mirror). Llama-3.1-8B shape cut to LAYERS (8) layers, random bf16, CTX
 (524288) tokens, fp8 KV offloaded, BLOCK-token chunks (16384), XAttention at 5%, sketch decode (2 dense layers);
-the same prompt prefilled with each mirror in one process (one request: `max_num_seqs=1`, so the batch engine keeps one tail
-slot and the GPU has room for a mirror), the first run repeated last (it compiled). Writes
+the same prompt prefilled with each mirror in one process (one request: `max_num_seqs=1`, so the batch engine
+keeps one tail slot and the GPU has room for a mirror), the first run repeated last (it compiled). Writes
 probe_prefill_mirror.json under $OUT after every run.
 
     python bench/probes/probe_prefill_mirror.py
@@ -24,7 +24,8 @@ from common import model_config, probe_output, random_params, run_metadata  # no
 from jax_offload import LLM, SamplingParams  # noqa: E402
 from jax_offload.kv import host_store  # noqa: E402
 
-CTX, LAYERS, BLOCK = int(os.environ.get("CTX", 1 << 19)), int(os.environ.get("LAYERS", 8)), int(os.environ.get("BLOCK", 16384))
+CTX, LAYERS = int(os.environ.get("CTX", 1 << 19)), int(os.environ.get("LAYERS", 8))
+BLOCK = int(os.environ.get("BLOCK", 16384))
 
 
 def main():
