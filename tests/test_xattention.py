@@ -62,6 +62,17 @@ def test_offloaded_chunks_choose_as_in_gpu(model_dir, prompt, full_logits):
     assert np.abs(in_gpu.logits(prompt) - full_logits).max() > 1e-3  # sparse is not full
 
 
+def test_offloaded_chunks_in_bfloat16_equal_in_gpu(model_dir, prompt):
+    """bfloat16, the dtype users run: a chunk's one choice and one attention call over its keys give the in-GPU
+    whole-prompt XAttention's logits to the bit, and its greedy tokens."""
+    in_gpu = LLM(model_dir, dtype="bfloat16", xattn_threshold=0.6, **XATTN)
+    chunked = LLM(model_dir, dtype="bfloat16", xattn_threshold=0.6, **XATTN, **OFFLOAD, prefill="chunked")
+    where = f"model seed {MODEL_SEED}, prompt seed {PROMPT_SEED}"
+    np.testing.assert_array_equal(chunked.logits(prompt), in_gpu.logits(prompt), err_msg=where)
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    assert chunked.generate([prompt], greedy)[0].token_ids == in_gpu.generate([prompt], greedy)[0].token_ids, where
+
+
 def test_sparse_chunks_move_each_earlier_block_once(model_dir, prompt):
     """A chunk streams each earlier block once a layer, into the GPU buffers its estimate and attention read: the
     bytes of full chunked prefill, while the attention is sparse."""
