@@ -355,7 +355,7 @@ class LLM:
         on the batch engine its one-request prefill needs room beside a pool (`own_prefill_bytes`), so the longest
         prompt that fits would be shorter. Offloaded with sketch or Quest decode on the Pallas kernels, a prompt alone
         runs there too: its steps run ahead and its sparse layers go six to a program (H200, 8B shape, 128K, sketch:
-        9.78 ms per token against 12.58 on the per-request path, the same tokens). With prefix caching every prompt
+        10.38 ms per token against 12.85 on the per-request path, medians of 5 runs). With prefix caching every prompt
         runs there, where the cached blocks are."""
         e = self.engine_config
         return (not e.offload and self.attention_impl == "pallas" and e.prefill_policy == "full") \
