@@ -149,6 +149,8 @@ def test_prefill_mirror_reads_the_same_bits(model_dir, monkeypatch, dtype):
             if store.places[keys[0][0]] == "pages":
                 held = store._mirror is not None and all(key in store._mirror for key in keys)
                 sources.append(store._mirror[keys[0]].sharding.memory_kind if held else None)
+                if held and sources[-1] == "device":  # written into the buffers allocated when the prefill began
+                    assert len(store._mirror) + len(store._mirror_spare) == store.places.count("pages") * 3, keys
             return fetch(keys)
 
         monkeypatch.setattr(store, "fetch", spy)

@@ -199,6 +199,7 @@ class HostKVStore:
         self._block_sharding = tp.sharding(0, host_memory_kind)  # a "blocks" layer's block, or a mirrored one
         self._mirror: dict[tuple[int, int], jax.Array] | None = None  # the prefill mirror's blocks
         self._mirror_sharding: dict[int, jax.sharding.Sharding] = {}  # where each mirrored layer's blocks live
+        self._mirror_spare: list[jax.Array] = []  # GPU mirror buffers not yet written
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         # A one-buffer layer ("gpu", "pages") is [num_blocks, Hkv, ...]: split on axis 1; a block on axis 0.
         self._sharding = [tp.sharding(0 if p == "blocks" else 1, "device" if p == "gpu" else host_memory_kind)
@@ -228,6 +229,12 @@ class HostKVStore:
     def _write_block(old, kv: jax.Array, sharding, kv_cache_dtype: str, dtype):
         new = stored_block(kv, kv_cache_dtype, dtype)
         return jax.lax.dynamic_update_slice(old, jax.device_put(new, sharding), (0,) * old.ndim)
+
+    @staticmethod
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def _fill(spare, block: jax.Array) -> jax.Array:
+        """`block` written into a spare buffer of the GPU mirror (donated: the copy lands in its memory)."""
+        return jax.lax.dynamic_update_slice(spare, block, (0,) * spare.ndim)
 
     @staticmethod
     @functools.partial(jax.jit, static_argnums=(3, 4, 5, 6), donate_argnums=(0,))
@@ -265,12 +272,19 @@ class HostKVStore:
                 self._mirror_sharding[layer] = self._block_sharding
         if self._mirror_sharding:
             self._mirror = {}
+        # A GPU mirror's buffers are allocated now, side by side: made block by block as the prefill writes them, in
+        # the holes its large short-lived buffers leave, they fragmented XLA's pool until a 2.5 GiB buffer found no
+        # room (a 1M-token prompt on an H200, bench/results/runs/h200_1m_prefill/).
+        device_layers = [l for l, s in self._mirror_sharding.items() if s.memory_kind == "device"]
+        zeros = kv_format.pack(self._empty(self.block_shape, 0))
+        self._mirror_spare = [jax.device_put(zeros, self._mirror_sharding[l], may_alias=False)
+                              for l in device_layers for _ in range(num_blocks)]
         kinds = [sharding.memory_kind for sharding in self._mirror_sharding.values()]
         return {kind: kinds.count(kind) for kind in sorted(set(kinds))}
 
     def stop_mirror(self) -> None:
         """Drops the prefill mirror (its buffers return to XLA's pools)."""
-        self._mirror, self._mirror_sharding = None, {}
+        self._mirror, self._mirror_sharding, self._mirror_spare = None, {}, []
 
     def write(self, layer: int, index: int, kv: jax.Array) -> None:
         """Stores a GPU block kv [2, block_size, Hkv, D] (as the layer computed it: `round_trip` values) as block
@@ -283,7 +297,10 @@ class HostKVStore:
             self._blocks[layer], block = self._write_into_layer(self._blocks[layer], kv, np.int32(index), *how,
                                                                 mirrored)
             if mirrored:
-                self._mirror[layer, index] = jax.device_put(block, self._mirror_sharding[layer])
+                sharding = self._mirror_sharding[layer]
+                if sharding.memory_kind == "device" and self._mirror_spare:
+                    block = self._fill(self._mirror_spare.pop(), block)
+                self._mirror[layer, index] = jax.device_put(block, sharding)
         else:
             self._blocks[layer][index] = self._write_block(self._blocks[layer][index], kv, *how)
         self._written[layer, index] = True
