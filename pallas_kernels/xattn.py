@@ -56,6 +56,13 @@ from pallas_kernels._common import (
 )
 
 
+# Key tiles one program of the score kernel covers (a power of two, so a multiple of every block_n; 64K keys at
+# stride 8, so prompts under that run one program per query block and head as before): programs split
+# a long key range, so that the few query tiles of a chunk against a 1M-token prefix still fill the GPU (one program
+# per query block and head ran 32 programs for 267 ms an 8B layer on an H200, bench/results/runs/h200_xattn_chunk/).
+KEY_SPLIT_TILES = 8192
+
+
 def default_xattn_config(dtype) -> dict[str, int]:
     """Score-kernel tiles (in key/query tiles, not tokens), tuned on an H200."""
     if jnp.dtype(dtype) == jnp.float32:
@@ -102,15 +109,16 @@ def _tile_visibility(q_offset, k_offset, kv_tiles, rows, cols, stride: int, caus
 
 def _scores_kernel(qoff_ref, koff_ref, kvlen_ref, q_ref, k_ref, s_ref, m_ref, l_ref, *,
                    stride: int, scale: float, causal: bool, fill_hidden: bool, block_m: int,
-                   block_n: int, mq: int, mk: int, precision):
+                   block_n: int, mq: int, mk: int, split_blocks: int, precision):
     r0 = pl.multiple_of(pl.program_id(0) * block_m, block_m)
     rows = r0 + jnp.arange(block_m, dtype=jnp.int32)
     row_ok = rows < mq
     q_offset, k_offset, kv_len = qoff_ref[()], koff_ref[()], kvlen_ref[()]
     kv_tiles, hi = _visible_key_tiles(q_offset, k_offset, kv_len, r0, block_m, mq, stride,
                                       causal)
-    n_visible = cdiv(hi, block_n)
-    n_all = -(-mk // block_n)
+    first = pl.program_id(2) * split_blocks  # this program's key blocks: [first, end_all)
+    end_all = jnp.minimum(-(-mk // block_n), first + split_blocks)
+    end_visible = jnp.clip(cdiv(hi, block_n), first, end_all)
 
     def visible_block(j, carry):
         m_i, l_i = carry
@@ -147,56 +155,70 @@ def _scores_kernel(qoff_ref, koff_ref, kvlen_ref, q_ref, k_ref, s_ref, m_ref, l_
         return carry
 
     carry = (jnp.full((block_m,), NEG_INF, jnp.float32), jnp.zeros((block_m,), jnp.float32))
-    m_i, l_i = lax.fori_loop(0, n_visible, visible_block, carry)
+    m_i, l_i = lax.fori_loop(first, end_visible, visible_block, carry)
     if fill_hidden:
-        lax.fori_loop(n_visible, n_all, hidden_block, 0)
+        lax.fori_loop(end_visible, end_all, hidden_block, 0)
     plgpu.store(m_ref.at[pl.ds(r0, block_m)], m_i, mask=row_ok)
     plgpu.store(l_ref.at[pl.ds(r0, block_m)], l_i, mask=row_ok)
 
 
 def _antidiagonal_scores(q, k, q_offset, k_offset, kv_len, *, stride, causal, sm_scale,
-                         fill_hidden, interpret, block_m, block_n, num_warps, num_stages):
+                         fill_hidden, interpret, block_m, block_n, key_split, num_warps, num_stages):
     batch, _, hq, d = q.shape
     hkv = k.shape[2]
     group = hq // hkv
     qt, kt = _tile(q, stride), _tile(k, stride)
     mq, mk = qt.shape[1], kt.shape[1]
+    split_blocks = key_split // block_n
+    num_splits = -(-mk // key_split)
     kernel = functools.partial(
         _scores_kernel, stride=stride, scale=sm_scale / stride, causal=causal,
         fill_hidden=fill_hidden, block_m=block_m, block_n=block_n, mq=mq, mk=mk,
-        precision=dot_precision(q.dtype))
-    scalar = pl.BlockSpec((None,), lambda i, bh: (bh // hq,))
-    row_spec = pl.BlockSpec((None, None, mq), lambda i, bh: (bh // hq, bh % hq, 0))
-    return pl.pallas_call(
+        split_blocks=split_blocks, precision=dot_precision(q.dtype))
+    scalar = pl.BlockSpec((None,), lambda i, bh, c: (bh // hq,))
+    row_spec = pl.BlockSpec((None, None, None, mq), lambda i, bh, c: (bh // hq, bh % hq, c, 0))
+    scores, m, l = pl.pallas_call(
         kernel,
-        grid=(-(-mq // block_m), batch * hq),
+        grid=(-(-mq // block_m), batch * hq, num_splits),
         in_specs=[
             scalar, scalar, scalar,
-            pl.BlockSpec((None, mq, stride, None, d), lambda i, bh: (bh // hq, 0, 0, bh % hq, 0)),
+            pl.BlockSpec((None, mq, stride, None, d), lambda i, bh, c: (bh // hq, 0, 0, bh % hq, 0)),
             pl.BlockSpec((None, mk, stride, None, d),
-                         lambda i, bh: (bh // hq, 0, 0, (bh % hq) // group, 0)),
+                         lambda i, bh, c: (bh // hq, 0, 0, (bh % hq) // group, 0)),
         ],
-        out_specs=[pl.BlockSpec((None, None, mq, mk), lambda i, bh: (bh // hq, bh % hq, 0, 0)),
+        out_specs=[pl.BlockSpec((None, None, mq, mk), lambda i, bh, c: (bh // hq, bh % hq, 0, 0)),
                    row_spec, row_spec],
         out_shape=[jax.ShapeDtypeStruct((batch, hq, mq, mk), jnp.float32),
-                   jax.ShapeDtypeStruct((batch, hq, mq), jnp.float32),
-                   jax.ShapeDtypeStruct((batch, hq, mq), jnp.float32)],
+                   jax.ShapeDtypeStruct((batch, hq, num_splits, mq), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, hq, num_splits, mq), jnp.float32)],
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="xattn_antidiagonal_scores",
     )(q_offset, k_offset, kv_len, qt, kt)
+    # Splits fold one after another, in a loop (one compiled body, whatever the count): a split a row cannot see adds
+    # (-inf, 0), which changes no bit, so a row's stats do not depend on how many keys past it the call holds.
+    def fold(c, carry):
+        m_all, l_all = carry
+        m_c, l_c = m[:, :, c], l[:, :, c]
+        m_new = jnp.maximum(m_all, m_c)
+        m_use = jnp.where(m_new == NEG_INF, 0.0, m_new)
+        return m_new, l_all * jnp.exp(m_all - m_use) + l_c * jnp.exp(m_c - m_use)
+
+    m_all, l_all = lax.fori_loop(1, num_splits, fold, (m[:, :, 0], l[:, :, 0]))
+    return scores, m_all, l_all
 
 
 _antidiagonal_scores_jit = interpret_aware_jit(
     _antidiagonal_scores, ("stride", "causal", "sm_scale", "fill_hidden", "interpret",
-                           "block_m", "block_n", "num_warps", "num_stages"))
+                           "block_m", "block_n", "key_split", "num_warps", "num_stages"))
 
 
 def antidiagonal_scores(q: jax.Array, k: jax.Array, *, stride: int, causal: bool = True,
                         q_offset=0, k_offset=0, kv_len=None, sm_scale: float | None = None,
                         fill_hidden: bool = True, interpret: bool | None = None,
                         block_m: int | None = None,
-                        block_n: int | None = None, num_warps: int | None = None,
+                        block_n: int | None = None, key_split: int = KEY_SPLIT_TILES,
+                        num_warps: int | None = None,
                         num_stages: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Strided antidiagonal scores of a query chunk against one key chunk (Pallas kernel).
 
@@ -212,6 +234,8 @@ def antidiagonal_scores(q: jax.Array, k: jax.Array, *, stride: int, causal: bool
         block_n tiles). False leaves them unwritten (garbage), which saves memory traffic
         when the consumer is `softmax_normalize_block_sum`, which never reads them.
       block_m, block_n: tiles per program along queries/keys (powers of two >= 16).
+      key_split: key tiles per program (a multiple of block_n); a row's stats are the same
+        bits however many keys past its last visible one the call holds.
 
     Returns:
       scores [B, Hq, ceil(Tq/S), ceil(Tk/S)] float32 (-inf where hidden) and this chunk's
@@ -222,13 +246,16 @@ def antidiagonal_scores(q: jax.Array, k: jax.Array, *, stride: int, causal: bool
     _check_stride(stride)
     cfg = default_xattn_config(q.dtype)
     mq, mk = -(-tq // stride), -(-tk // stride)
+    block_n = fit_block(block_n or cfg["block_n"], mk)
+    if key_split < block_n or key_split % block_n:
+        raise ValueError(f"key_split={key_split}; allowed: a multiple of block_n={block_n}")
     kv_len = jnp.clip(per_batch(tk if kv_len is None else kv_len, batch, "kv_len"), 0, tk)
     return _antidiagonal_scores_jit(
         q, k, per_batch(q_offset, batch, "q_offset"), per_batch(k_offset, batch, "k_offset"),
         kv_len, stride=int(stride), causal=bool(causal), sm_scale=check_sm_scale(sm_scale, d),
         fill_hidden=bool(fill_hidden), interpret=resolve_interpret(interpret),
         block_m=fit_block(block_m or cfg["block_m"], mq),
-        block_n=fit_block(block_n or cfg["block_n"], mk),
+        block_n=block_n, key_split=int(key_split),
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
 
 

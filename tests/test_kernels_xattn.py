@@ -45,6 +45,28 @@ def test_chunked_equals_one_shot_and_float64(case):
                                       err_msg=f"kv_chunk={chunk}")
 
 
+def test_key_splits_fold_to_the_row_stats():
+    """Programs over splits of the keys (what fills the GPU for a chunk after a 1M-token prefix) give the one
+    program's scores to the bit and its stats within rounding; a row's stats are the same bits whatever hidden keys
+    past it the call holds (a chunk's span bucket against the whole prompt's length)."""
+    seed = 43
+    rng = np.random.default_rng(seed)
+    b, tq, tk, hq, hkv, d, stride = 1, 60, 256, 4, 2, 64, 4
+    q = jnp.asarray(rng.standard_normal((b, tq, hq, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, 2 * tk, hkv, d)), jnp.float32)
+    args = dict(stride=stride, q_offset=196, block_n=16)
+    scores, m, l = pk.antidiagonal_scores(q, k[:, :tk], key_split=64, **args)  # one split of 64 tiles
+    split_scores, split_m, split_l = pk.antidiagonal_scores(q, k[:, :tk], key_split=16, **args)
+    np.testing.assert_array_equal(np.asarray(split_scores), np.asarray(scores), err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(np.asarray(split_m), np.asarray(m), err_msg=f"seed {seed}")
+    np.testing.assert_allclose(np.asarray(split_l), np.asarray(l), rtol=1e-6, err_msg=f"seed {seed}")
+    _, long_m, long_l = pk.antidiagonal_scores(q, k, kv_len=tk, key_split=16, **args)
+    np.testing.assert_array_equal(np.asarray(long_m), np.asarray(split_m), err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(np.asarray(long_l), np.asarray(split_l), err_msg=f"seed {seed}")
+    with pytest.raises(ValueError, match="key_split=24"):
+        pk.antidiagonal_scores(q, k, key_split=24, **args)
+
+
 def test_scores_stats_and_merge():
     """Kernel scores match the one-shot scores; fused stats == softmax_partial_stats; merged
     per-chunk stats == stats of the whole row; normalised block sums of each row sum to 1."""
