@@ -21,6 +21,7 @@ makes XAttention's estimate and attends the blocks it chose (`sparse/xattention.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +58,11 @@ from pallas_kernels import AttentionState
 from pallas_kernels.sketch import hopper_scores_int4_words
 
 
+# Compiles a chunked XAttention prefill's program for its next key span while the chunks of this span run (each new
+# span of a 1M-token prompt stalled the prefill 10-25 s on an H200, bench/results/runs/h200_1m_prefill/).
+_SPAN_COMPILER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jax_offload-span-compile")
+
+
 class OffloadRunner:
     """The request's KV in the pinned-host store; attention streams it back group by group through the ring.
     Under tensor parallelism the store, the ring's slots and the tails are split by KV heads: each device streams
@@ -75,6 +81,7 @@ class OffloadRunner:
         self.cfg, self.params, self.inv_freq, self.dtype, self.impl, self.tp = cfg, params, inv_freq, dtype, impl, tp
         self.block_size, self.num_slots, self.mode = engine.block_size, engine.num_ring_slots, engine.prefill
         self.group = group_size(engine.num_ring_slots)
+        self.span_compiles: dict[int, Future] = {}  # key span -> its chunk program compiled ahead on a thread
         num_blocks = -(-engine.host_kv_tokens // engine.block_size)
         # The page-choosing policy's metadata on the GPU (Quest's bounds or the key sketch), None for full decode.
         self.pages: QuestPages | KeySketch | None = None
@@ -234,6 +241,8 @@ class OffloadRunner:
                     state = self.attend_groups(ring, groups[l], q, state, whole_groups=True)
                     h = chunk_end(self.cfg, self.impl, layer, h, q, kv, length, state, tp=self.tp)
                 else:
+                    if l == 0 and c + 1 < num_chunks:
+                        self._compile_next_span(layer, h, q, kv, c)
                     h = self._xattn_chunk_layer(l, layer, h, q, kv, c, chunk_len)
                 self._keep_block(l, c, kv, chunk_len)
             if keep_all or c == num_chunks - 1:
@@ -248,6 +257,26 @@ class OffloadRunner:
     def _pcie_layers(self) -> int:
         return sum(self.store.reads_cross_pcie(l) for l in range(self.cfg.num_layers))
 
+    def _span(self, chunk: int) -> int:
+        """Keys of the layer's buffers that chunk `chunk`'s estimate and attention read (`key_span_bucket`)."""
+        return min(key_span_bucket((chunk + 1) * self.block_size), self._keys.shape[1])
+
+    def _compile_next_span(self, layer, h, q, kv, c: int) -> None:
+        """Starts compiling, on a thread, the chunk program of chunk c + 1's key span where that is a new one: the
+        chunks of this span run meanwhile, and chunk c + 1 finds it compiled (JAX's cache holds what `lower(...)
+        .compile()` made for the same shapes, shardings and static arguments)."""
+        span = self._span(c + 1)
+        if span == self._span(c) or span in self.span_compiles:
+            return
+
+        def abstract(x):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
+
+        args = jax.tree.map(abstract, (layer, h, q, kv, self._keys, self._values))
+        self.span_compiles[span] = _SPAN_COMPILER.submit(
+            lambda: xattn_chunk_layer.lower(self.cfg, self.impl, self.xattn, *args, np.int32(0), np.int32(0),
+                                            span=span, tp=self.tp).compile())
+
     def _xattn_chunk_layer(self, l: int, layer, h, q, kv, c: int, chunk_len: int) -> jax.Array:
         """One layer of a prompt chunk under XAttention: the earlier blocks stream once into the layer's key and value
         buffers, then the estimate and the attention over the chosen blocks read those (`xattn_chunk_layer`)."""
@@ -260,7 +289,7 @@ class OffloadRunner:
             ring.release(done, len(g))
         if self.store.reads_cross_pcie(l):
             self.last_prefill_pcie_bytes += c * self.store.block_bytes
-        span = min(key_span_bucket((c + 1) * bs), self._keys.shape[1])
+        span = self._span(c)
         h, self._keys, self._values, counts = xattn_chunk_layer(
             self.cfg, self.impl, self.xattn, layer, h, q, kv, self._keys, self._values, np.int32(c * bs),
             np.int32(chunk_len), span=span, tp=self.tp)

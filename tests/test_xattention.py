@@ -3,9 +3,12 @@ the in-GPU path's choices, moving each earlier block once a layer, the query-chu
 selection, and the options' errors."""
 from __future__ import annotations
 
+import threading
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src import dispatch, monitoring
 
 import tiny_models
 from jax_offload import LLM, SamplingParams
@@ -71,6 +74,28 @@ def test_offloaded_chunks_in_bfloat16_equal_in_gpu(model_dir, prompt):
     np.testing.assert_array_equal(chunked.logits(prompt), in_gpu.logits(prompt), err_msg=where)
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     assert chunked.generate([prompt], greedy)[0].token_ids == in_gpu.generate([prompt], greedy)[0].token_ids, where
+
+
+def test_next_key_span_compiles_ahead(model_dir, prompt):
+    """A chunked prefill compiles its chunk program for the next key span on a thread while this span's chunks run:
+    the chunk that reaches it finds it compiled, so the prefill's thread compiles the program once (its first span)."""
+    compiled_on = []
+
+    def listen(event, seconds, fun_name="", **_):
+        if event == dispatch.BACKEND_COMPILE_EVENT and "xattn_chunk_layer" in fun_name:
+            compiled_on.append(threading.current_thread().name)
+
+    # 32-token chunks (no other test's): spans of 256 keys for chunks 0-7, then 512 for chunks 8 and 9.
+    llm = LLM(model_dir, dtype="float32", xattn_threshold=0.6, **XATTN, **dict(OFFLOAD, block_size=32),
+              prefill="chunked")
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        llm.logits(prompt)
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+    assert list(llm._runner.span_compiles) == [512]
+    llm._runner.span_compiles[512].result()  # raises what the thread's compile raised
+    assert sorted(compiled_on) == ["MainThread", "jax_offload-span-compile_0"], compiled_on
 
 
 def test_sparse_chunks_move_each_earlier_block_once(model_dir, prompt):
