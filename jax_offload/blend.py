@@ -22,7 +22,7 @@ import collections
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -100,8 +100,9 @@ def _to_host(x: jax.Array) -> jax.Array:
     return jax.device_put(x, x.sharding.with_memory_kind(host_memory_kind()))
 
 
-def _to_device(x: jax.Array) -> jax.Array:
-    return jax.device_put(x, x.sharding.with_memory_kind("device"))
+def _to_device(tree):
+    """Every array of `tree` moved to GPU memory, in one call, asynchronously."""
+    return jax.device_put(tree, jax.tree.map(lambda x: x.sharding.with_memory_kind("device"), tree))
 
 
 def choose_recompute(v_fresh: jax.Array, v_kept: jax.Array, reused: jax.Array, always: jax.Array,
@@ -153,6 +154,12 @@ def _assemble(parts: tuple[jax.Array, ...], offsets: jax.Array, width: int) -> j
     return out[:, :width]
 
 
+def _assemble_layer(parts: tuple[tuple[jax.Array, jax.Array], ...], offsets: jax.Array, width: int
+                    ) -> tuple[jax.Array, jax.Array]:
+    """A layer's kept keys and values [1, width, Hkv, D] from its segments' (keys, values) pairs."""
+    return tuple(_assemble(tuple(pair[j] for pair in parts), offsets, width) for j in (0, 1))
+
+
 @functools.partial(jax.jit, static_argnums=(4,))
 def _kept_cache(layer: LayerParams, k_pre: jax.Array, v: jax.Array, inv_freq: jax.Array, cache_len: int):
     """The kept keys (before RoPE) and values [1, W, Hkv, D] of tokens 0..W-1 as the cache holds them, padded to
@@ -170,11 +177,12 @@ class BlendRunner:
         self.cfg, self.params, self.inv_freq, self.dtype, self.impl = cfg, params, inv_freq, dtype, impl
         self.store, self.ratio, self.tag = store, ratio, tag
 
-    def _run(self, ids: list[int], kept: list[tuple[jax.Array, jax.Array]] | None, reused: np.ndarray,
-             cache_len: int) -> tuple[jax.Array, list[jax.Array], list[jax.Array], SegmentKV]:
-        """The layers over tokens `ids` (positions 0..), kept KV per layer [1, W, Hkv, D] (None: compute every
-        token), `reused` bool [W]. Returns (the last token's hidden state [1, 1, hidden], the caches, the tokens'
-        keys before RoPE and values per layer: every token's when `kept` is None)."""
+    def _run(self, ids: list[int], kept: list[Callable[[], tuple[jax.Array, jax.Array]]] | None,
+             reused: np.ndarray, cache_len: int) -> tuple[jax.Array, list[jax.Array], list[jax.Array], SegmentKV]:
+        """The layers over tokens `ids` (positions 0..), per layer a function giving its kept KV [1, W, Hkv, D]
+        (None: compute every token; called as the layer's turn comes), `reused` bool [W]. Returns (the last token's
+        hidden state [1, 1, hidden], the caches, the tokens' keys before RoPE and values per layer: every token's
+        when `kept` is None)."""
         cfg, n = self.cfg, len(ids)
         width = prompt_bucket(n)
         padded = np.zeros((1, width), np.int32)
@@ -192,9 +200,10 @@ class BlendRunner:
             if kept is None or i == 0:
                 k_cache, v_cache = jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
             else:
-                k_cache, v_cache = _kept_cache(layer, *kept[i], self.inv_freq, cache_len)
+                k_kept, v_kept = kept[i]()
+                k_cache, v_cache = _kept_cache(layer, k_kept, v_kept, self.inv_freq, cache_len)
             if kept is not None and i == 1:  # the choice: fresh values of every token against the kept ones
-                chosen = np.asarray(_choose(cfg, layer, x, kept[i][1], reused, always, count))
+                chosen = np.asarray(_choose(cfg, layer, x, v_kept, reused, always, count))
                 picked = np.flatnonzero(chosen).astype(np.int32)
                 size = prompt_bucket(len(picked))
                 rows = np.full(size, picked[-1], np.int32)  # padding rows: the last position, ascending
@@ -233,8 +242,11 @@ class BlendRunner:
         kept = None
         if kept_parts:
             offsets = jnp.asarray(np.cumsum([0] + [kv.length for kv in kept_parts[:-1]]), jnp.int32)
-            kept = [tuple(_assemble(tuple(_to_device(getattr(kv, what)[i]) for kv in kept_parts), offsets, width)
-                          for what in ("keys", "values"))
-                    for i in range(self.cfg.num_layers)]
+            # Every layer's parts start crossing now, and each layer's are assembled as its turn comes, so the GPU
+            # can compute the layers before it meanwhile. Assembled all before the first layer, every layer's
+            # compute queued behind every transfer on the one compute stream (an H200's TTFT at ratio 0, 194 ms,
+            # looked like layer 0's compute plus the 4.3 GB transfer: docs/kv-reuse.md); not yet measured since.
+            moved = _to_device([[(kv.keys[i], kv.values[i]) for kv in kept_parts] for i in range(self.cfg.num_layers)])
+            kept = [functools.partial(_assemble_layer, tuple(parts), offsets, width) for parts in moved]
         hidden, k_caches, v_caches, _ = self._run(ids, kept, reused, cache_len)
         return PromptKV(hidden, k_caches, v_caches, cached)
