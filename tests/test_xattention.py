@@ -170,6 +170,20 @@ def test_top_fraction_keeps_that_share_of_each_row():
             assert set(forced) <= set(row) and len(row) == want and row.max() <= i, (seed, h, i, row)
 
 
+def test_highest_first_marks_what_a_stable_sort_ranks_first():
+    """The top-fraction choice's count largest of a row (ties to the lower index), found without sorting, against the
+    ranks of NumPy's stable descending sort: rows with ties, negatives, zeros, counts <= 0 and past the row."""
+    seed = 705
+    rng = np.random.default_rng(seed)
+    score = rng.choice(np.float32([-1.0, -0.0, 0.0, 1e-30, 0.25, 0.5, 0.5000001, 3.0]), size=(6, 9, 40))
+    score[0] = rng.standard_normal((9, 40)).astype(np.float32)  # no ties
+    count = rng.integers(-2, 44, size=(6, 9)).astype(np.int32)
+    rank = np.argsort(np.argsort(-score, axis=-1, kind="stable"), axis=-1, kind="stable")
+    expected = rank < count[..., None]
+    got = np.asarray(xattention.highest_first(jnp.asarray(score), jnp.asarray(count)))
+    np.testing.assert_array_equal(got, expected, err_msg=f"seed {seed}")
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(prefill_policy="sparse"), "prefill_policy 'sparse' is unknown; valid: full, xattention"),
     (dict(xattn_threshold=0.9), "xattn_threshold applies only with prefill_policy='xattention'"),
