@@ -57,9 +57,9 @@ from pallas_kernels._common import (
 
 
 # Key tiles one program of the score kernel covers (a power of two, so a multiple of every block_n; 64K keys at
-# stride 8, so prompts under that run one program per query block and head as before): programs split
-# a long key range, so that the few query tiles of a chunk against a 1M-token prefix still fill the GPU (one program
-# per query block and head ran 32 programs for 267 ms an 8B layer on an H200, bench/results/runs/h200_xattn_chunk/).
+# stride 8: shorter prompts run one program per query block and head, as before). Programs split a long key range so
+# that the few query tiles of a chunk after a 1M-token prefix still fill the GPU: one program per query block and head
+# ran 32 programs, 267 ms an 8B layer on an H200 (bench/results/runs/h200_xattn_chunk/).
 KEY_SPLIT_TILES = 8192
 
 
