@@ -255,7 +255,7 @@ class HostKVStore:
         memory where they fit beside the store, else none (read from the layer's one buffer). Returns how many page
         layers each memory kind mirrors."""
         layer_need = num_blocks * self.block_bytes
-        self._mirror, self._mirror_sharding = None, {}
+        self.stop_mirror()
         if self.host_memory_kind == "device" or not layer_need:
             return {}
         device_room = device_free_bytes(self.tp) - DEVICE_MIRROR_HEADROOM_BYTES
@@ -276,9 +276,10 @@ class HostKVStore:
         # the holes its large short-lived buffers leave, they fragmented XLA's pool until a 2.5 GiB buffer found no
         # room (a 1M-token prompt on an H200, bench/results/runs/h200_1m_prefill/).
         device_layers = [l for l, s in self._mirror_sharding.items() if s.memory_kind == "device"]
-        zeros = kv_format.pack(self._empty(self.block_shape, 0))
-        self._mirror_spare = [jax.device_put(zeros, self._mirror_sharding[l], may_alias=False)
-                              for l in device_layers for _ in range(num_blocks)]
+        if device_layers:
+            zeros = kv_format.pack(self._empty(self.block_shape, 0))
+            self._mirror_spare = [jax.device_put(zeros, self._mirror_sharding[l], may_alias=False)
+                                  for l in device_layers for _ in range(num_blocks)]
         kinds = [sharding.memory_kind for sharding in self._mirror_sharding.values()]
         return {kind: kinds.count(kind) for kind in sorted(set(kinds))}
 
