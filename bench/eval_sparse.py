@@ -17,6 +17,9 @@ Each length's prompts (the eight RULER NIAH tasks, `--samples` each, `--seed`) a
 the same token ids;
 prompts are fitted to at most `min(length, max_model_len - max_tokens)` tokens, so that all tokens can be
 generated. A run writes `sparse_niah_{length}_{config}.json` per length and config under `--out` (`+` written as `-`).
+`--together N` passes the prompts to `generate` N at a time, so that the batch engine runs them together (continuous
+batching; N at once needs `max_num_seqs` >= N and a host store for all N, `--base host_kv_tokens=...`); each file
+records N as `together`.
 
 `--mass` generates nothing: for each length and each Quest budget among `--configs` it runs the model layer by
 layer in device memory (float32 attention) and measures, per layer and query head, the share of the
@@ -121,6 +124,13 @@ def _base_options(text: str) -> dict[str, Any]:
     return out
 
 
+def _together(text: str) -> int:
+    """The --together type: an integer >= 1."""
+    if re.fullmatch(r"[0-9]+", text.strip()) is None or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--together must be an integer >= 1, got {text!r}")
+    return int(text)
+
+
 def _literal(raw: str) -> Any:
     """A --base value: true / false, none, an int, a float, or else the string itself."""
     try:
@@ -169,21 +179,26 @@ def metadata() -> dict[str, Any]:
 # ---- NIAH runs ----------------------------------------------------------------------------------------------
 
 
-def run_prompts(llm: Any, prompts: list[NiahSample], max_tokens: int, desc: str) -> list[dict[str, Any]]:
-    """Greedy generation for every prompt; one record per prompt with its output, score and densities."""
+def run_prompts(llm: Any, prompts: list[NiahSample], max_tokens: int, desc: str,
+                together: int) -> list[dict[str, Any]]:
+    """Greedy generation for every prompt, `together` consecutive prompts per `generate` call; one record per
+    prompt with its output, score and densities."""
     from tqdm import tqdm
 
     from jax_offload import SamplingParams
 
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     records = []
-    for p in tqdm(prompts, desc=desc, unit="prompt", leave=False):
-        out = llm.generate([p.prompt_ids], sampling)[0]
-        density = getattr(out, "prefill_density", None)
-        records.append(prompt_record(
-            p, out.text, out.token_ids, finish_reason=out.finish_reason,
-            prefill_seconds=round(out.prefill_seconds, 4), decode_seconds=round(out.decode_seconds, 4),
-            prefill_density=None if density is None else [float(d) for d in density]))
+    with tqdm(total=len(prompts), desc=desc, unit="prompt", leave=False) as bar:
+        for start in range(0, len(prompts), together):
+            group = prompts[start:start + together]
+            for p, out in zip(group, llm.generate([q.prompt_ids for q in group], sampling)):
+                density = out.prefill_density
+                records.append(prompt_record(
+                    p, out.text, out.token_ids, finish_reason=out.finish_reason,
+                    prefill_seconds=round(out.prefill_seconds, 4), decode_seconds=round(out.decode_seconds, 4),
+                    prefill_density=None if density is None else [float(d) for d in density]))
+            bar.update(len(group))
     return records
 
 
@@ -202,13 +217,14 @@ def task_scores(records: list[dict[str, Any]]) -> dict[str, float]:
 
 def write_niah_result(args: argparse.Namespace, config: str, options: dict[str, Any], n: int, target: int,
                       model_dir: Path, prompts: list[NiahSample], records: list[dict[str, Any]],
-                      meta: dict[str, Any], **timing: float) -> dict[str, Any]:
-    """Writes one (length, config)'s result file under args.out, as both engines write it; returns its content."""
+                      meta: dict[str, Any], together: int = 1, **timing: float) -> dict[str, Any]:
+    """Writes one (length, config)'s result file under args.out, as both engines write it; returns its content.
+    `together`: the prompts per `generate` call."""
     scores = task_scores(records)
     result = {
         "kind": "sparse_niah", "config": config, "options": options, "length": n, "prompt_target": target,
         "model": str(model_dir), "samples": args.samples, "seed": args.seed, "max_tokens": args.max_tokens,
-        "prompts_sha256": prompts_digest(prompts), "scores": scores,
+        "together": together, "prompts_sha256": prompts_digest(prompts), "scores": scores,
         "mean_score": sum(scores.values()) / len(scores), "records": records, **timing, "meta": meta,
     }
     # "+" is kept out of file names: some copy tools refuse it.
@@ -245,17 +261,19 @@ def evaluate(args: argparse.Namespace, model_dir: Path, base: dict[str, Any]) ->
         load_s = time.perf_counter() - start
         for n in args.lengths:
             start = time.perf_counter()
-            records = run_prompts(llm, prompts[n], args.max_tokens, f"{name} @ {n}")
+            records = run_prompts(llm, prompts[n], args.max_tokens, f"{name} @ {n}", args.together)
             result = write_niah_result(args, name, options[name], n, targets[n], model_dir, prompts[n], records, meta,
-                                       load_seconds=round(load_s, 2),
+                                       together=args.together, load_seconds=round(load_s, 2),
                                        wall_seconds=round(time.perf_counter() - start, 2))
             results[(n, name)] = result
             agree = ""
             if (n, "full") in results and name != "full":
                 same, total = same_outputs(records, results[(n, "full")]["records"])
                 agree = f", same ids as full {same}/{total}"
-            print(f"{name} @ {n} (prompts <= {targets[n]} tokens): mean score {result['mean_score']:.1f}{agree}, "
-                  f"{result['wall_seconds']:.0f} s (+{load_s:.0f} s load)", flush=True)
+            together = f", {args.together} per generate call" if args.together > 1 else ""
+            print(f"{name} @ {n} (prompts <= {targets[n]} tokens{together}): mean score "
+                  f"{result['mean_score']:.1f}{agree}, {result['wall_seconds']:.0f} s (+{load_s:.0f} s load)",
+                  flush=True)
         del llm
         gc.collect()
 
@@ -649,6 +667,10 @@ def main(argv: list[str] | None = None) -> int:
     p = run_parser(__doc__, config_options, "full,quest512,quest1024,xattn0.8,xattn0.9,xattn0.95,xattn0.9+quest1024")
     p.add_argument("--base", type=_base_options, default={}, help="key=value,... added to or replacing the base "
                    f"engine options {BASE_OPTIONS}")
+    p.add_argument("--together", type=_together, default=1, metavar="N",
+                   help="prompts per generate call, run together by the batch engine (default 1: one at a time); N "
+                   "at once needs max_num_seqs >= N (the engine's default 256) and host_kv_tokens for all N "
+                   "requests (default max_model_len, one request's most): pass them with --base")
     p.add_argument("--mass", action="store_true", help="measure Quest's attention mass instead of running NIAH")
     p.add_argument("--report", type=Path, metavar="DIR", help="write tables and a plot from the files in DIR")
     args = p.parse_args(argv)

@@ -118,3 +118,33 @@ def test_mass_pass_runs_end_to_end_and_its_report_reads_it(tmp_path, monkeypatch
         assert np.all(oracle.reshape(2, 3, 2, 2).sum(-1) >= quest.reshape(2, 3, 2, 2).sum(-1) - 2e-5)
     assert eval_sparse.main(["--report", str(mass), "--out", str(out)]) == 0
     assert "| layer | 32 Quest mean | 32 Quest p5 | 32 oracle mean | 32 oracle p5 |" in (out / "sparse_niah.md").read_text()
+
+
+
+def test_prompts_run_together_give_the_records_of_prompts_run_alone(tmp_path, monkeypatch):
+    """--together 3 (the offloaded batch engine runs 3 prompts, then the last one alone) gives --together 1's
+    outputs, scores and XAttention densities in float32 on a tiny 3-layer checkpoint, XAttention prefill and Quest
+    decode (layer 2) in one config, and each file records its value."""
+    rng = np.random.default_rng(705)
+    prompts = [SimpleNamespace(task=t, index=i, prompt_ids=rng.integers(3, 256, 300).tolist(), length=300,
+                               depths=[0.5], answers=["w5"])
+               for t in ("niah_single_1", "niah_multikey_1") for i in (0, 1)]
+    monkeypatch.setattr(eval_sparse, "build_prompts", lambda model_dir, targets, samples, seed: {300: prompts})
+    monkeypatch.setitem(tiny_models.COMMON, "num_hidden_layers", 3)
+    model = tmp_path / "model"
+    tiny_models.build("qwen2", model, seed=706)
+    results = {}
+    for together in (1, 3):
+        out = tmp_path / f"together{together}"
+        assert eval_sparse.main(["--model", str(model), "--lengths", "300", "--samples", "2", "--max-tokens", "6",
+                                 "--configs", "xattn0.5+quest32", "--together", str(together), "--out", str(out)]) == 0
+        results[together] = json.loads((out / "sparse_niah_300_xattn0.5-quest32.json").read_text())
+    alone, batched = results[1], results[3]
+    assert (alone["together"], batched["together"]) == (1, 3)
+    assert batched["scores"] == alone["scores"]
+    keys = ("task", "index", "output", "output_token_ids", "score", "finish_reason")
+    assert [{k: r[k] for k in keys} for r in batched["records"]] == [{k: r[k] for k in keys} for r in alone["records"]]
+    assert all(len(r["output_token_ids"]) == 6 for r in alone["records"])  # no EOS cut the comparison short
+    for a, b in zip(alone["records"], batched["records"]):
+        np.testing.assert_allclose(b["prefill_density"], a["prefill_density"], atol=1e-6)
+    assert min(min(r["prefill_density"]) for r in alone["records"]) < 1  # threshold 0.5 drops blocks
