@@ -453,6 +453,12 @@ def test_page_cache_regions_in_a_batch_change_no_bit(model_dir, impl):
     cached.abort("r0")
     cached.step()
     assert not cached.has_unfinished() and runner.cache_regions_in_use == 0, where
+    # One request at a time (max_num_seqs=1): its region is the whole cache, and the tokens stay alone's.
+    single = _sparse(model_dir, 64, "sketch", attention_impl=impl, max_num_seqs=1, max_model_len=2048,
+                     sparse_cache_gb=2**-13)
+    engine = single._batch()
+    assert engine.runner._region_slots == 16, where
+    assert engine.generate(prompts[3:], params[3:])[0].token_ids == alone[3], where
 
 
 @pytest.mark.parametrize("cache", [{}, dict(sparse_cache_gb=2**-13)])

@@ -101,7 +101,7 @@ class OffloadModelRunner:
         # to decode while regions are free; the others read their pages from the store.
         self.cache = runner.page_cache
         if self.cache is not None:
-            self._region_slots = self.cache.region_slots(runner.budget_pages)
+            self._region_slots = self.cache.region_slots(runner.budget_pages, num_slots)
             regions = self.cache.slots // self._region_slots
             self._free_regions = list(range(regions))[::-1]
             self._spare_region = regions  # the padding rows': they plan no page, so it stays empty

@@ -167,10 +167,11 @@ class PageCache:
 
     # ---- regions: the batch engine gives each of several requests its own slots of every layer's cache ----------
 
-    def region_slots(self, budget_pages: int) -> int:
-        """Slots of a request's region: twice the budget (an LRU cache of that size held 87-94% of the default
-        model's chosen pages: bench/results/runs/cpu_page_overlap/), or every slot if fewer."""
-        return min(self.slots, 2 * budget_pages)
+    def region_slots(self, budget_pages: int, requests: int) -> int:
+        """Slots of a request's region: the cache shared evenly by the `requests` that may run at once, at least
+        twice the budget (an LRU cache of that size held 87-94% of the default model's chosen pages:
+        bench/results/runs/cpu_page_overlap/), at most every slot: one request at a time keeps the whole cache."""
+        return min(self.slots, max(2 * budget_pages, self.slots // requests))
 
     def region_maps(self, slots: int, regions: int) -> CacheState:
         """Empty maps of `regions` regions of `slots` slots, stacked on a leading axis (kv None: region r's pages
