@@ -82,6 +82,7 @@ class OffloadRunner:
         self.block_size, self.num_slots, self.mode = engine.block_size, engine.num_ring_slots, engine.prefill
         self.group = group_size(engine.num_ring_slots)
         self.span_compiles: dict[int, Future] = {}  # key span -> its chunk program compiled ahead on a thread
+        self.span_compile_chunks: dict[int, int] = {}  # key span -> the chunk during which its compile began
         num_blocks = -(-engine.host_kv_tokens // engine.block_size)
         # The page-choosing policy's metadata on the GPU (Quest's bounds or the key sketch), None for full decode.
         self.pages: QuestPages | KeySketch | None = None
@@ -241,8 +242,8 @@ class OffloadRunner:
                     state = self.attend_groups(ring, groups[l], q, state, whole_groups=True)
                     h = chunk_end(self.cfg, self.impl, layer, h, q, kv, length, state, tp=self.tp)
                 else:
-                    if l == 0 and c + 1 < num_chunks:
-                        self._compile_next_span(layer, h, q, kv, c)
+                    if l == 0:
+                        self._compile_next_span(layer, h, q, kv, c, num_chunks)
                     h = self._xattn_chunk_layer(l, layer, h, q, kv, c, chunk_len)
                 self._keep_block(l, c, kv, chunk_len)
             if keep_all or c == num_chunks - 1:
@@ -261,13 +262,15 @@ class OffloadRunner:
         """Keys of the layer's buffers that chunk `chunk`'s estimate and attention read (`key_span_bucket`)."""
         return min(key_span_bucket((chunk + 1) * self.block_size), self._keys.shape[1])
 
-    def _compile_next_span(self, layer, h, q, kv, c: int) -> None:
-        """Starts compiling, on a thread, the chunk program of chunk c + 1's key span where that is a new one: the
-        chunks of this span run meanwhile, and chunk c + 1 finds it compiled (JAX's cache holds what `lower(...)
-        .compile()` made for the same shapes, shardings and static arguments)."""
-        span = self._span(c + 1)
-        if span == self._span(c) or span in self.span_compiles:
+    def _compile_next_span(self, layer, h, q, kv, c: int, num_chunks: int) -> None:
+        """Starts compiling, on a thread, the chunk program of the key span after chunk c's, as soon as chunk c runs:
+        the chunks of this span run meanwhile (a compile at 1M took 10-17 s, a chunk 3-5 s), and the first chunk of
+        the next span finds it compiled (JAX's cache holds what `lower(...).compile()` made for the same shapes,
+        shardings and static arguments)."""
+        span = next((s for s in map(self._span, range(c + 1, num_chunks)) if s != self._span(c)), None)
+        if span is None or span in self.span_compiles:
             return
+        self.span_compile_chunks[span] = c
 
         def abstract(x):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
