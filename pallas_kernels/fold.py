@@ -27,7 +27,25 @@ from pallas_kernels.state import AttentionState
 _SPLITS_PER_STEP = 16
 
 
-def _fold_kernel(live_ref, o_ref, lse_ref, acc_ref, m_ref, l_ref, acc_out, m_out, l_out, *, group: int):
+# The group sizes a tree fold may take (`fold_splits`' `tree`): divisors of a loop step's splits.
+TREE_SIZES = tuple(t for t in range(1, _SPLITS_PER_STEP + 1) if _SPLITS_PER_STEP % t == 0 and t & (t - 1) == 0)
+
+
+def _merge(a, b):
+    """Partial states (acc [rows, D], m and l [rows], m in log2 units) of adjacent key ranges, a's keys first,
+    merged; an empty one (m = -inf) leaves the other's bits exactly."""
+    (acc_a, m_a, l_a), (acc_b, m_b, l_b) = a, b
+    m = jnp.maximum(m_a, m_b)
+    m_use = jnp.where(m == NEG_INF, 0.0, m)
+    w_a, w_b = jnp.exp2(m_a - m_use), jnp.exp2(m_b - m_use)
+    merged = (acc_a * w_a[:, None] + acc_b * w_b[:, None], m, l_a * w_a + l_b * w_b)
+    a_empty, b_empty = m_a == NEG_INF, m_b == NEG_INF
+    return tuple(jnp.where(eb, xa, jnp.where(ea, xb, x)) for x, xa, xb, ea, eb in zip(
+        merged, a, b, (a_empty[:, None], a_empty, a_empty), (b_empty[:, None], b_empty, b_empty)))
+
+
+def _fold_kernel(live_ref, o_ref, lse_ref, acc_ref, m_ref, l_ref, acc_out, m_out, l_out, *, group: int,
+                 tree: int):
     rows = acc_ref.shape[0]
     row_ok = jnp.arange(rows) < group
     acc = plgpu.load(acc_ref, mask=row_ok[:, None], other=0.0)
@@ -55,11 +73,32 @@ def _fold_kernel(live_ref, o_ref, lse_ref, acc_ref, m_ref, l_ref, acc_out, m_out
                            plgpu.load(lse_ref.at[s], mask=row_ok, other=NEG_INF)))
         return loaded
 
+    def fold_tree(carry, leaves, first):
+        """Folds `tree` consecutive splits, the first of them split `first`, merged pairwise level by level."""
+        nodes = []
+        for u, (o, lse) in enumerate(leaves):
+            empty = (first + u >= num_live) | (lse == NEG_INF)  # past the live splits, or no key
+            nodes.append((jnp.where(empty[:, None], 0.0, o), jnp.where(empty, NEG_INF, lse * LOG2E),
+                          jnp.where(empty, 0.0, 1.0)))
+        while len(nodes) > 1:
+            nodes = [_merge(nodes[k], nodes[k + 1]) for k in range(0, len(nodes), 2)]
+        acc_t, m_t, l_t = nodes[0]
+        acc, m, l = carry
+        m_new = jnp.maximum(m, m_t)
+        m_use = jnp.where(m_new == NEG_INF, 0.0, m_new)
+        w_old, w_t = jnp.exp2(m - m_use), jnp.exp2(m_t - m_use)
+        new = (acc * w_old[:, None] + acc_t * w_t[:, None], m_new, l * w_old + l_t * w_t)
+        return tuple(jnp.where(first < num_live, x, y) for x, y in zip(new, carry))
+
     def step(i, carry_and_loaded):
         carry, loaded = carry_and_loaded
         upcoming = load_step(i + 1)  # issued before this step's folds, which do not need it
-        for u, (o, lse) in enumerate(loaded):
-            carry = fold_one(carry, o, lse, i * _SPLITS_PER_STEP + u < num_live)
+        if tree == 1:
+            for u, (o, lse) in enumerate(loaded):
+                carry = fold_one(carry, o, lse, i * _SPLITS_PER_STEP + u < num_live)
+        else:
+            for u in range(0, _SPLITS_PER_STEP, tree):
+                carry = fold_tree(carry, loaded[u:u + tree], i * _SPLITS_PER_STEP + u)
         return carry, upcoming
 
     steps = (num_live + _SPLITS_PER_STEP - 1) // _SPLITS_PER_STEP
@@ -69,14 +108,14 @@ def _fold_kernel(live_ref, o_ref, lse_ref, acc_ref, m_ref, l_ref, acc_out, m_out
     plgpu.store(l_out, l, mask=row_ok)
 
 
-def _fold(num_live, o_part, lse_part, acc, m, l, *, interpret):
+def _fold(num_live, o_part, lse_part, acc, m, l, *, tree, interpret):
     """num_live [B]; o_part [S, B, Hkv, G, D], lse_part [S, B, Hkv, G]; acc [B, Hkv, G, D], m and l [B, Hkv, G]."""
     num_splits, batch, hkv, group, d = o_part.shape
     rows = next_pow2(group)
     row_spec = pl.BlockSpec((None, None, rows, d), lambda bh: (bh // hkv, bh % hkv, 0, 0))
     stat_spec = pl.BlockSpec((None, None, rows), lambda bh: (bh // hkv, bh % hkv, 0))
     return pl.pallas_call(
-        functools.partial(_fold_kernel, group=group),
+        functools.partial(_fold_kernel, group=group, tree=tree),
         grid=(batch * hkv,),
         in_specs=[pl.BlockSpec((None,), lambda bh: (bh // hkv,)),
                   pl.BlockSpec((num_splits, None, None, rows, d), lambda bh: (0, bh // hkv, bh % hkv, 0, 0)),
@@ -91,22 +130,29 @@ def _fold(num_live, o_part, lse_part, acc, m, l, *, interpret):
     )(num_live, o_part, lse_part, acc, m, l)
 
 
-_fold = interpret_aware_jit(_fold, ("interpret",))
+_fold = interpret_aware_jit(_fold, ("tree", "interpret"))
 
 
 def fold_splits(state: AttentionState, o_part: jax.Array, lse_part: jax.Array, num_live: jax.Array | None = None,
-                interpret: bool | None = None) -> AttentionState:
+                interpret: bool | None = None, tree: int = 1) -> AttentionState:
     """Folds split results o_part [S, B, Hkv, G, D] (float32) and natural-log lse_part [S, B, Hkv, G], in
     ascending split order, into the decode state of B sequences (acc [B, 1, Hkv * G, D], m and l [B, Hkv * G, 1]).
     Sequence b folds its first num_live[b] splits (default all S; the others are never read). A split with
-    lse = -inf (no key) leaves the state as it was."""
+    lse = -inf (no key) leaves the state as it was.
+
+    tree (static, one of TREE_SIZES): 1 folds one split after another. T > 1 cuts the splits into groups of T from
+    the call's first split, merges each group pairwise level by level (a balanced tree), and folds the groups in
+    order: a dependent chain of S / T + log2(T) merges instead of S, whose order still depends on the splits'
+    positions alone, so two calls give one call's bits where the second begins at a multiple of T splits."""
     num_splits, batch, hkv, group, d = o_part.shape
     if lse_part.shape != o_part.shape[:4]:
         raise ValueError(f"lse_part has shape {lse_part.shape} for o_part {o_part.shape}; allowed: "
                          f"{o_part.shape[:4]}")
+    if tree not in TREE_SIZES:
+        raise ValueError(f"tree={tree}; allowed: one of {TREE_SIZES}")
     hq = hkv * group
     num_live = jnp.full((batch,), num_splits, jnp.int32) if num_live is None else num_live.astype(jnp.int32)
     acc, m, l = _fold(num_live, o_part.astype(jnp.float32), lse_part.astype(jnp.float32),
                       state.acc.reshape(batch, hkv, group, d), state.m.reshape(batch, hkv, group),
-                      state.l.reshape(batch, hkv, group), interpret=resolve_interpret(interpret))
+                      state.l.reshape(batch, hkv, group), tree=tree, interpret=resolve_interpret(interpret))
     return AttentionState(acc.reshape(batch, 1, hq, d), m.reshape(batch, hq, 1), l.reshape(batch, hq, 1))

@@ -89,6 +89,36 @@ def test_fold_splits_over_many_steps_equals_pieces_and_float64():
                                    err_msg=f"seed {seed}: row {row}")
 
 
+def test_fold_splits_tree_equals_aligned_pieces_alone_and_float64():
+    """A tree fold (groups of 8 splits merged pairwise, two groups a loop step, groups in order) over 40 splits, a
+    row whose live splits end mid-group, empty splits: one call equals two calls cut at split 16 (a multiple of the
+    group) and each row folded alone (bits), and the float64 softmax merge."""
+    seed, tree = 4112, 8
+    rng = np.random.default_rng(seed)
+    s, b, hkv, g, d = 40, 2, 2, 3, 16
+    o = jnp.asarray(rng.standard_normal((s, b, hkv, g, d)), jnp.float32)
+    lse = np.asarray(4 * rng.standard_normal((s, b, hkv, g)), np.float32)
+    lse[rng.random(lse.shape) < 0.1] = -np.inf
+    live = np.array([s, 23])
+    state = pk.empty_state(b, 1, hkv * g, d)
+    one = pk.fold_splits(state, o, jnp.asarray(lse), jnp.asarray(live), tree=tree)
+    first = pk.fold_splits(state, o[:16], jnp.asarray(lse[:16]), jnp.asarray(np.minimum(live, 16)), tree=tree)
+    two = pk.fold_splits(first, o[16:], jnp.asarray(lse[16:]), jnp.asarray(live - 16), tree=tree)
+    assert all(np.array_equal(x, y) for x, y in zip(one, two)), f"seed {seed}"
+    for row in range(b):
+        alone = pk.fold_splits(pk.empty_state(1, 1, hkv * g, d), o[:live[row], row:row + 1],
+                               jnp.asarray(lse[:live[row], row:row + 1]), tree=tree)
+        assert all(np.array_equal(x[row:row + 1], y) for x, y in zip(one, alone)), f"seed {seed}: row {row}"
+    got, _ = pk.finish_state(one)
+    for row in range(b):
+        w = np.exp(lse[:live[row], row].astype(np.float64))  # [S, Hkv, G]
+        want = np.einsum("shg,shgd->hgd", w, np.asarray(o[:live[row], row], np.float64)) / w.sum(0)[..., None]
+        np.testing.assert_allclose(np.asarray(got[row, 0]), want.reshape(hkv * g, d), rtol=1e-5, atol=1e-6,
+                                   err_msg=f"seed {seed}: row {row}")
+    with pytest.raises(ValueError, match="tree=3; allowed"):
+        pk.fold_splits(state, o, jnp.asarray(lse), tree=3)
+
+
 def test_paged_decode_state_is_batch_invariant_and_equals_pieces():
     seed = 4100
     rng = np.random.default_rng(seed)
