@@ -1,0 +1,89 @@
+"""Probe: where CacheBlend's time to first token goes (issue 63 asks <= 0.25x full prefill; 0.359x on 2026-11-29,
+`runs/h200_kv_reuse/`). The README's workload (DOCS documents of DOC_TOKENS tokens, all kept, a new 64-token
+question, Llama-3.1-8B shape, random bf16), each figure the median (min-max) of REPEATS runs after two untimed ones:
+- `generate_ttft`: `LLM.generate` of a `Segments` prompt, one token (what bench_kv_reuse.py times);
+- `prefill`: `BlendRunner.prefill` alone, at ratio 0.15 and 0 (the engine's scheduling and first draw left out);
+- `move_per_layer`: the kept segments' KV to the GPU as `prefill` moves it (an array per segment, layer and K or V);
+- `move_per_segment`: the same bytes kept as one pinned array per segment and K or V (layers stacked);
+- `move_one`: the same bytes as one pinned array (the link's rate for one copy).
+So: the blend's time beyond the move, whether fewer larger copies move the segments faster, and what is left for
+the engine around the prefill. Writes probe_blend_parts.json under $OUT (SHAPE=qwen3-0.6b LAYERS=2 DOCS=2
+DOC_TOKENS=256 for a CPU smoke test).
+
+    python bench/probes/probe_blend_parts.py
+"""
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from common import model_config, probe_output, random_params, run_metadata, stats  # noqa: E402
+from jax_offload import LLM, SamplingParams, Segments  # noqa: E402
+from jax_offload.blend import _to_device, _to_host, chained_key  # noqa: E402
+
+SHAPE, LAYERS = os.environ.get("SHAPE", "llama-3.1-8b"), os.environ.get("LAYERS")
+DOCS, DOC_TOKENS = int(os.environ.get("DOCS", 16)), int(os.environ.get("DOC_TOKENS", 2048))
+QUESTION, REPEATS = 64, int(os.environ.get("REPEATS", 5))
+
+
+def timed(fn) -> dict:
+    """Median (min-max) seconds of `fn()` (its outputs waited for) over REPEATS runs after two untimed ones."""
+    seconds = []
+    for i in range(REPEATS + 2):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        if i >= 2:
+            seconds.append(time.perf_counter() - start)
+    return stats(seconds)
+
+
+def pinned_stack(arrays: list[jax.Array]) -> jax.Array:
+    """One pinned host array of `arrays` stacked (built in GPU memory, then moved)."""
+    return _to_host(jnp.stack(_to_device(arrays)))
+
+
+def main() -> None:
+    cfg = model_config(SHAPE, int(LAYERS) if LAYERS else None)
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, cfg.vocab_size, DOC_TOKENS).tolist() for _ in range(DOCS)]
+    total = DOCS * DOC_TOKENS + QUESTION
+    llm = LLM.from_params(cfg, random_params(cfg, jnp.bfloat16), dtype="bfloat16", max_model_len=total + 16,
+                          enable_prefix_caching=True, prefix_cache_host_gb=DOCS * DOC_TOKENS * cfg.kv_bytes_per_token
+                          / 2**30 + 1, blend_recompute_ratio=0.15, gpu_memory_utilization=0.5)
+    one_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def prompt() -> list[list[int]]:
+        return [docs[i] for i in rng.permutation(DOCS)] + [rng.integers(0, cfg.vocab_size, QUESTION).tolist()]
+
+    result = {**run_metadata(), "shape": SHAPE, "layers": cfg.num_layers, "docs": DOCS, "doc_tokens": DOC_TOKENS,
+              "repeats": REPEATS}
+    result["generate_ttft"] = timed(lambda: llm.generate([Segments(prompt())], one_token)[0].token_ids)
+    runner = llm._blend_runner()
+    for ratio in (0.15, 0.0):
+        runner.ratio = ratio
+        result[f"prefill_ratio_{ratio}"] = timed(lambda: runner.prefill(prompt(), total))
+    kept = [runner.store.get(chained_key(runner.tag, doc)) for doc in docs]
+    per_layer = [[(kv.keys[i], kv.values[i]) for kv in kept] for i in range(cfg.num_layers)]
+    result["move_bytes"] = sum(kv.nbytes for kv in kept)
+    result["move_per_layer"] = timed(lambda: _to_device(per_layer))
+    per_segment = [(pinned_stack(kv.keys), pinned_stack(kv.values)) for kv in kept]
+    result["move_per_segment"] = timed(lambda: _to_device(per_segment))
+    del per_segment
+    one = pinned_stack([x for kv in kept for x in (*kv.keys, *kv.values)])
+    result["move_one"] = timed(lambda: _to_device(one))
+    for name, row in result.items():
+        if isinstance(row, dict):
+            print(f"{name}: {row['median'] * 1e3:.1f} ms ({row['min'] * 1e3:.1f}-{row['max'] * 1e3:.1f})", flush=True)
+    probe_output("probe_blend_parts.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
