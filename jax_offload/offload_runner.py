@@ -263,10 +263,13 @@ class OffloadRunner:
         return min(key_span_bucket((chunk + 1) * self.block_size), self._keys.shape[1])
 
     def _compile_next_span(self, layer, h, q, kv, c: int, num_chunks: int) -> None:
-        """Starts compiling, on a thread, the chunk program of the key span after chunk c's, as soon as chunk c runs:
-        the chunks of this span run meanwhile (a compile at 1M took 10-17 s, a chunk 3-5 s), and the first chunk of
-        the next span finds it compiled (JAX's cache holds what `lower(...).compile()` made for the same shapes,
-        shardings and static arguments)."""
+        """Starts compiling, on a thread, the chunk program of the key span after chunk c's, from the second chunk
+        of chunk c's span on (the first compiled its span's program on this thread; two compiles at once are left
+        out): the chunks of this span run meanwhile (a compile at 1M took 10-17 s, a chunk 3-5 s), and the first
+        chunk of the next span finds it compiled (JAX's cache holds what `lower(...).compile()` made for the same
+        shapes, shardings and static arguments)."""
+        if c == 0 or self._span(c - 1) != self._span(c):
+            return
         span = next((s for s in map(self._span, range(c + 1, num_chunks)) if s != self._span(c)), None)
         if span is None or span in self.span_compiles:
             return
