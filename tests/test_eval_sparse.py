@@ -120,7 +120,6 @@ def test_mass_pass_runs_end_to_end_and_its_report_reads_it(tmp_path, monkeypatch
     assert "| layer | 32 Quest mean | 32 Quest p5 | 32 oracle mean | 32 oracle p5 |" in (out / "sparse_niah.md").read_text()
 
 
-
 def test_prompts_run_together_give_the_records_of_prompts_run_alone(tmp_path, monkeypatch):
     """--together 3 (the offloaded batch engine runs 3 prompts, then the last one alone) gives --together 1's
     outputs, scores and XAttention densities in float32 on a tiny 3-layer checkpoint, XAttention prefill and Quest
