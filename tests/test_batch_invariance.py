@@ -90,20 +90,20 @@ def test_fold_splits_over_many_steps_equals_pieces_and_float64():
 
 
 def test_fold_splits_tree_equals_aligned_pieces_alone_and_float64():
-    """A tree fold (groups of 8 splits merged pairwise, two groups a loop step, groups in order) over 40 splits, a
-    row whose live splits end mid-group, empty splits: one call equals two calls cut at split 16 (a multiple of the
-    group) and each row folded alone (bits), and the float64 softmax merge."""
+    """A tree fold (groups of 8 splits merged pairwise, two groups a loop step, groups in order) over 24 splits (two
+    loop steps), a row whose live splits end mid-group, empty splits: one call equals two calls cut at split 8 (a
+    multiple of the group, mid-step) and each row folded alone (bits), and the float64 softmax merge."""
     seed, tree = 4112, 8
     rng = np.random.default_rng(seed)
-    s, b, hkv, g, d = 40, 2, 2, 3, 16
+    s, b, hkv, g, d = 24, 2, 2, 3, 16
     o = jnp.asarray(rng.standard_normal((s, b, hkv, g, d)), jnp.float32)
     lse = np.asarray(4 * rng.standard_normal((s, b, hkv, g)), np.float32)
     lse[rng.random(lse.shape) < 0.1] = -np.inf
-    live = np.array([s, 23])
+    live = np.array([s, 13])
     state = pk.empty_state(b, 1, hkv * g, d)
     one = pk.fold_splits(state, o, jnp.asarray(lse), jnp.asarray(live), tree=tree)
-    first = pk.fold_splits(state, o[:16], jnp.asarray(lse[:16]), jnp.asarray(np.minimum(live, 16)), tree=tree)
-    two = pk.fold_splits(first, o[16:], jnp.asarray(lse[16:]), jnp.asarray(live - 16), tree=tree)
+    first = pk.fold_splits(state, o[:8], jnp.asarray(lse[:8]), jnp.asarray(np.minimum(live, 8)), tree=tree)
+    two = pk.fold_splits(first, o[8:], jnp.asarray(lse[8:]), jnp.asarray(live - 8), tree=tree)
     assert all(np.array_equal(x, y) for x, y in zip(one, two)), f"seed {seed}"
     for row in range(b):
         alone = pk.fold_splits(pk.empty_state(1, 1, hkv * g, d), o[:live[row], row:row + 1],
