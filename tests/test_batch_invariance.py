@@ -66,27 +66,35 @@ def test_matmul_rows_are_batch_invariant(k, n, transpose_w):
             f"seed {seed}: rows of M={m} (tiles {block_m}x{block_n}, {k_unroll} K tiles a step) differ"
 
 
+def _fold_inputs(seed: int, s: int, live_short: int):
+    """Split results of 2 rows (o [S, 2, 2, 3, 16], natural-log lse with a tenth empty), the second row's live
+    splits ending at `live_short`, and the empty state."""
+    rng = np.random.default_rng(seed)
+    o = jnp.asarray(rng.standard_normal((s, 2, 2, 3, 16)), jnp.float32)
+    lse = np.asarray(4 * rng.standard_normal((s, 2, 2, 3)), np.float32)
+    lse[rng.random(lse.shape) < 0.1] = -np.inf
+    return o, lse, np.array([s, live_short]), pk.empty_state(2, 1, 6, 16)
+
+
+def _assert_fold_is_the_float64_merge(state, o, lse, live, seed: int) -> None:
+    got, _ = pk.finish_state(state)
+    for row in range(len(live)):
+        w = np.exp(lse[:live[row], row].astype(np.float64))  # [S, Hkv, G]
+        want = np.einsum("shg,shgd->hgd", w, np.asarray(o[:live[row], row], np.float64)) / w.sum(0)[..., None]
+        np.testing.assert_allclose(np.asarray(got[row, 0]), want.reshape(-1, o.shape[-1]), rtol=1e-5, atol=1e-6,
+                                   err_msg=f"seed {seed}: row {row}")
+
+
 def test_fold_splits_over_many_steps_equals_pieces_and_float64():
     """40 splits (three of the fold's loop steps, the last partial), a row whose live splits end mid-step, empty
     splits: one call equals the same splits folded in two calls (bits), and the float64 softmax merge."""
     seed = 4103
-    rng = np.random.default_rng(seed)
-    s, b, hkv, g, d = 40, 2, 2, 3, 16
-    o = jnp.asarray(rng.standard_normal((s, b, hkv, g, d)), jnp.float32)
-    lse = np.asarray(4 * rng.standard_normal((s, b, hkv, g)), np.float32)
-    lse[rng.random(lse.shape) < 0.1] = -np.inf
-    live = np.array([s, 23])
-    state = pk.empty_state(b, 1, hkv * g, d)
+    o, lse, live, state = _fold_inputs(seed, 40, 23)
     one = pk.fold_splits(state, o, jnp.asarray(lse), jnp.asarray(live))
     first = pk.fold_splits(state, o[:17], jnp.asarray(lse[:17]), jnp.asarray(np.minimum(live, 17)))
     two = pk.fold_splits(first, o[17:], jnp.asarray(lse[17:]), jnp.asarray(live - 17))
     assert all(np.array_equal(x, y) for x, y in zip(one, two)), f"seed {seed}"
-    got, _ = pk.finish_state(one)
-    for row in range(b):
-        w = np.exp(lse[:live[row], row].astype(np.float64))  # [S, Hkv, G]
-        want = np.einsum("shg,shgd->hgd", w, np.asarray(o[:live[row], row], np.float64)) / w.sum(0)[..., None]
-        np.testing.assert_allclose(np.asarray(got[row, 0]), want.reshape(hkv * g, d), rtol=1e-5, atol=1e-6,
-                                   err_msg=f"seed {seed}: row {row}")
+    _assert_fold_is_the_float64_merge(one, o, lse, live, seed)
 
 
 def test_fold_splits_tree_equals_aligned_pieces_alone_and_float64():
@@ -94,27 +102,16 @@ def test_fold_splits_tree_equals_aligned_pieces_alone_and_float64():
     loop steps), a row whose live splits end mid-group, empty splits: one call equals two calls cut at split 8 (a
     multiple of the group, mid-step) and each row folded alone (bits), and the float64 softmax merge."""
     seed, tree = 4112, 8
-    rng = np.random.default_rng(seed)
-    s, b, hkv, g, d = 24, 2, 2, 3, 16
-    o = jnp.asarray(rng.standard_normal((s, b, hkv, g, d)), jnp.float32)
-    lse = np.asarray(4 * rng.standard_normal((s, b, hkv, g)), np.float32)
-    lse[rng.random(lse.shape) < 0.1] = -np.inf
-    live = np.array([s, 13])
-    state = pk.empty_state(b, 1, hkv * g, d)
+    o, lse, live, state = _fold_inputs(seed, 24, 13)
     one = pk.fold_splits(state, o, jnp.asarray(lse), jnp.asarray(live), tree=tree)
     first = pk.fold_splits(state, o[:8], jnp.asarray(lse[:8]), jnp.asarray(np.minimum(live, 8)), tree=tree)
     two = pk.fold_splits(first, o[8:], jnp.asarray(lse[8:]), jnp.asarray(live - 8), tree=tree)
     assert all(np.array_equal(x, y) for x, y in zip(one, two)), f"seed {seed}"
-    for row in range(b):
-        alone = pk.fold_splits(pk.empty_state(1, 1, hkv * g, d), o[:live[row], row:row + 1],
+    for row in range(len(live)):
+        alone = pk.fold_splits(pk.empty_state(1, 1, 6, 16), o[:live[row], row:row + 1],
                                jnp.asarray(lse[:live[row], row:row + 1]), tree=tree)
         assert all(np.array_equal(x[row:row + 1], y) for x, y in zip(one, alone)), f"seed {seed}: row {row}"
-    got, _ = pk.finish_state(one)
-    for row in range(b):
-        w = np.exp(lse[:live[row], row].astype(np.float64))  # [S, Hkv, G]
-        want = np.einsum("shg,shgd->hgd", w, np.asarray(o[:live[row], row], np.float64)) / w.sum(0)[..., None]
-        np.testing.assert_allclose(np.asarray(got[row, 0]), want.reshape(hkv * g, d), rtol=1e-5, atol=1e-6,
-                                   err_msg=f"seed {seed}: row {row}")
+    _assert_fold_is_the_float64_merge(one, o, lse, live, seed)
     with pytest.raises(ValueError, match="tree=3; allowed"):
         pk.fold_splits(state, o, jnp.asarray(lse), tree=3)
 
