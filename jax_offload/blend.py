@@ -22,7 +22,7 @@ import collections
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -177,12 +177,11 @@ class BlendRunner:
         self.cfg, self.params, self.inv_freq, self.dtype, self.impl = cfg, params, inv_freq, dtype, impl
         self.store, self.ratio, self.tag = store, ratio, tag
 
-    def _run(self, ids: list[int], kept: list[Callable[[], tuple[jax.Array, jax.Array]]] | None,
-             reused: np.ndarray, cache_len: int) -> tuple[jax.Array, list[jax.Array], list[jax.Array], SegmentKV]:
-        """The layers over tokens `ids` (positions 0..), per layer a function giving its kept KV [1, W, Hkv, D]
-        (None: compute every token; called as the layer's turn comes), `reused` bool [W]. Returns (the last token's
-        hidden state [1, 1, hidden], the caches, the tokens' keys before RoPE and values per layer: every token's
-        when `kept` is None)."""
+    def _run(self, ids: list[int], kept: list[tuple[jax.Array, jax.Array]] | None, reused: np.ndarray,
+             cache_len: int) -> tuple[jax.Array, list[jax.Array], list[jax.Array], SegmentKV]:
+        """The layers over tokens `ids` (positions 0..), kept KV per layer [1, W, Hkv, D] (None: compute every
+        token), `reused` bool [W]. Returns (the last token's hidden state [1, 1, hidden], the caches, the tokens'
+        keys before RoPE and values per layer: every token's when `kept` is None)."""
         cfg, n = self.cfg, len(ids)
         width = prompt_bucket(n)
         padded = np.zeros((1, width), np.int32)
@@ -200,7 +199,7 @@ class BlendRunner:
             if kept is None or i == 0:
                 k_cache, v_cache = jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
             else:
-                k_kept, v_kept = kept[i]()
+                k_kept, v_kept = kept[i]
                 k_cache, v_cache = _kept_cache(layer, k_kept, v_kept, self.inv_freq, cache_len)
             if kept is not None and i == 1:  # the choice: fresh values of every token against the kept ones
                 chosen = np.asarray(_choose(cfg, layer, x, v_kept, reused, always, count))
@@ -242,11 +241,9 @@ class BlendRunner:
         kept = None
         if kept_parts:
             offsets = jnp.asarray(np.cumsum([0] + [kv.length for kv in kept_parts[:-1]]), jnp.int32)
-            # Every layer's parts start crossing now, and each layer's are assembled as its turn comes, so the GPU
-            # can compute the layers before it meanwhile. Assembled all before the first layer, every layer's
-            # compute queued behind every transfer on the one compute stream (an H200's TTFT at ratio 0, 194 ms,
-            # looked like layer 0's compute plus the 4.3 GB transfer: docs/kv-reuse.md); not yet measured since.
+            # Every segment's KV crosses in one call. (Assembling each layer only as its turn came, so that the GPU
+            # might compute earlier layers meanwhile, left an H200's TTFT as it was: bench/results/runs/h200_kv_reuse/.)
             moved = _to_device([[(kv.keys[i], kv.values[i]) for kv in kept_parts] for i in range(self.cfg.num_layers)])
-            kept = [functools.partial(_assemble_layer, tuple(parts), offsets, width) for parts in moved]
+            kept = [_assemble_layer(tuple(parts), offsets, width) for parts in moved]
         hidden, k_caches, v_caches, _ = self._run(ids, kept, reused, cache_len)
         return PromptKV(hidden, k_caches, v_caches, cached)
