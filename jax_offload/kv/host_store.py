@@ -300,8 +300,9 @@ class HostKVStore:
             if mirrored:
                 sharding = self._mirror_sharding[layer]
                 if sharding.memory_kind == "device" and self._mirror_spare:
-                    block = self._fill(self._mirror_spare.pop(), block)
-                self._mirror[layer, index] = jax.device_put(block, sharding)
+                    self._mirror[layer, index] = self._fill(self._mirror_spare.pop(), block)
+                else:
+                    self._mirror[layer, index] = jax.device_put(block, sharding)
         else:
             self._blocks[layer][index] = self._write_block(self._blocks[layer][index], kv, *how)
         self._written[layer, index] = True
