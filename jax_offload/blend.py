@@ -53,15 +53,28 @@ class Segments:
         return f"Segments({len(self.parts)} parts)"
 
 
+# Kept layers cross PCIe stacked by this many: few, large copies (1,024 copies of 4 MB moved 4.3 GB in 129 ms on an
+# H200, 32 of 128 MB in 81 ms: bench/results/runs/h200_kv_reuse/blend_parts/), while the first group arrives long
+# before layer 0's compute ends, so the rest of the move runs under the layers.
+KEPT_GROUP = 8
+
+
 @dataclasses.dataclass
 class SegmentKV:
-    """One segment of `length` tokens computed alone: per layer, its keys before RoPE and its values
-    [1, W, Hkv, D], W its length bucket (rows past `length` are padding), so that segments of any length take
-    the same few shapes (and compiled programs)."""
+    """One segment of `length` tokens computed alone: its keys before RoPE and its values for layers 1.. (layer 0 is
+    computed for every token, so its KV is never reused), stacked KEPT_GROUP layers at a time [G, W, Hkv, D], W its
+    length bucket (rows past `length` are padding), so that segments of any length take the same few shapes (and
+    compiled programs)."""
 
     keys: list[jax.Array]
     values: list[jax.Array]
     length: int
+
+    @classmethod
+    def from_layers(cls, keys: list[jax.Array], values: list[jax.Array], length: int) -> SegmentKV:
+        """From every layer's [1, W, Hkv, D] keys and values, layer 0's left out."""
+        groups = range(1, len(keys), KEPT_GROUP)
+        return cls(*([_stack(tuple(xs[g:g + KEPT_GROUP])) for g in groups] for xs in (keys, values)), length)
 
     @property
     def nbytes(self) -> int:
@@ -143,21 +156,41 @@ def _choose(cfg: ModelConfig, layer: LayerParams, x: jax.Array, v_kept: jax.Arra
     return choose_recompute(decoder.project_qkv(cfg, layer, x)[2][0], v_kept[0], reused, always, count)
 
 
-@functools.partial(jax.jit, static_argnums=(2,))
-def _assemble(parts: tuple[jax.Array, ...], offsets: jax.Array, width: int) -> jax.Array:
-    """Segments' padded rows [1, W_i, Hkv, D] placed at `offsets` -> [1, width, Hkv, D]: each written after the
-    one before, so the next segment overwrites a segment's padding (rows no segment holds are never read as kept:
-    the question is computed, the rest is past the prompt)."""
+@jax.jit
+def _stack(layers: tuple[jax.Array, ...]) -> jax.Array:
+    return jnp.concatenate(layers)
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+def _assemble(parts: tuple[jax.Array, ...], index: jax.Array, offsets: jax.Array, width: int) -> jax.Array:
+    """Layer `index` of segments' stacked rows [G, W_i, Hkv, D] placed at `offsets` -> [1, width, Hkv, D]: each
+    written after the one before, so the next segment overwrites a segment's padding (rows no segment holds are never
+    read as kept: the question is computed, the rest is past the prompt)."""
     out = jnp.zeros((1, width + max(p.shape[1] for p in parts), *parts[0].shape[2:]), parts[0].dtype)
     for i, part in enumerate(parts):
-        out = jax.lax.dynamic_update_slice(out, part, (0, offsets[i], 0, 0))
+        layer = jax.lax.dynamic_index_in_dim(part, index, keepdims=True)
+        out = jax.lax.dynamic_update_slice(out, layer, (0, offsets[i], 0, 0))
     return out[:, :width]
 
 
-def _assemble_layer(parts: tuple[tuple[jax.Array, jax.Array], ...], offsets: jax.Array, width: int
-                    ) -> tuple[jax.Array, jax.Array]:
-    """A layer's kept keys and values [1, width, Hkv, D] from its segments' (keys, values) pairs."""
-    return tuple(_assemble(tuple(pair[j] for pair in parts), offsets, width) for j in (0, 1))
+class _KeptSegments:
+    """The kept segments' KV, moved to the GPU in one call when the first layer is asked for (after layer 0's compute
+    is queued, so that the move runs under it), each layer assembled as its turn comes."""
+
+    def __init__(self, segments: list[SegmentKV], width: int):
+        self._segments, self._width = segments, width
+        self._offsets = jnp.asarray(np.cumsum([0] + [kv.length for kv in segments[:-1]]), jnp.int32)
+        self._moved = None
+
+    def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
+        """Layer i's (>= 1) kept keys and values [1, width, Hkv, D]."""
+        if self._moved is None:
+            self._moved = _to_device([[(kv.keys[g], kv.values[g]) for kv in self._segments]
+                                      for g in range(len(self._segments[0].keys))])
+        group, index = divmod(i - 1, KEPT_GROUP)
+        parts = self._moved[group]
+        return tuple(_assemble(tuple(pair[j] for pair in parts), np.int32(index), self._offsets, self._width)
+                     for j in (0, 1))
 
 
 @functools.partial(jax.jit, static_argnums=(4,))
@@ -177,11 +210,11 @@ class BlendRunner:
         self.cfg, self.params, self.inv_freq, self.dtype, self.impl = cfg, params, inv_freq, dtype, impl
         self.store, self.ratio, self.tag = store, ratio, tag
 
-    def _run(self, ids: list[int], kept: list[tuple[jax.Array, jax.Array]] | None, reused: np.ndarray,
-             cache_len: int) -> tuple[jax.Array, list[jax.Array], list[jax.Array], SegmentKV]:
-        """The layers over tokens `ids` (positions 0..), kept KV per layer [1, W, Hkv, D] (None: compute every
-        token), `reused` bool [W]. Returns (the last token's hidden state [1, 1, hidden], the caches, the tokens'
-        keys before RoPE and values per layer: every token's when `kept` is None)."""
+    def _run(self, ids: list[int], kept: _KeptSegments | None, reused: np.ndarray, cache_len: int
+             ) -> tuple[jax.Array, list[jax.Array], list[jax.Array], SegmentKV]:
+        """The layers over tokens `ids` (positions 0..), the kept segments' KV (None: compute every token), `reused`
+        bool [W]. Returns (the last token's hidden state [1, 1, hidden], the caches, the tokens' keys before RoPE and
+        values: every token's when `kept` is None)."""
         cfg, n = self.cfg, len(ids)
         width = prompt_bucket(n)
         padded = np.zeros((1, width), np.int32)
@@ -199,7 +232,7 @@ class BlendRunner:
             if kept is None or i == 0:
                 k_cache, v_cache = jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
             else:
-                k_kept, v_kept = kept[i]
+                k_kept, v_kept = kept.layer(i)
                 k_cache, v_cache = _kept_cache(layer, k_kept, v_kept, self.inv_freq, cache_len)
             if kept is not None and i == 1:  # the choice: fresh values of every token against the kept ones
                 chosen = np.asarray(_choose(cfg, layer, x, v_kept, reused, always, count))
@@ -218,7 +251,7 @@ class BlendRunner:
             keys.append(k_pre)
             values.append(v_raw)
         last = np.int32(np.flatnonzero(rows == n - 1)[0])
-        return jax.lax.dynamic_slice_in_dim(x, last, 1, axis=1), k_caches, v_caches, SegmentKV(keys, values, n)
+        return jax.lax.dynamic_slice_in_dim(x, last, 1, axis=1), k_caches, v_caches, SegmentKV.from_layers(keys, values, n)
 
     def prefill(self, parts: list[list[int]], total_len: int) -> PromptKV:
         """Segments' token ids -> the last token's hidden state [1, 1, hidden], K and V caches per layer of
@@ -238,12 +271,6 @@ class BlendRunner:
         width = prompt_bucket(len(ids))
         reused = np.zeros(width, bool)
         reused[: len(ids) - len(parts[-1])] = True
-        kept = None
-        if kept_parts:
-            offsets = jnp.asarray(np.cumsum([0] + [kv.length for kv in kept_parts[:-1]]), jnp.int32)
-            # Every segment's KV crosses in one call. (Assembling each layer only as its turn came, so that the GPU
-            # might compute earlier layers meanwhile, left an H200's TTFT as it was: bench/results/runs/h200_kv_reuse/.)
-            moved = _to_device([[(kv.keys[i], kv.values[i]) for kv in kept_parts] for i in range(self.cfg.num_layers)])
-            kept = [_assemble_layer(tuple(parts), offsets, width) for parts in moved]
+        kept = _KeptSegments(kept_parts, width) if kept_parts else None
         hidden, k_caches, v_caches, _ = self._run(ids, kept, reused, cache_len)
         return PromptKV(hidden, k_caches, v_caches, cached)

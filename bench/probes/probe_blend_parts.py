@@ -3,12 +3,14 @@
 question, Llama-3.1-8B shape, random bf16), each figure the median (min-max) of REPEATS runs after two untimed ones:
 - `generate_ttft`: `LLM.generate` of a `Segments` prompt, one token (what bench_kv_reuse.py times);
 - `prefill`: `BlendRunner.prefill` alone, at ratio 0.15 and 0 (the engine's scheduling and first draw left out);
-- `move_per_layer`: the kept segments' KV to the GPU as `prefill` moves it (an array per segment, layer and K or V);
-- `move_per_segment`: the same bytes kept as one pinned array per segment and K or V (layers stacked);
-- `move_one`: the same bytes as one pinned array (the link's rate for one copy).
-So: the blend's time beyond the move, whether fewer larger copies move the segments faster, and what is left for
-the engine around the prefill. Writes probe_blend_parts.json under $OUT (SHAPE=qwen3-0.6b LAYERS=2 DOCS=2
-DOC_TOKENS=256 for a CPU smoke test).
+- `move_grouped`: the kept segments' KV to the GPU as `prefill` moves it (an array per segment, group of
+  KEPT_GROUP layers and K or V);
+- `move_one`: the same bytes as one pinned array (the link's rate for one copy);
+- `compute`, `compute_beside_move`: a chain of bf16 matmuls alone, and with the move issued beside it (whether the
+  move runs under compute).
+So: the blend's time beyond the move, whether the move is hidden, and what is left for the engine around the
+prefill. Writes probe_blend_parts.json under $OUT (SHAPE=qwen3-0.6b LAYERS=2 DOCS=2
+DOC_TOKENS=256 MATMUL=256 for a CPU smoke test).
 
     python bench/probes/probe_blend_parts.py
 """
@@ -32,6 +34,7 @@ from jax_offload.blend import _to_device, _to_host, chained_key  # noqa: E402
 SHAPE, LAYERS = os.environ.get("SHAPE", "llama-3.1-8b"), os.environ.get("LAYERS")
 DOCS, DOC_TOKENS = int(os.environ.get("DOCS", 16)), int(os.environ.get("DOC_TOKENS", 2048))
 QUESTION, REPEATS = 64, int(os.environ.get("REPEATS", 5))
+MATMUL = int(os.environ.get("MATMUL", 8192))
 
 
 def timed(fn) -> dict:
@@ -46,8 +49,8 @@ def timed(fn) -> dict:
 
 
 def pinned_stack(arrays: list[jax.Array]) -> jax.Array:
-    """One pinned host array of `arrays` stacked (built in GPU memory, then moved)."""
-    return _to_host(jnp.stack(_to_device(arrays)))
+    """One pinned host array of `arrays` joined on their first axis (built in GPU memory, then moved)."""
+    return _to_host(jnp.concatenate(_to_device(arrays)))
 
 
 def main() -> None:
@@ -71,14 +74,16 @@ def main() -> None:
         runner.ratio = ratio
         result[f"prefill_ratio_{ratio}"] = timed(lambda: runner.prefill(prompt(), total))
     kept = [runner.store.get(chained_key(runner.tag, doc)) for doc in docs]
-    per_layer = [[(kv.keys[i], kv.values[i]) for kv in kept] for i in range(cfg.num_layers)]
+    grouped = [(kv.keys, kv.values) for kv in kept]
     result["move_bytes"] = sum(kv.nbytes for kv in kept)
-    result["move_per_layer"] = timed(lambda: _to_device(per_layer))
-    per_segment = [(pinned_stack(kv.keys), pinned_stack(kv.values)) for kv in kept]
-    result["move_per_segment"] = timed(lambda: _to_device(per_segment))
-    del per_segment
+    result["move_grouped"] = timed(lambda: _to_device(grouped))
     one = pinned_stack([x for kv in kept for x in (*kv.keys, *kv.values)])
     result["move_one"] = timed(lambda: _to_device(one))
+    del one
+    a = jnp.ones((MATMUL, MATMUL), jnp.bfloat16)
+    chain = jax.jit(lambda a: jax.lax.fori_loop(0, 60, lambda i, x: (x @ a) * 1e-4, a))
+    result["compute"] = timed(lambda: chain(a))
+    result["compute_beside_move"] = timed(lambda: (chain(a), _to_device(grouped)))
     for name, row in result.items():
         if isinstance(row, dict):
             print(f"{name}: {row['median'] * 1e3:.1f} ms ({row['min'] * 1e3:.1f}-{row['max'] * 1e3:.1f})", flush=True)
