@@ -156,6 +156,15 @@ def _choose(cfg: ModelConfig, layer: LayerParams, x: jax.Array, v_kept: jax.Arra
     return choose_recompute(decoder.project_qkv(cfg, layer, x)[2][0], v_kept[0], reused, always, count)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _chosen_rows(chosen: jax.Array, picked: int, size: int) -> tuple[jax.Array, jax.Array]:
+    """The positions of the `picked` chosen tokens (bool [W]) ascending, padded to `size` rows with the last one, and
+    which rows are real: found on the GPU, so the host queues the layers without waiting for the choice."""
+    rows = jnp.flatnonzero(chosen, size=size, fill_value=0).astype(jnp.int32)
+    row_ok = jnp.arange(size) < picked
+    return jnp.where(row_ok, rows, rows[picked - 1]), row_ok
+
+
 @jax.jit
 def _stack(layers: tuple[jax.Array, ...]) -> jax.Array:
     return jnp.concatenate(layers)
@@ -174,22 +183,24 @@ def _assemble(parts: tuple[jax.Array, ...], index: jax.Array, offsets: jax.Array
 
 
 class _KeptSegments:
-    """The kept segments' KV, moved to the GPU in one call when the first layer is asked for (after layer 0's compute
-    is queued, so that the move runs under it), each layer assembled as its turn comes."""
+    """The kept segments' KV, moved to the GPU in one call before any layer is queued, each layer assembled as its
+    turn comes. XLA starts a transfer only once the compute queued before it has run (an H200 took 83 ms for a
+    matmul chain, 82 ms for the move, 156 ms for the chain with the move queued after it and 90 ms with the move
+    queued first: bench/results/runs/h200_kv_reuse/blend_parts/), so queued first, the move runs under layer 0's
+    compute and the later groups under the layers before them."""
 
     def __init__(self, segments: list[SegmentKV], width: int):
-        self._segments, self._width = segments, width
+        self._width = width
         self._offsets = jnp.asarray(np.cumsum([0] + [kv.length for kv in segments[:-1]]), jnp.int32)
-        self._moved = None
+        self._indices = [jnp.asarray(np.int32(j)) for j in range(KEPT_GROUP)]
+        groups = range(len(segments[0].keys))
+        self._moved = _to_device([[(kv.keys[g], kv.values[g]) for kv in segments] for g in groups])
 
     def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
         """Layer i's (>= 1) kept keys and values [1, width, Hkv, D]."""
-        if self._moved is None:
-            self._moved = _to_device([[(kv.keys[g], kv.values[g]) for kv in self._segments]
-                                      for g in range(len(self._segments[0].keys))])
         group, index = divmod(i - 1, KEPT_GROUP)
         parts = self._moved[group]
-        return tuple(_assemble(tuple(pair[j] for pair in parts), np.int32(index), self._offsets, self._width)
+        return tuple(_assemble(tuple(pair[j] for pair in parts), self._indices[index], self._offsets, self._width)
                      for j in (0, 1))
 
 
@@ -210,23 +221,29 @@ class BlendRunner:
         self.cfg, self.params, self.inv_freq, self.dtype, self.impl = cfg, params, inv_freq, dtype, impl
         self.store, self.ratio, self.tag = store, ratio, tag
 
-    def _run(self, ids: list[int], kept: _KeptSegments | None, reused: np.ndarray, cache_len: int
+    def _run(self, ids: list[int], kept_segments: list[SegmentKV], reused: np.ndarray, cache_len: int
              ) -> tuple[jax.Array, list[jax.Array], list[jax.Array], SegmentKV]:
-        """The layers over tokens `ids` (positions 0..), the kept segments' KV (None: compute every token), `reused`
-        bool [W]. Returns (the last token's hidden state [1, 1, hidden], the caches, the tokens' keys before RoPE and
+        """The layers over tokens `ids` (positions 0..), the kept segments they start with (none: compute every
+        token), `reused` bool [W]. Returns (the last token's hidden state [1, 1, hidden], the caches, the tokens' keys before RoPE and
         values: every token's when `kept` is None)."""
         cfg, n = self.cfg, len(ids)
         width = prompt_bucket(n)
         padded = np.zeros((1, width), np.int32)
         padded[0, :n] = ids
-        x = embed_tokens(self.params.embed, padded)
-        rows = np.arange(width, dtype=np.int32)
-        row_ok = rows < n
+        row_ok = np.arange(width) < n
         always = row_ok & ~reused
-        kv_len = np.int32(n)
+        always[n - 1] = True  # the last token's hidden state gives the first output token
+        choosable = reused & ~always
+        count = math.ceil(self.ratio * int(reused.sum()))
+        picked = int(always.sum()) + min(count, int(choosable.sum()))
+        # Every small input crosses before the segments' move (`_KeptSegments`): queued after it, they would wait
+        # for it on the one host-to-GPU stream, and the layers for them.
+        x = embed_tokens(self.params.embed, jnp.asarray(padded))
+        rows, row_ok, kv_len = jnp.arange(width, dtype=jnp.int32), jnp.asarray(row_ok), jnp.asarray(np.int32(n))
+        choice = tuple(map(jnp.asarray, (choosable, always, np.int32(count))))
+        kept = _KeptSegments(kept_segments, width) if kept_segments else None
         shape = (1, cache_len, cfg.num_kv_heads, cfg.head_dim)
         k_caches, v_caches, keys, values = [], [], [], []
-        count = np.int32(math.ceil(self.ratio * int(reused.sum())))
         every_token = True
         for i, layer in enumerate(self.params.layers):
             if kept is None or i == 0:
@@ -235,23 +252,18 @@ class BlendRunner:
                 k_kept, v_kept = kept.layer(i)
                 k_cache, v_cache = _kept_cache(layer, k_kept, v_kept, self.inv_freq, cache_len)
             if kept is not None and i == 1:  # the choice: fresh values of every token against the kept ones
-                chosen = np.asarray(_choose(cfg, layer, x, v_kept, reused, always, count))
-                picked = np.flatnonzero(chosen).astype(np.int32)
-                size = prompt_bucket(len(picked))
-                rows = np.full(size, picked[-1], np.int32)  # padding rows: the last position, ascending
-                rows[: len(picked)] = picked
-                row_ok = np.arange(size) < len(picked)
-                x = jnp.take(x, jnp.asarray(rows), axis=1)
+                rows, row_ok = _chosen_rows(_choose(cfg, layer, x, v_kept, *choice), picked, prompt_bucket(picked))
+                x = jnp.take(x, rows, axis=1)
                 every_token = False
             x, k_cache, v_cache, k_pre, v_raw = _blend_layer(
-                cfg, self.impl, every_token, layer, x, jnp.asarray(rows), jnp.asarray(row_ok), k_cache, v_cache,
-                self.inv_freq, kv_len)
+                cfg, self.impl, every_token, layer, x, rows, row_ok, k_cache, v_cache, self.inv_freq, kv_len)
             k_caches.append(k_cache)
             v_caches.append(v_cache)
             keys.append(k_pre)
             values.append(v_raw)
-        last = np.int32(np.flatnonzero(rows == n - 1)[0])
-        return jax.lax.dynamic_slice_in_dim(x, last, 1, axis=1), k_caches, v_caches, SegmentKV.from_layers(keys, values, n)
+        last = picked - 1 if kept is not None else n - 1  # the last position is the last row computed
+        segment = SegmentKV.from_layers(keys, values, n)
+        return x[:, last:last + 1], k_caches, v_caches, segment
 
     def prefill(self, parts: list[list[int]], total_len: int) -> PromptKV:
         """Segments' token ids -> the last token's hidden state [1, 1, hidden], K and V caches per layer of
@@ -262,7 +274,7 @@ class BlendRunner:
             key = chained_key(self.tag, part)
             kv = self.store.get(key)
             if kv is None:
-                kv = self._run(part, None, np.zeros(prompt_bucket(len(part)), bool), cache_bucket(len(part)))[3]
+                kv = self._run(part, [], np.zeros(prompt_bucket(len(part)), bool), cache_bucket(len(part)))[3]
                 self.store.put(key, kv)
             else:
                 cached += len(part)
@@ -271,6 +283,5 @@ class BlendRunner:
         width = prompt_bucket(len(ids))
         reused = np.zeros(width, bool)
         reused[: len(ids) - len(parts[-1])] = True
-        kept = _KeptSegments(kept_parts, width) if kept_parts else None
-        hidden, k_caches, v_caches, _ = self._run(ids, kept, reused, cache_len)
+        hidden, k_caches, v_caches, _ = self._run(ids, kept_parts, reused, cache_len)
         return PromptKV(hidden, k_caches, v_caches, cached)

@@ -6,8 +6,8 @@ question, Llama-3.1-8B shape, random bf16), each figure the median (min-max) of 
 - `move_grouped`: the kept segments' KV to the GPU as `prefill` moves it (an array per segment, group of
   KEPT_GROUP layers and K or V);
 - `move_one`: the same bytes as one pinned array (the link's rate for one copy);
-- `compute`, `compute_beside_move`: a chain of bf16 matmuls alone, and with the move issued beside it (whether the
-  move runs under compute).
+- `compute`, `compute_then_move`, `move_then_compute`: a chain of bf16 matmuls alone, and with the move queued
+  after it or before it (whether the move runs under compute).
 So: the blend's time beyond the move, whether the move is hidden, and what is left for the engine around the
 prefill. Writes probe_blend_parts.json under $OUT (SHAPE=qwen3-0.6b LAYERS=2 DOCS=2
 DOC_TOKENS=256 MATMUL=256 for a CPU smoke test).
@@ -83,7 +83,8 @@ def main() -> None:
     a = jnp.ones((MATMUL, MATMUL), jnp.bfloat16)
     chain = jax.jit(lambda a: jax.lax.fori_loop(0, 60, lambda i, x: (x @ a) * 1e-4, a))
     result["compute"] = timed(lambda: chain(a))
-    result["compute_beside_move"] = timed(lambda: (chain(a), _to_device(grouped)))
+    result["compute_then_move"] = timed(lambda: (chain(a), _to_device(grouped)))
+    result["move_then_compute"] = timed(lambda: (_to_device(grouped), chain(a)))
     for name, row in result.items():
         if isinstance(row, dict):
             print(f"{name}: {row['median'] * 1e3:.1f} ms ({row['min'] * 1e3:.1f}-{row['max'] * 1e3:.1f})", flush=True)
