@@ -193,8 +193,9 @@ class _KeptSegments:
         self._width = width
         self._offsets = jnp.asarray(np.cumsum([0] + [kv.length for kv in segments[:-1]]), jnp.int32)
         self._indices = [jnp.asarray(np.int32(j)) for j in range(KEPT_GROUP)]
+        # A call per group: the arrays of one `device_put` are ready together, so the first layers would wait for all.
         groups = range(len(segments[0].keys))
-        self._moved = _to_device([[(kv.keys[g], kv.values[g]) for kv in segments] for g in groups])
+        self._moved = [_to_device([(kv.keys[g], kv.values[g]) for kv in segments]) for g in groups]
 
     def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
         """Layer i's (>= 1) kept keys and values [1, width, Hkv, D]."""
