@@ -10,6 +10,7 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import attention as attention_mod
+from pallas_kernels._common import on_hopper
 from kernel_reference import assert_attention_close, attention_ref, decode_ref
 
 PREFILL = {"pallas": pk.attention_with_lse, "xla": pk.attention_with_lse_xla}
@@ -130,6 +131,29 @@ def test_picked_query_positions_match_float64(impl):
     o, lse = PREFILL[impl](q, k, v, causal=True, kv_len=jnp.asarray(kv_len, jnp.int32),
                            q_positions=jnp.asarray(positions), **blocks)
     assert_attention_close(o, lse, ref_o, ref_lse, tol=1e-5, lse_tol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["reversed_keys_cpu", "hopper_gpu"])
+def test_picked_query_positions_on_the_hopper_route_match_float64(kernel, monkeypatch):
+    """On the Hopper kernel, picked queries run over the keys reversed, each row seeing keys from tk-1-(its last
+    visible key) on. `reversed_keys_cpu`: that route taken on the CPU (the reversed call then runs on the Triton
+    kernel interpreted), float32; `hopper_gpu`: the real route on an sm_90 GPU, bf16."""
+    if kernel == "hopper_gpu" and not on_hopper():
+        pytest.skip("the Hopper kernel runs on sm_90 GPUs only")
+    if kernel == "reversed_keys_cpu":  # the route's own check says yes; every later one (the reversed call's) no
+        answers = iter([True])
+        monkeypatch.setattr(attention_mod, "runs_on_hopper_kernel", lambda *args, **kwargs: next(answers, False))
+    seed = 4210
+    rng = np.random.default_rng(seed)
+    b, tq, tk, hq, hkv, d = 2, 45, 150, 4, 1, 64
+    kv_len = [150, 97]
+    positions = np.stack([np.sort(rng.choice(n, tq, replace=False)) for n in kv_len]).astype(np.int32)
+    dtype, tol = ("float32", 1e-5) if kernel == "reversed_keys_cpu" else ("bfloat16", 1e-2)
+    (q, k, v), (qn, kn, vn) = _inputs(seed, (b, tq, hq, d), (b, tk, hkv, d), dtype)
+    ref_o, ref_lse = attention_ref(qn, kn, vn, causal=True, kv_len=kv_len, q_positions=positions)
+    o, lse = pk.attention_with_lse(q, k, v, causal=True, kv_len=jnp.asarray(kv_len, jnp.int32),
+                                   q_positions=jnp.asarray(positions))
+    assert_attention_close(o, lse, ref_o, ref_lse, tol=tol, lse_tol=tol)
 
 
 def test_rejects_bad_kv_start():

@@ -6,6 +6,9 @@ question, Llama-3.1-8B shape, random bf16), each figure the median (min-max) of 
 - `move_grouped`: the kept segments' KV to the GPU as `prefill` moves it (an array per segment, group of
   KEPT_GROUP layers and K or V);
 - `move_one`: the same bytes as one pinned array (the link's rate for one copy);
+- `attention_by_position`, `attention_reversed_keys`: the recompute's attention at one layer, as the blend runs it
+  (the Triton kernel: queries picked by position) and with the keys reversed (the Hopper kernel: each row's first
+  key instead of its last);
 - `compute`, `compute_then_move`, `move_then_compute`: a chain of bf16 matmuls alone, and with the move queued
   after it or before it (whether the move runs under compute).
 So: the blend's time beyond the move, whether the move is hidden, and what is left for the engine around the
@@ -30,6 +33,8 @@ import numpy as np  # noqa: E402
 from common import model_config, probe_output, random_params, run_metadata, stats  # noqa: E402
 from jax_offload import LLM, SamplingParams, Segments  # noqa: E402
 from jax_offload.blend import _to_device, _to_host, chained_key  # noqa: E402
+from jax_offload.buckets import cache_bucket, prompt_bucket  # noqa: E402
+from pallas_kernels.attention import attention_with_lse  # noqa: E402
 
 SHAPE, LAYERS = os.environ.get("SHAPE", "llama-3.1-8b"), os.environ.get("LAYERS")
 DOCS, DOC_TOKENS = int(os.environ.get("DOCS", 16)), int(os.environ.get("DOC_TOKENS", 2048))
@@ -51,6 +56,28 @@ def timed(fn) -> dict:
 def pinned_stack(arrays: list[jax.Array]) -> jax.Array:
     """One pinned host array of `arrays` joined on their first axis (built in GPU memory, then moved)."""
     return _to_host(jnp.concatenate(_to_device(arrays)))
+
+
+def attention_parts(cfg, total: int, rng: np.random.Generator, result: dict) -> None:
+    """The recompute's attention at one layer: the chosen rows (15% of the prompt, and the question) over the whole
+    cache, as the blend runs it (`q_positions`: the Triton kernel) and as the Hopper kernel can (keys reversed,
+    each row seeing keys from Tk-1-position on); the two outputs' largest difference."""
+    n_picked = int(0.15 * (total - QUESTION)) + QUESTION
+    size, tk = prompt_bucket(n_picked), cache_bucket(total + 16)
+    pos = np.sort(np.concatenate([rng.choice(total - QUESTION, n_picked - QUESTION, replace=False),
+                                  np.arange(total - QUESTION, total)]))
+    pos = jnp.asarray(np.concatenate([pos, np.full(size - n_picked, pos[-1])]).astype(np.int32))[None]
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (1, size, cfg.num_heads, cfg.head_dim), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (1, tk, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16) for key in keys[1:])
+    by_position = jax.jit(lambda q, k, v, pos: attention_with_lse(q, k, v, causal=True, kv_len=total,
+                                                                  q_positions=pos, out_dtype=jnp.float32)[0])
+    reversed_keys = jax.jit(lambda q, k, v, pos: attention_with_lse(
+        q, jnp.flip(k, 1), jnp.flip(v, 1), kv_start=k.shape[1] - 1 - pos, out_dtype=jnp.float32)[0])
+    result["attention_rows"], result["attention_keys"] = size, tk
+    result["attention_by_position"] = timed(lambda: by_position(q, k, v, pos))
+    result["attention_reversed_keys"] = timed(lambda: reversed_keys(q, k, v, pos))
+    result["attention_max_abs_diff"] = float(jnp.abs(by_position(q, k, v, pos) - reversed_keys(q, k, v, pos)).max())
 
 
 def main() -> None:
@@ -85,6 +112,7 @@ def main() -> None:
     result["compute"] = timed(lambda: chain(a))
     result["compute_then_move"] = timed(lambda: (chain(a), _to_device(grouped)))
     result["move_then_compute"] = timed(lambda: (_to_device(grouped), chain(a)))
+    attention_parts(cfg, total, rng, result)
     for name, row in result.items():
         if isinstance(row, dict):
             print(f"{name}: {row['median'] * 1e3:.1f} ms ({row['min'] * 1e3:.1f}-{row['max'] * 1e3:.1f})", flush=True)
