@@ -223,10 +223,10 @@ class BlendRunner:
         self.store, self.ratio, self.tag = store, ratio, tag
 
     def _run(self, ids: list[int], kept_segments: list[SegmentKV], reused: np.ndarray, cache_len: int
-             ) -> tuple[jax.Array, list[jax.Array], list[jax.Array], SegmentKV]:
+             ) -> tuple[jax.Array, list[jax.Array], list[jax.Array], SegmentKV | None]:
         """The layers over tokens `ids` (positions 0..), the kept segments they start with (none: compute every
-        token), `reused` bool [W]. Returns (the last token's hidden state [1, 1, hidden], the caches, the tokens' keys before RoPE and
-        values: every token's when `kept` is None)."""
+        token), `reused` bool [W]. Returns (the last token's hidden state [1, 1, hidden], the caches, and with no
+        kept segments the tokens' keys before RoPE and values, to keep)."""
         cfg, n = self.cfg, len(ids)
         width = prompt_bucket(n)
         padded = np.zeros((1, width), np.int32)
@@ -263,7 +263,7 @@ class BlendRunner:
             keys.append(k_pre)
             values.append(v_raw)
         last = picked - 1 if kept is not None else n - 1  # the last position is the last row computed
-        segment = SegmentKV.from_layers(keys, values, n)
+        segment = None if kept is not None else SegmentKV.from_layers(keys, values, n)
         return x[:, last:last + 1], k_caches, v_caches, segment
 
     def prefill(self, parts: list[list[int]], total_len: int) -> PromptKV:

@@ -17,8 +17,11 @@ DOC_TOKENS=256 MATMUL=256 for a CPU smoke test).
 
     python bench/probes/probe_blend_parts.py
 """
+import cProfile
+import io
 import json
 import os
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -34,6 +37,7 @@ from common import model_config, probe_output, random_params, run_metadata, stat
 from jax_offload import LLM, SamplingParams, Segments  # noqa: E402
 from jax_offload.blend import _to_device, _to_host, chained_key  # noqa: E402
 from jax_offload.buckets import cache_bucket, prompt_bucket  # noqa: E402
+from jax_offload.serving.model_runner import _write_prompt_kv  # noqa: E402
 from pallas_kernels.attention import attention_with_lse  # noqa: E402
 
 SHAPE, LAYERS = os.environ.get("SHAPE", "llama-3.1-8b"), os.environ.get("LAYERS")
@@ -56,6 +60,29 @@ def timed(fn) -> dict:
 def pinned_stack(arrays: list[jax.Array]) -> jax.Array:
     """One pinned host array of `arrays` joined on their first axis (built in GPU memory, then moved)."""
     return _to_host(jnp.concatenate(_to_device(arrays)))
+
+
+def engine_parts(llm, runner, generate, prompt, total: int, result: dict) -> None:
+    """What `generate` adds to the blend prefill: the prompt's K and V written into the pool, and the host's time by
+    function (cProfile of one `generate`, the 25 largest cumulative times)."""
+    mr = llm._batch().runner
+    kv = runner.prefill(prompt(), total)
+    slots = mr.tp.replicate(np.arange(kv.k[0].shape[1], dtype=np.int32))
+    dtypes = tuple(layer.kv_cache_dtype for layer in mr.params.layers)
+
+    def write():
+        mr.k_pool, mr.v_pool = _write_prompt_kv(dtypes, mr.k_pool, mr.v_pool, slots, tuple(kv.k), tuple(kv.v))
+        return mr.k_pool
+
+    result["pool_write"] = timed(write)
+    profile = cProfile.Profile()
+    profile.enable()
+    generate()
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(25)
+    result["generate_profile"] = text.getvalue()
+    print(text.getvalue(), flush=True)
 
 
 def attention_parts(cfg, total: int, rng: np.random.Generator, result: dict) -> None:
@@ -97,6 +124,10 @@ def main() -> None:
               "repeats": REPEATS}
     result["generate_ttft"] = timed(lambda: llm.generate([Segments(prompt())], one_token)[0].token_ids)
     runner = llm._blend_runner()
+    engine_parts(llm, runner, lambda: llm.generate([Segments(prompt())], one_token), prompt, total, result)
+    if os.environ.get("PARTS") == "engine":
+        probe_output("probe_blend_parts.json").write_text(json.dumps(result, indent=1))
+        return
     for ratio in (0.15, 0.0):
         runner.ratio = ratio
         result[f"prefill_ratio_{ratio}"] = timed(lambda: runner.prefill(prompt(), total))
