@@ -207,9 +207,8 @@ def runs_on_hopper_kernel(q: jax.Array, k: jax.Array, v: jax.Array, out_dtype: j
     loads, wgmma, warp specialisation) for these arguments rather than the Triton one: on an sm_90 GPU, with
     bfloat16 or float16 inputs and D 64 or 128, unless the queries are picked by position (`q_positions`: `_launch`
     then reverses the keys for it where it finishes one call), Triton launch parameters are given (`tuned`) or the
-    environment sets JAX_OFFLOAD_HOPPER_ATTENTION=0. The
-    choice depends on nothing that differs between the calls of one model's prefill (in GPU memory, chunked,
-    offloaded), so those keep one another's bits."""
+    environment sets JAX_OFFLOAD_HOPPER_ATTENTION=0. The choice depends on nothing that differs between the calls of
+    one model's prefill (in GPU memory, chunked, offloaded), so those keep one another's bits."""
     if resolve_interpret(interpret) or q_positions is not None or tuned:
         return False
     if not hopper_kernels_allowed():

@@ -313,7 +313,7 @@ def _write_prompt_kv(kv_dtypes: tuple[str, ...], k_pool: tuple, v_pool: tuple, b
     """Writes a prompt's K and V caches [1, T, Hkv, D] per layer (as a one-request cache holds them; rows from
     `length` on written as zeros) into every layer's pool, block i of the cache into pool block blocks[i] (ids past
     the pool: not written; all distinct), in each layer's KV format. Whole blocks: a scatter of token rows took 18 ms
-    for an 8B shape's 32K-token prompt on an H200, of blocks 3.9 (bench/results/runs/h200_kv_reuse/blend_parts/)."""
+    for an 8B shape's 32K-token prompt on an H200, of blocks 3.9 (bench/results/runs/h200_kv_reuse/pool_write/)."""
     def write(pool, x, kv_dtype):
         block_size = kv_format.values_of(pool).shape[1]
         rows = len(blocks) * block_size
