@@ -20,6 +20,7 @@ makes XAttention's estimate and attends the blocks it chose (`sparse/xattention.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -61,6 +62,16 @@ from pallas_kernels.sketch import hopper_scores_int4_words
 # Compiles a chunked XAttention prefill's program for its next key span while the chunks of this span run (each new
 # span of a 1M-token prompt stalled the prefill 10-25 s on an H200, bench/results/runs/h200_1m_prefill/).
 _SPAN_COMPILER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jax_offload-span-compile")
+
+
+def compiles_ahead() -> bool:
+    """Whether a chunked prefill compiles its next key span's program on a thread: on a GPU, not on the CPU, where
+    compiles take little and two test-suite runs lost a worker to a segfault inside an XLA:CPU compile with the
+    thread alive; JAX_OFFLOAD_COMPILE_AHEAD=1 or 0 decides instead."""
+    setting = os.environ.get("JAX_OFFLOAD_COMPILE_AHEAD")
+    if setting not in (None, "0", "1"):
+        raise ValueError(f"JAX_OFFLOAD_COMPILE_AHEAD is {setting!r}; allowed: 0 or 1")
+    return jax.default_backend() != "cpu" if setting is None else setting == "1"
 
 
 class OffloadRunner:
@@ -268,7 +279,7 @@ class OffloadRunner:
         out): the chunks of this span run meanwhile (a compile at 1M took 10-17 s, a chunk 3-5 s), and the first
         chunk of the next span finds it compiled (JAX's cache holds what `lower(...).compile()` made for the same
         shapes, shardings and static arguments)."""
-        if c == 0 or self._span(c - 1) != self._span(c):
+        if c == 0 or self._span(c - 1) != self._span(c) or not compiles_ahead():
             return
         span = next((s for s in map(self._span, range(c + 1, num_chunks)) if s != self._span(c)), None)
         if span is None or span in self.span_compiles:

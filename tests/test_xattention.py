@@ -3,15 +3,18 @@ the in-GPU path's choices, moving each earlier block once a layer, the query-chu
 selection, and the options' errors."""
 from __future__ import annotations
 
-import threading
+import json
+import os
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src import dispatch, monitoring
 
 import tiny_models
 from jax_offload import LLM, SamplingParams
+from jax_offload.offload_runner import compiles_ahead
 from jax_offload.sparse import xattention
 from jax_offload.sparse.xattention import XAttention
 
@@ -79,28 +82,53 @@ def test_offloaded_chunks_in_bfloat16_equal_in_gpu(model_dir, prompt):
     assert chunked.generate([prompt], greedy)[0].token_ids == in_gpu.generate([prompt], greedy)[0].token_ids, where
 
 
+_COMPILES_AHEAD = """
+import json, sys, threading
+from jax._src import dispatch, monitoring
+from jax_offload import LLM
+model_dir, prompt, options = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+compiled_on = []
+
+def listen(event, seconds, fun_name="", **_):
+    if event == dispatch.BACKEND_COMPILE_EVENT and "xattn_chunk_layer" in fun_name:
+        compiled_on.append(threading.current_thread().name)
+
+llm = LLM(model_dir, dtype="float32", **options)
+monitoring.register_event_duration_secs_listener(listen)
+llm.logits(prompt)
+for future in llm._runner.span_compiles.values():
+    future.result()  # raises what the thread's compile raised
+print(json.dumps(dict(spans=list(llm._runner.span_compiles), began=llm._runner.span_compile_chunks,
+                      compiled_on=sorted(compiled_on))))
+"""
+
+
 def test_next_key_span_compiles_ahead(model_dir, prompt):
     """A chunked prefill compiles its chunk program for the next key span on a thread from the second chunk of this
     span on, while this span's chunks run: the chunk that reaches it finds it compiled, so the prefill's thread
-    compiles the program once (its first span)."""
-    compiled_on = []
-
-    def listen(event, seconds, fun_name="", **_):
-        if event == dispatch.BACKEND_COMPILE_EVENT and "xattn_chunk_layer" in fun_name:
-            compiled_on.append(threading.current_thread().name)
-
+    compiles the program once (its first span). On the CPU only when asked (`compiles_ahead`), and here in a process
+    of its own, so that no test process of the suite keeps a compiling thread."""
     # 32-token chunks (no other test's): spans of 256 keys for chunks 0-7, then 512 for chunks 8 and 9.
+    options = dict(xattn_threshold=0.6, **XATTN, **dict(OFFLOAD, block_size=32), prefill="chunked")
+    run = subprocess.run([sys.executable, "-c", _COMPILES_AHEAD, str(model_dir), json.dumps(prompt),
+                          json.dumps(options)], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, JAX_OFFLOAD_COMPILE_AHEAD="1"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["spans"] == [512] and got["began"] == {"512": 1}, got  # the second chunk, not the last of span 256
+    assert got["compiled_on"] == ["MainThread", "jax_offload-span-compile_0"], got
+
+
+def test_no_compile_ahead_on_the_cpu_unless_asked(model_dir, prompt, monkeypatch):
+    """The CPU backend compiles every span's chunk program on the prefill's thread; a bad setting is one clear error."""
+    monkeypatch.delenv("JAX_OFFLOAD_COMPILE_AHEAD", raising=False)
     llm = LLM(model_dir, dtype="float32", xattn_threshold=0.6, **XATTN, **dict(OFFLOAD, block_size=32),
               prefill="chunked")
-    monitoring.register_event_duration_secs_listener(listen)
-    try:
-        llm.logits(prompt)
-    finally:
-        monitoring.unregister_event_duration_listener(listen)
-    assert list(llm._runner.span_compiles) == [512]
-    assert llm._runner.span_compile_chunks == {512: 1}  # begun with the second chunk, not the last of span 256
-    llm._runner.span_compiles[512].result()  # raises what the thread's compile raised
-    assert sorted(compiled_on) == ["MainThread", "jax_offload-span-compile_0"], compiled_on
+    llm.logits(prompt)
+    assert llm._runner.span_compiles == {}
+    monkeypatch.setenv("JAX_OFFLOAD_COMPILE_AHEAD", "yes")
+    with pytest.raises(ValueError, match="JAX_OFFLOAD_COMPILE_AHEAD is 'yes'; allowed: 0 or 1"):
+        compiles_ahead()
 
 
 def test_sparse_chunks_move_each_earlier_block_once(model_dir, prompt):
