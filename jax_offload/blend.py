@@ -13,8 +13,9 @@ always computed) are run through the layers, their fresh K and V replacing the k
 recomputes every token: full prefill. Ratio 0 reuses every kept segment.
 
 Attention is the prefill kernel: over the tokens' own K and V in the layers that compute every token, over the
-whole cache from the chosen tokens' positions (`q_positions`) in the others. One request at a time with the KV cache
-in GPU memory; decode then runs on the ordinary one-request path.
+whole cache from the chosen tokens' positions (`q_positions`) in the others. The blend is a step of the batch
+engine for one request (`Sequence.own_prefill`), its KV in GPU memory, then written into the pool; the request
+then decodes in the batch with the others.
 """
 from __future__ import annotations
 
@@ -170,7 +171,6 @@ def _stack(layers: tuple[jax.Array, ...]) -> jax.Array:
     return jnp.concatenate(layers)
 
 
-@functools.partial(jax.jit, static_argnums=(3,))
 def _assemble(parts: tuple[jax.Array, ...], index: jax.Array, offsets: jax.Array, width: int) -> jax.Array:
     """Layer `index` of segments' stacked rows [G, W_i, Hkv, D] placed at `offsets` -> [1, width, Hkv, D]: each
     written after the one before, so the next segment overwrites a segment's padding (rows no segment holds are never
@@ -180,6 +180,19 @@ def _assemble(parts: tuple[jax.Array, ...], index: jax.Array, offsets: jax.Array
         layer = jax.lax.dynamic_index_in_dim(part, index, keepdims=True)
         out = jax.lax.dynamic_update_slice(out, layer, (0, offsets[i], 0, 0))
     return out[:, :width]
+
+
+@functools.partial(jax.jit, static_argnums=(5, 6, 7))
+def _kept_layer(layer: LayerParams, parts: tuple[tuple[jax.Array, jax.Array], ...], index: jax.Array,
+                offsets: jax.Array, inv_freq: jax.Array, width: int, cache_len: int, with_values: bool):
+    """A layer's K and V caches [1, cache_len, Hkv, D] holding the kept segments' keys (before RoPE, rotated here to
+    their new positions) and values, in one program; and the kept values [1, width, Hkv, D] when `with_values` (the
+    choice compares them with fresh ones), else None."""
+    k_pre, v = (_assemble(tuple(pair[j] for pair in parts), index, offsets, width) for j in (0, 1))
+    cos, sin = cos_sin(inv_freq, jnp.arange(width, dtype=jnp.int32)[None], k_pre.dtype)
+    pad = ((0, 0), (0, cache_len - width), (0, 0), (0, 0))
+    caches = tuple(jnp.pad(c, pad) for c in decoder.stored_kv(layer, k_pre, v, cos, sin))
+    return (*caches, v if with_values else None)
 
 
 class _KeptSegments:
@@ -197,21 +210,12 @@ class _KeptSegments:
         groups = range(len(segments[0].keys))
         self._moved = [_to_device([(kv.keys[g], kv.values[g]) for kv in segments]) for g in groups]
 
-    def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
-        """Layer i's (>= 1) kept keys and values [1, width, Hkv, D]."""
+    def layer(self, layer: LayerParams, i: int, inv_freq: jax.Array, cache_len: int, with_values: bool
+              ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """Layer i's (>= 1) K and V caches and, when `with_values`, its kept values (`_kept_layer`)."""
         group, index = divmod(i - 1, KEPT_GROUP)
-        parts = self._moved[group]
-        return tuple(_assemble(tuple(pair[j] for pair in parts), self._indices[index], self._offsets, self._width)
-                     for j in (0, 1))
-
-
-@functools.partial(jax.jit, static_argnums=(4,))
-def _kept_cache(layer: LayerParams, k_pre: jax.Array, v: jax.Array, inv_freq: jax.Array, cache_len: int):
-    """The kept keys (before RoPE) and values [1, W, Hkv, D] of tokens 0..W-1 as the cache holds them, padded to
-    cache_len rows."""
-    cos, sin = cos_sin(inv_freq, jnp.arange(k_pre.shape[1], dtype=jnp.int32)[None], k_pre.dtype)
-    pad = ((0, 0), (0, cache_len - k_pre.shape[1]), (0, 0), (0, 0))
-    return tuple(jnp.pad(c, pad) for c in decoder.stored_kv(layer, k_pre, v, cos, sin))
+        return _kept_layer(layer, tuple(self._moved[group]), self._indices[index], self._offsets, inv_freq,
+                           self._width, cache_len, with_values)
 
 
 class BlendRunner:
@@ -250,8 +254,7 @@ class BlendRunner:
             if kept is None or i == 0:
                 k_cache, v_cache = jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
             else:
-                k_kept, v_kept = kept.layer(i)
-                k_cache, v_cache = _kept_cache(layer, k_kept, v_kept, self.inv_freq, cache_len)
+                k_cache, v_cache, v_kept = kept.layer(layer, i, self.inv_freq, cache_len, with_values=i == 1)
             if kept is not None and i == 1:  # the choice: fresh values of every token against the kept ones
                 rows, row_ok = _chosen_rows(_choose(cfg, layer, x, v_kept, *choice), picked, prompt_bucket(picked))
                 x = jnp.take(x, rows, axis=1)

@@ -67,11 +67,13 @@ def engine_parts(llm, runner, generate, prompt, total: int, result: dict) -> Non
     function (cProfile of one `generate`, the 25 largest cumulative times)."""
     mr = llm._batch().runner
     kv = runner.prefill(prompt(), total)
-    slots = mr.tp.replicate(np.arange(kv.k[0].shape[1], dtype=np.int32))
+    blocks = np.arange(-(-kv.k[0].shape[1] // mr.block_size), dtype=np.int32)  # the pool's first blocks
+    blocks, length = mr.tp.replicate((blocks, np.int32(total)))
     dtypes = tuple(layer.kv_cache_dtype for layer in mr.params.layers)
 
     def write():
-        mr.k_pool, mr.v_pool = _write_prompt_kv(dtypes, mr.k_pool, mr.v_pool, slots, tuple(kv.k), tuple(kv.v))
+        mr.k_pool, mr.v_pool = _write_prompt_kv(dtypes, mr.k_pool, mr.v_pool, blocks, length, tuple(kv.k),
+                                                tuple(kv.v))
         return mr.k_pool
 
     result["pool_write"] = timed(write)
