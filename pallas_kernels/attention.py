@@ -231,9 +231,8 @@ def _launch(q, k, v, state, *, causal, q_offset, kv_len, sm_scale, out_dtype, fi
         # The Hopper kernel knows each row's first key, not its last: over the keys reversed, a row whose last visible
         # key is j sees keys from tk-1-j on (CacheBlend's picked rows: 2.7 ms against 4.1 for the Triton kernel on
         # an H200, bench/results/runs/h200_kv_reuse/blend_parts/).
-        last = kv_len[:, None] - 1
-        if causal:
-            last = jnp.minimum(last, per_row(q_positions, batch, tq, "q_positions"))
+        positions = per_row(q_positions, batch, tq, "q_positions")
+        last = jnp.minimum(kv_len[:, None] - 1, positions) if causal else kv_len[:, None] - 1
         return _launch(q, jnp.flip(k, 1), jnp.flip(v, 1), None, causal=False, q_offset=0, kv_len=None,
                        sm_scale=sm_scale, out_dtype=out_dtype, finish=True, interpret=interpret, block_q=None,
                        block_k=None, num_warps=None, num_stages=None,

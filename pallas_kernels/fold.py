@@ -82,12 +82,7 @@ def _fold_kernel(live_ref, o_ref, lse_ref, acc_ref, m_ref, l_ref, acc_out, m_out
                           jnp.where(empty, 0.0, 1.0)))
         while len(nodes) > 1:
             nodes = [_merge(nodes[k], nodes[k + 1]) for k in range(0, len(nodes), 2)]
-        acc_t, m_t, l_t = nodes[0]
-        acc, m, l = carry
-        m_new = jnp.maximum(m, m_t)
-        m_use = jnp.where(m_new == NEG_INF, 0.0, m_new)
-        w_old, w_t = jnp.exp2(m - m_use), jnp.exp2(m_t - m_use)
-        new = (acc * w_old[:, None] + acc_t * w_t[:, None], m_new, l * w_old + l_t * w_t)
+        new = _merge(carry, nodes[0])
         return tuple(jnp.where(first < num_live, x, y) for x, y in zip(new, carry))
 
     def step(i, carry_and_loaded):

@@ -315,11 +315,11 @@ def _write_prompt_kv(kv_dtypes: tuple[str, ...], k_pool: tuple, v_pool: tuple, b
     the pool: not written; all distinct), in each layer's KV format. Whole blocks: a scatter of token rows took 18 ms
     for an 8B shape's 32K-token prompt on an H200, of blocks 3.9 (bench/results/runs/h200_kv_reuse/pool_write/)."""
     def write(pool, x, kv_dtype):
-        block_size = kv_format.values_of(pool).shape[1]
-        rows = len(blocks) * block_size
-        x = jnp.pad(x[0], ((0, rows - x.shape[1]), (0, 0), (0, 0)))[:rows]
+        values = kv_format.values_of(pool)
+        rows = len(blocks) * values.shape[1]
+        x = jnp.pad(x[0], ((0, rows - x.shape[1]), (0, 0), (0, 0)))
         x = jnp.where((jnp.arange(rows) < length)[:, None, None], x, 0)
-        stored = kv_format.encode(kv_dtype, x, kv_format.values_of(pool).dtype)
+        stored = kv_format.encode(kv_dtype, x, values.dtype)
         return jax.tree.map(lambda p, new: p.at[blocks].set(new.reshape(-1, *p.shape[1:]), mode="drop",
                                                              unique_indices=True), pool, stored)
 
