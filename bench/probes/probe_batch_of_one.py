@@ -5,14 +5,19 @@ page 16, 2 dense layers, int4 sketch), block 4096, RING ring slots (16), SPARSE_
 path runs the prompt once to compile, then REPEATS (5) times in one process: each run's decode wall time per token
 (tokens 2..TOKENS, default 32) as median (min-max) over the runs, the per-step times, the page cache's hit rate and
 the bytes that crossed PCIe at the last step, and whether every run of both paths gave the same tokens. Both paths
-are called directly (`LLM.generate` of one prompt now takes the batch engine). Writes probe_batch_of_one.json under
-$OUT (SHAPE=qwen3-0.6b LAYERS=3 CTX=8192 for a CPU smoke test).
+are called directly (`LLM.generate` of one prompt now takes the batch engine). PATHS (default
+one_request,batch_of_one) picks the paths; PROFILE=1 also runs each once more under cProfile and writes the host's
+profile (by own time and by cumulative time) to probe_batch_of_one_profile_PATH.txt. Writes probe_batch_of_one.json
+under $OUT (SHAPE=qwen3-0.6b LAYERS=3 CTX=8192 for a CPU smoke test).
 
     python bench/probes/probe_batch_of_one.py
 """
+import cProfile
 import dataclasses
+import io
 import json
 import os
+import pstats
 import sys
 from pathlib import Path
 
@@ -31,6 +36,17 @@ CACHE_GB, RING = float(os.environ.get("SPARSE_CACHE_GB", 2)), int(os.environ.get
 SHAPE, LAYERS = os.environ.get("SHAPE", "llama-3.1-8b"), os.environ.get("LAYERS")  # a smaller model: a CPU smoke test
 POLICY = os.environ.get("POLICY", "sketch")
 REPEATS = int(os.environ.get("REPEATS", 5))
+PATHS, PROFILE = os.environ.get("PATHS", "one_request,batch_of_one").split(","), os.environ.get("PROFILE") == "1"
+
+
+def profile_text(run) -> str:
+    """The host's profile of `run()`: the 40 functions with the most own time, then the 60 with the most cumulative."""
+    profile = cProfile.Profile()
+    profile.runcall(run)
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40)
+    pstats.Stats(profile, stream=text).sort_stats("cumtime").print_stats(60)
+    return text.getvalue()
 
 
 def main():
@@ -59,8 +75,8 @@ def main():
             return runner.last_decode_pcie_bytes
         return runner.page_cache.totals()[2] * runner.page_bytes // cfg.num_kv_heads
 
-    for path, generate in (("one_request", one_request),
-                           ("batch_of_one", lambda: llm._batch().generate([prompt], sampling)[0])):
+    paths = {"one_request": one_request, "batch_of_one": lambda: llm._batch().generate([prompt], sampling)[0]}
+    for path, generate in ((p, paths[p]) for p in PATHS):
         generate()  # compiles
         runs = [generate() for _ in range(REPEATS)]
         cache = runner.page_cache
@@ -74,7 +90,10 @@ def main():
                         "page_cache_hit_rate": cache.hit_rate() if cache is not None else None,
                         "pcie_bytes_last_step": pcie_bytes(path)}
         print(path, json.dumps(result[path]), flush=True)
-    result["same_tokens"] = all(t == tokens["one_request"][0] for runs in tokens.values() for t in runs)
+        if PROFILE:
+            probe_output(f"probe_batch_of_one_profile_{path}.txt").write_text(profile_text(generate))
+    first = next(iter(tokens.values()))[0]
+    result["same_tokens"] = all(t == first for runs in tokens.values() for t in runs)
     probe_output("probe_batch_of_one.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
 
