@@ -1,3 +1,4 @@
+import gc
 import os
 import shutil
 import subprocess
@@ -30,6 +31,7 @@ if not os.environ.get(FLAGS_SET_VAR):
     os.environ[FLAGS_SET_VAR] = "1"
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # Tests compare float32 results against float64/PyTorch references: no reduced-precision matmuls.
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -81,3 +83,14 @@ def pytest_collection_modifyitems(items):
     instead of after them (xdist hands tests out in this order)."""
     items.sort(key=lambda item: (item.name != "test_tp_on_virtual_devices_equals_tp1",
                                  -FILE_SECONDS.get(item.path.name, 1)))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs_after_the_file():
+    """Each worker drops its compiled programs after a test file (another file that needs one loads it from the
+    run's compilation cache): a worker kept every program of the run, and late in a run two workers and the
+    tests' subprocesses left ~3 of 24 GiB free, when three runs lost a worker to a segfault inside XLA:CPU
+    (bench/results/suite_time.md)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
