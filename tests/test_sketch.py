@@ -142,7 +142,8 @@ def test_pallas_page_lse_matches_float64(dtype, pages, q_dtype, q_scale):
 
 def test_hopper_kernel_lowers_for_cuda():
     """pallas_kernels/mgpu_sketch.py lowers for the GPU (the engine's shape, and a page of 4 with a group of 3); its
-    values are checked against float64 on the GPU by bench/probes/probe_sketch_mgpu.py."""
+    values were checked against float64 on an H100 (bench/results/runs/h100_sketch_mgpu/; the probe is deleted, its
+    last commit in bench/probes/README.md)."""
     for hkv, g, page, p in ((8, 4, 16, 2048), (2, 3, 4, 128)):
         shapes = (jax.ShapeDtypeStruct((hkv, g, 128), jnp.bfloat16),
                   jax.ShapeDtypeStruct((hkv, page, p, 16), jnp.uint32),
