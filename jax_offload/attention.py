@@ -764,15 +764,17 @@ def _cache_fill(impl, pages, missing, store_rows, kv, maps: page_cache.CacheStat
     """Requests' chosen pages, stacked on the KV-head axis [requests * Hkv, k] (`missing`: none, as
     `_requests_pages` gives them), each planned in its region of the page cache: `maps` every region's maps stacked by
     region (kv None), `regions` [requests] each one's (region r: slots r * region_slots onward of the cache's stored
-    KV `kv`), `steps` [requests] its steps through it (its first starts from an empty region); each KV head's row
-    on its own, so each as alone. Every request's misses are copied in at once from the store rows
+    KV `kv`; emptied when its request took it: `PageCache.empty_region`), `steps` [requests] its steps through it;
+    each KV head's row on its own, so each as alone. Every request's misses are copied in at once from the store rows
     `store_rows(miss pages [requests * Hkv, k])` of `buffer` (request-major). -> (kv, the cache rows of every
     request's chosen pages [requests * Hkv, n] in the order the store read would take them, the regions' maps after
     the step, int32 [requests, 3] of [hits, chosen, pages over PCIe])."""
     requests = regions.shape[0]
     hkv = pages.shape[0] // requests
-    use = page_cache.plan(page_cache.region_rows(maps, regions, steps == 1), pages, missing,
-                          jnp.repeat(steps, hkv)[:, None])
+    # Planned where the maps lie (region r's KV head h: row r * Hkv + h): no gather of the rows, nor writing them back.
+    flat = page_cache.CacheState(None, *(m.reshape(-1, m.shape[-1]) for m in maps[1:]))
+    use = page_cache.plan(flat, pages, missing, jnp.repeat(steps, hkv)[:, None],
+                          (regions[:, None] * hkv + jnp.arange(hkv, dtype=jnp.int32)).reshape(-1))
     total = values_of(kv).shape[0]
 
     def cache_rows(slots):  # [requests * Hkv, k] -> [requests * Hkv, k * units]
@@ -788,7 +790,8 @@ def _cache_fill(impl, pages, missing, store_rows, kv, maps: page_cache.CacheStat
     counts = jnp.stack([hits, chosen, moved], axis=1)
     if tp is not None and tp.size > 1:
         counts = jax.lax.psum(counts, AXIS)
-    return kv, cache_rows(use.slots), page_cache.put_region_rows(maps, regions, use.state), counts
+    return kv, cache_rows(use.slots), page_cache.CacheState(
+        None, *(f.reshape(m.shape) for f, m in zip(use.state[1:], maps[1:]))), counts
 
 
 def _cached_sparse_decode_layer(

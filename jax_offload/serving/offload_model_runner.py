@@ -294,16 +294,16 @@ class OffloadModelRunner:
         return x
 
     def _cache_rows(self, seqs: list[Sequence]) -> dict[int, tuple[int, int]]:
-        """Gives regions of the page cache to sequences that have none while some are free (a region's maps start
-        empty at its first step: `attention._cache_fill`), starts the step's counts, and -> row -> (its region, its
-        step through it)."""
+        """Gives regions of the page cache to sequences that have none while some are free (emptied as they are
+        given), starts the step's counts, and -> row -> (its region, its step through it)."""
         cache = self.cache
         if cache is None:
             return {}
         for seq in seqs:
             if seq.index not in self._region and self._free_regions:
-                self._region[seq.index] = self._free_regions.pop()
+                region = self._region[seq.index] = self._free_regions.pop()
                 self._cache_steps[seq.index] = 0
+                self._region_maps = cache.empty_region(self._region_maps, region)
         cache.next_step()
         rows = {}
         for row, seq in enumerate(seqs):

@@ -11,11 +11,13 @@ copy (`pallas_kernels.copy_rows`) reads each missing row in place from the pinne
 bytes over PCIe are the misses', whatever their spread over the KV heads. A cache of at least the budget always has
 room for a step's misses, so every step reads from the cache. Page ids are the request's page positions: `reset`
 empties the cache when a new request starts. The batch engine cuts the cache into regions (`region_slots`), each a
-request's share of every layer's slots, every region's maps of a layer stacked in one array (`region_maps`,
-`region_rows`; `serving/offload_model_runner.py`).
+request's share of every layer's slots, every region's maps of a layer stacked in one array (`region_maps`), planned
+and written in place where they lie (`plan`'s rows); a region is emptied when a request takes it (`empty_region`;
+`serving/offload_model_runner.py`).
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -54,52 +56,43 @@ class CachePlan(NamedTuple):
     state: CacheState  # the page maps and read steps after the step (kv not yet written)
 
 
-def plan(state: CacheState, pages: jax.Array, missing: int, step: jax.Array) -> CachePlan:
-    """The step's use of the cache for the chosen pages [Hkv, k] (ascending; `missing`, past every page, marks a
+def plan(state: CacheState, pages: jax.Array, missing: int, step: jax.Array,
+         rows: jax.Array | None = None) -> CachePlan:
+    """The step's use of the cache for the chosen pages [n, k] (ascending; `missing`, past every page, marks a
     missing entry, as `quest.top_pages` gives them): hits keep their slots; misses, in page order, take the least
     recently read slots not hit at this step. A cache of at least k slots always has room: hits and misses are at
-    most k. Each KV head's row is planned on its own: maps of several regions stacked on the head axis (with
-    `step` [rows, 1], each row's own) are planned at once, as each alone."""
-    hkv, slots = state.page.shape
-    if slots < pages.shape[1]:
-        raise ValueError(f"A cache of {slots} slots per KV head cannot hold the {pages.shape[1]} pages a step chooses.")
-    heads = jnp.arange(hkv)[:, None]
+    most k. Each row of pages is planned on its own, in row `rows[i]` of the maps (default: row i; with `step`
+    [n, 1], each row's own): the maps of several regions stacked on the head axis are planned and written in place
+    at once, as each alone. A row that plans no page (padding) leaves the maps as they were, so such rows may share
+    a map row."""
+    n, k = pages.shape
+    slots = state.page.shape[1]
+    if slots < k:
+        raise ValueError(f"A cache of {slots} slots per KV head cannot hold the {k} pages a step chooses.")
+    if rows is None:
+        rows = jnp.arange(n)
+    at = rows[:, None]
     valid = pages < missing
     # A page's last slot, looked up: a search of every slot for each chosen page cost 0.55 ms a 128K step.
-    last_slot = jnp.maximum(jnp.take_along_axis(state.slot_of, jnp.where(valid, pages, 0), axis=-1), 0)
-    hit = valid & (jnp.take_along_axis(state.page, last_slot, axis=-1) == pages)
+    last_slot = jnp.maximum(state.slot_of[at, jnp.where(valid, pages, 0)], 0)
+    hit = valid & (state.page[at, last_slot] == pages)
     hit_slot = jnp.where(hit, last_slot, 0)
-    taken = jnp.zeros((hkv, slots), bool).at[heads, hit_slot].max(hit)
+    taken = jnp.zeros((n, slots), bool).at[jnp.arange(n)[:, None], hit_slot].max(hit)
     # Oldest first (never read: -1), the slots hit at this step last; ties to the lower slot.
-    order = jnp.argsort(jnp.where(taken, jnp.iinfo(jnp.int32).max, state.used), axis=-1, stable=True)
+    order = jnp.argsort(jnp.where(taken, jnp.iinfo(jnp.int32).max, state.used[rows]), axis=-1, stable=True)
     miss = valid & ~hit
-    rank = jnp.cumsum(miss, axis=-1) - 1  # the i-th miss of its head takes order[i]
+    rank = jnp.cumsum(miss, axis=-1) - 1  # the i-th miss of its row takes order[i]
     new_slot = jnp.take_along_axis(order, jnp.clip(rank, 0, slots - 1), axis=-1).astype(jnp.int32)
     slot = jnp.where(hit, hit_slot, jnp.where(miss, new_slot, 0))
     written = jnp.where(miss, new_slot, slots)  # past every slot: dropped
-    page = state.page.at[heads, written].set(pages, mode="drop")
-    used = state.used.at[heads, jnp.where(valid, slot, slots)].set(step, mode="drop")
-    slot_of = state.slot_of.at[heads, jnp.where(miss, pages, state.slot_of.shape[1])].set(new_slot, mode="drop")
+    page = state.page.at[at, written].set(pages, mode="drop")
+    used = state.used.at[at, jnp.where(valid, slot, slots)].set(jnp.broadcast_to(step, (n, k)), mode="drop")
+    slot_of = state.slot_of.at[at, jnp.where(miss, pages, state.slot_of.shape[1])].set(new_slot, mode="drop")
     miss_pages = jnp.where(miss, pages, missing)
     miss_slots = jnp.where(miss, new_slot, slots)
     return CachePlan(slot, miss_pages.astype(jnp.int32), miss_slots.astype(jnp.int32),
                      jnp.sum(hit, axis=-1, dtype=jnp.int32), jnp.sum(valid, axis=-1, dtype=jnp.int32),
                      CacheState(state.kv, page, used, slot_of))
-
-
-def region_rows(maps: CacheState, regions: jax.Array, fresh: jax.Array) -> CacheState:
-    """The maps of `regions` [n] out of maps stacked by region (kv None; page and used [regions, Hkv, slots],
-    slot_of [regions, Hkv, pages]), stacked on the KV-head axis [n * Hkv, ...] as `plan` takes several; a `fresh`
-    [n] region (its request's first step through it) as empty."""
-    return CacheState(None, *(jnp.where(fresh[:, None, None], _NEVER, m[regions]).reshape(-1, m.shape[-1])
-                              for m in maps[1:]))
-
-
-def put_region_rows(maps: CacheState, regions: jax.Array, rows: CacheState) -> CacheState:
-    """`maps` with the maps of `regions` [n] replaced by `rows` (`region_rows`' layout). A region named twice (the
-    padding rows' spare region) takes either row: a padding row plans no page, so both are its maps unchanged."""
-    return CacheState(None, *(m.at[regions].set(r.reshape(regions.shape[0], *m.shape[1:]))
-                              for m, r in zip(maps[1:], rows[1:])))
 
 
 def slot_rows(slots: jax.Array, num_slots: int, page_size: int, base: jax.Array | int, total_slots: int) -> jax.Array:
@@ -178,6 +171,12 @@ class PageCache:
         live in slots r * slots onward of `states[l].kv`)."""
         return CacheState(None, *self._empty_maps(slots, regions))
 
+    @staticmethod
+    def empty_region(maps: dict[int, CacheState], region: int) -> dict[int, CacheState]:
+        """Every layer's `region_maps` with region `region` emptied (a request takes it: its pages are not the last
+        holder's), in one program, in place."""
+        return _emptied(maps, np.int32(region))
+
     def next_step(self) -> None:
         """Starts a decode step's counts."""
         self.step += 1
@@ -194,3 +193,8 @@ class PageCache:
         """Of the pages the last decode step chose, the share already cached (None before any step)."""
         hits, chosen, _ = self.totals()
         return hits / chosen if chosen else None
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _emptied(maps: dict[int, CacheState], region: jax.Array) -> dict[int, CacheState]:
+    return jax.tree.map(lambda m: m.at[region].set(_NEVER), maps)
