@@ -94,6 +94,7 @@ def main():
             probe_output(f"probe_batch_of_one_profile_{path}.txt").write_text(profile_text(generate))
     first = next(iter(tokens.values()))[0]
     result["same_tokens"] = all(t == first for runs in tokens.values() for t in runs)
+    result["first_tokens"] = first  # to compare processes (an XLA flag, another tree)
     probe_output("probe_batch_of_one.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
 
