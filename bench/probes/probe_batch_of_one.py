@@ -7,8 +7,9 @@ path runs the prompt once to compile, then REPEATS (5) times in one process: eac
 the bytes that crossed PCIe at the last step, and whether every run of both paths gave the same tokens. Both paths
 are called directly (`LLM.generate` of one prompt now takes the batch engine). PATHS (default
 one_request,batch_of_one) picks the paths; PROFILE=1 also runs each once more under cProfile and writes the host's
-profile (by own time and by cumulative time) to probe_batch_of_one_profile_PATH.txt. Writes probe_batch_of_one.json
-under $OUT (SHAPE=qwen3-0.6b LAYERS=3 CTX=8192 for a CPU smoke test).
+profile (by own time and by cumulative time) to probe_batch_of_one_profile_PATH.txt. The batch of one also reports
+the host's time in each step's dispatch and in reading its tokens (`dispatch_ms`, `read_wait_ms`). Writes
+probe_batch_of_one.json under $OUT (SHAPE=qwen3-0.6b LAYERS=3 CTX=8192 for a CPU smoke test).
 
     python bench/probes/probe_batch_of_one.py
 """
@@ -19,6 +20,7 @@ import json
 import os
 import pstats
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,6 +31,7 @@ import numpy as np  # noqa: E402
 
 from common import model_config, probe_output, random_params, run_metadata, stats  # noqa: E402
 from jax_offload import LLM, SamplingParams  # noqa: E402
+from jax_offload.serving import engine as batch_engine  # noqa: E402
 from jax_offload.serving.engine import run_requests  # noqa: E402
 
 CTX, BLOCK, TOKENS = int(os.environ.get("CTX", 131072)), 4096, int(os.environ.get("TOKENS", 32))
@@ -75,9 +78,25 @@ def main():
             return runner.last_decode_pcie_bytes
         return runner.page_cache.totals()[2] * runner.page_bytes // cfg.num_kv_heads
 
+    # The host's time in each decode step's dispatch (`decode_async`, which returns before the device is done) and
+    # in reading a step's tokens (waiting for the device): a host-bound step hardly waits.
+    batch_runner, dispatch_seconds, read_seconds = llm._batch().runner, [], []
+
+    def timed(fn, seconds):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            seconds.append(time.perf_counter() - start)
+            return out
+        return run
+
+    batch_runner.decode_async = timed(batch_runner.decode_async, dispatch_seconds)
+    batch_engine.drawn_to_host = timed(batch_engine.drawn_to_host, read_seconds)
     paths = {"one_request": one_request, "batch_of_one": lambda: llm._batch().generate([prompt], sampling)[0]}
     for path, generate in ((p, paths[p]) for p in PATHS):
         generate()  # compiles
+        dispatch_seconds.clear()
+        read_seconds.clear()
         runs = [generate() for _ in range(REPEATS)]
         cache = runner.page_cache
         tokens[path] = [out.token_ids for out in runs]
@@ -89,6 +108,9 @@ def main():
                         "prefill_s": stats([out.prefill_seconds for out in runs]),
                         "page_cache_hit_rate": cache.hit_rate() if cache is not None else None,
                         "pcie_bytes_last_step": pcie_bytes(path)}
+        if dispatch_seconds:
+            result[path]["dispatch_ms"] = stats([s * 1e3 for s in dispatch_seconds])
+            result[path]["read_wait_ms"] = stats([s * 1e3 for s in read_seconds])
         print(path, json.dumps(result[path]), flush=True)
         if PROFILE:
             probe_output(f"probe_batch_of_one_profile_{path}.txt").write_text(profile_text(generate))
