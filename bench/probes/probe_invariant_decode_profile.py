@@ -5,6 +5,7 @@ steps 2..16 the GPU time per step by kernel (names with their digits dropped) an
     python bench/probes/probe_invariant_decode_profile.py --batch-invariant --out $OUT   # then --no-batch-invariant
 """
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -26,6 +27,7 @@ a = p.parse_args()
 
 TOKENS = 16
 cfg = model_config("llama-3.1-8b")
+cfg = dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings, a.ctx + 64))  # 128K + decode
 llm = LLM.from_params(cfg, random_params(cfg, jnp.bfloat16), dtype="bfloat16", max_model_len=a.ctx + 64,
                       max_num_batched_tokens=40000, batch_invariant=a.batch_invariant)
 prompt = random.Random(1).choices(range(1000), k=a.ctx)
