@@ -1,0 +1,78 @@
+"""What a jitted program's launch costs the host, by its number of arguments and of kernels (issue 63: the 128K
+batch-of-one step is the host's dispatch, and neither fewer programs nor 13% fewer kernels a program moved it).
+
+Each program is called REPEATS (5) times CALLS (200) times in a row, each call taking the previous call's result
+(a new buffer every call, as a decode step's hidden state), blocking only at the end of a loop: the host's time per
+call, median of the loops (min-max). Programs, each for N in SIZES (10, 100, 300):
+- `args`: N small arrays in, one fusion adds them (many arguments, one kernel);
+- `kernels`: one array in, N elementwise steps kept apart by optimization barriers (one argument, N kernels);
+- `both`: N arrays in, each added in a kernel of its own (N arguments, N kernels).
+Writes probe_launch_cost.json under $OUT.
+
+    python bench/probes/probe_launch_cost.py
+"""
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from common import probe_output, run_metadata, stats  # noqa: E402
+
+SIZES = [int(n) for n in os.environ.get("SIZES", "10,100,300").split(",")]
+CALLS, REPEATS = int(os.environ.get("CALLS", 200)), int(os.environ.get("REPEATS", 5))
+
+
+def many_args(y, *xs):
+    return y + sum(xs)
+
+
+def many_kernels(y, n: int):
+    for _ in range(n):
+        y = jax.lax.optimization_barrier(y * 1.0001 + 1.0)
+    return y
+
+
+def args_and_kernels(y, *xs):
+    for x in xs:
+        y = jax.lax.optimization_barrier(y + x)
+    return y
+
+
+def per_call_ms(fn, y, *xs) -> dict:
+    """The host's time per call, CALLS calls chained, median over REPEATS loops (after one to compile)."""
+    jax.block_until_ready(fn(y, *xs))
+    loops = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        out = y
+        for _ in range(CALLS):
+            out = fn(out, *xs)
+        dispatched = time.perf_counter() - start
+        jax.block_until_ready(out)
+        loops.append(dispatched * 1e3 / CALLS)
+    return stats(loops)
+
+
+def main():
+    y = jnp.zeros(4096, jnp.float32)
+    result = {**run_metadata(), "calls": CALLS, "repeats": REPEATS, "host_ms_per_call": {}}
+    for n in SIZES:
+        xs = [jnp.full(4096, i, jnp.float32) for i in range(n)]
+        kernels = jax.jit(many_kernels, static_argnums=1)
+        rows = {"args": per_call_ms(jax.jit(many_args), y, *xs),
+                "kernels": per_call_ms(lambda out, *_: kernels(out, n), y),
+                "both": per_call_ms(jax.jit(args_and_kernels), y, *xs)}
+        result["host_ms_per_call"][n] = rows
+        print(n, json.dumps(rows), flush=True)
+    probe_output("probe_launch_cost.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
