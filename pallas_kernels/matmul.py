@@ -3,11 +3,14 @@
 cuBLAS picks its algorithm (tiling, split-K, reduction order) from the shape, so on a GPU row 0 of
 `x[:M] @ w` changes with M: a request's tokens then depend on which requests share its step (by default 5 of 16
 prompts kept their tokens batched on the H200, `bench/results/runs/h200_batch_invariance/`). Here every output
-element is one float32 sum of `block_k`-wide tile products in ascending K order, from zero, rounded once to the
-output dtype; `block_k` depends on K alone. The tiles over rows and columns (`block_m`, `block_n`) only decide
+element is one float32 sum of `block_k`-wide tile products in ascending K order, rounded once to the output
+dtype: the products of each `K_CHUNK` keys summed from zero, then the chunks' sums added in ascending order;
+`block_k` and the chunks depend on K alone. The tiles over rows and columns (`block_m`, `block_n`) only decide
 which program computes an element, and `k_unroll` how many K tiles a loop step loads, so they are picked per call
 for speed: wide tiles for prefill, narrow ones for decode batches, where the weight must be read by many programs at
-once, each with enough of it in flight, to reach HBM speed. Their bits are the same (tested on the H200 with
+once, each with enough of it in flight, to reach HBM speed; `split_k` whether each chunk of K is a program of its
+own (a decode batch's few row tiles and narrow weights give too few programs otherwise), its float32 sum added to the
+others' after. Their bits are the same (tested on the H200 with
 `bench/probes/probe_matmul.py`, on an H100 in `bench/results/runs/h100_matmul_unroll/`, and in interpret mode by
 tests/test_batch_invariance.py).
 """
@@ -15,6 +18,7 @@ tests/test_batch_invariance.py).
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +29,9 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels._common import MIN_BLOCK, compiler_params, dot_precision, interpret_aware_jit, resolve_interpret
 
 BLOCK_K = 64
+# Keys of K whose tile products are summed from zero before their sum joins the running total (chunks in ascending
+# order). A K that is not a multiple of it is one chunk.
+K_CHUNK = 1024
 
 
 def block_k_for(k: int) -> int:
@@ -34,10 +41,16 @@ def block_k_for(k: int) -> int:
     return next(b for b in (BLOCK_K, 32, 16) if k % b == 0)
 
 
+def chunk_len_for(k: int) -> int:
+    """Keys of K summed from zero before being added to the other chunks' sums: K_CHUNK, or all of K."""
+    return K_CHUNK if k % K_CHUNK == 0 else k
+
+
 def default_matmul_config(m: int, k: int, n: int) -> dict[str, int]:
     """Launch parameters by row count and weight shape, the fastest measured for the Llama-3.1-8B and Qwen3-0.6B
     projections (bench/probes/probe_matmul.h200.json; one to sixteen rows:
-    bench/results/runs/h100_matmul_unroll/); any choice gives the same bits."""
+    bench/results/runs/h100_matmul_unroll/; `split_k` at decode sizes, not yet timed); any choice gives the same
+    bits."""
     large = k * n >= 100 * 2**20
     if m <= 16:
         # One row tile: the weight's read sets the time, so each program keeps more of it in flight where the
@@ -57,12 +70,13 @@ def default_matmul_config(m: int, k: int, n: int) -> dict[str, int]:
     else:
         cfg = dict(block_m=128, block_n=256 if k * n >= 16 * 2**20 else 128, num_warps=8, num_stages=3)
     cfg["block_n"] = next(b for b in (256, 128, 64, 32, 16) if b <= cfg["block_n"] and n % b == 0)
-    tiles = k // block_k_for(k)
+    tiles = chunk_len_for(k) // block_k_for(k)
     cfg["k_unroll"] = next(u for u in (cfg.get("k_unroll", 1), 2, 1) if tiles % u == 0)
+    cfg["split_k"] = m <= 16 and chunk_len_for(k) < k
     return cfg
 
 
-def _matmul_kernel(x_ref, w_ref, o_ref, *, block_k: int, k_unroll: int, transpose_w: bool, precision):
+def _matmul_kernel(x_ref, w_ref, o_ref, *, block_k: int, k_unroll: int, chunk: int, transpose_w: bool, precision):
     # k_unroll tile products per loop step, in ascending order: the same sequence of products as one per step (so
     # the same bits), with k_unroll times the bytes in each software-pipeline stage.
     def body(t, acc):
@@ -72,12 +86,19 @@ def _matmul_kernel(x_ref, w_ref, o_ref, *, block_k: int, k_unroll: int, transpos
             acc = acc + plgpu.dot(plgpu.load(x_ref.at[:, cols]), w, trans_b=transpose_w, precision=precision)
         return acc
 
-    steps = x_ref.shape[1] // (block_k * k_unroll)
-    acc = lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, jnp.float32))
-    o_ref[...] = acc.astype(o_ref.dtype)
+    steps = chunk // (block_k * k_unroll)  # loop steps a chunk
+
+    def chunk_sum(c):
+        return lax.fori_loop(c * steps, (c + 1) * steps, body, jnp.zeros(o_ref.shape[-2:], jnp.float32))
+
+    total = chunk_sum(0)  # the first chunk's sum is the total's start (not 0 + it: the same bits for one chunk)
+    chunks = x_ref.shape[1] // chunk
+    if chunks > 1:
+        total = lax.fori_loop(1, chunks, lambda c, total: total + chunk_sum(c), total)
+    o_ref[...] = total.astype(o_ref.dtype)
 
 
-def _matmul(x, w, *, transpose_w, out_dtype, interpret, block_m, block_n, k_unroll, num_warps, num_stages):
+def _matmul(x, w, *, transpose_w, out_dtype, interpret, block_m, block_n, k_unroll, split_k, num_warps, num_stages):
     m, k = x.shape
     n = w.shape[0] if transpose_w else w.shape[1]
     rows = -(-m // block_m) * block_m
@@ -85,29 +106,34 @@ def _matmul(x, w, *, transpose_w, out_dtype, interpret, block_m, block_n, k_unro
         # Padded rows are zeros, computed and dropped. The barrier keeps XLA from fusing x's producer (an RMSNorm,
         # an activation) into the pad, where it ran at ~10 us a call on an H100 for one decode row.
         x = jnp.pad(lax.optimization_barrier(x), ((0, rows - m), (0, 0)))
+    chunk = chunk_len_for(k)
+    # One program per output tile over all of K, or (split_k) one per output tile and chunk of K.
+    span, chunks = (chunk, k // chunk) if split_k else (k, 1)
+    w_spec = pl.BlockSpec((block_n, span), lambda i, j, c: (j, c)) if transpose_w \
+        else pl.BlockSpec((span, block_n), lambda i, j, c: (c, j))
     out = pl.pallas_call(
-        functools.partial(_matmul_kernel, block_k=block_k_for(k), k_unroll=k_unroll, transpose_w=transpose_w,
-                          precision=dot_precision(x.dtype)),
-        grid=(rows // block_m, n // block_n),
-        in_specs=[pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
-                  pl.BlockSpec((block_n, k), lambda i, j: (j, 0)) if transpose_w
-                  else pl.BlockSpec((k, block_n), lambda i, j: (0, j))],
-        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((rows, n), out_dtype),
+        functools.partial(_matmul_kernel, block_k=block_k_for(k), k_unroll=k_unroll, chunk=chunk,
+                          transpose_w=transpose_w, precision=dot_precision(x.dtype)),
+        grid=(rows // block_m, n // block_n, chunks),
+        in_specs=[pl.BlockSpec((block_m, span), lambda i, j, c: (i, c)), w_spec],
+        out_specs=pl.BlockSpec((None, block_m, block_n), lambda i, j, c: (c, i, j)),
+        out_shape=jax.ShapeDtypeStruct((chunks, rows, n), jnp.float32 if split_k else out_dtype),
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="matmul",
     )(x, w)
-    return out[:m]
+    # The chunks' sums added in ascending order, as the one-program form adds them.
+    total = functools.reduce(operator.add, list(out))
+    return total[:m].astype(out_dtype)
 
 
 _matmul = interpret_aware_jit(_matmul, ("transpose_w", "out_dtype", "interpret", "block_m", "block_n", "k_unroll",
-                                        "num_warps", "num_stages"))
+                                        "split_k", "num_warps", "num_stages"))
 
 
 def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=None, interpret: bool | None = None,
            block_m: int | None = None, block_n: int | None = None, k_unroll: int | None = None,
-           num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
+           split_k: bool | None = None, num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
     """x [..., K] @ w [K, N] -> [..., N] in `out_dtype` (default x's), each row's bits independent of the rows
     computed with it.
 
@@ -115,9 +141,9 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=N
       x: [..., K]; w: [K, N] of x's dtype, K and N multiples of 16 ([N, K] with transpose_w: a tied embedding
         table as the LM head, read in place).
       interpret: None picks Triton on a GPU backend and interpret mode elsewhere.
-      block_m, block_n, k_unroll, num_warps, num_stages: launch parameters (powers of two, block_n dividing N,
-        k_unroll the K tiles loaded per loop step, dividing K's tile count; default `default_matmul_config`); they
-        change the speed, not the bits.
+      block_m, block_n, k_unroll, split_k, num_warps, num_stages: launch parameters (powers of two, block_n
+        dividing N, k_unroll the K tiles loaded per loop step, dividing a chunk's tile count; split_k a program per
+        chunk of K; default `default_matmul_config`); they change the speed, not the bits.
     """
     k_axis = 1 if transpose_w else 0
     if w.ndim != 2 or x.shape[-1] != w.shape[k_axis]:
@@ -131,12 +157,14 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=N
     block_n = block_n or cfg["block_n"]
     if block_n < MIN_BLOCK or n % block_n:
         raise ValueError(f"block_n={block_n} for N={n}; allowed: a divisor of N, >= {MIN_BLOCK}")
-    tiles = x.shape[-1] // block_k_for(x.shape[-1])
+    tiles = chunk_len_for(x.shape[-1]) // block_k_for(x.shape[-1])
     k_unroll = k_unroll or cfg["k_unroll"]
     if k_unroll < 1 or tiles % k_unroll:
-        raise ValueError(f"k_unroll={k_unroll} for K={x.shape[-1]} ({tiles} tiles); allowed: a divisor of {tiles}")
+        raise ValueError(f"k_unroll={k_unroll} for K={x.shape[-1]} ({tiles} tiles a chunk); allowed: a divisor of "
+                         f"{tiles}")
     out = _matmul(rows, w, transpose_w=transpose_w, out_dtype=jnp.dtype(out_dtype or x.dtype),
                   interpret=resolve_interpret(interpret), block_m=block_m or cfg["block_m"], block_n=block_n,
-                  k_unroll=k_unroll, num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
+                  k_unroll=k_unroll, split_k=cfg["split_k"] if split_k is None else split_k,
+                  num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])
     return out.reshape(*x.shape[:-1], n)
 

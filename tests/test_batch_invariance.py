@@ -66,6 +66,28 @@ def test_matmul_rows_are_batch_invariant(k, n, transpose_w):
             f"seed {seed}: rows of M={m} (tiles {block_m}x{block_n}, {k_unroll} K tiles a step) differ"
 
 
+@pytest.mark.parametrize("transpose_w", [False, True])
+def test_matmul_chunks_of_k_give_the_same_bits_in_either_form(transpose_w):
+    """K of two chunks (`K_CHUNK` keys each, their sums added in order): a program per chunk (`split_k`, the decode
+    form) and one program over both give the same bits at every row count, each row its bits in the full batch,
+    close to float64."""
+    from pallas_kernels.matmul import K_CHUNK
+
+    seed = 4017 + transpose_w
+    rng = np.random.default_rng(seed)
+    k, n = 2 * K_CHUNK, 64
+    x = jnp.asarray(rng.standard_normal((40, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((n, k) if transpose_w else (k, n)) / np.sqrt(k), jnp.bfloat16)
+    w64 = np.asarray(w, np.float64)
+    ref = np.asarray(x, np.float64) @ (w64.T if transpose_w else w64)
+    full = _bits(pk.matmul(x, w, transpose_w=transpose_w, split_k=False))
+    assert np.abs(full - ref).max() <= 2 ** -7 * np.abs(ref).max(), f"seed {seed}"
+    for m, split_k, block_n, k_unroll in [(1, True, 32, 1), (1, False, 16, 4), (5, True, 64, 16), (40, True, 32, 2)]:
+        got = _bits(pk.matmul(x[:m], w, transpose_w=transpose_w, split_k=split_k, block_n=block_n, k_unroll=k_unroll))
+        assert np.array_equal(got, full[:m]), \
+            f"seed {seed}: rows of M={m} (split_k {split_k}, block_n {block_n}, {k_unroll} K tiles a step) differ"
+
+
 def _fold_inputs(seed: int, s: int, live_short: int):
     """Split results of 2 rows (o [S, 2, 2, 3, 16], natural-log lse with a tenth empty), the second row's live
     splits ending at `live_short`, and the empty state."""
