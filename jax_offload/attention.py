@@ -483,7 +483,8 @@ def pooled_stored_decode_layers(
 def _chosen_pages_rows(impl: str, qs: tuple[jax.Array, ...], scorer, meta: tuple[jax.Array, ...],
                        budget_pages: int, page_size: int, block_size: int, num_candidates: int,
                        num_pages: tuple[jax.Array, ...], page_tables: tuple[jax.Array, ...], buffer, host, device,
-                       states: tuple[AttentionState, ...], tp: TensorParallel | None = None) -> tuple[AttentionState, ...]:
+                       states: tuple[AttentionState, ...],
+                       tp: TensorParallel | None = None) -> tuple[AttentionState, ...]:
     """Requests' attention over the pages each one's policy chooses of a "pages" layer, as `sparse_decode_layer`
     chooses and reads them, in one program: each through its page table, `page_tables` [num_candidates] the store
     page of each of its pages (store block * pages a block + page in it; past its num_pages: any). A request's

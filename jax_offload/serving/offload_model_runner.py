@@ -7,8 +7,8 @@ XAttention, into the sequence's blocks) and takes its tails over. A decode step 
 whole batch in one call; each request's host blocks then stream through the ring group by group and are attended
 row by row with the one-request step, so a request's attention does not depend on its neighbours; the tails are
 attended for the whole batch in one call. KV never has to leave the GPU for a preemption (it is already on the
-host): a preempted sequence gives its blocks back and is recomputed. With prefix caching a prompt's leading full blocks may
-be an earlier prompt's, still in the store: its prefill starts after them, chunk by chunk.
+host): a preempted sequence gives its blocks back and is recomputed. With prefix caching a prompt's leading full
+blocks may be an earlier prompt's, still in the store: its prefill starts after them, chunk by chunk.
 
 With sketch or Quest decode the store keeps the dense layers in GPU memory and the others in one pinned buffer each,
 and the policy's metadata by store block: a row attends its dense layers through its block table and the pages its
