@@ -86,7 +86,7 @@ def plan(state: CacheState, pages: jax.Array, missing: int, step: jax.Array,
     slot = jnp.where(hit, hit_slot, jnp.where(miss, new_slot, 0))
     written = jnp.where(miss, new_slot, slots)  # past every slot: dropped
     page = state.page.at[at, written].set(pages, mode="drop")
-    used = state.used.at[at, jnp.where(valid, slot, slots)].set(jnp.broadcast_to(step, (n, k)), mode="drop")
+    used = state.used.at[at, jnp.where(valid, slot, slots)].set(step, mode="drop")
     slot_of = state.slot_of.at[at, jnp.where(miss, pages, state.slot_of.shape[1])].set(new_slot, mode="drop")
     miss_pages = jnp.where(miss, pages, missing)
     miss_slots = jnp.where(miss, new_slot, slots)
