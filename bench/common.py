@@ -186,6 +186,20 @@ def call_seconds(fn, reps: int) -> list[float]:
     return seconds
 
 
+def host_profile(run, orders: tuple[tuple[str, int], ...]) -> str:
+    """The host's cProfile of `run()` as text: for each (sort key, count) in `orders`, that many functions."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.runcall(run)
+    text = io.StringIO()
+    for key, count in orders:
+        pstats.Stats(profile, stream=text).sort_stats(key).print_stats(count)
+    return text.getvalue()
+
+
 def profiled(run):
     """`run()` under jax.profiler.trace; returns the trace as a `jax.profiler.ProfileData`."""
     import glob

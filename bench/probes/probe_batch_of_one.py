@@ -13,12 +13,9 @@ probe_batch_of_one.json under $OUT (SHAPE=qwen3-0.6b LAYERS=3 CTX=8192 for a CPU
 
     python bench/probes/probe_batch_of_one.py
 """
-import cProfile
 import dataclasses
-import io
 import json
 import os
-import pstats
 import sys
 import time
 from pathlib import Path
@@ -29,7 +26,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import model_config, probe_output, random_params, run_metadata, stats  # noqa: E402
+from common import host_profile, model_config, probe_output, random_params, run_metadata, stats  # noqa: E402
 from jax_offload import LLM, SamplingParams  # noqa: E402
 from jax_offload.serving import engine as batch_engine  # noqa: E402
 from jax_offload.serving.engine import run_requests  # noqa: E402
@@ -40,16 +37,6 @@ SHAPE, LAYERS = os.environ.get("SHAPE", "llama-3.1-8b"), os.environ.get("LAYERS"
 POLICY = os.environ.get("POLICY", "sketch")
 REPEATS = int(os.environ.get("REPEATS", 5))
 PATHS, PROFILE = os.environ.get("PATHS", "one_request,batch_of_one").split(","), os.environ.get("PROFILE") == "1"
-
-
-def profile_text(run) -> str:
-    """The host's profile of `run()`: the 40 functions with the most own time, then the 60 with the most cumulative."""
-    profile = cProfile.Profile()
-    profile.runcall(run)
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40)
-    pstats.Stats(profile, stream=text).sort_stats("cumtime").print_stats(60)
-    return text.getvalue()
 
 
 def main():
@@ -113,7 +100,8 @@ def main():
             result[path]["read_wait_ms"] = stats([s * 1e3 for s in read_seconds])
         print(path, json.dumps(result[path]), flush=True)
         if PROFILE:
-            probe_output(f"probe_batch_of_one_profile_{path}.txt").write_text(profile_text(generate))
+            probe_output(f"probe_batch_of_one_profile_{path}.txt").write_text(
+                host_profile(generate, (("tottime", 40), ("cumtime", 60))))
     first = next(iter(tokens.values()))[0]
     result["same_tokens"] = all(t == first for runs in tokens.values() for t in runs)
     result["first_tokens"] = first  # to compare processes (an XLA flag, another tree)

@@ -17,11 +17,8 @@ DOC_TOKENS=256 MATMUL=256 for a CPU smoke test).
 
     python bench/probes/probe_blend_parts.py
 """
-import cProfile
-import io
 import json
 import os
-import pstats
 import sys
 import time
 from pathlib import Path
@@ -33,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import model_config, probe_output, random_params, run_metadata, stats  # noqa: E402
+from common import host_profile, model_config, probe_output, random_params, run_metadata, stats  # noqa: E402
 from jax_offload import LLM, SamplingParams, Segments  # noqa: E402
 from jax_offload.blend import _to_device, _to_host, chained_key  # noqa: E402
 from jax_offload.buckets import cache_bucket, prompt_bucket  # noqa: E402
@@ -77,14 +74,8 @@ def engine_parts(llm, runner, generate, prompt, total: int, result: dict) -> Non
         return mr.k_pool
 
     result["pool_write"] = timed(write)
-    profile = cProfile.Profile()
-    profile.enable()
-    generate()
-    profile.disable()
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(25)
-    result["generate_profile"] = text.getvalue()
-    print(text.getvalue(), flush=True)
+    result["generate_profile"] = host_profile(generate, (("cumulative", 25),))
+    print(result["generate_profile"], flush=True)
 
 
 def attention_parts(cfg, total: int, rng: np.random.Generator, result: dict) -> None:
