@@ -88,6 +88,17 @@ def test_matmul_chunks_of_k_give_the_same_bits_in_either_form(transpose_w):
             f"seed {seed}: rows of M={m} (split_k {split_k}, block_n {block_n}, {k_unroll} K tiles a step) differ"
 
 
+def test_matmul_lowers_for_cuda():
+    """The Triton matmul lowers for the GPU in each form the 8B shape takes (its values are the interpret mode's,
+    checked above): a decode row with a program per chunk of K (`w_down`), three rows masked in a 16-row tile over a
+    tied LM head, and prefill rows looping over K's chunks in one program."""
+    for m, k, n, transpose_w in ((1, 14336, 4096, False), (3, 4096, 8192, True), (128, 4096, 4096, False)):
+        x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+        w = jax.ShapeDtypeStruct((n, k) if transpose_w else (k, n), jnp.bfloat16)
+        jax.jit(lambda x, w, t=transpose_w: pk.matmul(x, w, transpose_w=t, interpret=False)).trace(x, w).lower(
+            lowering_platforms=("cuda",))
+
+
 def _fold_inputs(seed: int, s: int, live_short: int):
     """Split results of 2 rows (o [S, 2, 2, 3, 16], natural-log lse with a tenth empty), the second row's live
     splits ending at `live_short`, and the empty state."""
