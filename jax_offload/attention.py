@@ -659,7 +659,8 @@ def reads_rows_in_place(impl: str) -> bool:
 # rows read with it, the tables' width or the programs), so alone or together, from the store or from the page
 # cache, it gets the same bits. Chosen pages: 64 keys, a 4,096-key budget in 64 splits per KV head (30 sparse layers
 # at 128K on an H200: 0.71 ms from GPU memory against 0.99 in 16 splits, bench/results/runs/h200_sparse_batch/).
-# Whole layers in GPU memory (the dense layers of sketch and Quest): 256 keys, as the batch-invariant decode.
+# Whole layers in GPU memory (the dense layers of sketch and Quest): 256 keys, timed with it (the in-GPU decode's
+# DECODE_SPLIT became 1,024 later; not yet tried here).
 CHOSEN_SPLIT_KEYS = 64
 LAYER_SPLIT_KEYS = 256
 # Programs of one `attend_rows_many` call over all its requests and KV heads (the speed, not the bits).

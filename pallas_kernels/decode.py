@@ -51,9 +51,11 @@ from pallas_kernels.state import AttentionState, check_state
 # 0.94x the device copy bandwidth, against 0.81x for 64 splits (fewer, longer programs keep
 # their loads pipelined for longer).
 _TARGET_PROGRAMS = 128
-# Keys per split of `decode_state`, the engine's decode: offload block sizes that are multiples of it give the
-# in-GPU bits; two bf16 key tiles per program keep the loads pipelined.
-DECODE_SPLIT = 256
+# Keys per split of `decode_state`, the engine's batch-invariant and offloaded decode: offload block sizes that are
+# multiples of it give the in-GPU bits. Against 256, 1,024 keys write a quarter of the float32 split states and
+# shorten the fold's chain 4x: batch-invariant attention within 0.15 ms of the default's at 8K-128K on an H200
+# (bench/results/runs/h200_invariant_price/).
+DECODE_SPLIT = 1024
 
 
 def default_decode_config(dtype: jnp.dtype) -> dict[str, int]:
