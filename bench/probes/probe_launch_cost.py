@@ -6,7 +6,11 @@ Each program is called REPEATS (5) times CALLS (200) times in a row, each call t
 call, median of the loops (min-max). Programs, each for N in SIZES (10, 100, 300):
 - `args`: N small arrays in, one fusion adds them (many arguments, one kernel);
 - `kernels`: one array in, N elementwise steps kept apart by optimization barriers (one argument, N kernels);
-- `both`: N arrays in, each added in a kernel of its own (N arguments, N kernels).
+- `both`: N arrays in, each added in a kernel of its own (N arguments, N kernels);
+- by kind of kernel, one array in, N steps of it (what a sparse decode layer's graph holds besides fusions):
+  `pallas` a Pallas (Triton) call, `sort` a top-k, `loop` a 4-step while loop, `scatter` a row scatter.
+Beside each host time, the program's GPU time a call (`gpu_span_ms`, median of 5 traced calls): where it is as long
+as the host's, the loop waited for the device and the host figure is an upper bound.
 Writes probe_launch_cost.json under $OUT.
 
     python bench/probes/probe_launch_cost.py
@@ -22,8 +26,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
 
-from common import probe_output, run_metadata, stats  # noqa: E402
+from common import gpu_span_ms, probe_output, run_metadata, stats  # noqa: E402
+from pallas_kernels._common import resolve_interpret  # noqa: E402
 
 SIZES = [int(n) for n in os.environ.get("SIZES", "10,100,300").split(",")]
 CALLS, REPEATS = int(os.environ.get("CALLS", 200)), int(os.environ.get("REPEATS", 5))
@@ -37,6 +43,39 @@ def many_kernels(y, n: int):
     for _ in range(n):
         y = jax.lax.optimization_barrier(y * 1.0001 + 1.0)
     return y
+
+
+def _add_one(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1.0
+
+
+def pallas_step(y):
+    return pl.pallas_call(_add_one, out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
+                          interpret=resolve_interpret(None))(y)
+
+
+def sort_step(y):
+    return y + jax.lax.top_k(y, 8)[0][0]
+
+
+def loop_step(y):
+    return jax.lax.fori_loop(0, 4, lambda i, y: y * 1.0001 + i, y, unroll=False)
+
+
+def scatter_step(y):
+    rows = jnp.arange(0, y.shape[0], 64)
+    return y.at[rows].add(1.0)
+
+
+STEPS = {"pallas": pallas_step, "sort": sort_step, "loop": loop_step, "scatter": scatter_step}
+
+
+def chain(step, n: int):
+    def run(y):
+        for _ in range(n):
+            y = jax.lax.optimization_barrier(step(y))
+        return y
+    return jax.jit(run)
 
 
 def args_and_kernels(y, *xs):
@@ -66,9 +105,14 @@ def main():
     for n in SIZES:
         xs = [jnp.full(4096, i, jnp.float32) for i in range(n)]
         kernels = jax.jit(many_kernels, static_argnums=1)
-        rows = {"args": per_call_ms(jax.jit(many_args), y, *xs),
-                "kernels": per_call_ms(lambda out, *_: kernels(out, n), y),
-                "both": per_call_ms(jax.jit(args_and_kernels), y, *xs)}
+        programs = {"args": (jax.jit(many_args), xs), "kernels": (lambda out, *_: kernels(out, n), []),
+                    "both": (jax.jit(args_and_kernels), xs),
+                    **{kind: (chain(step, n), []) for kind, step in STEPS.items()}}
+        rows = {}
+        for name, (fn, extra) in programs.items():
+            rows[name] = per_call_ms(fn, y, *extra)
+            if jax.default_backend() == "gpu":
+                rows[name]["gpu_ms_per_call"] = stats(gpu_span_ms(lambda fn=fn, extra=extra: fn(y, *extra), 5))
         result["host_ms_per_call"][n] = rows
         print(n, json.dumps(rows), flush=True)
     probe_output("probe_launch_cost.json").write_text(json.dumps(result, indent=1))
