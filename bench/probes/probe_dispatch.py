@@ -124,27 +124,29 @@ def main() -> None:
 
     size = 2
     tokens = jnp.zeros(size, jnp.int32)
-    seq_lens = jnp.asarray(np.array([600, 600], np.int32))
-    tables = jnp.asarray(np.tile(np.arange(64, dtype=np.int32), (size, 1)))
+    # The step's packed inputs (`mr.decode_step_inputs`): two rows of 600 tokens over blocks 0..63.
+    packed_host = np.zeros((size, mr.STEP_COLUMNS + 64), np.int32)
+    packed_host[:, mr._SEQ_LEN] = 600
+    packed_host[:, mr.STEP_COLUMNS:] = np.arange(64, dtype=np.int32)
+    packed = jnp.asarray(packed_host)
 
     def decode_step():
         logits, runner.k_pool, runner.v_pool = mr._decode_step(runner.cfg, runner.impl, runner.params, runner.k_pool,
-                                                               runner.v_pool, runner.inv_freq, tokens, seq_lens,
-                                                               tables, tp=runner.tp)
+                                                               runner.v_pool, runner.inv_freq, tokens, packed,
+                                                               tp=runner.tp)
         return logits
 
     result["decode_step_batch2"] = per_call_ms(decode_step, 100)
 
     # The same step with its small inputs in new buffers on every call, as the engine's steps take them: if the
     # launch then costs more, it is the command buffers' update for new addresses.
-    host = (np.zeros(size, np.int32), np.array([600, 600], np.int32),
-            np.tile(np.arange(64, dtype=np.int32), (size, 1)))
+    host = (np.zeros(size, np.int32), packed_host)
 
     def decode_step_new_inputs():
-        new_tokens, new_lens, new_tables = jax.device_put(host)
+        new_tokens, new_packed = jax.device_put(host)
         logits, runner.k_pool, runner.v_pool = mr._decode_step(runner.cfg, runner.impl, runner.params, runner.k_pool,
-                                                               runner.v_pool, runner.inv_freq, new_tokens, new_lens,
-                                                               new_tables, tp=runner.tp)
+                                                               runner.v_pool, runner.inv_freq, new_tokens, new_packed,
+                                                               tp=runner.tp)
         return logits
 
     result["decode_step_batch2_new_inputs"] = per_call_ms(decode_step_new_inputs, 100)
@@ -157,11 +159,10 @@ def main() -> None:
 
     from jax_offload.precision import step_jit
 
-    @functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",), donate_argnums=(3, 4, 9))
-    def stable_step(cfg, impl, params, k_pool, v_pool, inv_freq, tokens, seq_lens, tables, logits_buffer, tp=None):
+    @functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",), donate_argnums=(3, 4, 8))
+    def stable_step(cfg, impl, params, k_pool, v_pool, inv_freq, tokens, packed, logits_buffer, tp=None):
         del logits_buffer  # its buffer takes the logits (same shape and dtype)
-        return mr._decode_step.__wrapped__(cfg, impl, params, k_pool, v_pool, inv_freq, tokens, seq_lens, tables,
-                                           tp=tp)
+        return mr._decode_step.__wrapped__(cfg, impl, params, k_pool, v_pool, inv_freq, tokens, packed, tp=tp)
 
     @functools.partial(jax.jit, donate_argnums=0)
     def fill(buffers, values):

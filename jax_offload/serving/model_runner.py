@@ -145,6 +145,48 @@ def sampling_batch(seqs: list[Sequence], size: int) -> tuple[SamplingBatch, Draw
     return SamplingBatch(temperature, top_p, top_k, keys, steps, ban_eos), draws
 
 
+# A decode step's inputs in one int32 array [batch, STEP_COLUMNS + max_blocks_per_seq], so one host-to-device copy
+# carries them all: on an H200 the four arrays' copy and the six sampling arrays' took ~0.65 and ~0.3 ms of an 8B
+# step's host time (bench/results/runs/h200_invariant_price/k_chunks/). Per row: the token, the row of the previous
+# step's draw that holds it (-1: the token column), the length with it, the sampling knobs (floats as their bits,
+# the key's two words), then the block table.
+_TOKEN, _PREVIOUS_ROW, _SEQ_LEN, _TEMPERATURE, _TOP_P, _TOP_K, _KEY, _STEP, _BAN_EOS = 0, 1, 2, 3, 4, 5, 6, 8, 9
+STEP_COLUMNS = 10
+
+
+def decode_step_inputs(seqs: list[Sequence], size: int, max_blocks: int, previous_row: dict[int, int]
+                       ) -> tuple[np.ndarray, Draws]:
+    """The packed inputs [size, STEP_COLUMNS + max_blocks] of a decode step over `seqs` (padding rows: length 0,
+    greedy), and its draws; a sequence whose token is still on the device is read from the previous draw's row
+    previous_row[id(seq)]."""
+    batch, draws = sampling_batch(seqs, size)
+    packed = np.zeros((size, STEP_COLUMNS + max_blocks), np.int32)
+    packed[:, _PREVIOUS_ROW] = -1
+    for row, seq in enumerate(seqs):
+        if seq.num_pending:
+            packed[row, _PREVIOUS_ROW] = previous_row[id(seq)]
+        else:
+            packed[row, _TOKEN] = seq.last_token
+        packed[row, _SEQ_LEN] = seq.num_cached + 1
+        packed[row, STEP_COLUMNS:STEP_COLUMNS + len(seq.block_table)] = seq.block_table
+    packed[:, _TEMPERATURE] = batch.temperature.view(np.int32)
+    packed[:, _TOP_P] = batch.top_p.view(np.int32)
+    packed[:, _TOP_K] = batch.top_k
+    packed[:, _KEY:_KEY + 2] = batch.keys.view(np.int32)
+    packed[:, _STEP] = batch.steps
+    packed[:, _BAN_EOS] = batch.ban_eos
+    return packed, draws
+
+
+def _step_sampling(packed: jax.Array) -> SamplingBatch:
+    """The SamplingBatch of packed decode-step inputs, bit for bit as `sampling_batch` made it."""
+    def bits(column: int | slice, dtype) -> jax.Array:
+        return jax.lax.bitcast_convert_type(packed[:, column], dtype)
+
+    return SamplingBatch(bits(_TEMPERATURE, jnp.float32), bits(_TOP_P, jnp.float32), packed[:, _TOP_K],
+                         bits(slice(_KEY, _KEY + 2), jnp.uint32), packed[:, _STEP], packed[:, _BAN_EOS] != 0)
+
+
 def sample(logits: jax.Array, s: SamplingBatch, draws: Draws) -> Drawn:
     """Token ids [B] (and their log-probabilities if `draws.logprobs`) from float32 logits [B, vocab]. Greedy rows
     take the argmax; rows with top-p or top-k run `sample_token` itself; other rows draw from the tempered logits
@@ -274,12 +316,14 @@ def _last_logits(cfg: ModelConfig, params: ModelParams, hidden: jax.Array, index
 
 @functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",), donate_argnums=(3, 4))
 def _decode_step(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tuple[jax.Array, ...],
-                 v_pool: tuple[jax.Array, ...], inv_freq: jax.Array, tokens: jax.Array, seq_lens: jax.Array,
-                 tables: jax.Array, tp: TensorParallel | None = None) -> tuple[jax.Array, tuple, tuple]:
-    """The whole model for one token per sequence: tokens [B] at positions seq_lens - 1 (rows with seq_len 0 are
-    padding), block tables [B, max_blocks]. Returns the float32 logits [B, vocab] and the updated pools. The draw
-    is a program of its own (`_sample`): the model's compiles once per batch size, whatever the requests' sampling
-    asks (a server's mix of greedy, sampled and log-probability requests)."""
+                 v_pool: tuple[jax.Array, ...], inv_freq: jax.Array, tokens: jax.Array, packed: jax.Array,
+                 tp: TensorParallel | None = None) -> tuple[jax.Array, tuple, tuple]:
+    """The whole model for one token per sequence: tokens [B] at positions seq_len - 1 (rows with seq_len 0 are
+    padding); the lengths and block tables from the step's packed inputs (`decode_step_inputs`). Returns the
+    float32 logits [B, vocab] and the updated pools. The draw is a program of its own (`_sample_step`): the model's
+    compiles once per batch size, whatever the requests' sampling asks (a server's mix of greedy, sampled and
+    log-probability requests)."""
+    seq_lens, tables = packed[:, _SEQ_LEN], packed[:, STEP_COLUMNS:]
     block_size = jax.tree.leaves(k_pool[0])[0].shape[1]
     positions = jnp.maximum(seq_lens - 1, 0)
     block = tables[jnp.arange(tables.shape[0]), positions // block_size]
@@ -298,6 +342,17 @@ def _decode_step(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tuple
 @functools.partial(step_jit, static_argnums=2)
 def _sample(logits: jax.Array, sampling: SamplingBatch, draws: Draws) -> Drawn:
     return sample(logits, sampling, draws)
+
+
+@functools.partial(step_jit, static_argnums=2)
+def _sample_step(logits: jax.Array, packed: jax.Array, draws: Draws) -> Drawn:
+    return sample(logits, _step_sampling(packed), draws)
+
+
+@jax.jit
+def feed_step_tokens(drawn: jax.Array, packed: jax.Array) -> jax.Array:
+    """`feed_tokens` of packed decode-step inputs."""
+    return feed_tokens(drawn, packed[:, _PREVIOUS_ROW], packed[:, _TOKEN])
 
 
 @jax.jit
@@ -365,6 +420,7 @@ class ModelRunner:
         self._host = tp.sharding(3, host_memory_kind())
         self._device = tp.sharding(3, "device")
         self.swap_space_bytes, self.host_bytes_used = swap_space_bytes, 0
+        self._no_draws: dict[int, jax.Array] = {}
 
     def batch_size(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)
@@ -530,12 +586,12 @@ class ModelRunner:
         for size in self.buckets:
             logits = jax.device_put(np.zeros((size, self.cfg.vocab_size), np.float32), placed)
             batch = self.tp.replicate(sampling_batch([], size)[0])
+            packed = jax.device_put(decode_step_inputs([], size, self.max_blocks_per_seq, {})[0], placed)
             for kind in ("tempered", "filtered"):
                 _sample(logits, batch, Draws(kind)).tokens.block_until_ready()
+                _sample_step(logits, packed, Draws(kind)).tokens.block_until_ready()
             for previous in self.buckets:
-                drawn, rows, tokens = jax.device_put((np.zeros(previous, np.int32), np.full(size, -1, np.int32),
-                                                      np.zeros(size, np.int32)), placed)
-                feed_tokens(drawn, rows, tokens).block_until_ready()
+                feed_step_tokens(self._no_draw(previous), packed).block_until_ready()
 
     def decode_async(self, seqs: list[Sequence], previous: tuple[list[Sequence], Drawn] | None = None
                      ) -> Drawn:
@@ -543,22 +599,23 @@ class ModelRunner:
         stays on the device. A sequence whose last token is still pending takes it from `previous` (the
         sequences and the result of the step that drew it)."""
         size = self.batch_size(len(seqs))
-        tokens, seq_lens, tables = self._decode_inputs(seqs, size)
-        rows = np.full(size, -1, np.int32)
         previous_row = {id(seq): row for row, seq in enumerate(previous[0])} if previous else {}
-        for row, seq in enumerate(seqs):
-            if seq.num_pending:
-                rows[row] = previous_row[id(seq)]
-        # Placed as a previous step's draw is (on one device too, where `tp.replicate` leaves host arrays) and
-        # through feed_tokens even with nothing to take from a previous step: the step's tokens are then always
-        # an array of one kind and placement, and the step compiles once per batch size, not once more for host
-        # tokens (a server's steps after each admission).
-        tokens, rows, seq_lens, tables = jax.device_put((tokens, rows, seq_lens, tables), self.tp.sharding(None))
-        tokens = feed_tokens(previous[1].tokens if previous else tokens, rows, tokens)
+        packed, draws = decode_step_inputs(seqs, size, self.max_blocks_per_seq, previous_row)
+        # Placed as a previous step's draw is (on one device too, where `tp.replicate` leaves host arrays), and the
+        # tokens go through feed_step_tokens even with nothing to take from a previous step: the step's tokens are
+        # then always an array of one kind and placement, and the step compiles once per batch size, not once more
+        # for host tokens (a server's steps after each admission).
+        packed = jax.device_put(packed, self.tp.sharding(None))
+        tokens = feed_step_tokens(previous[1].tokens if previous else self._no_draw(size), packed)
         logits, self.k_pool, self.v_pool = _decode_step(
-            self.cfg, self.impl, self.params, self.k_pool, self.v_pool, self.inv_freq, tokens, seq_lens, tables,
-            tp=self.tp)
-        return _sample(logits, *self._sampling(seqs, size))
+            self.cfg, self.impl, self.params, self.k_pool, self.v_pool, self.inv_freq, tokens, packed, tp=self.tp)
+        return _sample_step(logits, packed, draws)
+
+    def _no_draw(self, size: int) -> jax.Array:
+        """A draw of `size` rows on the devices that no row reads: a first step's stand-in for the previous draw."""
+        if size not in self._no_draws:
+            self._no_draws[size] = jax.device_put(np.zeros(size, np.int32), self.tp.sharding(None))
+        return self._no_draws[size]
 
     # ---- KVSwapper --------------------------------------------------------------------------------------------
 
