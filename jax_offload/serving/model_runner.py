@@ -101,8 +101,8 @@ def default_num_blocks(cfg: ModelConfig, dtype: jnp.dtype, block_size: int, max_
 
 
 class SamplingBatch(NamedTuple):
-    """Per-row sampling knobs; token n of a request is drawn with fold_in(its own key, n), so no row's draw
-    depends on which other requests share the step."""
+    """Per-row sampling knobs (on the device; they travel packed, `sampling_batch`); token n of a request is drawn
+    with fold_in(its own key, n), so no row's draw depends on which other requests share the step."""
 
     temperature: jax.Array  # float32 [B]
     top_p: jax.Array  # float32 [B]
@@ -122,36 +122,52 @@ class Draws(NamedTuple):
     banned: tuple[int, ...] = ()
 
 
-def sampling_batch(seqs: list[Sequence], size: int) -> tuple[SamplingBatch, Draws]:
-    """Knobs of `seqs`, padded with greedy rows to `size`, and what the step's sampler computes: a greedy batch
-    compiles no sampler, only a filtering row pays for the vocabulary sort, and only a row asking for them for
-    log-probabilities."""
+# The knobs travel as one int32 array [B, KNOB_COLUMNS], one host-to-device copy instead of six: temperature and
+# top_p as their float32 bits, top_k, the key's two uint32 words, the tokens generated so far, whether EOS is banned.
+_TEMPERATURE, _TOP_P, _TOP_K, _KEY, _STEP, _BAN_EOS = 0, 1, 2, 3, 5, 6
+KNOB_COLUMNS = 7
+
+
+def sampling_batch(seqs: list[Sequence], size: int) -> tuple[np.ndarray, Draws]:
+    """Knobs of `seqs` packed [size, KNOB_COLUMNS] (`unpack_sampling`), padded with greedy rows, and what the step's
+    sampler computes: a greedy batch compiles no sampler, only a filtering row pays for the vocabulary sort, and
+    only a row asking for them for log-probabilities."""
     temperature = np.zeros(size, np.float32)
     top_p = np.ones(size, np.float32)
-    top_k = np.full(size, -1, np.int32)
-    keys = np.zeros((size, 2), np.uint32)
-    steps = np.zeros(size, np.int32)
-    ban_eos = np.zeros(size, bool)
+    knobs = np.zeros((size, KNOB_COLUMNS), np.int32)
+    knobs[:, _TOP_K] = -1
     for row, seq in enumerate(seqs):
         p = seq.params
-        temperature[row], top_p[row], top_k[row] = p.temperature, p.top_p, p.top_k
-        keys[row], steps[row] = seq.key, seq.num_generated
-        ban_eos[row] = seq.num_generated < p.min_tokens
+        temperature[row], top_p[row], knobs[row, _TOP_K] = p.temperature, p.top_p, p.top_k
+        knobs[row, _KEY:_KEY + 2] = np.asarray(seq.key, np.uint32).view(np.int32)
+        knobs[row, _STEP] = seq.num_generated
+        knobs[row, _BAN_EOS] = seq.num_generated < p.min_tokens
+    knobs[:, _TEMPERATURE] = temperature.view(np.int32)
+    knobs[:, _TOP_P] = top_p.view(np.int32)
     hot = temperature > 0
-    kind = ("greedy" if not hot.any() else "filtered" if (hot & ((top_p < 1) | (top_k > 0))).any()
+    kind = ("greedy" if not hot.any() else "filtered" if (hot & ((top_p < 1) | (knobs[:, _TOP_K] > 0))).any()
             else "tempered")
-    banned = tuple(sorted(seqs[0].eos_ids)) if seqs and ban_eos.any() else ()
+    banned = tuple(sorted(seqs[0].eos_ids)) if seqs and knobs[:, _BAN_EOS].any() else ()
     draws = Draws(kind, any(seq.params.logprobs is not None for seq in seqs), banned)
-    return SamplingBatch(temperature, top_p, top_k, keys, steps, ban_eos), draws
+    return knobs, draws
+
+
+def unpack_sampling(knobs: jax.Array) -> SamplingBatch:
+    """The SamplingBatch of packed knobs [B, KNOB_COLUMNS], bit for bit the values `sampling_batch` packed."""
+    def bits(column: int | slice, dtype) -> jax.Array:
+        return jax.lax.bitcast_convert_type(knobs[:, column], dtype)
+
+    return SamplingBatch(bits(_TEMPERATURE, jnp.float32), bits(_TOP_P, jnp.float32), knobs[:, _TOP_K],
+                         bits(slice(_KEY, _KEY + 2), jnp.uint32), knobs[:, _STEP], knobs[:, _BAN_EOS] != 0)
 
 
 # A decode step's inputs in one int32 array [batch, STEP_COLUMNS + max_blocks_per_seq], so one host-to-device copy
 # carries them all: on an H200 the four arrays' copy and the six sampling arrays' took ~0.65 and ~0.3 ms of an 8B
 # step's host time (bench/results/runs/h200_invariant_price/k_chunks/). Per row: the token, the row of the previous
-# step's draw that holds it (-1: the token column), the length with it, the sampling knobs (floats as their bits,
-# the key's two words), then the block table.
-_TOKEN, _PREVIOUS_ROW, _SEQ_LEN, _TEMPERATURE, _TOP_P, _TOP_K, _KEY, _STEP, _BAN_EOS = 0, 1, 2, 3, 4, 5, 6, 8, 9
-STEP_COLUMNS = 10
+# step's draw that holds it (-1: the token column), the length with it, the sampling knobs, then the block table.
+_TOKEN, _PREVIOUS_ROW, _SEQ_LEN = 0, 1, 2
+_KNOBS = slice(3, 3 + KNOB_COLUMNS)
+STEP_COLUMNS = 3 + KNOB_COLUMNS
 
 
 def decode_step_inputs(seqs: list[Sequence], size: int, max_blocks: int, previous_row: dict[int, int]
@@ -159,9 +175,10 @@ def decode_step_inputs(seqs: list[Sequence], size: int, max_blocks: int, previou
     """The packed inputs [size, STEP_COLUMNS + max_blocks] of a decode step over `seqs` (padding rows: length 0,
     greedy), and its draws; a sequence whose token is still on the device is read from the previous draw's row
     previous_row[id(seq)]."""
-    batch, draws = sampling_batch(seqs, size)
+    knobs, draws = sampling_batch(seqs, size)
     packed = np.zeros((size, STEP_COLUMNS + max_blocks), np.int32)
     packed[:, _PREVIOUS_ROW] = -1
+    packed[:, _KNOBS] = knobs
     for row, seq in enumerate(seqs):
         if seq.num_pending:
             packed[row, _PREVIOUS_ROW] = previous_row[id(seq)]
@@ -169,31 +186,18 @@ def decode_step_inputs(seqs: list[Sequence], size: int, max_blocks: int, previou
             packed[row, _TOKEN] = seq.last_token
         packed[row, _SEQ_LEN] = seq.num_cached + 1
         packed[row, STEP_COLUMNS:STEP_COLUMNS + len(seq.block_table)] = seq.block_table
-    packed[:, _TEMPERATURE] = batch.temperature.view(np.int32)
-    packed[:, _TOP_P] = batch.top_p.view(np.int32)
-    packed[:, _TOP_K] = batch.top_k
-    packed[:, _KEY:_KEY + 2] = batch.keys.view(np.int32)
-    packed[:, _STEP] = batch.steps
-    packed[:, _BAN_EOS] = batch.ban_eos
     return packed, draws
 
 
-def _step_sampling(packed: jax.Array) -> SamplingBatch:
-    """The SamplingBatch of packed decode-step inputs, bit for bit as `sampling_batch` made it."""
-    def bits(column: int | slice, dtype) -> jax.Array:
-        return jax.lax.bitcast_convert_type(packed[:, column], dtype)
-
-    return SamplingBatch(bits(_TEMPERATURE, jnp.float32), bits(_TOP_P, jnp.float32), packed[:, _TOP_K],
-                         bits(slice(_KEY, _KEY + 2), jnp.uint32), packed[:, _STEP], packed[:, _BAN_EOS] != 0)
-
-
-def sample(logits: jax.Array, s: SamplingBatch, draws: Draws) -> Drawn:
-    """Token ids [B] (and their log-probabilities if `draws.logprobs`) from float32 logits [B, vocab]. Greedy rows
+def sample(logits: jax.Array, knobs: jax.Array, draws: Draws) -> Drawn:
+    """Token ids [B] (and their log-probabilities if `draws.logprobs`) from float32 logits [B, vocab] and packed
+    knobs [B, KNOB_COLUMNS] (`sampling_batch`). Greedy rows
     take the argmax; rows with top-p or top-k run `sample_token` itself; other rows draw from the tempered logits
     directly with the same key (sample_token would drop at most the float rounding mass of its cumulative sum),
     which spares them a vocabulary sort. `draws` leaves out what no row needs: the sort over [B, vocab] logits
     costs more than the rest of a large decode step's sampling. Each row takes its own kind of draw whatever
     `draws` is, so a row's token never depends on the other rows."""
+    s = unpack_sampling(knobs)
     raw = logits
     if draws.banned:
         banned = jnp.zeros(logits.shape[-1], bool).at[jnp.asarray(draws.banned)].set(True)
@@ -300,12 +304,12 @@ def _chunk_layer(cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, 
 
 
 def sample_last(cfg: ModelConfig, params: ModelParams, hidden: jax.Array, index: jax.Array,
-                sampling: SamplingBatch, draws: Draws) -> Drawn:
+                knobs: jax.Array, draws: Draws) -> Drawn:
     """The next token of each request b, from its last token's hidden state: hidden [..., hidden_size] with the
     leading axes flattened, at index[b]. Two programs: the logits compile once per hidden shape, the draw (the
     decode step's) once per batch size and kind of draw, so a prefill of a length met before never compiles for
     a new mix of greedy and sampled requests (on a GPU, seconds of a server's time to first token)."""
-    return _sample(_last_logits(cfg, params, hidden, index), sampling, draws)
+    return _sample(_last_logits(cfg, params, hidden, index), knobs, draws)
 
 
 @functools.partial(step_jit, static_argnums=0)
@@ -340,13 +344,14 @@ def _decode_step(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tuple
 
 
 @functools.partial(step_jit, static_argnums=2)
-def _sample(logits: jax.Array, sampling: SamplingBatch, draws: Draws) -> Drawn:
-    return sample(logits, sampling, draws)
+def _sample(logits: jax.Array, knobs: jax.Array, draws: Draws) -> Drawn:
+    return sample(logits, knobs, draws)
 
 
 @functools.partial(step_jit, static_argnums=2)
 def _sample_step(logits: jax.Array, packed: jax.Array, draws: Draws) -> Drawn:
-    return sample(logits, _step_sampling(packed), draws)
+    """`_sample` with the knobs of a decode step's packed inputs (sliced in the program, not by a launch of its own)."""
+    return sample(logits, packed[:, _KNOBS], draws)
 
 
 @jax.jit
@@ -496,7 +501,7 @@ class ModelRunner:
             slots[0, span] = self._slots(seq, pos)
         return ids, positions, starts, slots, [int(b + n - 1) for b, n in zip(begins, counts)]
 
-    def _sampling(self, seqs: list[Sequence], size: int) -> tuple[SamplingBatch, Draws]:
+    def _sampling(self, seqs: list[Sequence], size: int) -> tuple[jax.Array, Draws]:
         """`sampling_batch` on the devices that run the step."""
         batch, draws = sampling_batch(seqs, size)
         return self.tp.replicate(batch), draws
