@@ -193,9 +193,10 @@ def sample(logits: jax.Array, knobs: jax.Array, draws: Draws) -> Drawn:
     """Token ids [B] (and their log-probabilities if `draws.logprobs`) from float32 logits [B, vocab] and packed
     knobs [B, KNOB_COLUMNS] (`sampling_batch`). Greedy rows take the argmax; rows with top-p or top-k run
     `sample_token` itself; other rows draw from the tempered logits directly with the same key (sample_token would
-    drop at most the float rounding mass of its cumulative sum), which spares them a vocabulary sort. `draws` leaves out what no row needs: the sort over [B, vocab] logits
-    costs more than the rest of a large decode step's sampling. Each row takes its own kind of draw whatever
-    `draws` is, so a row's token never depends on the other rows."""
+    drop at most the float rounding mass of its cumulative sum), which spares them a vocabulary sort. `draws` leaves
+    out what no row needs: the sort over [B, vocab] logits costs more than the rest of a large decode step's
+    sampling. Each row takes its own kind of draw whatever `draws` is, so a row's token never depends on the other
+    rows."""
     s = unpack_sampling(knobs)
     raw = logits
     if draws.banned:
