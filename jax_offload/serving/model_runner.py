@@ -356,15 +356,18 @@ def _sample_step(logits: jax.Array, packed: jax.Array, draws: Draws) -> Drawn:
 
 @jax.jit
 def feed_step_tokens(drawn: jax.Array, packed: jax.Array) -> jax.Array:
-    """`feed_tokens` of packed decode-step inputs."""
-    return feed_tokens(drawn, packed[:, _PREVIOUS_ROW], packed[:, _TOKEN])
+    """Input tokens of a decode step from its packed rows [B, ...] (the decode step's `decode_step_inputs`, the
+    offloaded step's rows): row r takes drawn[p] (a token still on the device) where its previous draw's row p
+    (column 1) is >= 0, else its token (column 0)."""
+    rows = packed[:, _PREVIOUS_ROW]
+    return jnp.where(rows >= 0, drawn[jnp.maximum(rows, 0)], packed[:, _TOKEN])
 
 
-@jax.jit
-def feed_tokens(drawn: jax.Array, rows: jax.Array, tokens: jax.Array) -> jax.Array:
-    """Input tokens of a decode step: row r takes drawn[rows[r]] (a token still on the device) where rows[r] >= 0,
-    else tokens[r]."""
-    return jnp.where(rows >= 0, drawn[jnp.maximum(rows, 0)], tokens)
+@functools.lru_cache(maxsize=None)
+def device_rows(size: int, sharding: jax.sharding.Sharding) -> jax.Array:
+    """0..size-1 on `sharding`'s devices, moved once: a first step's stand-in for the previous draw (its tokens are
+    all on the host, so no row reads it), an offloaded step's last-token index."""
+    return jax.device_put(np.arange(size, dtype=np.int32), sharding)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
@@ -425,7 +428,6 @@ class ModelRunner:
         self._host = tp.sharding(3, host_memory_kind())
         self._device = tp.sharding(3, "device")
         self.swap_space_bytes, self.host_bytes_used = swap_space_bytes, 0
-        self._no_draws: dict[int, jax.Array] = {}
 
     def batch_size(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)
@@ -593,10 +595,11 @@ class ModelRunner:
             batch = self.tp.replicate(sampling_batch([], size)[0])
             packed = jax.device_put(decode_step_inputs([], size, self.max_blocks_per_seq, {})[0], placed)
             for kind in ("tempered", "filtered"):
-                _sample(logits, batch, Draws(kind)).tokens.block_until_ready()
+                if size == self.buckets[-1]:  # a prefill's or a chunk's draw: padded to the largest batch
+                    _sample(logits, batch, Draws(kind)).tokens.block_until_ready()
                 _sample_step(logits, packed, Draws(kind)).tokens.block_until_ready()
             for previous in self.buckets:
-                feed_step_tokens(self._no_draw(previous), packed).block_until_ready()
+                feed_step_tokens(device_rows(previous, placed), packed).block_until_ready()
 
     def decode_async(self, seqs: list[Sequence], previous: tuple[list[Sequence], Drawn] | None = None
                      ) -> Drawn:
@@ -610,17 +613,13 @@ class ModelRunner:
         # tokens go through feed_step_tokens even with nothing to take from a previous step: the step's tokens are
         # then always an array of one kind and placement, and the step compiles once per batch size, not once more
         # for host tokens (a server's steps after each admission).
-        packed = jax.device_put(packed, self.tp.sharding(None))
-        tokens = feed_step_tokens(previous[1].tokens if previous else self._no_draw(size), packed)
+        placed = self.tp.sharding(None)
+        packed = jax.device_put(packed, placed)
+        tokens = feed_step_tokens(previous[1].tokens if previous else device_rows(size, placed), packed)
         logits, self.k_pool, self.v_pool = _decode_step(
             self.cfg, self.impl, self.params, self.k_pool, self.v_pool, self.inv_freq, tokens, packed, tp=self.tp)
         return _sample_step(logits, packed, draws)
 
-    def _no_draw(self, size: int) -> jax.Array:
-        """A draw of `size` rows on the devices that no row reads: a first step's stand-in for the previous draw."""
-        if size not in self._no_draws:
-            self._no_draws[size] = jax.device_put(np.zeros(size, np.int32), self.tp.sharding(None))
-        return self._no_draws[size]
 
     # ---- KVSwapper --------------------------------------------------------------------------------------------
 

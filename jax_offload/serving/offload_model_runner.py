@@ -36,7 +36,8 @@ from jax_offload.kv.ring import BlockRing, grouped
 from jax_offload.offload_runner import OffloadRunner
 from jax_offload.progress import prefill_bar
 from jax_offload.sampling import Drawn, TokenLogprobs, drawn_to_host
-from jax_offload.serving.model_runner import batch_buckets, feed_tokens, sample_last, sampling_batch
+from jax_offload.serving.model_runner import (batch_buckets, device_rows, feed_step_tokens, sample_last,
+                                              sampling_batch)
 from jax_offload.serving.sequence import Sequence
 from jax_offload.sparse import xattention
 
@@ -70,10 +71,10 @@ def _row_kinds(tables: list, cached: dict[int, tuple]) -> dict[tuple[int, bool],
 
 @jax.jit
 def _step_rows(drawn: jax.Array, packed: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(tokens, tail slots, positions, tail lengths) [B] of a decode step from its rows packed [5, B] (token, the row
+    """(tokens, tail slots, positions, tail lengths) [B] of a decode step from its rows packed [B, 5] (token, the row
     of the previous draw that holds it or -1, tail slot, position, tail length): one host-to-device copy a step, not
     five."""
-    return feed_tokens(drawn, packed[1], packed[0]), packed[2], packed[3], packed[4]
+    return feed_step_tokens(drawn, packed), packed[:, 2], packed[:, 3], packed[:, 4]
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -126,14 +127,6 @@ class OffloadModelRunner:
         self._region: dict[int, int] = {}  # sequence index -> its region
         self._cache_steps: dict[int, int] = {}  # sequence index -> decode steps through its region
         self._region_args_of_step: dict[tuple, tuple] = {}  # a step's rows -> their regions and steps on the device
-        self._rows_on_device: dict[int, jax.Array] = {}  # batch size -> its row numbers, moved once
-
-    def _device_rows(self, size: int) -> jax.Array:
-        """0..size-1 on the devices, moved once: a step's last-token index, and a first step's stand-in draw (its
-        tokens are all on the host, so no row reads it)."""
-        if size not in self._rows_on_device:
-            self._rows_on_device[size] = jax.device_put(np.arange(size, dtype=np.int32), self.runner.tp.sharding(None))
-        return self._rows_on_device[size]
 
     def batch_size(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)
@@ -174,21 +167,22 @@ class OffloadModelRunner:
         sequence's next block."""
         runner, bs = self.runner, self.block_size
         size = self.batch_size(len(seqs))
-        packed = np.zeros((5, size), np.int32)  # token, previous draw's row, tail slot, position, tail length
-        packed[1:3] = -1
+        packed = np.zeros((size, 5), np.int32)  # token, previous draw's row, tail slot, position, tail length
+        packed[:, 1:3] = -1
         previous_row = {id(seq): row for row, seq in enumerate(previous[0])} if previous else {}
         for row, seq in enumerate(seqs):
             if seq.num_pending:
-                packed[1, row] = previous_row[id(seq)]
+                packed[row, 1] = previous_row[id(seq)]
             else:
-                packed[0, row] = seq.last_token
-            packed[2:, row] = self._slot[seq.index], seq.num_cached, seq.num_cached % bs
+                packed[row, 0] = seq.last_token
+            packed[row, 2:] = self._slot[seq.index], seq.num_cached, seq.num_cached % bs
         # Once a step on the device, not once per layer's two calls (each would move them again). The tokens go
-        # through the previous draw even when none is pending (a zero draw no row reads): one kind of array, one
+        # through the previous draw even when none is pending (a stand-in no row reads): one kind of array, one
         # compile per pair of batch sizes.
-        packed = jax.device_put(packed, runner.tp.sharding(None))
+        placed = runner.tp.sharding(None)
+        packed = jax.device_put(packed, placed)
         tokens, slots, positions, tail_lens = _step_rows(
-            previous[1].tokens if previous else self._device_rows(size), packed)
+            previous[1].tokens if previous else device_rows(size, placed), packed)
         stored = [seq.num_cached // bs for seq in seqs]
         groups, ring = self._stream(seqs, stored)
         tables = self._tables(seqs, stored)
@@ -214,7 +208,7 @@ class OffloadModelRunner:
                 + states[len(seqs):]
             x = pooled_decode_end(self.cfg, runner.impl, layer, x, q, self.tails[l], slots, tail_lens, states,
                                   tp=runner.tp)
-        out = sample_last(self.cfg, self.params, x, self._device_rows(size), *sampling_batch(seqs, size))
+        out = sample_last(self.cfg, self.params, x, device_rows(size, placed), *sampling_batch(seqs, size))
         for seq in seqs:
             if (seq.num_cached + 1) % bs == 0:  # its tail is full: store it as the sequence's next block
                 block = seq.block_table[seq.num_cached // bs]
