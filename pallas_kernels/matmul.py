@@ -50,7 +50,6 @@ def default_matmul_config(m: int, k: int, n: int) -> dict[str, int]:
     """Launch parameters by row count and weight shape, the fastest measured for the Llama-3.1-8B and Qwen3-0.6B
     projections (bench/probes/probe_matmul.h200.json; one row: bench/results/runs/h200_matmul_decode/); any choice
     gives the same bits."""
-    large = k * n >= 100 * 2**20
     if m <= 16:
         # One row tile: the weight's read sets the time. Wide weights (w_gate_up, the LM head) have programs enough
         # over their columns, each reading all of K; the others take a program per 1,024 keys of K as well (split_k),
@@ -61,16 +60,21 @@ def default_matmul_config(m: int, k: int, n: int) -> dict[str, int]:
         else:
             cfg = dict(block_m=16, block_n=64, k_unroll=1, split_k=True, num_warps=4,
                        num_stages=4 if n > 4096 or k >= 8192 else 6)
-    elif m <= 512 and not large:
-        cfg = dict(block_m=64, block_n=64, num_warps=4, num_stages=4)
+    elif m <= 512 and (k * n < 16 * 2**20 or n >= 65536):
+        # Qwen3-0.6B's projections; LM heads (probe_matmul.h200.json).
+        cfg = dict(block_m=64, block_n=64, num_warps=4, num_stages=4) if n < 65536 else \
+            dict(block_m=128, block_n=128, num_warps=8, num_stages=3)
     elif m <= 512:
-        cfg = dict(block_m=128, block_n=128, num_warps=8, num_stages=3)
+        # The 8B projections in a batched decode step (runs/h200_invariant_price/prefill_tiles/): 64-row tiles of 128
+        # columns; up to 128 rows the narrower weights take a program per 1,024 keys too, as at one row.
+        cfg = dict(block_m=64, block_n=128, split_k=m <= 128 and n < 16384, num_warps=4, num_stages=4)
     else:
         # 128 x 256 tiles were the fastest over all of K; with K in chunks a tile keeps two float32 sums live (the
-        # chunk's and the total), 256 registers a thread at 8 warps: the 8B 32K prefill with the mode took 2.10x the
-        # default's, +14% before chunks (runs/h200_invariant_price/). Chunked K takes 128 x 128 (not yet timed).
+        # chunk's and the total), 256 registers a thread at 8 warps (the 8B 32K prefill took 2.10x the default's), so
+        # chunked K takes 128 x 128 tiles (1.51x; at 4 stages the matmuls alone 1.47x cuBLAS's time:
+        # runs/h200_invariant_price/prefill_tiles/).
         wide = k * n >= 16 * 2**20 and chunk_len_for(k) == k
-        cfg = dict(block_m=128, block_n=256 if wide else 128, num_warps=8, num_stages=3)
+        cfg = dict(block_m=128, block_n=256 if wide else 128, num_warps=8, num_stages=3 if wide else 4)
     cfg["block_n"] = next(b for b in (256, 128, 64, 32, 16) if b <= cfg["block_n"] and n % b == 0)
     tiles = chunk_len_for(k) // block_k_for(k)
     cfg["k_unroll"] = next(u for u in (cfg.get("k_unroll", 1), 2, 1) if tiles % u == 0)
