@@ -1,16 +1,18 @@
-"""Could a warpgroup-MMA (wgmma) matmul bring the batch-invariant mode's prefill and 256-row decode matmuls to cuBLAS
-(issue 64)? Our Triton-form matmul (pallas_kernels/matmul.py) takes 1.47x cuBLAS's time on the 8B projections at
-8,192 rows and 1.31x at 256 (runs/h200_invariant_price/prefill_tiles/). JAX's own Hopper matmul
-(jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu: TMA loads, warp-specialized pipeline, two consumer warpgroups)
-sums K in one pass, not in our 1,024-key chunks, so it is the speed a chunked wgmma form could reach at most.
+"""Does a warpgroup-MMA (wgmma) matmul bring the batch-invariant mode's prefill and 256-row decode matmuls to
+cuBLAS (issue 64)? Our Triton-form matmul (pallas_kernels/matmul.py) takes 1.47x cuBLAS's time on the 8B projections
+at 8,192 rows and 1.31x at 256 (runs/h200_invariant_price/prefill_tiles/).
 
 For each 8B projection at ROWS (default 256, 8192): ms per matmul (LAYERS distinct weights a program, CALLS
-programs back to back, median of 7 loops with min-max) of cuBLAS, our default and the Hopper kernel at a few tile
-configs. Bits: at K = 1,536 (one chunk, so our matmul sums K in one pass too) the Hopper kernel's output against
-ours, bit for bit, at 64, 256 and 8,192 rows: equal bits would let a wgmma form keep today's decode bits.
+programs back to back, median of 7 loops with min-max) of cuBLAS, the Triton form (default launch parameters),
+our warpgroup form (pallas_kernels/mgpu_matmul.py) at a few tile configs, and JAX's own Hopper matmul
+(jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu, K summed in one pass, no chunks: the speed a chunked form can
+reach at most). Bits: our warpgroup form against the Triton form at every shape and row count (chunked K); JAX's
+kernel against the Triton form at K = 1,536 (one chunk, where both sum K in one pass) at 64, 256 and 8,192 rows.
+The first version of this probe (commit f77ff14) timed JAX's kernel only.
 
     python bench/probes/probe_matmul_hopper.py          # writes probe_matmul_hopper.json under $OUT
 """
+import functools
 import json
 import os
 import sys
@@ -26,17 +28,20 @@ from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hopper  # noqa
 
 from common import probe_output, run_metadata, stats  # noqa: E402
 from pallas_kernels.matmul import matmul  # noqa: E402
+from pallas_kernels.mgpu_matmul import mgpu_matmul  # noqa: E402
 
 SHAPES = {"wqkv": (4096, 6144), "wo": (4096, 4096), "w_gate_up": (4096, 28672), "w_down": (14336, 4096)}
 ROWS = [int(m) for m in os.environ.get("ROWS", "256,8192").split(",")]
 CALLS, LOOPS = 10, 7
 M, N = hopper.MatmulDimension.M, hopper.MatmulDimension.N
-CONFIGS = {  # (tile_m, tile_n, steps, wg_dimension, grid_minor_dim, grid_tile_width)
-    "t128x128_wgN_s4": (128, 128, 4, N, N, 8),
-    "t128x128_wgM_s4": (128, 128, 4, M, N, 8),
-    "t64x128_wgN_s4": (64, 128, 4, N, N, 8),
-    "t64x256_wgN_s3": (64, 256, 3, N, N, 8),
+CONFIGS = {  # JAX's kernel: (tile_m, tile_n, steps, wg_dimension, grid_minor_dim, grid_tile_width)
+    "jax_t128x128_wgN_s4": (128, 128, 4, N, N, 8),
+    "jax_t64x128_wgN_s4": (64, 128, 4, N, N, 8),
 }
+OURS = {  # mgpu_matmul: (tile_m, tile_n of each consumer warpgroup, split_rows, ring slots); 128 x 128 spills
+    "wg_rows_64x128_s4": (64, 128, True, 4), "wg_rows_64x128_s6": (64, 128, True, 6),
+    "wg_cols_64x128_s4": (64, 128, False, 4), "wg_cols_128x64_s4": (128, 64, False, 4),
+    "wg_cols_128x64_s6": (128, 64, False, 6), "wg_cols_128x128_s4": (128, 128, False, 4)}
 
 
 def hopper_fn(name: str):
@@ -93,11 +98,18 @@ for sname, (k, n) in SHAPES.items():
         ws = [(jax.random.normal(jax.random.fold_in(key, i), (k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)
               for i in range(layers)]
         x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.bfloat16)
-        times = {"cublas": per_matmul_ms(program(jnp.dot), x, ws), "ours_default": per_matmul_ms(program(matmul), x, ws)}
+        times = {"cublas": per_matmul_ms(program(jnp.dot), x, ws),
+                 "triton_default": per_matmul_ms(program(matmul), x, ws)}
+        ref = jax.jit(matmul)(x, ws[0])
+        for name, (tm, tn, split_rows, steps) in OURS.items():
+            fn = functools.partial(mgpu_matmul, tile_m=tm, tile_n=tn, split_rows=split_rows, steps=steps)
+            times[name] = attempt(lambda fn=fn: per_matmul_ms(program(fn), x, ws))
+            result["bits"][f"{sname}.{m}.{name}"] = attempt(
+                lambda fn=fn: {"bits_equal": bits_equal(jax.jit(fn)(x, ws[0]), ref)})
         for name in CONFIGS:
             times[name] = attempt(lambda name=name: per_matmul_ms(program(hopper_fn(name)), x, ws))
         result["ms"][f"{sname}.{m}"] = times
         print(sname, m, {n: round(t["median"], 4) if "median" in t else t["error"][:80] for n, t in times.items()},
-              flush=True)
+              {n: result["bits"][f"{sname}.{m}.{n}"] for n in OURS}, flush=True)
         probe_output("probe_matmul_hopper.json").write_text(json.dumps(result, indent=1))
         del ws

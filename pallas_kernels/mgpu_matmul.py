@@ -1,0 +1,175 @@
+"""The batch-invariant matmul's sums (pallas_kernels/matmul.py) on Hopper's warpgroup MMA, in Pallas's Mosaic GPU
+backend: for prefill and wide decode batches, where the Triton form runs on warp-level MMA at ~1.3-1.5x cuBLAS's
+time (bench/results/runs/h200_invariant_price/).
+
+The same float32 sums in the same order: each `K_CHUNK` keys' 64-key tile products accumulated from zero in
+ascending order (`wgmma` adds a tile's products into its accumulator as Triton's dot does: JAX's own Hopper matmul
+gave the Triton form's bits over one chunk, bench/results/runs/h200_invariant_price/hopper_matmul/), the chunks'
+sums added to a running total in ascending order, rounded once. The total starts at -0.0, so the first chunk's
+sum enters it unchanged (-0.0 + s == s for every s, -0.0 and +0.0 included), as the Triton form's total starts as
+that sum.
+
+A CTA computes two warpgroup tiles of (tile_m, tile_n) side by side (`split_rows`: one above the other): a producer
+warpgroup streams x's and w's 64-key tiles through a ring of shared-memory slots (TMA), two consumer warpgroups each
+multiply into their own tile. A consumer holds two float32 tiles in registers (the chunk's sum and the total), so
+tile_m * tile_n / 64 registers a thread: 128 for 64 x 128 or 128 x 64 tiles, 256 for 128 x 128, past the ~232 a
+consumer gets beside a 40-register producer (the Triton form's 128 x 256 prefill tiles ran into the same,
+runs/h200_invariant_price/). Output tiles are walked in groups of GROUP_M row tiles so that the CTAs in flight
+share their x rows and w columns in L2.
+
+Not yet routed to: `matmul.matmul` runs the Triton form everywhere until a Hopper run of
+tests/test_kernels_mgpu_matmul.py and bench/probes/probe_matmul_hopper.py shows these bits and this speed (written on
+a CPU-only machine: its interpreter gives the Triton form's bits, and it lowers for CUDA).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.matmul import BLOCK_K, chunk_len_for
+
+try:  # Importing runs no GPU code; a jax without Mosaic GPU only makes `mgpu_matmul` unavailable.
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover
+    plgpu = None
+
+_COMPUTE_WGS = 2
+_PRODUCER_REGS = 40
+_EPILOGUE = 64  # an output store's rows and columns: two such slots per warpgroup fit beside four ring slots
+GROUP_M = 8
+
+
+def _interpret_params():
+    params = getattr(plgpu, "InterpretGPUParams", None)
+    if params is None:  # jax 0.10 keeps it private
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+    return params()
+
+
+def _swizzled(elems_per_row: int):
+    # (8, 128 B) tiles with a 128-byte swizzle: what TMA writes and wgmma reads without bank conflicts.
+    return (plgpu.TilingTransform((8, elems_per_row)), plgpu.SwizzleTransform(128))
+
+
+def _kernel(x_gmem, w_gmem, o_gmem, o_smem, *, tile_m: int, tile_n: int, split_rows: bool, steps: int,
+            m_tiles: int, n_tiles: int, interpret: bool):
+    k = x_gmem.shape[1]
+    tiles_per_chunk = chunk_len_for(k) // BLOCK_K
+    # Grouped order: GROUP_M row tiles across every column tile, then the next group.
+    tile = lax.axis_index("tile")
+    group = tile // (GROUP_M * n_tiles)
+    first_m = group * GROUP_M
+    group_rows = jnp.minimum(m_tiles - first_m, GROUP_M)
+    in_group = tile % (GROUP_M * n_tiles)
+    m_idx = first_m + in_group % group_rows
+    n_idx = in_group // group_rows
+    cta_m, cta_n = (_COMPUTE_WGS * tile_m, tile_n) if split_rows else (tile_m, _COMPUTE_WGS * tile_n)
+    cta_rows, cta_cols = pl.ds(m_idx * cta_m, cta_m), pl.ds(n_idx * cta_n, cta_n)
+    wg = lax.axis_index("wg")
+    wg_rows = pl.ds(wg * tile_m, tile_m) if split_rows else slice(None)
+    wg_cols = slice(None) if split_rows else pl.ds(wg * tile_n, tile_n)
+
+    def filled(value: float):
+        v = jnp.full((tile_m, tile_n), value, jnp.float32)
+        return v if interpret else plgpu.layout_cast(v, plgpu.Layout.WGMMA)
+
+    def step(idxs, x_smem, w_smem, carry):
+        (t,) = idxs
+        part, total = carry
+        if interpret:  # the CPU interpreter takes no register accumulator: a tile's dot added, as Triton's form
+            part = part + lax.dot(x_smem.at[wg_rows][...], w_smem.at[:, wg_cols][...],
+                                  preferred_element_type=jnp.float32)
+        else:
+            def mma(acc_ref):
+                plgpu.wgmma(acc_ref, x_smem.at[wg_rows], w_smem.at[:, wg_cols])
+
+            part = pl.run_state(mma)(plgpu.ACC.init(part))
+        # A chunk's last tile: its sum joins the total, the next chunk starts from zero.
+        return lax.cond((t + 1) % tiles_per_chunk == 0, lambda p, s: (filled(0.0), s + p), lambda p, s: (p, s),
+                        part, total)
+
+    def compute(run_pipeline):
+        _, total = run_pipeline((filled(0.0), filled(-0.0)))
+        out = total.astype(o_gmem.dtype)
+        wg_out = o_gmem.at[cta_rows, cta_cols].at[wg_rows, wg_cols]
+        pieces = [(i, j) for i in range(tile_m // _EPILOGUE) for j in range(tile_n // _EPILOGUE)]
+        for p, (i, j) in enumerate(pieces):
+            slot = p % 2
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the slot's previous store has left
+            o_smem[wg, slot] = out[i * _EPILOGUE:(i + 1) * _EPILOGUE, j * _EPILOGUE:(j + 1) * _EPILOGUE]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[wg, slot],
+                                    wg_out.at[pl.ds(i * _EPILOGUE, _EPILOGUE), pl.ds(j * _EPILOGUE, _EPILOGUE)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    pipeline = plgpu.emit_pipeline_warp_specialized(
+        step,
+        grid=(k // BLOCK_K,),
+        memory_registers=_PRODUCER_REGS,
+        in_specs=[plgpu.BlockSpec((cta_m, BLOCK_K), lambda t: (0, t), transforms=_swizzled(BLOCK_K)),
+                  plgpu.BlockSpec((BLOCK_K, cta_n), lambda t: (t, 0), transforms=_swizzled(BLOCK_K))],
+        wg_axis="wg",
+        num_compute_wgs=_COMPUTE_WGS,
+        max_concurrent_steps=steps,
+        compute_context=compute,
+    )
+    pipeline(x_gmem.at[cta_rows, :], w_gmem.at[:, cta_cols])
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "tile_m", "tile_n", "split_rows", "steps", "interpret"))
+def _mgpu_matmul(x, w, *, out_dtype, tile_m, tile_n, split_rows, steps, interpret):
+    m, k = x.shape
+    n = w.shape[1]
+    cta_m, cta_n = (_COMPUTE_WGS * tile_m, tile_n) if split_rows else (tile_m, _COMPUTE_WGS * tile_n)
+    m_pad = -(-m // cta_m) * cta_m
+    if m_pad != m:  # rows do not mix: zero rows change no other row's bits
+        x = jnp.pad(x, ((0, m_pad - m), (0, 0)))
+    m_tiles, n_tiles = m_pad // cta_m, n // cta_n
+    kernel = functools.partial(_kernel, tile_m=tile_m, tile_n=tile_n, split_rows=split_rows, steps=steps,
+                               m_tiles=m_tiles, n_tiles=n_tiles, interpret=interpret)
+    out = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
+        scratch_types=(plgpu.SMEM((_COMPUTE_WGS, 2, _EPILOGUE, _EPILOGUE), out_dtype,
+                                  transforms=_swizzled(128 // jnp.dtype(out_dtype).itemsize)),),
+        grid=(m_tiles * n_tiles,),
+        grid_names=("tile",),
+        num_threads=_COMPUTE_WGS + 1,
+        thread_name="wg",
+        interpret=_interpret_params() if interpret else None,
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(x, w)
+    return out[:m]
+
+
+def mgpu_matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, tile_m: int = 64, tile_n: int = 128,
+                split_rows: bool = True, steps: int = 4, interpret: bool = False) -> jax.Array:
+    """x [M, K] @ w [K, N] -> [M, N] in `out_dtype` (default x's), the bits of `matmul.matmul(x, w)`.
+
+    Args:
+      x, w: bfloat16 or float16 (wgmma operands), one dtype; K a multiple of 64, N of the CTA's columns.
+      tile_m, tile_n: the output tile of each of a CTA's two consumer warpgroups (tile_m 64 or 128, tile_n 64,
+        128 or 256); split_rows: the two tiles one above the other (a CTA of 2 * tile_m rows and tile_n columns),
+        else side by side; steps: shared-memory ring slots (each a CTA's rows x 64 of x and 64 x its columns of w).
+        They change the speed, not the bits.
+      interpret: run Mosaic GPU's CPU interpreter instead (tests only; small shapes).
+    """
+    if plgpu is None:
+        raise RuntimeError("mgpu_matmul needs jax's Mosaic GPU backend (jax.experimental.pallas.mosaic_gpu)")
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"x has shape {x.shape} and w {w.shape}; allowed: x [M, K] and w [K, N]")
+    if x.dtype != w.dtype or (x.dtype not in (jnp.bfloat16, jnp.float16) and not interpret):
+        raise ValueError(f"x has dtype {x.dtype} and w {w.dtype}; allowed: one dtype, bfloat16 or float16")
+    if tile_m not in (64, 128) or tile_n not in (64, 128, 256):
+        raise ValueError(f"tile_m={tile_m}, tile_n={tile_n}; allowed: tile_m 64 or 128, tile_n 64, 128 or 256")
+    k, n = w.shape
+    cta_n = tile_n if split_rows else _COMPUTE_WGS * tile_n
+    if k % BLOCK_K or n % cta_n:
+        raise ValueError(f"w has shape {w.shape}; allowed: K a multiple of {BLOCK_K}, N of {cta_n}")
+    return _mgpu_matmul(x, w, out_dtype=jnp.dtype(out_dtype or x.dtype), tile_m=tile_m, tile_n=tile_n,
+                        split_rows=split_rows, steps=steps, interpret=interpret)

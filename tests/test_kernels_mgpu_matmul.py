@@ -1,0 +1,77 @@
+"""The warpgroup-MMA form of the batch-invariant matmul, pallas_kernels/mgpu_matmul.py: the bits of the Triton form
+(pallas_kernels/matmul.py) in Mosaic GPU's CPU interpreter (two chunks of K, rows padded to the row tile), lowering
+for CUDA at the 8B shapes it is for, and on a Hopper GPU the bits of the Triton form at prefill and decode-batch
+sizes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels._common import on_hopper
+from pallas_kernels.matmul import matmul
+from pallas_kernels.mgpu_matmul import mgpu_matmul
+
+
+@pytest.fixture(autouse=True)
+def _unoptimised_compiles():
+    """As in tests/test_kernels_mgpu.py: the interpreted programs compile in half the time unoptimised."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
+def _inputs(seed: int, m: int, k: int, n: int):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)) * 0.02, jnp.bfloat16)
+    return x, w
+
+
+def _same_bits(a, b) -> bool:
+    return bool(jnp.all(jax.lax.bitcast_convert_type(a, jnp.uint16) == jax.lax.bitcast_convert_type(b, jnp.uint16)))
+
+
+def test_interpreted_gives_the_bits_of_the_triton_form():
+    """70 rows (one CTA of two 64-row warpgroup tiles, padded), two column tiles, K of two 1,024-key chunks, bf16:
+    bit for bit the Triton form's output, and within bf16 rounding of float64."""
+    seed = int(np.random.default_rng().integers(2**31))
+    x, w = _inputs(seed, 70, 2048, 128)
+    got = mgpu_matmul(x, w, tile_m=64, tile_n=64, split_rows=True, steps=2, interpret=True)
+    assert _same_bits(got, matmul(x, w, interpret=True)), f"seed {seed}: bits differ from the Triton form's"
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=1e-2, atol=1e-2, err_msg=f"seed {seed}")
+
+
+def test_lowers_for_cuda():
+    """The 8B shapes it serves (a 14,336-deep w_down at prefill size, the wide w_gate_up at 256 rows, a padded
+    row count) at both arrangements of a CTA's two tiles lower to Mosaic GPU kernels that fit shared memory, on
+    this CPU-only machine (the lowering and layout inference the GPU build runs; the interpreter skips them)."""
+    for m, k, n, tiles in [(8192, 14336, 4096, dict(tile_m=64, tile_n=128, split_rows=True)),
+                           (256, 4096, 28672, dict(tile_m=128, tile_n=64, split_rows=False, steps=6)),
+                           (100, 4096, 6144, dict(tile_m=64, tile_n=128, split_rows=False))]:
+        x, w = jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
+        try:
+            jax.jit(lambda x, w, tiles=tiles: mgpu_matmul(x, w, **tiles)).trace(x, w).lower(
+                lowering_platforms=("cuda",))
+        except Exception as e:  # noqa: BLE001
+            raise AssertionError(f"M={m} K={k} N={n} {tiles}: {type(e).__name__}: {str(e)[-400:]}") from None
+
+
+@pytest.mark.skipif(not on_hopper(), reason="needs a Hopper GPU (wgmma)")
+def test_gives_the_bits_of_the_triton_form_on_hopper():
+    """On the GPU, against the compiled Triton form: decode-batch and prefill row counts (one not a multiple of
+    the row tile), deep and wide weights, every tile config."""
+    seed = int(np.random.default_rng().integers(2**31))
+    for k, n in [(4096, 6144), (14336, 4096), (4096, 28672)]:
+        for m in (64, 256, 1000, 4096):
+            x, w = _inputs(seed + m, m, k, n)
+            ref = matmul(x, w)
+            for tiles in [dict(tile_m=64, tile_n=128, split_rows=True), dict(tile_m=128, tile_n=64, split_rows=False),
+                          dict(tile_m=64, tile_n=128, split_rows=False, steps=6)]:
+                got = mgpu_matmul(x, w, **tiles)
+                assert _same_bits(got, ref), f"seed {seed + m}: M={m} K={k} N={n} {tiles} differ from the Triton form"
