@@ -71,8 +71,8 @@ def default_matmul_config(m: int, k: int, n: int) -> dict[str, int]:
     else:
         # 128 x 256 tiles were the fastest over all of K; with K in chunks a tile keeps two float32 sums live (the
         # chunk's and the total), 256 registers a thread at 8 warps (the 8B 32K prefill took 2.10x the default's), so
-        # chunked K takes 128 x 128 tiles (1.51x; at 4 stages the matmuls alone 1.47x cuBLAS's time:
-        # runs/h200_invariant_price/prefill_tiles/).
+        # chunked K takes 128 x 128 tiles at 4 stages (1.40x; the matmuls alone 1.47x cuBLAS's time:
+        # runs/h200_invariant_price/, "Batched decode and prefill").
         wide = k * n >= 16 * 2**20 and chunk_len_for(k) == k
         cfg = dict(block_m=128, block_n=256 if wide else 128, num_warps=8, num_stages=3 if wide else 4)
     cfg["block_n"] = next(b for b in (256, 128, 64, 32, 16) if b <= cfg["block_n"] and n % b == 0)
