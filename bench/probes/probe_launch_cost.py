@@ -9,6 +9,10 @@ call, median of the loops (min-max). Programs, each for N in SIZES (10, 100, 300
 - `both`: N arrays in, each added in a kernel of its own (N arguments, N kernels);
 - by kind of kernel, one array in, N steps of it (what a sparse decode layer's graph holds besides fusions):
   `pallas` a Pallas (Triton) call, `sort` a top-k, `loop` a 4-step while loop, `scatter` a row scatter.
+- `steps_looped`: the `kernels` program's N kernels as the body of a `fori_loop` of LOOP_STEPS (8) steps in one
+  program, its host time given per step (what a decode of several steps a launch would cost the host: does XLA keep
+  the loop in its CUDA graph, or launch the body step by step from the host?). Run once more with
+  `XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE` to let XLA's command buffers take while loops.
 Beside each host time, the program's GPU time a call (`gpu_span_ms`, median of 5 traced calls): where it is as long
 as the host's, the loop waited for the device and the host figure is an upper bound.
 Writes probe_launch_cost.json under $OUT.
@@ -33,6 +37,7 @@ from pallas_kernels._common import resolve_interpret  # noqa: E402
 
 SIZES = [int(n) for n in os.environ.get("SIZES", "10,100,300").split(",")]
 CALLS, REPEATS = int(os.environ.get("CALLS", 200)), int(os.environ.get("REPEATS", 5))
+LOOP_STEPS = 8
 
 
 def many_args(y, *xs):
@@ -84,6 +89,10 @@ def args_and_kernels(y, *xs):
     return y
 
 
+def steps_looped(n: int):
+    return jax.jit(lambda y: jax.lax.fori_loop(0, LOOP_STEPS, lambda i, y: many_kernels(y, n), y))
+
+
 def per_call_ms(fn, y, *xs) -> dict:
     """The host's time per call, CALLS calls chained, median over REPEATS loops (after one to compile)."""
     jax.block_until_ready(fn(y, *xs))
@@ -101,18 +110,22 @@ def per_call_ms(fn, y, *xs) -> dict:
 
 def main():
     y = jnp.zeros(4096, jnp.float32)
-    result = {**run_metadata(), "calls": CALLS, "repeats": REPEATS, "host_ms_per_call": {}}
+    result = {**run_metadata(), "calls": CALLS, "repeats": REPEATS, "loop_steps": LOOP_STEPS,
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "host_ms_per_call": {}}
     for n in SIZES:
         xs = [jnp.full(4096, i, jnp.float32) for i in range(n)]
         kernels = jax.jit(many_kernels, static_argnums=1)
         programs = {"args": (jax.jit(many_args), xs), "kernels": (lambda out, *_: kernels(out, n), []),
                     "both": (jax.jit(args_and_kernels), xs),
-                    **{kind: (chain(step, n), []) for kind, step in STEPS.items()}}
+                    **{kind: (chain(step, n), []) for kind, step in STEPS.items()},
+                    "steps_looped": (steps_looped(n), [])}
         rows = {}
         for name, (fn, extra) in programs.items():
             rows[name] = per_call_ms(fn, y, *extra)
             if jax.default_backend() == "gpu":
                 rows[name]["gpu_ms_per_call"] = stats(gpu_span_ms(lambda fn=fn, extra=extra: fn(y, *extra), 5))
+        looped = rows["steps_looped"]
+        looped["host_ms_per_step"] = {k: looped[k] / LOOP_STEPS for k in ("median", "min", "max")}
         result["host_ms_per_call"][n] = rows
         print(n, json.dumps(rows), flush=True)
     probe_output("probe_launch_cost.json").write_text(json.dumps(result, indent=1))
