@@ -2,7 +2,7 @@
 cuBLAS (issue 64)? Our Triton-form matmul (pallas_kernels/matmul.py) takes 1.47x cuBLAS's time on the 8B projections
 at 8,192 rows and 1.31x at 256 (runs/h200_invariant_price/prefill_tiles/).
 
-For each 8B projection at ROWS (default 256, 8192): ms per matmul (LAYERS distinct weights a program, CALLS
+For each 8B and Qwen3-0.6B projection at ROWS (default 256, 8192): ms per matmul (LAYERS distinct weights a program, CALLS
 programs back to back, median of 7 loops with min-max) of cuBLAS, the Triton form (default launch parameters),
 our warpgroup form (pallas_kernels/mgpu_matmul.py) at a few tile configs, and JAX's own Hopper matmul
 (jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu, K summed in one pass, no chunks: the speed a chunked form can
@@ -30,18 +30,19 @@ from common import probe_output, run_metadata, stats  # noqa: E402
 from pallas_kernels.matmul import matmul  # noqa: E402
 from pallas_kernels.mgpu_matmul import mgpu_matmul  # noqa: E402
 
-SHAPES = {"wqkv": (4096, 6144), "wo": (4096, 4096), "w_gate_up": (4096, 28672), "w_down": (14336, 4096)}
+SHAPES = {"wqkv": (4096, 6144), "wo": (4096, 4096), "w_gate_up": (4096, 28672), "w_down": (14336, 4096),
+          "qwen3_0.6b.wqkv": (1024, 4096), "qwen3_0.6b.wo": (2048, 1024), "qwen3_0.6b.w_gate_up": (1024, 6144),
+          "qwen3_0.6b.w_down": (3072, 1024)}
 ROWS = [int(m) for m in os.environ.get("ROWS", "256,8192").split(",")]
 CALLS, LOOPS = 10, 7
 M, N = hopper.MatmulDimension.M, hopper.MatmulDimension.N
 CONFIGS = {  # JAX's kernel: (tile_m, tile_n, steps, wg_dimension, grid_minor_dim, grid_tile_width)
     "jax_t128x128_wgN_s4": (128, 128, 4, N, N, 8),
-    "jax_t64x128_wgN_s4": (64, 128, 4, N, N, 8),
 }
-OURS = {  # mgpu_matmul: (tile_m, tile_n of each consumer warpgroup, split_rows, ring slots); 128 x 128 spills
+OURS = {  # mgpu_matmul: (tile_m, tile_n of each consumer warpgroup, split_rows, ring slots); 128 x 128 needs 256
+    # registers a thread for its two float32 tiles
     "wg_rows_64x128_s4": (64, 128, True, 4), "wg_rows_64x128_s6": (64, 128, True, 6),
-    "wg_cols_64x128_s4": (64, 128, False, 4), "wg_cols_128x64_s4": (128, 64, False, 4),
-    "wg_cols_128x64_s6": (128, 64, False, 6), "wg_cols_128x128_s4": (128, 128, False, 4)}
+    "wg_cols_128x64_s4": (128, 64, False, 4), "wg_cols_128x128_s4": (128, 128, False, 4)}
 
 
 def hopper_fn(name: str):
