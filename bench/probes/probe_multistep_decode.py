@@ -94,8 +94,8 @@ def main():
             jax.device_put(packed_steps, placed), tp=runner.tp)
         return drawn
 
-    result = {"meta": run_metadata(), "shape": SHAPE, "layers": cfg.num_layers, "batch": BATCH, "prompt": PROMPT, "steps": STEPS,
-              "xla_flags": os.environ.get("XLA_FLAGS", ""), "ms_per_step": {}}
+    result = {"meta": run_metadata(), "shape": SHAPE, "layers": cfg.num_layers, "batch": BATCH, "prompt": PROMPT,
+              "steps": STEPS, "xla_flags": os.environ.get("XLA_FLAGS", ""), "ms_per_step": {}}
     tokens = {}
     for name, run in (("one_per_launch", one_per_launch), ("looped", looped)):
         tokens[name] = np.asarray(jax.block_until_ready(run()))[:, :BATCH].tolist()  # compiled, then timed
