@@ -10,7 +10,8 @@ bf16 weights, BATCH (2) sequences at PROMPT (512) tokens in the engine's paged p
 - `looped`: one program whose `fori_loop` runs the same STEPS steps (the same model and draw functions).
 Per step: the host's dispatch and the wall time until the last draw is ready (median of REPEATS loops, min-max), the
 GPU span of the STEPS steps (`gpu_span_ms`), and whether both give the same tokens. Run it also with
-`XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE`, so that XLA's CUDA graphs may take the loop.
+`XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE`, so that XLA's CUDA graphs may take the loop (the profiler then
+may see the graph's launch rather than its kernels: compare wall times there, not GPU spans).
 
     python bench/probes/probe_multistep_decode.py        # writes probe_multistep_decode.json under $OUT
 """
