@@ -71,7 +71,8 @@ FILE_SECONDS = {
     "test_kernels_attention.py": 60, "test_kv_fp8.py": 46, "test_blend.py": 45, "test_prefix_caching.py": 35,
     "test_eval_oracle.py": 32, "test_sketch.py": 30, "test_gguf_convert.py": 30, "test_models.py": 30,
     "test_kernels_mgpu_block_sparse.py": 28, "test_xattention.py": 26, "test_pallas_engine.py": 24,
-    "test_kernels_mgpu.py": 23, "test_kernels_xattn.py": 18, "test_kernels_paged_decode.py": 16, "test_errors.py": 15,
+    "test_kernels_mgpu.py": 23, "test_kernels_mgpu_matmul.py": 25, "test_kernels_xattn.py": 18,
+    "test_kernels_paged_decode.py": 16, "test_errors.py": 15,
     "test_kernels_block_sparse.py": 10, "test_kernels_merge.py": 9, "test_default_model.py": 5,
     "test_eval_sparse.py": 12, "test_niah.py": 4,
 }
