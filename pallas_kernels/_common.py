@@ -67,6 +67,16 @@ def mosaic_load(ref, **kwargs) -> jax.Array:
     return mosaic_gpu.load(ref, (), **kwargs) if _mosaic_load_takes_index() else mosaic_gpu.load(ref, **kwargs)
 
 
+def mosaic_interpret_params():
+    """Mosaic GPU's CPU interpreter (simulates warpgroups, barriers, TMA and wgmma): a test vehicle only. Public as
+    plgpu.InterpretGPUParams from jax 0.11; private in 0.10."""
+    from jax.experimental.pallas import mosaic_gpu
+    params = getattr(mosaic_gpu, "InterpretGPUParams", None)
+    if params is None:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+    return params()
+
+
 def hopper_kernels_allowed() -> bool:
     """False when the environment sets JAX_OFFLOAD_HOPPER_ATTENTION=0, which keeps every attention-side kernel
     (prefill attention, block-sparse attention, sketch scores) on its Triton version."""

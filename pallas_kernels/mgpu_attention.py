@@ -83,7 +83,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import LN2, LOG2E, NEG_INF, check_sm_scale, mosaic_load, on_hopper, per_batch, per_row
+from pallas_kernels._common import (LN2, LOG2E, NEG_INF, check_sm_scale, mosaic_interpret_params, mosaic_load,
+                                    on_hopper, per_batch, per_row)
 from pallas_kernels.state import AttentionState, check_state
 
 try:  # Importing runs no GPU code; a jax without Mosaic GPU only makes `is_supported` say False.
@@ -113,15 +114,6 @@ _TURN_BARRIER = 4
 def _semantics(name: str):
     # jax 0.11 made Warpgroup the default lowering; 0.10 defaulted to Lane. Always pass one explicitly.
     return {"lane": plgpu.LoweringSemantics.Lane, "warpgroup": plgpu.LoweringSemantics.Warpgroup}[name]
-
-
-def _interpret_params():
-    """Mosaic GPU's CPU interpreter (simulates warpgroups, barriers, TMA and wgmma): a test vehicle only.
-    Public as plgpu.InterpretGPUParams from jax 0.11; private in 0.10."""
-    params = getattr(plgpu, "InterpretGPUParams", None)
-    if params is None:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
-    return params()
 
 
 def _align(n: int) -> int:
@@ -632,7 +624,7 @@ def _attention_mgpu(q, k, v, q_offset, kv_len, kv_start, state, block_lists=None
         grid_names=("heads", "q_seq", "batch"),
         num_threads=_COMPUTE_WGS + 1,
         thread_name="wg",
-        interpret=_interpret_params() if interpret else None,
+        interpret=mosaic_interpret_params() if interpret else None,
         compiler_params=plgpu.CompilerParams(
             approx_math=True,
             # Row reductions of the wgmma layout stay inside a warp: no cross-warp scratch needed, and

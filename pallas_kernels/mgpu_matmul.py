@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels._common import mosaic_interpret_params
 from pallas_kernels.matmul import BLOCK_K, chunk_len_for
 
 try:  # Importing runs no GPU code; a jax without Mosaic GPU only makes `mgpu_matmul` unavailable.
@@ -42,13 +43,6 @@ _COMPUTE_WGS = 2
 _PRODUCER_REGS = 40
 _EPILOGUE = 64  # an output store's rows and columns: two such slots per warpgroup fit beside four ring slots
 GROUP_M = 8
-
-
-def _interpret_params():
-    params = getattr(plgpu, "InterpretGPUParams", None)
-    if params is None:  # jax 0.10 keeps it private
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
-    return params()
 
 
 def _swizzled(elems_per_row: int):
@@ -141,7 +135,7 @@ def _mgpu_matmul(x, w, *, out_dtype, tile_m, tile_n, split_rows, steps, interpre
         grid_names=("tile",),
         num_threads=_COMPUTE_WGS + 1,
         thread_name="wg",
-        interpret=_interpret_params() if interpret else None,
+        interpret=mosaic_interpret_params() if interpret else None,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )(x, w)
     return out[:m]
