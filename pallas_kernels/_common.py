@@ -83,6 +83,13 @@ def hopper_kernels_allowed() -> bool:
     return os.environ.get("JAX_OFFLOAD_HOPPER_ATTENTION", "1") != "0"
 
 
+def hopper_matmul_allowed() -> bool:
+    """True when the environment sets JAX_OFFLOAD_HOPPER_MATMUL=1: on Hopper the batch-invariant matmul takes its
+    warpgroup-MMA form (`mgpu_matmul.py`, the same bits) at prefill and wide decode-batch sizes. Opt-in until a Hopper
+    run has shown that form's bits and speed (written on a CPU-only machine)."""
+    return os.environ.get("JAX_OFFLOAD_HOPPER_MATMUL", "0") == "1"
+
+
 def on_hopper() -> bool:
     """Whether the default device is a Hopper (sm_90) GPU, where the Mosaic GPU kernels run."""
     try:

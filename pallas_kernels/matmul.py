@@ -26,7 +26,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import MIN_BLOCK, compiler_params, dot_precision, interpret_aware_jit, resolve_interpret
+from pallas_kernels._common import (MIN_BLOCK, compiler_params, dot_precision, hopper_matmul_allowed,
+                                    interpret_aware_jit, on_hopper, resolve_interpret)
 
 BLOCK_K = 64
 # Keys of K whose tile products are summed from zero before their sum joins the running total (chunks in ascending
@@ -80,6 +81,14 @@ def default_matmul_config(m: int, k: int, n: int) -> dict[str, int]:
     cfg["k_unroll"] = next(u for u in (cfg.get("k_unroll", 1), 2, 1) if tiles % u == 0)
     cfg["split_k"] = cfg.get("split_k", False) and chunk_len_for(k) < k
     return cfg
+
+
+def wgmma_suits(m: int, n: int) -> bool:
+    """Whether `m` rows against a weight of N columns take the warpgroup-MMA form on Hopper: prefill sizes, and decode
+    batches of 64 rows or more against wide weights. The Triton form keeps narrower weights at decode sizes: a 14,336-
+    deep w_down at 256 rows has too few output tiles for CTAs that each walk all of K (JAX's Hopper matmul: 0.143 ms
+    against the Triton form's 0.083, runs/h200_invariant_price/hopper_matmul/)."""
+    return m > 512 or (m >= 64 and n >= 16384)
 
 
 def _matmul_kernel(x_ref, w_ref, o_ref, *, block_k: int, k_unroll: int, chunk: int, transpose_w: bool, precision,
@@ -158,6 +167,9 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=N
       block_m, block_n, k_unroll, split_k, num_warps, num_stages: launch parameters (powers of two, block_n
         dividing N, k_unroll the K tiles loaded per loop step, dividing a chunk's tile count; split_k a program per
         chunk of K; default `default_matmul_config`); they change the speed, not the bits.
+
+    With JAX_OFFLOAD_HOPPER_MATMUL=1 on Hopper, untransposed bf16/f16 calls at the sizes `wgmma_suits` names, with no
+    launch parameter given, run the warpgroup-MMA form (`mgpu_matmul`), the same sums.
     """
     k_axis = 1 if transpose_w else 0
     if w.ndim != 2 or x.shape[-1] != w.shape[k_axis]:
@@ -167,6 +179,12 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=N
         raise ValueError(f"x has dtype {x.dtype} and w {w.dtype}; allowed: one dtype")
     rows = x.reshape(-1, x.shape[-1])
     n = w.shape[1 - k_axis]
+    launch = (block_m, block_n, k_unroll, split_k, num_warps, num_stages)
+    if (hopper_matmul_allowed() and not resolve_interpret(interpret) and not transpose_w and all(
+            p is None for p in launch) and x.dtype in (jnp.bfloat16, jnp.float16) and wgmma_suits(rows.shape[0], n)
+            and n % 128 == 0 and x.shape[-1] % BLOCK_K == 0 and on_hopper()):
+        from pallas_kernels.mgpu_matmul import mgpu_matmul  # it imports this module
+        return mgpu_matmul(rows, w, out_dtype=out_dtype).reshape(*x.shape[:-1], n)
     cfg = default_matmul_config(rows.shape[0], x.shape[-1], n)
     block_n = block_n or cfg["block_n"]
     if block_n < MIN_BLOCK or n % block_n:

@@ -17,9 +17,9 @@ consumer gets beside a 40-register producer (the Triton form's 128 x 256 prefill
 runs/h200_invariant_price/). Output tiles are walked in groups of GROUP_M row tiles so that the CTAs in flight
 share their x rows and w columns in L2.
 
-Not yet routed to: `matmul.matmul` runs the Triton form everywhere until a Hopper run of
-tests/test_kernels_mgpu_matmul.py and bench/probes/probe_matmul_hopper.py shows these bits and this speed (written on
-a CPU-only machine: its interpreter gives the Triton form's bits, and it lowers for CUDA).
+`matmul.matmul` routes to it only when JAX_OFFLOAD_HOPPER_MATMUL=1 (`matmul.wgmma_suits` says where), until a Hopper
+run of tests/test_kernels_mgpu_matmul.py and bench/probes/probe_matmul_hopper.py shows these bits and this speed
+(written on a CPU-only machine: its interpreter gives the Triton form's bits, and it lowers for CUDA).
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ sizes.
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,3 +77,40 @@ def test_gives_the_bits_of_the_triton_form_on_hopper():
                           dict(tile_m=64, tile_n=128, split_rows=False, steps=6)]:
                 got = mgpu_matmul(x, w, **tiles)
                 assert _same_bits(got, ref), f"seed {seed + m}: M={m} K={k} N={n} {tiles} differ from the Triton form"
+
+
+def test_matmul_routes_to_the_warpgroup_form_when_asked(monkeypatch):
+    """With JAX_OFFLOAD_HOPPER_MATMUL=1 on Hopper, `matmul.matmul` takes the warpgroup form at prefill sizes and
+    for decode batches of 64+ rows against wide weights, untransposed, bf16, with no launch parameter given; the
+    Triton form otherwise, and always without the variable. The device check and both kernels are stubbed
+    (recorders)."""
+    mm = sys.modules["pallas_kernels.matmul"]  # the package's `matmul` is the function
+    mgm = sys.modules["pallas_kernels.mgpu_matmul"]
+
+    calls = []
+
+    def recorder(name):
+        def run(x, w, transpose_w=False, **kw):
+            calls.append(name)
+            return jnp.zeros((x.shape[0], w.shape[0] if transpose_w else w.shape[1]), x.dtype)
+        return run
+
+    monkeypatch.setattr(mm, "on_hopper", lambda: True)
+    monkeypatch.setattr(mgm, "mgpu_matmul", recorder("wgmma"))
+    monkeypatch.setattr(mm, "_matmul", recorder("triton"))
+
+    def route(m, n, dtype=jnp.bfloat16, transpose_w=False, **kw):
+        x = jnp.zeros((m, 256), dtype)
+        w = jnp.zeros((n, 256) if transpose_w else (256, n), dtype)
+        out = mm.matmul(x, w, transpose_w=transpose_w, interpret=False, **kw)
+        assert out.shape == (m, n)
+        return calls.pop()
+
+    assert route(600, 512) == "triton"  # not asked for
+    monkeypatch.setenv("JAX_OFFLOAD_HOPPER_MATMUL", "1")
+    assert route(600, 512) == "wgmma"
+    assert route(64, 16384) == "wgmma"
+    assert route(256, 512) == "triton"
+    assert route(600, 512, transpose_w=True) == "triton"
+    assert route(600, 512, block_n=128) == "triton"
+    assert route(600, 512, dtype=jnp.float32) == "triton"
