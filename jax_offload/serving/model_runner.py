@@ -592,11 +592,11 @@ class ModelRunner:
         placed = self.tp.sharding(None)
         for size in self.buckets:
             logits = jax.device_put(np.zeros((size, self.cfg.vocab_size), np.float32), placed)
-            batch = self.tp.replicate(sampling_batch([], size)[0])
             packed = jax.device_put(decode_step_inputs([], size, self.max_blocks_per_seq, {})[0], placed)
             for kind in ("tempered", "filtered"):
                 if size == self.buckets[-1]:  # a prefill's or a chunk's draw: padded to the largest batch
-                    _sample(logits, batch, Draws(kind)).tokens.block_until_ready()
+                    knobs = self.tp.replicate(sampling_batch([], size)[0])
+                    _sample(logits, knobs, Draws(kind)).tokens.block_until_ready()
                 _sample_step(logits, packed, Draws(kind)).tokens.block_until_ready()
             for previous in self.buckets:
                 feed_step_tokens(device_rows(previous, placed), packed).block_until_ready()
@@ -619,7 +619,6 @@ class ModelRunner:
         logits, self.k_pool, self.v_pool = _decode_step(
             self.cfg, self.impl, self.params, self.k_pool, self.v_pool, self.inv_freq, tokens, packed, tp=self.tp)
         return _sample_step(logits, packed, draws)
-
 
     # ---- KVSwapper --------------------------------------------------------------------------------------------
 
