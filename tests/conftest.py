@@ -86,6 +86,17 @@ def pytest_collection_modifyitems(items):
                                  -FILE_SECONDS.get(item.path.name, 1)))
 
 
+@pytest.fixture
+def unoptimised_compiles():
+    """For Mosaic GPU's interpreted kernels (`pytestmark = pytest.mark.usefixtures(...)` in their files): their
+    programs run for milliseconds but take seconds to compile at XLA's full optimisation, so they compile
+    unoptimised (half the time), and the setting is left as it was for other files."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs_after_the_file():
     """Each worker drops its compiled programs after a test file (another file that needs one loads it from the

@@ -25,14 +25,7 @@ TILES = dict(block_q=64, block_kv=64, max_concurrent_steps=2, interpret=True)
 TOL = 1e-2  # bf16 inputs, P rounded to bf16 before P V (as tests/test_kernels_attention.py for bf16)
 
 
-@pytest.fixture(autouse=True)
-def _unoptimised_compiles():
-    """The interpreted programs run for milliseconds but take seconds to compile at XLA's full optimisation:
-    compile this file's programs unoptimised (half the time), and leave the setting as it was for other files."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("unoptimised_compiles")
 
 
 def _inputs(seed, q_shape, kv_shape):

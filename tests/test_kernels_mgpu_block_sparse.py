@@ -26,13 +26,7 @@ TOL = 1e-2  # bf16 inputs, P rounded to bf16 before P V (as tests/test_kernels_m
 BS = mbs.BLOCK_SIZE
 
 
-@pytest.fixture(autouse=True)
-def _unoptimised_compiles():
-    """As in tests/test_kernels_mgpu.py: the interpreted programs compile in half the time unoptimised."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("unoptimised_compiles")
 
 
 def _inputs(seed, b, tq, tk, hq, hkv, d=64):

@@ -18,13 +18,7 @@ from pallas_kernels.matmul import matmul
 from pallas_kernels.mgpu_matmul import mgpu_matmul
 
 
-@pytest.fixture(autouse=True)
-def _unoptimised_compiles():
-    """As in tests/test_kernels_mgpu.py: the interpreted programs compile in half the time unoptimised."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("unoptimised_compiles")
 
 
 def _inputs(seed: int, m: int, k: int, n: int):
