@@ -83,12 +83,12 @@ def default_matmul_config(m: int, k: int, n: int) -> dict[str, int]:
     return cfg
 
 
-def wgmma_suits(m: int, n: int) -> bool:
-    """Whether `m` rows against a weight of N columns take the warpgroup-MMA form on Hopper: prefill sizes, and decode
-    batches of 64 rows or more against wide weights. The Triton form keeps narrower weights at decode sizes: a 14,336-
-    deep w_down at 256 rows has too few output tiles for CTAs that each walk all of K (JAX's Hopper matmul: 0.143 ms
-    against the Triton form's 0.083, runs/h200_invariant_price/hopper_matmul/)."""
-    return m > 512 or (m >= 64 and n >= 16384)
+def wgmma_suits(m: int, n: int, k: int) -> bool:
+    """Whether `m` rows against a [k, n] weight take the warpgroup-MMA form on Hopper: prefill sizes, decode batches of
+    64 rows or more against wide weights, and of 256 rows or more against deep ones (the 8B's four projections at 256
+    rows: 0.255 ms against the Triton form's 0.304). The Triton form keeps shallow, narrow weights at decode sizes,
+    where it is the faster (Qwen3-0.6B's at 256 rows, runs/h200_invariant_price/hopper_matmul/wgmma/)."""
+    return m > 512 or (m >= 64 and n >= 16384) or (m >= 256 and k >= 4096)
 
 
 def _matmul_kernel(x_ref, w_ref, o_ref, *, block_k: int, k_unroll: int, chunk: int, transpose_w: bool, precision,
@@ -181,7 +181,7 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=N
     n = w.shape[1 - k_axis]
     launch = (block_m, block_n, k_unroll, split_k, num_warps, num_stages)
     if (hopper_matmul_allowed() and not resolve_interpret(interpret) and not transpose_w and all(
-            p is None for p in launch) and x.dtype in (jnp.bfloat16, jnp.float16) and wgmma_suits(rows.shape[0], n)
+            p is None for p in launch) and x.dtype in (jnp.bfloat16, jnp.float16) and wgmma_suits(rows.shape[0], n, x.shape[-1])
             and n % 128 == 0 and x.shape[-1] % BLOCK_K == 0 and on_hopper()):
         from pallas_kernels.mgpu_matmul import mgpu_matmul  # it imports this module
         return mgpu_matmul(rows, w, out_dtype=out_dtype).reshape(*x.shape[:-1], n)

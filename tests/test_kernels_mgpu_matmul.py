@@ -75,7 +75,7 @@ def test_gives_the_bits_of_the_triton_form_on_hopper():
 
 def test_matmul_routes_to_the_warpgroup_form_when_asked(monkeypatch):
     """With JAX_OFFLOAD_HOPPER_MATMUL=1 on Hopper, `matmul.matmul` takes the warpgroup form at prefill sizes and
-    for decode batches of 64+ rows against wide weights, untransposed, bf16, with no launch parameter given; the
+    for decode batches of 64+ rows against wide weights or 256+ against deep ones, untransposed, bf16, with no launch parameter given; the
     Triton form otherwise, and always without the variable. The device check and both kernels are stubbed
     (recorders)."""
     mm = sys.modules["pallas_kernels.matmul"]  # the package's `matmul` is the function
@@ -93,9 +93,9 @@ def test_matmul_routes_to_the_warpgroup_form_when_asked(monkeypatch):
     monkeypatch.setattr(mgm, "mgpu_matmul", recorder("wgmma"))
     monkeypatch.setattr(mm, "_matmul", recorder("triton"))
 
-    def route(m, n, dtype=jnp.bfloat16, transpose_w=False, **kw):
-        x = jnp.zeros((m, 256), dtype)
-        w = jnp.zeros((n, 256) if transpose_w else (256, n), dtype)
+    def route(m, n, dtype=jnp.bfloat16, transpose_w=False, k=256, **kw):
+        x = jnp.zeros((m, k), dtype)
+        w = jnp.zeros((n, k) if transpose_w else (k, n), dtype)
         out = mm.matmul(x, w, transpose_w=transpose_w, interpret=False, **kw)
         assert out.shape == (m, n)
         return calls.pop()
@@ -105,6 +105,8 @@ def test_matmul_routes_to_the_warpgroup_form_when_asked(monkeypatch):
     assert route(600, 512) == "wgmma"
     assert route(64, 16384) == "wgmma"
     assert route(256, 512) == "triton"
+    assert route(256, 512, k=4096) == "wgmma"
+    assert route(128, 512, k=4096) == "triton"
     assert route(600, 512, transpose_w=True) == "triton"
     assert route(600, 512, block_n=128) == "triton"
     assert route(600, 512, dtype=jnp.float32) == "triton"
