@@ -84,10 +84,10 @@ def hopper_kernels_allowed() -> bool:
 
 
 def hopper_matmul_allowed() -> bool:
-    """True when the environment sets JAX_OFFLOAD_HOPPER_MATMUL=1: on Hopper the batch-invariant matmul takes its
-    warpgroup-MMA form (`mgpu_matmul.py`, the same bits) at prefill and wide decode-batch sizes. Opt-in until a Hopper
-    run has shown that form's bits and speed (written on a CPU-only machine)."""
-    return os.environ.get("JAX_OFFLOAD_HOPPER_MATMUL", "0") == "1"
+    """False when the environment sets JAX_OFFLOAD_HOPPER_MATMUL=0, which keeps the batch-invariant matmul on its
+    Triton form everywhere; by default it takes its warpgroup-MMA form (`mgpu_matmul.py`, the same bits) on Hopper at
+    prefill and wide decode-batch sizes."""
+    return os.environ.get("JAX_OFFLOAD_HOPPER_MATMUL", "1") != "0"
 
 
 def on_hopper() -> bool:

@@ -168,8 +168,8 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=N
         dividing N, k_unroll the K tiles loaded per loop step, dividing a chunk's tile count; split_k a program per
         chunk of K; default `default_matmul_config`); they change the speed, not the bits.
 
-    With JAX_OFFLOAD_HOPPER_MATMUL=1 on Hopper, untransposed bf16/f16 calls at the sizes `wgmma_suits` names, with no
-    launch parameter given, run the warpgroup-MMA form (`mgpu_matmul`), the same sums.
+    On Hopper (unless JAX_OFFLOAD_HOPPER_MATMUL=0), untransposed bf16/f16 calls at the sizes `wgmma_suits` names,
+    with no launch parameter given, run the warpgroup-MMA form (`mgpu_matmul`), the same sums.
     """
     k_axis = 1 if transpose_w else 0
     if w.ndim != 2 or x.shape[-1] != w.shape[k_axis]:

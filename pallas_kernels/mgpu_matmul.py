@@ -17,9 +17,10 @@ consumer gets beside a 40-register producer (the Triton form's 128 x 256 prefill
 runs/h200_invariant_price/). Output tiles are walked in groups of GROUP_M row tiles so that the CTAs in flight
 share their x rows and w columns in L2.
 
-`matmul.matmul` routes to it only when JAX_OFFLOAD_HOPPER_MATMUL=1 (`matmul.wgmma_suits` says where), until a Hopper
-run of tests/test_kernels_mgpu_matmul.py and bench/probes/probe_matmul_hopper.py shows these bits and this speed
-(written on a CPU-only machine: its interpreter gives the Triton form's bits, and it lowers for CUDA).
+`matmul.matmul` routes to it on Hopper (`matmul.wgmma_suits` says where; JAX_OFFLOAD_HOPPER_MATMUL=0 turns it off).
+On an H200 it gave the Triton form's bits at every shape and tile config probed and runs 1.17x cuBLAS's time over an
+8B layer's projections at 8,192 rows, where the Triton form takes 1.47x (bench/probes/probe_matmul_hopper.py,
+runs/h200_invariant_price/hopper_matmul/wgmma/).
 """
 
 from __future__ import annotations

@@ -68,15 +68,15 @@ def test_gives_the_bits_of_the_triton_form_on_hopper():
             x, w = _inputs(seed + m, m, k, n)
             ref = matmul(x, w)
             for tiles in [dict(tile_m=64, tile_n=128, split_rows=True), dict(tile_m=128, tile_n=64, split_rows=False),
-                          dict(tile_m=64, tile_n=128, split_rows=False, steps=6)]:
+                          dict(tile_m=64, tile_n=128, split_rows=False)]:
                 got = mgpu_matmul(x, w, **tiles)
                 assert _same_bits(got, ref), f"seed {seed + m}: M={m} K={k} N={n} {tiles} differ from the Triton form"
 
 
-def test_matmul_routes_to_the_warpgroup_form_when_asked(monkeypatch):
-    """With JAX_OFFLOAD_HOPPER_MATMUL=1 on Hopper, `matmul.matmul` takes the warpgroup form at prefill sizes and
-    for decode batches of 64+ rows against wide weights or 256+ against deep ones, untransposed, bf16, with no launch parameter given; the
-    Triton form otherwise, and always without the variable. The device check and both kernels are stubbed
+def test_matmul_routes_to_the_warpgroup_form_on_hopper(monkeypatch):
+    """On Hopper `matmul.matmul` takes the warpgroup form at prefill sizes and for decode batches of 64+ rows against
+    wide weights or 256+ against deep ones, untransposed, bf16, with no launch parameter given; the Triton form
+    otherwise, and always with JAX_OFFLOAD_HOPPER_MATMUL=0. The device check and both kernels are stubbed
     (recorders)."""
     mm = sys.modules["pallas_kernels.matmul"]  # the package's `matmul` is the function
     mgm = sys.modules["pallas_kernels.mgpu_matmul"]
@@ -100,8 +100,9 @@ def test_matmul_routes_to_the_warpgroup_form_when_asked(monkeypatch):
         assert out.shape == (m, n)
         return calls.pop()
 
-    assert route(600, 512) == "triton"  # not asked for
-    monkeypatch.setenv("JAX_OFFLOAD_HOPPER_MATMUL", "1")
+    monkeypatch.setenv("JAX_OFFLOAD_HOPPER_MATMUL", "0")
+    assert route(600, 512) == "triton"  # turned off
+    monkeypatch.delenv("JAX_OFFLOAD_HOPPER_MATMUL")
     assert route(600, 512) == "wgmma"
     assert route(64, 16384) == "wgmma"
     assert route(256, 512) == "triton"
