@@ -44,6 +44,10 @@ class LLM:
     batch engine with its KV in GPU memory and the Pallas kernels, or with prefix caching; otherwise one prompt, and
     XAttention prefill in GPU memory, run requests one after another, each from a fresh KV cache.
 
+    `num_decode_steps` N > 1 (KV in GPU memory): while every running request draws plainly (greedy or tempered, no
+    log-probabilities), a decode runs N steps in one program, the same tokens with one host launch for N; a request
+    that comes meanwhile waits for them (`BatchEngine`).
+
     `tensor_parallel_size` N splits every layer over N devices by KV-head groups (the KV cache too, offloaded or
     not, and the paged pool of continuous batching).
 
@@ -95,6 +99,7 @@ class LLM:
         attention_impl: str | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 16384,
+        num_decode_steps: int = 1,
         gpu_memory_utilization: float = 0.9,
         tensor_parallel_size: int = 1,
         batch_invariant: bool = False,
@@ -118,6 +123,7 @@ class LLM:
             xattn_threshold=xattn_threshold, xattn_stride=xattn_stride, xattn_block=xattn_block,
             xattn_density=xattn_density,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            num_decode_steps=num_decode_steps,
             gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
             batch_invariant=batch_invariant, enable_prefix_caching=enable_prefix_caching,
             prefix_cache_host_gb=prefix_cache_host_gb,
@@ -377,7 +383,7 @@ class LLM:
                     self.model_config, self.params, self._inv_freq, self.dtype, self.attention_impl,
                     self.max_model_len, self.tokenizer, self.eos_token_ids, tp=self.tp,
                     enable_prefix_caching=e.enable_prefix_caching,
-                    prefix_cache_host_bytes=int(e.prefix_cache_host_gb * 2**30),
+                    prefix_cache_host_bytes=int(e.prefix_cache_host_gb * 2**30), num_decode_steps=e.num_decode_steps,
                     # An XAttention prompt's prefill (the one-request runner's) needs room beside the pool.
                     reserve_bytes=own_prefill_bytes(self.model_config, self.dtype, self.max_model_len, self.tp.size)
                     if e.prefill_policy == "xattention" else 0, **shared)

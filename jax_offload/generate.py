@@ -73,6 +73,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="running requests at most (256; the CLI: at most its number of prompts)")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384,
                    help="several prompts: tokens per prefill step, padding included (16384)")
+    p.add_argument("--num-decode-steps", type=int, default=1,
+                   help="several prompts in GPU memory: decode steps one program runs while every request draws "
+                        "plainly; more spares a small batch the host's launches, a new request waits for them (1)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="several prompts: share of GPU memory for weights and the paged KV pool (0.9)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -94,7 +97,7 @@ _LLM_OPTIONS = (
     "max_model_len", "offload", "host_kv_tokens", "block_size", "prefill", "decode_policy", "decode_budget",
     "page_size", "dense_layers", "sparse_cache_gb", "sketch_dtype", "prefill_policy", "xattn_threshold",
     "xattn_stride", "xattn_block", "xattn_density", "max_num_seqs", "max_num_batched_tokens",
-    "gpu_memory_utilization", "tensor_parallel_size", "batch_invariant", "enable_prefix_caching",
+    "num_decode_steps", "gpu_memory_utilization", "tensor_parallel_size", "batch_invariant", "enable_prefix_caching",
     "prefix_cache_host_gb", "kv_cache_dtype", "blend_recompute_ratio",
 )
 

@@ -291,6 +291,36 @@ def test_seeded_sampling_ignores_batch_composition(tmp_root):
         [reference[i][0] for i in range(NUM_PROMPTS) if i % 3 != 2], where
 
 
+def test_decode_steps_in_one_program_give_the_tokens_of_single_steps(tmp_root):
+    """num_decode_steps=4: greedy and tempered seeded requests, three of them ending on a stop string inside a
+    program's steps, beside a request asking for log-probabilities, one for top-p and one with min_tokens (their
+    neighbours take single steps while they run), give the tokens and text of single steps; programs of 4 steps ran
+    and no block is held after."""
+    llm = _llm("llama3", tmp_root)
+    prompts, _ = _workload(8)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=SAMPLING_SEED + i, max_tokens=40)
+              for i in range(8)]
+    params[1] = dataclasses.replace(params[1], logprobs=2, max_tokens=3)
+    params[3] = dataclasses.replace(params[3], top_p=0.9, max_tokens=5)
+    params[5] = dataclasses.replace(params[5], min_tokens=6, max_tokens=30)
+    where = f"model seed {MODEL_SEEDS['llama3']}, prompt seed {PROMPT_SEED}, request seeds {SAMPLING_SEED}+i"
+    single = _engine(llm, max_num_seqs=8)
+    texts = [o.text for o in single.generate(prompts, params)]
+    for i in (0, 2, 7):  # stop at a piece of the text some way in
+        params[i] = dataclasses.replace(params[i], stop=texts[i][len(texts[i]) * 3 // 5:][:2])
+    reference = [(o.token_ids, o.text) for o in single.generate(prompts, params)]
+    assert all(len(reference[i][0]) < 40 for i in (0, 2, 7)), f"{where}: {[len(t) for t, _ in reference]}"
+    several = _engine(llm, max_num_seqs=8, num_decode_steps=4)
+    steps, decode_async = [], several.runner.decode_async
+    several.runner.decode_async = lambda seqs, previous=None, n=1: steps.append(n) or decode_async(seqs, previous, n)
+    outs = several.generate(prompts, params)
+    bad = [i for i in range(8) if (outs[i].token_ids, outs[i].text) != reference[i]]
+    assert not bad, f"{where}: requests {bad} differ from single decode steps"
+    assert len(outs[1].logprobs) == len(outs[1].token_ids), where
+    assert steps.count(4) >= 5 and set(steps) == {1, 4}, f"{where}: steps per program {steps}"
+    assert several.blocks.num_used == 0 and not several.has_unfinished(), where
+
+
 # ---- (d) the block manager --------------------------------------------------------------------------------
 
 def _seq(index: int, prompt_len: int) -> Sequence:
@@ -387,6 +417,8 @@ def test_bad_options(tmp_root, options, message):
     (dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1, got 0"),
     (dict(max_num_batched_tokens=2.5), "max_num_batched_tokens must be an integer >= 1, got 2.5"),
     (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be a number in \(0, 1\], got 1.5"),
+    (dict(num_decode_steps=0), "num_decode_steps must be an integer >= 1, got 0"),
+    (dict(num_decode_steps=4, offload=True), "num_decode_steps=4 runs decode steps in GPU memory; with offload=True"),
     (dict(prefix_cache_host_gb=1), "prefix_cache_host_gb=1 keeps evicted prefix-cache blocks: it needs"),
     (dict(enable_prefix_caching=True, prefix_cache_host_gb=-1), "prefix_cache_host_gb must be a number >= 0"),
     (dict(enable_prefix_caching=True, offload=True, prefill_policy="xattention"),

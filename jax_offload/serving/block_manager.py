@@ -94,9 +94,9 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def new_blocks_to_append(self, seq: Sequence) -> int:
-        """Blocks `seq` still needs before its next decode step writes the KV of its last token."""
-        return max(self.blocks_for(seq.num_cached + 1) - len(seq.block_table), 0)
+    def new_blocks_to_append(self, seq: Sequence, tokens: int = 1) -> int:
+        """Blocks `seq` still needs before its next decode steps write the KV of `tokens` tokens (its last first)."""
+        return max(self.blocks_for(seq.num_cached + tokens) - len(seq.block_table), 0)
 
     def cached_prefix(self, seq: Sequence) -> list[int | HostHit]:
         """The cached blocks holding the KV of the sequence's leading tokens, in order: full blocks only, and never
@@ -158,9 +158,9 @@ class BlockManager:
             if block not in self._key_of and key not in self._block_of:
                 self._key_of[block], self._block_of[key] = key, block
 
-    def append(self, seq: Sequence) -> None:
-        """Makes room for the KV its next decode step writes (a new block when the last one is full)."""
-        for _ in range(self.new_blocks_to_append(seq)):
+    def append(self, seq: Sequence, tokens: int = 1) -> None:
+        """Makes room for the KV its next decode steps write, `tokens` tokens (a new block when the last is full)."""
+        for _ in range(self.new_blocks_to_append(seq, tokens)):
             seq.block_table.append(self._take())
 
     def free(self, seq: Sequence) -> None:

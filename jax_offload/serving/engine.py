@@ -22,7 +22,7 @@ from jax_offload.outputs import RequestDelta, RequestOutput
 from jax_offload.sampling import Drawn, SamplingParams, TokenLogprobs, drawn_to_host, request_key
 from jax_offload.serving.block_manager import BlockManager, cache_tag
 from jax_offload.serving.model_runner import (PACK_ALIGN, ModelRunner, default_num_blocks, kv_block_bytes,
-                                             packed_length, prefill_bucket)
+                                             packed_length, prefill_bucket, steps_suit)
 from jax_offload.serving.offload_model_runner import OffloadModelRunner
 from jax_offload.serving.scheduler import Scheduler, SchedulerStats, Step
 from jax_offload.serving.sequence import PromptKV, Sequence, SequenceStatus
@@ -46,7 +46,11 @@ class BatchEngine:
     In GPU memory, while only running requests decode (nothing waits, is swapped or must be preempted), each
     decode step is dispatched before the previous step's tokens are read: its input tokens stay on the device,
     and the host reads, appends and checks the previous tokens while the device computes. A request that stops
-    on a token read that late has one more token drawn, which is dropped.
+    on a token read that late has one more token drawn, which is dropped. With `num_decode_steps` N > 1 such a
+    decode runs N steps in one program where every running request has N tokens to go and draws plainly (greedy or
+    tempered, no log-probabilities, EOS allowed): a small batch's step is the host's launch, which N steps share.
+    A request that stops within them has the rest of its N tokens dropped, and one that comes meanwhile waits for
+    the N steps to end.
 
     Greedy and seeded results are those of `LLM.generate` one request at a time: the same layer arithmetic,
     attention kernels whose results do not depend on padding or batch, and per-request sampling keys."""
@@ -61,7 +65,12 @@ class BatchEngine:
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        num_decode_steps: int = 1,
     ):
+        _check_int("num_decode_steps", num_decode_steps, 1)
+        if num_decode_steps > 1 and not isinstance(runner, ModelRunner):
+            raise ValueError(f"num_decode_steps={num_decode_steps} runs in GPU memory only; offloaded it must be 1.")
+        self.num_decode_steps = num_decode_steps
         self.runner, self.blocks, self.tokenizer = runner, blocks, tokenizer
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
@@ -112,6 +121,7 @@ class BatchEngine:
         enable_prefix_caching: bool = False,
         prefix_cache_host_bytes: int = 0,
         reserve_bytes: int = 0,
+        num_decode_steps: int = 1,
     ) -> "BatchEngine":
         """`num_blocks` KV blocks of `block_size` tokens (default: what `gpu_memory_utilization` of the device
         memory JAX may use leaves after the weights, and `reserve_bytes` per device for other work);
@@ -119,7 +129,8 @@ class BatchEngine:
         the pool's size); beyond it preempted requests are recomputed. `tp`: the mesh the (already placed) params
         are split over; the pool is split the same way (one device if None). `enable_prefix_caching`: prompts reuse
         the KV blocks of earlier prompts' equal prefixes (`BlockManager`); `prefix_cache_host_bytes` of pinned host
-        memory keep the blocks it evicts. The options `LLM` shares with this engine are checked by `EngineConfig`."""
+        memory keep the blocks it evicts. `num_decode_steps`: decode steps a program may run (the class's docstring).
+        The options `LLM` shares with this engine are checked by `EngineConfig`."""
         tp = tp or TensorParallel.create(1)
         if not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 16, got {block_size!r}.")
@@ -147,8 +158,8 @@ class BatchEngine:
         blocks = BlockManager(num_blocks, block_size, enable_prefix_caching, runner,
                               prefix_cache_host_bytes // runner.block_bytes,
                               cache_tag(model_config, jnp.dtype(dtype), params.kv_cache_dtype))
-        return cls(runner, blocks, max_model_len, tokenizer, eos_token_ids,
-                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        return cls(runner, blocks, max_model_len, tokenizer, eos_token_ids, max_num_seqs=max_num_seqs,
+                   max_num_batched_tokens=max_num_batched_tokens, num_decode_steps=num_decode_steps)
 
     @classmethod
     def offloaded(
@@ -272,19 +283,23 @@ class BatchEngine:
         kv_tokens = (step.chunk[1] if step.chunk else sum(seq.num_tokens for seq in step.seqs)) \
             + sum(seq.num_tokens for seq in step.decodes)
         if step.kind == "decode":
-            # Dispatch this step first, then read the previous one's tokens while the device computes.
-            drawn = self.runner.decode_async(step.seqs, (pending[0].seqs, pending[1]) if pending else None)
+            steps = self._decode_steps(step.seqs)
             for seq in step.seqs:
-                seq.num_cached = seq.num_tokens
-                seq.num_pending += 1
+                self.blocks.append(seq, steps)
+            # Dispatch this step first, then read the previous one's tokens while the device computes.
+            previous = (pending[0].seqs, pending[1]) if pending else None
+            drawn = self.runner.decode_async(step.seqs, previous, steps) if steps > 1 else \
+                self.runner.decode_async(step.seqs, previous)  # the offloaded runner's takes no `steps`
+            for seq in step.seqs:
+                seq.num_cached = seq.num_tokens + steps - 1
+                seq.num_pending += steps
                 if seq.num_tokens >= seq.max_len:
                     self.scheduler.finish(seq)  # its last token is drawn: schedule it no more
             self._pending = (step, drawn, start, kv_tokens)
             if pending is not None:
                 self._dispatch_seconds = time.perf_counter() - scheduled
                 self.overlapped_steps += 1
-                self._read(*pending, deltas)
-                self._decode_seconds.append(self.step_log[-1][3])
+                self._decode_seconds.append(self._read(*pending, deltas))
             return
         if step.kind == "chunk":
             (seq,), (begin, end) = step.seqs, step.chunk
@@ -352,13 +367,18 @@ class BatchEngine:
         """Compiles the steps a server meets before its first request does (in GPU memory; offloaded steps are
         compiled as requests come): a decode step at every batch size, a prefill at every packed length up to a
         step's budget, the sampled draws at every batch size. Decode runs three tokens: the last step takes its
-        input from the one before, still on the device, as a server's steps do."""
+        input from the one before, still on the device, as a server's steps do; with num_decode_steps N > 1, then
+        N + 2, greedy and tempered, for the programs of N steps (and a single step fed from one)."""
         if not isinstance(self.runner, ModelRunner):
             return
-        self.runner.warm_up_sampling()
+        n = self.num_decode_steps
+        self.runner.warm_up_sampling(n)
         for size in self.runner.buckets:
             if size <= self.blocks.num_blocks:
                 self.generate([[0]] * size, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+                for temperature in (0.0, 1.0) if n > 1 else ():
+                    self.generate([[0]] * size, SamplingParams(temperature=temperature, seed=0, max_tokens=n + 2,
+                                                               ignore_eos=True))
         # Packed rows of every length a prefill step can take: its token budget, not one prompt's longest (a
         # server's steps pack many prompts), as far as max_num_seqs prompts and the pool can fill them.
         longest = min(self.max_model_len - 1, self.scheduler.max_chunk)
@@ -396,6 +416,16 @@ class BatchEngine:
         self._took(step, drawn_to_host(drawn, len(step.seqs)), self._last_read,
                    sum(seq.num_tokens for seq in step.seqs), deltas)
 
+    def _decode_steps(self, seqs: list[Sequence]) -> int:
+        """How many steps the decode of `seqs` (room made for one token each) runs in one program: num_decode_steps
+        where nothing else waits for the host, each has that many tokens to go and draws plainly (`steps_suit`),
+        and the pool has room for them all; else one."""
+        n, s = self.num_decode_steps, self.scheduler
+        if n == 1 or s.waiting or s.swapped or s.chunking or not steps_suit(seqs) \
+                or any(seq.num_tokens + n > seq.max_len for seq in seqs):
+            return 1
+        return n if sum(self.blocks.new_blocks_to_append(seq, n) for seq in seqs) <= self.blocks.num_free else 1
+
     def _can_run_ahead(self) -> bool:
         """Whether the next step may be scheduled before the tokens of the one in flight are read: it is then a
         decode of the running sequences that admits, swaps and preempts nothing (those need read tokens)."""
@@ -404,15 +434,21 @@ class BatchEngine:
             return False
         return sum(self.blocks.new_blocks_to_append(seq) for seq in s.running) <= self.blocks.num_free
 
-    def _read(self, step: Step, drawn: Drawn, start: float, kv_tokens: int, deltas: list[RequestDelta]) -> None:
-        """Reads the draw of a decode step dispatched without waiting (waiting for it now) and takes it."""
-        draws = drawn_to_host(drawn, len(step.seqs))
-        for seq in step.seqs:
-            if seq.finish_reason is None:
-                seq.num_pending -= 1
+    def _read(self, step: Step, drawn: Drawn, start: float, kv_tokens: int, deltas: list[RequestDelta]) -> float:
+        """Reads the draw of a decode step dispatched without waiting (waiting for it now) and takes it; a program
+        of several steps, step by step (each timed as an equal share of it). Returns the seconds it added."""
+        rounds = [drawn_to_host(drawn, len(step.seqs))] if drawn.tokens.ndim == 1 else \
+            [[(token, None) for token in row] for row in np.asarray(drawn.tokens)[:, :len(step.seqs)].tolist()]
         # A step overlapped with its successor's dispatch is timed from the later of its start and the previous
         # read: the time it added.
-        self._took(step, draws, max(start, self._last_read), kv_tokens, deltas)
+        seconds = time.perf_counter() - max(start, self._last_read)
+        for k, draws in enumerate(rounds):
+            for seq in step.seqs:
+                if seq.finish_reason is None:
+                    seq.num_pending -= 1
+            self._took(step, draws, time.perf_counter() - seconds / len(rounds), kv_tokens + k * len(step.seqs),
+                       deltas)
+        return seconds
 
     def _took(self, step: Step, draws: list[tuple[int, TokenLogprobs | None]], start: float, kv_tokens: int,
               deltas: list[RequestDelta], rows: int | None = None) -> None:

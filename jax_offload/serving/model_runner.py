@@ -189,6 +189,13 @@ def decode_step_inputs(seqs: list[Sequence], size: int, max_blocks: int, previou
     return packed, draws
 
 
+def steps_suit(seqs: list[Sequence]) -> bool:
+    """Whether `seqs` may decode several steps in one program: plain greedy or tempered draws (the kinds such a
+    program compiles for), no log-probabilities, and EOS allowed (each request's min_tokens reached)."""
+    return all(seq.params.logprobs is None and seq.num_generated >= seq.params.min_tokens
+               and (seq.params.temperature == 0 or (seq.params.top_p >= 1 and seq.params.top_k <= 0)) for seq in seqs)
+
+
 def sample(logits: jax.Array, knobs: jax.Array, draws: Draws) -> Drawn:
     """Token ids [B] (and their log-probabilities if `draws.logprobs`) from float32 logits [B, vocab] and packed
     knobs [B, KNOB_COLUMNS] (`sampling_batch`). Greedy rows take the argmax; rows with top-p or top-k run
@@ -343,6 +350,30 @@ def _decode_step(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tuple
     return decoder.logits(cfg, params, x[:, 0]), tuple(k_out), tuple(v_out)
 
 
+@functools.partial(step_jit, static_argnums=(0, 1, 8, 9), static_argnames=("tp",), donate_argnums=(3, 4))
+def _decode_steps(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tuple[jax.Array, ...],
+                  v_pool: tuple[jax.Array, ...], inv_freq: jax.Array, tokens: jax.Array, packed: jax.Array,
+                  draws: Draws, steps: int, tp: TensorParallel | None = None) -> tuple[Drawn, tuple, tuple]:
+    """`steps` decode steps in one program, each the model (`_decode_step`) and its draw, the next taking the
+    tokens the last drew: one launch for several tokens, where a small batch's step waits for the host's launch
+    (bench/results/runs/h200_dispatch/, "Several decode steps a launch"). Step k runs each live row at its length
+    plus k and draws its token with the request's key folded with its count plus k, so the tokens are those of
+    `steps` single steps. Returns the draws stacked [steps, B] and the pools."""
+    live = packed[:, _SEQ_LEN] > 0
+
+    def one(carry, k):
+        tokens, k_pool, v_pool = carry
+        at = packed.at[:, _SEQ_LEN].add(jnp.where(live, k, 0)).at[:, _KNOBS.start + _STEP].add(k)
+        # The plain function under the jit: a nested jit may not carry the step's compiler options.
+        logits, k_pool, v_pool = _decode_step.__wrapped__(cfg, impl, params, k_pool, v_pool, inv_freq, tokens, at,
+                                                          tp=tp)
+        drawn = sample(logits, at[:, _KNOBS], draws)
+        return (drawn.tokens, k_pool, v_pool), drawn
+
+    (_, k_pool, v_pool), drawn = jax.lax.scan(one, (tokens, k_pool, v_pool), jnp.arange(steps, dtype=jnp.int32))
+    return drawn, k_pool, v_pool
+
+
 @functools.partial(step_jit, static_argnums=2)
 def _sample(logits: jax.Array, knobs: jax.Array, draws: Draws) -> Drawn:
     return sample(logits, knobs, draws)
@@ -358,7 +389,8 @@ def _sample_step(logits: jax.Array, packed: jax.Array, draws: Draws) -> Drawn:
 def feed_step_tokens(drawn: jax.Array, packed: jax.Array) -> jax.Array:
     """Input tokens of a decode step from its packed rows [B, ...] (the decode step's `decode_step_inputs`, the
     offloaded step's rows): row r takes drawn[p] (a token still on the device) where its previous draw's row p
-    (column 1) is >= 0, else its token (column 0)."""
+    (column 1) is >= 0, else its token (column 0). Draws of several steps [steps, B] give their last step's."""
+    drawn = drawn[-1] if drawn.ndim == 2 else drawn
     rows = packed[:, _PREVIOUS_ROW]
     return jnp.where(rows >= 0, drawn[jnp.maximum(rows, 0)], packed[:, _TOKEN])
 
@@ -585,10 +617,11 @@ class ModelRunner:
             tables[row, : len(seq.block_table)] = seq.block_table
         return tokens, seq_lens, tables
 
-    def warm_up_sampling(self) -> None:
+    def warm_up_sampling(self, decode_steps: int = 1) -> None:
         """Compiles the sampled draws (temperature, and top-p/top-k) at every batch size, and the feeding of one
-        batch size's draw into the next step at every pair of sizes; greedy draws compile with the steps that
-        first run them. Inputs are placed as the steps place theirs (the same programs, not new ones)."""
+        batch size's draw (of one step, and of `decode_steps` steps if more) into the next step at every pair of
+        sizes; greedy draws compile with the steps that first run them. Inputs are placed as the steps place theirs
+        (the same programs, not new ones)."""
         placed = self.tp.sharding(None)
         for size in self.buckets:
             logits = jax.device_put(np.zeros((size, self.cfg.vocab_size), np.float32), placed)
@@ -600,12 +633,17 @@ class ModelRunner:
                 _sample_step(logits, packed, Draws(kind)).tokens.block_until_ready()
             for previous in self.buckets:
                 feed_step_tokens(device_rows(previous, placed), packed).block_until_ready()
+                if decode_steps > 1:  # fed from a draw of several steps
+                    rows = jnp.zeros((decode_steps, previous), jnp.int32, device=placed)
+                    feed_step_tokens(rows, packed).block_until_ready()
 
-    def decode_async(self, seqs: list[Sequence], previous: tuple[list[Sequence], Drawn] | None = None
-                     ) -> Drawn:
+    def decode_async(self, seqs: list[Sequence], previous: tuple[list[Sequence], Drawn] | None = None,
+                     steps: int = 1) -> Drawn:
         """Runs each sequence's last token and samples the next one, without waiting: the draw [batch bucket]
         stays on the device. A sequence whose last token is still pending takes it from `previous` (the
-        sequences and the result of the step that drew it)."""
+        sequences and the result of the step that drew it). With `steps` > 1, that many steps in one program, the
+        draws [steps, batch bucket]: the caller has made room for each sequence's `steps` tokens, and no sequence
+        asks for log-probabilities, top-p / top-k filtering or a banned EOS (`steps_suit`)."""
         size = self.batch_size(len(seqs))
         previous_row = {id(seq): row for row, seq in enumerate(previous[0])} if previous else {}
         packed, draws = decode_step_inputs(seqs, size, self.max_blocks_per_seq, previous_row)
@@ -616,6 +654,11 @@ class ModelRunner:
         placed = self.tp.sharding(None)
         packed = jax.device_put(packed, placed)
         tokens = feed_step_tokens(previous[1].tokens if previous else device_rows(size, placed), packed)
+        if steps > 1:
+            drawn, self.k_pool, self.v_pool = _decode_steps(
+                self.cfg, self.impl, self.params, self.k_pool, self.v_pool, self.inv_freq, tokens, packed, draws,
+                steps, tp=self.tp)
+            return drawn
         logits, self.k_pool, self.v_pool = _decode_step(
             self.cfg, self.impl, self.params, self.k_pool, self.v_pool, self.inv_freq, tokens, packed, tp=self.tp)
         return _sample_step(logits, packed, draws)
