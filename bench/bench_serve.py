@@ -112,7 +112,7 @@ def _ms(xs: list[float]) -> dict:
 # ---- the server and the offline engine (this process) ------------------------------------------------------------
 
 
-def build_llm(shape: str, max_model_len: int):
+def build_llm(shape: str, max_model_len: int, num_decode_steps: int = 1):
     """The engine process's LLM: the shape's random bf16 weights (seed 0, the same in every process)."""
     import jax
 
@@ -120,7 +120,7 @@ def build_llm(shape: str, max_model_len: int):
 
     return LLM.from_params(model_config(shape), random_params(model_config(shape), jax.numpy.bfloat16),
                            dtype="bfloat16", max_model_len=max_model_len, max_num_seqs=256,
-                           max_num_batched_tokens=16384)
+                           max_num_batched_tokens=16384, num_decode_steps=num_decode_steps)
 
 
 def _sampling(max_tokens: list[int]):
@@ -242,13 +242,15 @@ def run(args) -> dict:
 
     prompts, max_tokens = workload(args.shape, args.num_requests)
     # The server's way: the engine in a process of its own, which also runs the offline LLM.generate.
-    engine = EngineProcess(functools.partial(build_llm, args.shape, max(map(len, prompts)) + max(max_tokens) + 1))
+    engine = EngineProcess(functools.partial(build_llm, args.shape, max(map(len, prompts)) + max(max_tokens) + 1,
+                                             args.num_decode_steps))
     t = time.perf_counter()
     engine.start(warm_up=True)
     warm_s = time.perf_counter() - t
     offline = asyncio.run(engine.call(_offline, prompts, max_tokens, args.runs, args.rate_requests))
     asyncio.run(engine.call(_instrument))
-    result = {"meta": offline["meta"], "shape": args.shape, "requests": len(prompts),
+    result = {"meta": offline["meta"], "shape": args.shape, "num_decode_steps": args.num_decode_steps,
+              "requests": len(prompts),
               "input_tokens": sum(map(len, prompts)), "output_tokens": sum(max_tokens), "warmup_s": warm_s,
               "offline": {"seconds": stats(offline["seconds"]),
                           "output_tok_s": stats([sum(max_tokens) / s for s in offline["seconds"]]),
@@ -395,6 +397,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=False)
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--num-decode-steps", type=int, default=1, help="the engine's num_decode_steps (server and offline)")
     p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 4.0, 16.0])
     p.add_argument("--rate-requests", type=int, default=32)
     p.add_argument("--without-prefill-behind", action="store_true",
