@@ -86,7 +86,7 @@ def hopper_kernels_allowed() -> bool:
 def hopper_matmul_allowed() -> bool:
     """False when the environment sets JAX_OFFLOAD_HOPPER_MATMUL=0, which keeps the batch-invariant matmul on its
     Triton form everywhere; by default it takes its warpgroup-MMA form (`mgpu_matmul.py`, the same bits) on Hopper at
-    prefill and wide decode-batch sizes."""
+    prefill sizes and wide or deep decode batches (`matmul.wgmma_suits`)."""
     return os.environ.get("JAX_OFFLOAD_HOPPER_MATMUL", "1") != "0"
 
 

@@ -180,9 +180,10 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=N
     rows = x.reshape(-1, x.shape[-1])
     n = w.shape[1 - k_axis]
     launch = (block_m, block_n, k_unroll, split_k, num_warps, num_stages)
-    if (hopper_matmul_allowed() and not resolve_interpret(interpret) and not transpose_w and all(
-            p is None for p in launch) and x.dtype in (jnp.bfloat16, jnp.float16) and wgmma_suits(rows.shape[0], n, x.shape[-1])
-            and n % 128 == 0 and x.shape[-1] % BLOCK_K == 0 and on_hopper()):
+    if (hopper_matmul_allowed() and not resolve_interpret(interpret) and not transpose_w
+            and all(p is None for p in launch) and x.dtype in (jnp.bfloat16, jnp.float16)
+            and wgmma_suits(rows.shape[0], n, x.shape[-1]) and n % 128 == 0 and x.shape[-1] % BLOCK_K == 0
+            and on_hopper()):
         from pallas_kernels.mgpu_matmul import mgpu_matmul  # it imports this module
         return mgpu_matmul(rows, w, out_dtype=out_dtype).reshape(*x.shape[:-1], n)
     cfg = default_matmul_config(rows.shape[0], x.shape[-1], n)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+os.environ["JAX_OFFLOAD_HOPPER_MATMUL"] = "0"  # the Triton form's tiles: its default too, not the warpgroup form
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -21,6 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+# `matmul` below is the Triton form (the reference and "triton_default"); the warpgroup form is called by name.
+os.environ["JAX_OFFLOAD_HOPPER_MATMUL"] = "0"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
