@@ -284,7 +284,7 @@ class BatchEngine:
             + sum(seq.num_tokens for seq in step.decodes)
         if step.kind == "decode":
             steps = self._decode_steps(step.seqs)
-            for seq in step.seqs:
+            for seq in step.seqs if steps > 1 else ():  # the scheduler made room for one token each
                 self.blocks.append(seq, steps)
             # Dispatch this step first, then read the previous one's tokens while the device computes.
             previous = (pending[0].seqs, pending[1]) if pending else None
@@ -437,8 +437,8 @@ class BatchEngine:
     def _read(self, step: Step, drawn: Drawn, start: float, kv_tokens: int, deltas: list[RequestDelta]) -> float:
         """Reads the draw of a decode step dispatched without waiting (waiting for it now) and takes it; a program
         of several steps, step by step (each timed as an equal share of it). Returns the seconds it added."""
-        rounds = [drawn_to_host(drawn, len(step.seqs))] if drawn.tokens.ndim == 1 else \
-            [[(token, None) for token in row] for row in np.asarray(drawn.tokens)[:, :len(step.seqs)].tolist()]
+        rounds = [drawn] if drawn.tokens.ndim == 1 else [Drawn(row) for row in np.asarray(drawn.tokens)]
+        rounds = [drawn_to_host(r, len(step.seqs)) for r in rounds]
         # A step overlapped with its successor's dispatch is timed from the later of its start and the previous
         # read: the time it added.
         seconds = time.perf_counter() - max(start, self._last_read)
