@@ -41,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import fmt, model_config, random_params, run_metadata, stats  # noqa: E402
 
+from jax_offload.config import EngineConfig  # noqa: E402
+
 
 def workload(shape: str, num: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
     """nano-vllm's draws: prompts of randint(100, 1024) ids in [0, 10000], then max_tokens randint(100, 1024)."""
@@ -112,7 +114,7 @@ def _ms(xs: list[float]) -> dict:
 # ---- the server and the offline engine (this process) ------------------------------------------------------------
 
 
-def build_llm(shape: str, max_model_len: int, num_decode_steps: int = 1):
+def build_llm(shape: str, max_model_len: int, num_decode_steps: int):
     """The engine process's LLM: the shape's random bf16 weights (seed 0, the same in every process)."""
     import jax
 
@@ -145,7 +147,8 @@ def _offline(llm, prompts: list[list[int]], max_tokens: list[int], runs: int, si
         t = time.perf_counter()
         llm.generate([p], SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True, seed=0))
         ttft.append(time.perf_counter() - t)
-    return {"meta": run_metadata(), "token_ids": ids, "seconds": seconds, "ttft_s": ttft, "steps": steps}
+    return {"meta": run_metadata(), "token_ids": ids, "seconds": seconds, "ttft_s": ttft, "steps": steps,
+            "multi_step_batch": llm.request_engine().multi_step_batch}
 
 
 def _step_counts(log) -> dict:
@@ -234,7 +237,7 @@ def ttft_split(client: dict, events: list) -> dict:
     return {name: {"p50": percentile(xs, 50), "mean": statistics.mean(xs)} for name, xs in parts.items()}
 
 
-def run(args) -> dict:
+def run(args) -> None:
     import uvicorn
 
     from jax_offload.serving.api_server import create_app
@@ -250,7 +253,7 @@ def run(args) -> dict:
     offline = asyncio.run(engine.call(_offline, prompts, max_tokens, args.runs, args.rate_requests))
     asyncio.run(engine.call(_instrument))
     result = {"meta": offline["meta"], "shape": args.shape, "num_decode_steps": args.num_decode_steps,
-              "requests": len(prompts),
+              "multi_step_batch": offline["multi_step_batch"], "requests": len(prompts),
               "input_tokens": sum(map(len, prompts)), "output_tokens": sum(max_tokens), "warmup_s": warm_s,
               "offline": {"seconds": stats(offline["seconds"]),
                           "output_tok_s": stats([sum(max_tokens) / s for s in offline["seconds"]]),
@@ -290,17 +293,25 @@ def run(args) -> dict:
         out["same_tokens_as_offline"] = sum(a == b for a, b in zip(out.pop("token_ids"), offline["token_ids"]))
         return out
 
+    def save() -> None:  # after each phase: a call cut short keeps what it measured
+        (args.out / f"serve_{args.shape}.json").write_text(json.dumps(result, indent=1))
+
+    save()
     client(float("inf"), len(prompts))  # warm-ups: the client's first connections, the small batches' shapes
-    client(max(args.rates), args.rate_requests)
+    client(16.0, args.rate_requests)
     result["inf"] = [client(float("inf"), len(prompts)) for _ in range(args.runs)]
-    result["rates"] = [client(rate, args.rate_requests) for rate in args.rates]
+    save()
+    result["rates"] = []
+    for rate in args.rates:
+        result["rates"].append(client(rate, args.rate_requests))
+        save()
     if args.without_prefill_behind:
         asyncio.run(engine.call(_prefill_after_read))
         result["inf_without_prefill_behind"] = [client(float("inf"), len(prompts)) for _ in range(args.runs)]
         result["rates_without_prefill_behind"] = [client(rate, args.rate_requests) for rate in args.rates]
+        save()
     server.should_exit = True
     engine.stop()
-    return result
 
 
 def report(folder: Path, out: Path) -> None:
@@ -313,7 +324,9 @@ def report(folder: Path, out: Path) -> None:
         ratio = served["median"] / r["offline"]["output_tok_s"]["median"]
         lines += [f"## {r['shape']}: {m['device']}, jax {m['jax']}, {m['date']} ([{path.name}]({path.name}))", "",
                   f"nano-vllm's workload: {r['requests']} requests, {r['input_tokens']} prompt and "
-                  f"{r['output_tokens']} output tokens; medians of {len(inf)} runs (min-max).", "",
+                  f"{r['output_tokens']} output tokens; medians of {len(inf)} runs (min-max)."
+                  + (f" num_decode_steps {r['num_decode_steps']}, several steps a program up to batch "
+                     f"{r['multi_step_batch']} (the warm-up's timing)." if "multi_step_batch" in r else ""), "",
                   "| what | figure |", "|---|---|",
                   f"| offline output tok/s | {fmt(r['offline']['output_tok_s'], digits=0)} |",
                   f"| server output tok/s, infinite rate | {fmt(served, digits=0)} (**{ratio:.3f}x** offline) |",
@@ -397,7 +410,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=False)
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--num-decode-steps", type=int, default=1, help="the engine's num_decode_steps (server and offline)")
+    p.add_argument("--num-decode-steps", type=int, default=EngineConfig.num_decode_steps,
+                   help="the engine's num_decode_steps (server and offline)")
     p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 4.0, 16.0])
     p.add_argument("--rate-requests", type=int, default=32)
     p.add_argument("--without-prefill-behind", action="store_true",
@@ -416,7 +430,7 @@ def main() -> None:
     if args.shape == "smoke":
         args.num_requests, args.runs, args.rate_requests = 16, 2, 4
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"serve_{args.shape}.json").write_text(json.dumps(run(args), indent=1))
+    run(args)
 
 
 if __name__ == "__main__":

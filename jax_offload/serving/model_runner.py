@@ -655,9 +655,11 @@ class ModelRunner:
         packed = jax.device_put(packed, placed)
         tokens = feed_step_tokens(previous[1].tokens if previous else device_rows(size, placed), packed)
         if steps > 1:
+            # One program of several steps a batch size, greedy batches too (a tempered draw takes a greedy row's
+            # argmax): they run where the device waits for the host anyway, and each compiles for seconds.
             drawn, self.k_pool, self.v_pool = _decode_steps(
-                self.cfg, self.impl, self.params, self.k_pool, self.v_pool, self.inv_freq, tokens, packed, draws,
-                steps, tp=self.tp)
+                self.cfg, self.impl, self.params, self.k_pool, self.v_pool, self.inv_freq, tokens, packed,
+                Draws("tempered"), steps, tp=self.tp)
             return drawn
         logits, self.k_pool, self.v_pool = _decode_step(
             self.cfg, self.impl, self.params, self.k_pool, self.v_pool, self.inv_freq, tokens, packed, tp=self.tp)
