@@ -98,7 +98,8 @@ def phase_ours(args) -> dict:
     longest = max(len(p) + m for ps, ms in draws for p, m in zip(ps, ms))
     llm = m.llm(max_model_len=longest + 1, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
-                batch_invariant=args.batch_invariant, enable_prefix_caching=args.enable_prefix_caching)
+                batch_invariant=args.batch_invariant, enable_prefix_caching=args.enable_prefix_caching,
+                num_decode_steps=args.num_decode_steps)
 
     def sampling(max_tokens):
         return [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m, seed=i) for i, m in enumerate(max_tokens)]
@@ -283,10 +284,12 @@ def run_phase(args) -> None:
         result["gpu_memory"] = gpu_memory()
     result["meta"] = run_metadata()
     result["batch_invariant"] = args.batch_invariant
+    result["num_decode_steps"] = args.num_decode_steps
     # A smaller workload (--num-seqs) gets its own file, compared only with the peer's run of the same one.
     count = f"_n{args.num_seqs}" if args.run_phase in ("ours", "hf") and args.num_seqs != 256 else ""
     mode = "_batch_invariant" if args.batch_invariant and args.run_phase != "hf" else ""
     mode += "_distinct" * args.distinct_runs + "_prefix_caching" * args.enable_prefix_caching
+    mode += f"_steps{args.num_decode_steps}" * (args.num_decode_steps > 1 and args.run_phase == "ours")
     path = Path(args.out) / f"phase_{args.run_phase}_{args.shape}{count}{mode}.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
@@ -390,6 +393,8 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     p.add_argument("--gpu-memory-utilization", type=float, default=EngineConfig.gpu_memory_utilization)
+    p.add_argument("--num-decode-steps", type=int, default=EngineConfig.num_decode_steps,
+                   help="ours: decode steps a program runs (the phase file ends in _steps N when N > 1)")
     p.add_argument("--batch1-context", type=int, default=8192)
     p.add_argument("--offload-context", type=int, default=8192)
     p.add_argument("--offload-requests", type=int, default=8)
@@ -431,7 +436,7 @@ def main() -> None:
         extra.append("--batch-invariant" if args.batch_invariant else "--no-batch-invariant")
     extra += ["--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
               "--distinct-runs" if args.distinct_runs else "--no-distinct-runs",
-              f"--offload-decode-policy={args.offload_decode_policy}",
+              f"--num-decode-steps={args.num_decode_steps}", f"--offload-decode-policy={args.offload_decode_policy}",
               f"--offload-kv-cache-dtype={args.offload_kv_cache_dtype}",
               f"--offload-sparse-cache-gb={args.offload_sparse_cache_gb}"]
     for phase in phases:

@@ -33,9 +33,6 @@ STEP_LOG_LENGTH = 1 << 20
 # A decode step run ahead is dispatched this share of the step in flight before the device should finish it (at
 # least twice the dispatch's own time and half a millisecond); see `BatchEngine.step_due`.
 RUN_AHEAD_LEAD = 0.25
-# Several decode steps a program are kept at a batch size where they took less than this share of single steps'
-# time: a new request waits for all of them, so a near tie goes to single steps.
-MULTI_STEP_GAIN = 0.9
 
 
 class BatchEngine:
@@ -51,10 +48,9 @@ class BatchEngine:
     and the host reads, appends and checks the previous tokens while the device computes. A request that stops
     on a token read that late has one more token drawn, which is dropped. With `num_decode_steps` N > 1 such a
     decode runs N steps in one program where every running request has N tokens to go and draws plainly (greedy or
-    tempered, no log-probabilities, EOS allowed), at the batch sizes up to `multi_step_batch`: those where `warm_up`
-    timed N steps a program faster than N single steps (a small batch's step is the host's launch, which N steps
-    share). A request that stops within them has the rest of its N tokens dropped, and one that comes meanwhile
-    waits for the N steps to end.
+    tempered, no log-probabilities, EOS allowed): a small batch's step is the host's launch, which N steps share.
+    A request that stops within them has the rest of its N tokens dropped, and one that comes meanwhile waits for
+    the N steps to end.
 
     Greedy and seeded results are those of `LLM.generate` one request at a time: the same layer arithmetic,
     attention kernels whose results do not depend on padding or batch, and per-request sampling keys."""
@@ -72,10 +68,9 @@ class BatchEngine:
         num_decode_steps: int = 1,
     ):
         _check_int("num_decode_steps", num_decode_steps, 1)
+        if num_decode_steps > 1 and not isinstance(runner, ModelRunner):
+            raise ValueError(f"num_decode_steps={num_decode_steps} runs in GPU memory only; offloaded it must be 1.")
         self.num_decode_steps = num_decode_steps
-        # The largest batch size whose decode runs num_decode_steps steps a program (`warm_up` measures it; until
-        # then, and offloaded, single steps).
-        self.multi_step_batch = 0
         self.runner, self.blocks, self.tokenizer = runner, blocks, tokenizer
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
@@ -372,23 +367,17 @@ class BatchEngine:
         """Compiles the steps a server meets before its first request does (in GPU memory; offloaded steps are
         compiled as requests come): a decode step at every batch size, a prefill at every packed length up to a
         step's budget, the sampled draws at every batch size. Decode runs three tokens: the last step takes its
-        input from the one before, still on the device, as a server's steps do. With num_decode_steps N > 1, from
-        the smallest batch size up, it times N steps a program against N single steps and keeps the programs of
-        N steps up to the last size where they were faster (`multi_step_batch`)."""
+        input from the one before, still on the device, as a server's steps do; with num_decode_steps N > 1, then
+        N + 2, for the program of N steps (one for greedy and sampled draws) and a single step fed from one."""
         if not isinstance(self.runner, ModelRunner):
             return
         n = self.num_decode_steps
         self.runner.warm_up_sampling(n)
-        self.multi_step_batch, timing = 0, n > 1
         for size in self.runner.buckets:
             if size <= self.blocks.num_blocks:
                 self.generate([[0]] * size, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-                if timing:
-                    faster, self.multi_step_batch = self.multi_step_batch, size
-                    self.generate([[0]] * size, SamplingParams(temperature=0.0, max_tokens=1 + n, ignore_eos=True))
-                    # A larger batch's step waits for its host launch even less: timing stops at the first loss.
-                    timing = self._several_steps_faster(size)
-                    self.multi_step_batch = size if timing else faster
+                if n > 1:
+                    self.generate([[0]] * size, SamplingParams(temperature=0.0, max_tokens=n + 2, ignore_eos=True))
         # Packed rows of every length a prefill step can take: its token budget, not one prompt's longest (a
         # server's steps pack many prompts), as far as max_num_seqs prompts and the pool can fill them.
         longest = min(self.max_model_len - 1, self.scheduler.max_chunk)
@@ -405,21 +394,6 @@ class BatchEngine:
             prompts = [[next(leads) % self.runner.cfg.vocab_size] + [0] * (n - 1) for n in lengths]
             self.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
             length = prefill_bucket(length + 1)
-
-    def _several_steps_faster(self, size: int) -> bool:
-        """Whether `size` requests' decode runs faster as num_decode_steps steps a program than step by step (both
-        compiled), by the engine's own step times: the best of three runs of each."""
-        n = self.num_decode_steps
-        params = SamplingParams(temperature=0.0, max_tokens=1 + 4 * n, ignore_eos=True)
-
-        def decode_seconds(largest_batch: int) -> float:
-            self.multi_step_batch = largest_batch
-            self.generate([[0]] * size, params)
-            return sum(seconds for kind, _, _, seconds in self.step_log if kind == "decode")
-
-        single = min(decode_seconds(0) for _ in range(3))
-        several = min(decode_seconds(size) for _ in range(3))
-        return several < MULTI_STEP_GAIN * single
 
     def _prefill_behind(self, pending: tuple[Step, Drawn, float, int], deltas: list[RequestDelta]) -> None:
         """Reads the decode step in flight; before that, if prompts wait that run whole, dispatches their prefill
@@ -446,8 +420,8 @@ class BatchEngine:
         where nothing else waits for the host, each has that many tokens to go and draws plainly (`steps_suit`),
         and the pool has room for them all; else one."""
         n, s = self.num_decode_steps, self.scheduler
-        if n == 1 or len(seqs) > self.multi_step_batch or s.waiting or s.swapped or s.chunking \
-                or not steps_suit(seqs) or any(seq.num_tokens + n > seq.max_len for seq in seqs):
+        if n == 1 or s.waiting or s.swapped or s.chunking or not steps_suit(seqs) \
+                or any(seq.num_tokens + n > seq.max_len for seq in seqs):
             return 1
         return n if sum(self.blocks.new_blocks_to_append(seq, n) for seq in seqs) <= self.blocks.num_free else 1
 
