@@ -9,6 +9,7 @@ Model: the Llama-3.1-8B shape with random bf16 weights (prompts of 100..20K rand
 
   python bench/probes/probe_path_invariance.py --out probe_path_invariance.json [--model DIR] [--modes invariant]
   python bench/probes/probe_path_invariance.py --out tp2.json --tp 2      # two GPUs: alone against together
+  python bench/probes/probe_path_invariance.py --out steps.json --num-decode-steps 4   # + alone and together, 4 a program
 """
 import argparse
 import json
@@ -48,6 +49,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, help="the 8B shape with this many layers (a faster check of the same kernels)")
     p.add_argument("--prompts", type=int, default=16, help="the first N of the 16 prompt lengths")
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (the 8B shape): alone against together only")
+    p.add_argument("--num-decode-steps", type=int, default=1,
+                   help="N > 1: also each alone and all together with N decode steps a program, against alone")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -81,6 +84,14 @@ def main() -> None:
         together = [list(o.token_ids) for o in gpu.generate(prompts, sp)]
         del gpu
         result = {"together_vs_alone": compare(together, alone)}
+        if args.num_decode_steps > 1:
+            n = args.num_decode_steps
+            stepped = make(gpu_memory_utilization=0.5, batch_invariant=invariant, num_decode_steps=n)
+            result[f"alone_steps{n}_vs_alone"] = compare([list(stepped.generate([q], sp)[0].token_ids)
+                                                          for q in prompts], alone)
+            result[f"together_steps{n}_vs_alone"] = compare([list(o.token_ids) for o in stepped.generate(prompts, sp)],
+                                                            alone)
+            del stepped
         if args.tp == 1:
             off = make(offload=True, block_size=block, batch_invariant=invariant)
             offloaded = [list(off.generate([q], sp)[0].token_ids) for q in prompts]
