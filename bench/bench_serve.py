@@ -114,7 +114,7 @@ def _ms(xs: list[float]) -> dict:
 # ---- the server and the offline engine (this process) ------------------------------------------------------------
 
 
-def build_llm(shape: str, max_model_len: int, num_decode_steps: int):
+def build_llm(shape: str, max_model_len: int, num_decode_steps: int = EngineConfig.num_decode_steps):
     """The engine process's LLM: the shape's random bf16 weights (seed 0, the same in every process)."""
     import jax
 
