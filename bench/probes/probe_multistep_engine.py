@@ -6,7 +6,10 @@ size: `BatchEngine.generate` of BATCH prompts of --prompt random tokens, --token
 0.6, ignore_eos), with single steps and with --steps steps a program, the same engine and compiled programs,
 alternating, --repeats runs each after a warm-up run of each. Per batch size: the engine's decode seconds per decode
 step from its own step log (as `bench_serve.py` reports them) and the wall time of the call, medians (min-max), the
-ratio several / single, and whether both gave the same tokens.
+ratio several / single, and whether both gave the same tokens. Also, for single steps, the host's dispatch of a step
+(until `decode_async` returns) as the engine runs them, and a step's time when each is waited for before the next
+(dispatch, then the device: the device's share is the difference), medians over a run's steps: whether a batch
+size's step is host-bound, the rule an automatic N might use.
 
     python bench/probes/probe_multistep_engine.py --shape qwen3-0.6b --out DIR   # DIR/multistep_engine_SHAPE.json
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,6 +30,36 @@ import numpy as np  # noqa: E402
 
 from common import model_config, random_params, run_metadata, stats  # noqa: E402
 from jax_offload import LLM, SamplingParams  # noqa: E402
+
+
+def single_step_parts(engine, run) -> tuple[float, float]:
+    """Medians over a run's single decode steps, ms: the host's time in `decode_async` as the engine calls it, and
+    with every step waited for before the next is scheduled, its time from the call until its draw is ready."""
+    import jax
+
+    decode_async = engine.runner.decode_async
+    times: list[float] = []
+
+    def timed(wait: bool):
+        def call(seqs, previous=None, *rest):
+            start = time.perf_counter()
+            drawn = decode_async(seqs, previous, *rest)
+            if wait:
+                jax.block_until_ready(drawn.tokens)
+            times.append((time.perf_counter() - start) * 1e3)
+            return drawn
+        return call
+
+    parts = []
+    for wait in (False, True):
+        times.clear()
+        engine.runner.decode_async = timed(wait)
+        try:
+            run()
+        finally:
+            engine.runner.decode_async = decode_async
+        parts.append(statistics.median(times))
+    return parts[0], parts[1]
 
 
 def main() -> None:
@@ -64,6 +98,7 @@ def main() -> None:
             return sum(decode) / len(decode), wall, len(decode), [list(o.token_ids) for o in outs]
 
         tokens = {n: run(n)[3] for n in (1, args.steps)}  # compiles, warms
+        dispatch_ms, serial_ms = single_step_parts(engine, lambda: run(1))
         timed: dict[int, list[tuple[float, float, int]]] = {1: [], args.steps: []}
         for _ in range(args.repeats):
             for n in timed:
@@ -76,6 +111,9 @@ def main() -> None:
         row["ratio_decode_step"] = several["decode_step_ms"]["median"] / single["decode_step_ms"]["median"]
         row["ratio_wall"] = several["wall_s"]["median"] / single["wall_s"]["median"]
         row["same_tokens"] = tokens[1] == tokens[args.steps]
+        row["single_step_host_dispatch_ms"] = dispatch_ms
+        row["single_step_waited_ms"] = serial_ms
+        row["single_step_device_ms_est"] = serial_ms - dispatch_ms
         result["batches"][str(size)] = row
         print(size, json.dumps({k: row[k] for k in ("ratio_decode_step", "ratio_wall", "same_tokens")}),
               f"single {single['decode_step_ms']['median']:.3f} ms", flush=True)
