@@ -190,8 +190,8 @@ def decode_step_inputs(seqs: list[Sequence], size: int, max_blocks: int, previou
 
 
 def steps_suit(seqs: list[Sequence]) -> bool:
-    """Whether `seqs` may decode several steps in one program: plain greedy or tempered draws (the kinds such a
-    program compiles for), no log-probabilities, and EOS allowed (each request's min_tokens reached)."""
+    """Whether `seqs` may decode several steps in one program: plain greedy or tempered draws (what such a
+    program's draw computes), no log-probabilities, and EOS allowed (each request's min_tokens reached)."""
     return all(seq.params.logprobs is None and seq.num_generated >= seq.params.min_tokens
                and (seq.params.temperature == 0 or (seq.params.top_p >= 1 and seq.params.top_k <= 0)) for seq in seqs)
 
@@ -350,15 +350,17 @@ def _decode_step(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tuple
     return decoder.logits(cfg, params, x[:, 0]), tuple(k_out), tuple(v_out)
 
 
-@functools.partial(step_jit, static_argnums=(0, 1, 8, 9), static_argnames=("tp",), donate_argnums=(3, 4))
+@functools.partial(step_jit, static_argnums=(0, 1, 8), static_argnames=("tp",), donate_argnums=(3, 4))
 def _decode_steps(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tuple[jax.Array, ...],
                   v_pool: tuple[jax.Array, ...], inv_freq: jax.Array, tokens: jax.Array, packed: jax.Array,
-                  draws: Draws, steps: int, tp: TensorParallel | None = None) -> tuple[Drawn, tuple, tuple]:
+                  steps: int, tp: TensorParallel | None = None) -> tuple[Drawn, tuple, tuple]:
     """`steps` decode steps in one program, each the model (`_decode_step`) and its draw, the next taking the
     tokens the last drew: one launch for several tokens, where a small batch's step waits for the host's launch
     (bench/results/runs/h200_dispatch/, "Several decode steps a launch"). Step k runs each live row at its length
     plus k and draws its token with the request's key folded with its count plus k, so the tokens are those of
-    `steps` single steps. Returns the draws stacked [steps, B] and the pools."""
+    `steps` single steps. One program a batch size for greedy and tempered rows alike (a tempered draw takes a
+    greedy row's argmax): they run where the device waits for the host anyway, and each compiles for seconds.
+    Returns the draws stacked [steps, B] and the pools."""
     live = packed[:, _SEQ_LEN] > 0
 
     def one(carry, k):
@@ -367,7 +369,7 @@ def _decode_steps(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tupl
         # The plain function under the jit: a nested jit may not carry the step's compiler options.
         logits, k_pool, v_pool = _decode_step.__wrapped__(cfg, impl, params, k_pool, v_pool, inv_freq, tokens, at,
                                                           tp=tp)
-        drawn = sample(logits, at[:, _KNOBS], draws)
+        drawn = sample(logits, at[:, _KNOBS], Draws("tempered"))
         return (drawn.tokens, k_pool, v_pool), drawn
 
     (_, k_pool, v_pool), drawn = jax.lax.scan(one, (tokens, k_pool, v_pool), jnp.arange(steps, dtype=jnp.int32))
@@ -655,11 +657,9 @@ class ModelRunner:
         packed = jax.device_put(packed, placed)
         tokens = feed_step_tokens(previous[1].tokens if previous else device_rows(size, placed), packed)
         if steps > 1:
-            # One program of several steps a batch size, greedy batches too (a tempered draw takes a greedy row's
-            # argmax): they run where the device waits for the host anyway, and each compiles for seconds.
             drawn, self.k_pool, self.v_pool = _decode_steps(
-                self.cfg, self.impl, self.params, self.k_pool, self.v_pool, self.inv_freq, tokens, packed,
-                Draws("tempered"), steps, tp=self.tp)
+                self.cfg, self.impl, self.params, self.k_pool, self.v_pool, self.inv_freq, tokens, packed, steps,
+                tp=self.tp)
             return drawn
         logits, self.k_pool, self.v_pool = _decode_step(
             self.cfg, self.impl, self.params, self.k_pool, self.v_pool, self.inv_freq, tokens, packed, tp=self.tp)
