@@ -192,6 +192,57 @@ def _instrument(llm) -> None:
         return deltas
 
     llm.add_request, llm.step = timed_add, timed_step
+    engine = llm.request_engine()
+    decode_async, read, step_due = engine.runner.decode_async, engine._read, engine.step_due
+
+    def timed_decode_async(seqs, *rest):
+        start = time.perf_counter()
+        drawn = decode_async(seqs, *rest)
+        llm.bench_events.append(("dispatch", start, time.perf_counter(), len(seqs)))
+        return drawn
+
+    def timed_read(step, drawn, *rest):
+        ready = float(drawn.tokens.is_ready())
+        start = time.perf_counter()
+        drawn.tokens.block_until_ready()  # as the read would: its wait for the device, apart from taking the draw
+        waited = time.perf_counter()
+        seconds = read(step, drawn, *rest)
+        llm.bench_events.append(("read", start, waited, ready))
+        llm.bench_events.append(("take", waited, time.perf_counter(), 0.0))
+        return seconds
+
+    def timed_due():
+        planned = engine._due
+        due = step_due()
+        if engine._due is not planned and engine._due is not None and engine._due[1] is not None:
+            pending = engine._pending
+            llm.bench_events.append(("due", engine._due[1] - max(engine._last_read, pending[2]),
+                                     min(engine._decode_seconds), engine._dispatch_seconds))
+        return due
+
+    engine.runner.decode_async, engine._read, engine.step_due = timed_decode_async, timed_read, timed_due
+
+
+def host_split(events: list) -> dict:
+    """The engine loop's host side of its decode steps (ms, medians): `decode_async` (dispatch), the read of a step's
+    draw (its wait for the device; taking the draw: outputs, detokenizing) and the share of reads that found it
+    ready (the device waited for the host), the time between two step
+    calls (taking commands, handing out output, waiting for the step to be due), and `step_due`'s plan: the wait
+    from the step's start it planned, the step time it assumed and the dispatch time it allowed for."""
+    def ms(xs: list[float]) -> float | None:
+        return statistics.median(xs) * 1e3 if xs else None
+
+    dispatch = [b - a for kind, a, b, _ in events if kind == "dispatch"]
+    reads = [(b - a, ready) for kind, a, b, ready in events if kind == "read"]
+    takes = [b - a for kind, a, b, _ in events if kind == "take"]
+    steps = [(a, b) for kind, a, b, _ in events if kind == "step"]
+    plans = [(wait, seconds, dispatch_s) for kind, wait, seconds, dispatch_s in events if kind == "due"]
+    return {"dispatch": ms(dispatch), "read_wait": ms([r for r, _ in reads]), "take": ms(takes),
+            "read_found_ready_share": statistics.mean([ready for _, ready in reads]) if reads else None,
+            "step_call": ms([b - a for a, b in steps]),
+            "between_step_calls": ms([steps[i + 1][0] - steps[i][1] for i in range(len(steps) - 1)]),
+            "due_plans": len(plans), "due_wait": ms([p[0] for p in plans]),
+            "due_step_estimate": ms([p[1] for p in plans]), "due_dispatch_estimate": ms([p[2] for p in plans])}
 
 
 def _take_events(llm) -> list:
@@ -282,6 +333,7 @@ def run(args) -> None:
         out["time_budget_s"] = time_budget(out, events)
         # Each request's mean decode step, over the steps it took part in (its batches): the engine's side of TPOT.
         out["request_step_ms"] = _ms([s for kind, s, _, _ in events if kind == "done"])
+        out["host_split_ms"] = host_split(events)
         if rate != float("inf"):
             out["ttft_split_ms"] = ttft_split(out, events)
         for key in ("accepted", "sent", "first"):
