@@ -217,7 +217,7 @@ def _instrument(llm) -> None:
         if engine._due is not planned and engine._due is not None and engine._due[1] is not None:
             pending = engine._pending
             llm.bench_events.append(("due", engine._due[1] - max(engine._last_read, pending[2]),
-                                     min(engine._decode_seconds), max(engine._dispatch_seconds)))
+                                     min(engine._decode_seconds), engine._dispatch_seconds))
         return due
 
     engine.runner.decode_async, engine._read, engine.step_due = timed_decode_async, timed_read, timed_due

@@ -30,11 +30,9 @@ from jax_offload.tensor_parallel import TensorParallel
 
 # The newest steps a batch engine's step log keeps (a server's engine runs on).
 STEP_LOG_LENGTH = 1 << 20
-# A decode step run ahead is dispatched this share of the step in flight before the device should finish it, at
-# least the dispatch's own time (the slowest of the newest) and RUN_AHEAD_MARGIN seconds more (the loop looks at
-# its clock every 0.25 ms); see `BatchEngine.step_due`.
+# A decode step run ahead is dispatched this share of the step in flight before the device should finish it (at
+# least twice the dispatch's own time and half a millisecond); see `BatchEngine.step_due`.
 RUN_AHEAD_LEAD = 0.25
-RUN_AHEAD_MARGIN = 0.5e-3
 
 
 class BatchEngine:
@@ -95,9 +93,9 @@ class BatchEngine:
         self._pending: tuple[Step, Drawn, float, int] | None = None
         self._last_read = 0.0
         # The device's time for each of the newest decode steps run ahead, and the host's time to schedule and
-        # dispatch each: `step_due`'s estimates.
+        # dispatch the newest one: `step_due`'s estimates.
         self._decode_seconds: deque[float] = deque(maxlen=3)
-        self._dispatch_seconds: deque[float] = deque(maxlen=3)
+        self._dispatch_seconds = 0.0
         self._due: tuple[Drawn, float | None] | None = None  # step_due's answer for the step in flight
         self._involved: list[Sequence] = []  # the sequences of the step running, for StepFailed
 
@@ -248,10 +246,8 @@ class BatchEngine:
 
     def step_due(self) -> float | None:
         """When (`time.perf_counter`) a server's loop should run the next step, if later than now: while a decode
-        step is in flight and the next would be dispatched ahead of it, shortly (RUN_AHEAD_LEAD, at least the
-        dispatch's time: the device starts the step's CUDA graph only once the host has updated and launched it)
-        before the device should finish the one in flight, by the fastest of the newest such steps; at once if it has
-        finished. Until
+        step is in flight and the next would be dispatched ahead of it, shortly (RUN_AHEAD_LEAD) before the device
+        should finish the one in flight, by the fastest of the newest such steps; at once if it has finished. Until
         then the loop waits for requests: one that comes meanwhile is prefilled right after the step in flight, not
         after one more already queued behind it (at 4.6 ms a step, 3.5 ms off its time to first token). None: at
         once."""
@@ -262,7 +258,7 @@ class BatchEngine:
             due = None
             if self._can_run_ahead():
                 seconds = min(self._decode_seconds)
-                lead = max(RUN_AHEAD_LEAD * seconds, max(self._dispatch_seconds) + RUN_AHEAD_MARGIN)
+                lead = max(RUN_AHEAD_LEAD * seconds, 2 * self._dispatch_seconds + 0.5e-3)
                 due = max(self._last_read, pending[2]) + seconds - lead  # from about when the device took it
             self._due = (pending[1], due)
         due = self._due[1]
@@ -278,7 +274,6 @@ class BatchEngine:
             return
         if not self.scheduler.has_work():
             self._decode_seconds.clear()  # idle: the next batch's steps take their own time
-            self._dispatch_seconds.clear()
             return
         scheduled = time.perf_counter()
         step = self.scheduler.schedule()
@@ -302,7 +297,7 @@ class BatchEngine:
                     self.scheduler.finish(seq)  # its last token is drawn: schedule it no more
             self._pending = (step, drawn, start, kv_tokens)
             if pending is not None:
-                self._dispatch_seconds.append(time.perf_counter() - scheduled)
+                self._dispatch_seconds = time.perf_counter() - scheduled
                 self.overlapped_steps += 1
                 self._decode_seconds.append(self._read(*pending, deltas))
             return
