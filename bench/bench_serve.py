@@ -147,10 +147,7 @@ def _offline(llm, prompts: list[list[int]], max_tokens: list[int], runs: int, si
         t = time.perf_counter()
         llm.generate([p], SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True, seed=0))
         ttft.append(time.perf_counter() - t)
-    return {"meta": run_metadata(), "token_ids": ids, "seconds": seconds, "ttft_s": ttft, "steps": steps,
-            "multi_step_batch": llm.request_engine().multi_step_batch,
-            "decode_timing_ms": {size: [t * 1e3 for t in times]
-                                 for size, times in llm.request_engine().decode_timing.items()}}
+    return {"meta": run_metadata(), "token_ids": ids, "seconds": seconds, "ttft_s": ttft, "steps": steps}
 
 
 def _step_counts(log) -> dict:
@@ -306,8 +303,7 @@ def run(args) -> None:
     offline = asyncio.run(engine.call(_offline, prompts, max_tokens, args.runs, args.rate_requests))
     asyncio.run(engine.call(_instrument))
     result = {"meta": offline["meta"], "shape": args.shape, "num_decode_steps": args.num_decode_steps,
-              "multi_step_batch": offline["multi_step_batch"],
-              "decode_timing_ms": offline["decode_timing_ms"], "requests": len(prompts),
+              "requests": len(prompts),
               "input_tokens": sum(map(len, prompts)), "output_tokens": sum(max_tokens), "warmup_s": warm_s,
               "offline": {"seconds": stats(offline["seconds"]),
                           "output_tok_s": stats([sum(max_tokens) / s for s in offline["seconds"]]),
@@ -380,9 +376,7 @@ def report(folder: Path, out: Path) -> None:
         lines += [f"## {r['shape']}: {m['device']}, jax {m['jax']}, {m['date']} ([{path.name}]({path.name}))", "",
                   f"nano-vllm's workload: {r['requests']} requests, {r['input_tokens']} prompt and "
                   f"{r['output_tokens']} output tokens; medians of {len(inf)} runs (min-max)."
-                  + (f" num_decode_steps {r['num_decode_steps']}." if "num_decode_steps" in r else "")
-                  + (f" Several steps a program up to batch {r['multi_step_batch']} (the warm-up's timing)."
-                     if "multi_step_batch" in r else ""), "",
+                  + (f" num_decode_steps {r['num_decode_steps']}." if "num_decode_steps" in r else ""), "",
                   "| what | figure |", "|---|---|",
                   f"| offline output tok/s | {fmt(r['offline']['output_tok_s'], digits=0)} |",
                   f"| server output tok/s, infinite rate | {fmt(served, digits=0)} (**{ratio:.3f}x** offline) |",

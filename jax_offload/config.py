@@ -189,9 +189,8 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
     gpu_memory_utilization: float = 0.9
-    # Decode steps one program may run in GPU memory while every running request draws plainly, at the batch sizes
-    # where the warm-up found a step's dispatch on the host longer than its device time (`BatchEngine`).
-    num_decode_steps: int = 4
+    # Decode steps one program may run in GPU memory while every running request draws plainly (`BatchEngine`).
+    num_decode_steps: int = 1
     # Devices the model's heads and MLP are split over (tensor parallelism).
     tensor_parallel_size: int = 1
     # A request's tokens independent of the requests run with it (see `LLM`).
@@ -324,6 +323,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not _int(value) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        if self.num_decode_steps > 1 and self.offload:
+            raise ValueError(f"num_decode_steps={self.num_decode_steps} runs decode steps in GPU memory; with "
+                             "offload=True it must be 1.")
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}.")

@@ -44,10 +44,9 @@ class LLM:
     batch engine with its KV in GPU memory and the Pallas kernels, or with prefix caching; otherwise one prompt, and
     XAttention prefill in GPU memory, run requests one after another, each from a fresh KV cache.
 
-    `num_decode_steps` N > 1 (KV in GPU memory, after `warm_up`): while every running request draws plainly (greedy
-    or tempered, no log-probabilities), a decode runs N steps in one program, the same tokens with one host launch
-    for N, at the batch sizes where the warm-up found a single step's dispatch on the host longer than its device
-    time; a request that comes meanwhile waits for them (`BatchEngine`). Offloaded, single steps.
+    `num_decode_steps` N > 1 (KV in GPU memory): while every running request draws plainly (greedy or tempered, no
+    log-probabilities), a decode runs N steps in one program, the same tokens with one host launch for N; a request
+    that comes meanwhile waits for them (`BatchEngine`).
 
     `tensor_parallel_size` N splits every layer over N devices by KV-head groups (the KV cache too, offloaded or
     not, and the paged pool of continuous batching).
@@ -100,7 +99,7 @@ class LLM:
         attention_impl: str | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 16384,
-        num_decode_steps: int = 4,
+        num_decode_steps: int = 1,
         gpu_memory_utilization: float = 0.9,
         tensor_parallel_size: int = 1,
         batch_invariant: bool = False,
@@ -296,8 +295,7 @@ class LLM:
 
     def warm_up(self) -> None:
         """Compiles what the request engine will run (the batch engine's steps at every batch size and prefill
-        length), so a server's first requests wait for no compile; in GPU memory it also times single decode steps to
-        find the batch sizes that run `num_decode_steps` steps a program."""
+        length), so a server's first requests wait for no compile."""
         self.request_engine().warm_up()
 
     def load(self) -> EngineLoad:

@@ -73,10 +73,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="running requests at most (256; the CLI: at most its number of prompts)")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384,
                    help="several prompts: tokens per prefill step, padding included (16384)")
-    p.add_argument("--num-decode-steps", type=int, default=4,
-                   help="several prompts in GPU memory, after a warm-up (the server's): decode steps one program "
-                        "runs while every request draws plainly, at the batch sizes where a step's dispatch on the "
-                        "host outlasts its device time; a new request waits for them; 1: single steps (4)")
+    p.add_argument("--num-decode-steps", type=int, default=1,
+                   help="several prompts in GPU memory: decode steps one program runs while every request draws "
+                        "plainly; more spares a small batch the host's launches, a new request waits for them (1)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="several prompts: share of GPU memory for weights and the paged KV pool (0.9)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,

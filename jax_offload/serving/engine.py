@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence as Seq
@@ -34,8 +33,6 @@ STEP_LOG_LENGTH = 1 << 20
 # A decode step run ahead is dispatched this share of the step in flight before the device should finish it (at
 # least twice the dispatch's own time and half a millisecond); see `BatchEngine.step_due`.
 RUN_AHEAD_LEAD = 0.25
-# Single decode steps `warm_up` times at a batch size to see whether the host's dispatch outlasts the device.
-DISPATCH_TIMING_STEPS = 8
 
 
 class BatchEngine:
@@ -51,10 +48,9 @@ class BatchEngine:
     and the host reads, appends and checks the previous tokens while the device computes. A request that stops
     on a token read that late has one more token drawn, which is dropped. With `num_decode_steps` N > 1 such a
     decode runs N steps in one program where every running request has N tokens to go and draws plainly (greedy or
-    tempered, no log-probabilities, EOS allowed), at the batch sizes up to `multi_step_batch`: those where `warm_up`
-    found a single step's dispatch on the host longer than its time on the device, so the device waits for the
-    host's launch, which N steps then share. A request that stops within them has the rest of its N tokens dropped,
-    and one that comes meanwhile waits for the N steps to end.
+    tempered, no log-probabilities, EOS allowed): a small batch's step is the host's launch, which N steps share.
+    A request that stops within them has the rest of its N tokens dropped, and one that comes meanwhile waits for
+    the N steps to end.
 
     Greedy and seeded results are those of `LLM.generate` one request at a time: the same layer arithmetic,
     attention kernels whose results do not depend on padding or batch, and per-request sampling keys."""
@@ -72,12 +68,9 @@ class BatchEngine:
         num_decode_steps: int = 1,
     ):
         _check_int("num_decode_steps", num_decode_steps, 1)
+        if num_decode_steps > 1 and not isinstance(runner, ModelRunner):
+            raise ValueError(f"num_decode_steps={num_decode_steps} runs in GPU memory only; offloaded it must be 1.")
         self.num_decode_steps = num_decode_steps
-        # The largest batch size whose decode runs num_decode_steps steps a program (`warm_up` finds it; until then,
-        # and offloaded, single steps), and the warm-up's medians (dispatch, device seconds) of a single decode step
-        # at each batch size it timed.
-        self.multi_step_batch = 0
-        self.decode_timing: dict[int, tuple[float, float]] = {}
         self.runner, self.blocks, self.tokenizer = runner, blocks, tokenizer
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
@@ -374,22 +367,16 @@ class BatchEngine:
         """Compiles the steps a server meets before its first request does (in GPU memory; offloaded steps are
         compiled as requests come): a decode step at every batch size, a prefill at every packed length up to a
         step's budget, the sampled draws at every batch size. Decode runs three tokens: the last step takes its
-        input from the one before, still on the device, as a server's steps do. With num_decode_steps N > 1, from the
-        smallest batch size up, it times single steps (`_dispatch_outlasts_device`); where the host's dispatch is the
-        longer, decode runs N steps a program (`multi_step_batch`), compiled with N + 2 tokens (one program for greedy
-        and sampled draws, and a single step fed from one). A larger batch's step is less host-bound: the timing
-        stops at the first size where the device takes longer."""
+        input from the one before, still on the device, as a server's steps do; with num_decode_steps N > 1, then
+        N + 2, for the program of N steps (one for greedy and sampled draws) and a single step fed from one."""
         if not isinstance(self.runner, ModelRunner):
             return
         n = self.num_decode_steps
         self.runner.warm_up_sampling(n)
-        self.multi_step_batch, timing = 0, n > 1
         for size in self.runner.buckets:
             if size <= self.blocks.num_blocks:
                 self.generate([[0]] * size, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-                timing = timing and self._dispatch_outlasts_device(size)
-                if timing:
-                    self.multi_step_batch = size
+                if n > 1:
                     self.generate([[0]] * size, SamplingParams(temperature=0.0, max_tokens=n + 2, ignore_eos=True))
         # Packed rows of every length a prefill step can take: its token budget, not one prompt's longest (a
         # server's steps pack many prompts), as far as max_num_seqs prompts and the pool can fill them.
@@ -407,32 +394,6 @@ class BatchEngine:
             prompts = [[next(leads) % self.runner.cfg.vocab_size] + [0] * (n - 1) for n in lengths]
             self.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
             length = prefill_bucket(length + 1)
-
-    def _dispatch_outlasts_device(self, size: int) -> bool:
-        """Whether a single decode step of `size` requests (compiled) spends longer in the host's dispatch (until
-        `decode_async` returns: inputs, the program's launch) than on the device after it: medians over
-        DISPATCH_TIMING_STEPS steps, each waited for before the next."""
-        runner, times = self.runner, []
-        decode_async = runner.decode_async
-
-        def waited(seqs, previous=None, steps=1):
-            start = time.perf_counter()
-            drawn = decode_async(seqs, previous, steps)
-            dispatched = time.perf_counter()
-            drawn.tokens.block_until_ready()
-            times.append((dispatched - start, time.perf_counter() - dispatched))
-            return drawn
-
-        runner.decode_async, largest = waited, self.multi_step_batch
-        self.multi_step_batch = min(largest, size - 1)  # single steps at this size while they are timed
-        try:
-            self.generate([[0]] * size, SamplingParams(temperature=0.0, max_tokens=1 + DISPATCH_TIMING_STEPS,
-                                                       ignore_eos=True))
-        finally:
-            del runner.decode_async  # the class's method again
-            self.multi_step_batch = largest
-        dispatch, device = self.decode_timing[size] = tuple(statistics.median(t) for t in zip(*times))
-        return dispatch > device
 
     def _prefill_behind(self, pending: tuple[Step, Drawn, float, int], deltas: list[RequestDelta]) -> None:
         """Reads the decode step in flight; before that, if prompts wait that run whole, dispatches their prefill
@@ -456,11 +417,11 @@ class BatchEngine:
 
     def _decode_steps(self, seqs: list[Sequence]) -> int:
         """How many steps the decode of `seqs` (room made for one token each) runs in one program: num_decode_steps
-        where they are at most `multi_step_batch`, nothing else waits for the host, each has that many tokens to go and draws plainly (`steps_suit`),
+        where nothing else waits for the host, each has that many tokens to go and draws plainly (`steps_suit`),
         and the pool has room for them all; else one."""
         n, s = self.num_decode_steps, self.scheduler
-        if n == 1 or len(seqs) > self.multi_step_batch or s.waiting or s.swapped or s.chunking \
-                or not steps_suit(seqs) or any(seq.num_tokens + n > seq.max_len for seq in seqs):
+        if n == 1 or s.waiting or s.swapped or s.chunking or not steps_suit(seqs) \
+                or any(seq.num_tokens + n > seq.max_len for seq in seqs):
             return 1
         return n if sum(self.blocks.new_blocks_to_append(seq, n) for seq in seqs) <= self.blocks.num_free else 1
 
