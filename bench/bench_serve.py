@@ -169,7 +169,8 @@ def _step_log(llm, clear: bool) -> list:
 
 def _instrument(llm) -> None:
     """Logs when the engine takes each request, and each step call's start, end and prefill seconds (the step log's;
-    0 for a call without a prefill): the engine process's side of where a served run's time goes."""
+    0 for a call without a prefill): the engine process's side of where a served run's time goes; and the host's
+    side of its decode steps and prefills (`host_split`)."""
     llm.bench_events = []
     add_request, step = llm.add_request, llm.step
 
@@ -194,6 +195,13 @@ def _instrument(llm) -> None:
     llm.add_request, llm.step = timed_add, timed_step
     engine = llm.request_engine()
     decode_async, read, step_due = engine.runner.decode_async, engine._read, engine.step_due
+    prefill_async = engine.runner.prefill_async
+
+    def timed_prefill_async(seqs):
+        start = time.perf_counter()
+        drawn = prefill_async(seqs)
+        llm.bench_events.append(("prefill_dispatch", start, time.perf_counter(), len(seqs)))
+        return drawn
 
     def timed_decode_async(seqs, *rest):
         start = time.perf_counter()
@@ -221,18 +229,21 @@ def _instrument(llm) -> None:
         return due
 
     engine.runner.decode_async, engine._read, engine.step_due = timed_decode_async, timed_read, timed_due
+    engine.runner.prefill_async = timed_prefill_async  # `prefill` calls it too
 
 
 def host_split(events: list) -> dict:
     """The engine loop's host side of its decode steps (ms, medians): `decode_async` (dispatch), the read of a step's
     draw (its wait for the device; taking the draw: outputs, detokenizing) and the share of reads that found it
-    ready (the device waited for the host), the time between two step
+    ready (the device waited for the host), a whole-prompt prefill's dispatch (host time until `prefill_async`
+    returns: part of a new request's "waiting"), the time between two step
     calls (taking commands, handing out output, waiting for the step to be due), and `step_due`'s plan: the wait
     from the step's start it planned, the step time it assumed and the dispatch time it allowed for."""
     def ms(xs: list[float]) -> float | None:
         return statistics.median(xs) * 1e3 if xs else None
 
     dispatch = [b - a for kind, a, b, _ in events if kind == "dispatch"]
+    prefill_dispatch = [b - a for kind, a, b, _ in events if kind == "prefill_dispatch"]
     reads = [(b - a, ready) for kind, a, b, ready in events if kind == "read"]
     takes = [b - a for kind, a, b, _ in events if kind == "take"]
     steps = [(a, b) for kind, a, b, _ in events if kind == "step"]
@@ -241,7 +252,7 @@ def host_split(events: list) -> dict:
             "read_found_ready_share": statistics.mean([ready for _, ready in reads]) if reads else None,
             "step_call": ms([b - a for a, b in steps]),
             "between_step_calls": ms([steps[i + 1][0] - steps[i][1] for i in range(len(steps) - 1)]),
-            "due_plans": len(plans), "due_wait": ms([p[0] for p in plans]),
+            "prefill_dispatch": ms(prefill_dispatch), "due_plans": len(plans), "due_wait": ms([p[0] for p in plans]),
             "due_step_estimate": ms([p[1] for p in plans]), "due_dispatch_estimate": ms([p[2] for p in plans])}
 
 
