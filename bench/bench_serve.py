@@ -114,13 +114,16 @@ def _ms(xs: list[float]) -> dict:
 # ---- the server and the offline engine (this process) ------------------------------------------------------------
 
 
-def build_llm(shape: str, max_model_len: int, num_decode_steps: int = EngineConfig.num_decode_steps):
-    """The engine process's LLM: the shape's random bf16 weights (seed 0, the same in every process)."""
+def build_llm(shape: str, max_model_len: int, num_decode_steps: int = EngineConfig.num_decode_steps,
+              num_layers: int | None = None):
+    """The engine process's LLM: the shape's random bf16 weights (seed 0, the same in every process); `num_layers`:
+    fewer layers (a probe's CPU check)."""
     import jax
 
     from jax_offload import LLM
 
-    return LLM.from_params(model_config(shape), random_params(model_config(shape), jax.numpy.bfloat16),
+    cfg = model_config(shape, num_layers)
+    return LLM.from_params(cfg, random_params(cfg, jax.numpy.bfloat16),
                            dtype="bfloat16", max_model_len=max_model_len, max_num_seqs=256,
                            max_num_batched_tokens=16384, num_decode_steps=num_decode_steps)
 

@@ -26,17 +26,16 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]
 
-from common import host_events, model_config, profiled, random_params, run_metadata  # noqa: E402
+from bench_serve import build_llm  # noqa: E402
+from common import host_events, profiled, run_metadata  # noqa: E402
 
 
 def main() -> None:
     import functools
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
-    from jax_offload import LLM
     from jax_offload.precision import step_jit
     from jax_offload.serving import model_runner as mr
 
@@ -49,10 +48,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, help="fewer layers: a CPU check (bf16 on the CPU: seconds a step)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
-    cfg = model_config(args.shape, args.layers)
-    llm = LLM.from_params(cfg, random_params(cfg, jnp.bfloat16), dtype="bfloat16", max_model_len=4096,
-                          max_num_seqs=256, max_num_batched_tokens=16384)  # as bench_serve.build_llm
-    runner = llm.request_engine().runner
+    runner = build_llm(args.shape, 4096, num_layers=args.layers).request_engine().runner
     # A second executable of the very same step: its own jit, so its own compiled program and CUDA graph.
     twin = functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",),
                              donate_argnums=(3, 4))(mr._decode_step.__wrapped__)
