@@ -311,13 +311,24 @@ def test_decode_steps_in_one_program_give_the_tokens_of_single_steps(tmp_root):
     reference = [(o.token_ids, o.text) for o in single.generate(prompts, params)]
     assert all(len(reference[i][0]) < 40 for i in (0, 2, 7)), f"{where}: {[len(t) for t, _ in reference]}"
     several = _engine(llm, max_num_seqs=8, num_decode_steps=4)
-    steps, decode_async = [], several.runner.decode_async
-    several.runner.decode_async = lambda seqs, previous=None, n=1: steps.append(n) or decode_async(seqs, previous, n)
+    runner, steps, addresses = several.runner, [], set()
+
+    def decode_async(seqs, previous=None, n=1):
+        steps.append(n)
+        drawn = type(runner).decode_async(runner, seqs, previous, n)
+        addresses.update((size, i, a.unsafe_buffer_pointer()) for size, slots in runner._step_slots.items()
+                         for i, a in enumerate(slots))
+        return drawn
+
+    runner.decode_async = decode_async
     outs = several.generate(prompts, params)
     bad = [i for i in range(8) if (outs[i].token_ids, outs[i].text) != reference[i]]
     assert not bad, f"{where}: requests {bad} differ from single decode steps"
     assert len(outs[1].logprobs) == len(outs[1].token_ids), where
     assert steps.count(4) >= 5 and set(steps) == {1, 4}, f"{where}: steps per program {steps}"
+    # Single steps and programs of several read their inputs at the same addresses, step after step (a new address
+    # costs the GPU's dispatch a CUDA graph update).
+    assert len(addresses) == 2 * len({size for size, _, _ in addresses}), f"{where}: input slots moved {addresses}"
     assert several.blocks.num_used == 0 and not several.has_unfinished(), where
 
 

@@ -325,15 +325,12 @@ def _last_logits(cfg: ModelConfig, params: ModelParams, hidden: jax.Array, index
     return decoder.logits(cfg, params, hidden.reshape(-1, hidden.shape[-1])[index])
 
 
-@functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",), donate_argnums=(3, 4))
-def _decode_step(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tuple[jax.Array, ...],
-                 v_pool: tuple[jax.Array, ...], inv_freq: jax.Array, tokens: jax.Array, packed: jax.Array,
-                 tp: TensorParallel | None = None) -> tuple[jax.Array, tuple, tuple]:
+def _model_step(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tuple[jax.Array, ...],
+                v_pool: tuple[jax.Array, ...], inv_freq: jax.Array, tokens: jax.Array, packed: jax.Array,
+                tp: TensorParallel | None = None) -> tuple[jax.Array, tuple, tuple]:
     """The whole model for one token per sequence: tokens [B] at positions seq_len - 1 (rows with seq_len 0 are
     padding); the lengths and block tables from the step's packed inputs (`decode_step_inputs`). Returns the
-    float32 logits [B, vocab] and the updated pools. The draw is a program of its own (`_sample_step`): the model's
-    compiles once per batch size, whatever the requests' sampling asks (a server's mix of greedy, sampled and
-    log-probability requests)."""
+    float32 logits [B, vocab] and the updated pools."""
     seq_lens, tables = packed[:, _SEQ_LEN], packed[:, STEP_COLUMNS:]
     block_size = jax.tree.leaves(k_pool[0])[0].shape[1]
     positions = jnp.maximum(seq_lens - 1, 0)
@@ -350,7 +347,18 @@ def _decode_step(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tuple
     return decoder.logits(cfg, params, x[:, 0]), tuple(k_out), tuple(v_out)
 
 
-@functools.partial(step_jit, static_argnums=(0, 1, 8), static_argnames=("tp",), donate_argnums=(3, 4))
+@functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",), donate_argnums=(3, 4, 6, 7))
+def _decode_step(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tuple[jax.Array, ...],
+                 v_pool: tuple[jax.Array, ...], inv_freq: jax.Array, tokens: jax.Array, packed: jax.Array,
+                 tp: TensorParallel | None = None) -> tuple[jax.Array, tuple, tuple, jax.Array, jax.Array]:
+    """`_model_step` as a program: the logits, the pools, and its input slots handed back (`stage_step_inputs`).
+    The draw is a program of its own (`_sample_step`): the model's compiles once per batch size, whatever the
+    requests' sampling asks (a server's mix of greedy, sampled and log-probability requests)."""
+    logits, k_pool, v_pool = _model_step(cfg, impl, params, k_pool, v_pool, inv_freq, tokens, packed, tp)
+    return logits, k_pool, v_pool, tokens, packed
+
+
+@functools.partial(step_jit, static_argnums=(0, 1, 8), static_argnames=("tp",), donate_argnums=(3, 4, 6, 7))
 def _decode_steps(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tuple[jax.Array, ...],
                   v_pool: tuple[jax.Array, ...], inv_freq: jax.Array, tokens: jax.Array, packed: jax.Array,
                   steps: int, tp: TensorParallel | None = None) -> tuple[Drawn, tuple, tuple]:
@@ -360,20 +368,18 @@ def _decode_steps(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tupl
     plus k and draws its token with the request's key folded with its count plus k, so the tokens are those of
     `steps` single steps. One program a batch size for greedy and tempered rows alike (a tempered draw takes a
     greedy row's argmax): they run where the device waits for the host anyway, and each compiles for seconds.
-    Returns the draws stacked [steps, B] and the pools."""
+    Returns the draws stacked [steps, B], the pools and the input slots (`stage_step_inputs`)."""
     live = packed[:, _SEQ_LEN] > 0
 
     def one(carry, k):
-        tokens, k_pool, v_pool = carry
+        step_tokens, k_pool, v_pool = carry
         at = packed.at[:, _SEQ_LEN].add(jnp.where(live, k, 0)).at[:, _KNOBS.start + _STEP].add(k)
-        # The plain function under the jit: a nested jit may not carry the step's compiler options.
-        logits, k_pool, v_pool = _decode_step.__wrapped__(cfg, impl, params, k_pool, v_pool, inv_freq, tokens, at,
-                                                          tp=tp)
+        logits, k_pool, v_pool = _model_step(cfg, impl, params, k_pool, v_pool, inv_freq, step_tokens, at, tp)
         drawn = sample(logits, at[:, _KNOBS], Draws("tempered"))
         return (drawn.tokens, k_pool, v_pool), drawn
 
     (_, k_pool, v_pool), drawn = jax.lax.scan(one, (tokens, k_pool, v_pool), jnp.arange(steps, dtype=jnp.int32))
-    return drawn, k_pool, v_pool
+    return drawn, k_pool, v_pool, tokens, packed
 
 
 @functools.partial(step_jit, static_argnums=2)
@@ -395,6 +401,17 @@ def feed_step_tokens(drawn: jax.Array, packed: jax.Array) -> jax.Array:
     drawn = drawn[-1] if drawn.ndim == 2 else drawn
     rows = packed[:, _PREVIOUS_ROW]
     return jnp.where(rows >= 0, drawn[jnp.maximum(rows, 0)], packed[:, _TOKEN])
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def stage_step_inputs(tokens_slot: jax.Array, packed_slot: jax.Array, drawn: jax.Array, packed: jax.Array
+                      ) -> tuple[jax.Array, jax.Array]:
+    """A decode step's input tokens (`feed_step_tokens`) and packed inputs, written into its batch size's two slots
+    (donated; the step hands them back): every step of a size then reads its inputs at the same addresses, and its
+    CUDA graph runs as recorded. Fresh input buffers made XLA update the graph before each launch of a step
+    dispatched behind the one before: ~1 ms of the host's ~1.7 ms for a Qwen3-0.6B step on an H200
+    (bench/results/runs/h200_dispatch/graph_update/)."""
+    return tokens_slot.at[:].set(feed_step_tokens(drawn, packed)), packed_slot.at[:].set(packed)
 
 
 @functools.lru_cache(maxsize=None)
@@ -462,6 +479,13 @@ class ModelRunner:
         self._host = tp.sharding(3, host_memory_kind())
         self._device = tp.sharding(3, "device")
         self.swap_space_bytes, self.host_bytes_used = swap_space_bytes, 0
+        # Each batch size's decode input slots (tokens, packed inputs), passed from step to step (`stage_step_inputs`).
+        self._step_slots: dict[int, tuple[jax.Array, jax.Array]] = {}
+
+    def _new_step_slots(self, size: int) -> tuple[jax.Array, jax.Array]:
+        """Input slots of a decode step of `size` rows, placed as the step's inputs are."""
+        return jax.device_put((np.zeros(size, np.int32), np.zeros((size, STEP_COLUMNS + self.max_blocks_per_seq),
+                                                                   np.int32)), self.tp.sharding(None))
 
     def batch_size(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)
@@ -634,10 +658,11 @@ class ModelRunner:
                     _sample(logits, knobs, Draws(kind)).tokens.block_until_ready()
                 _sample_step(logits, packed, Draws(kind)).tokens.block_until_ready()
             for previous in self.buckets:
-                feed_step_tokens(device_rows(previous, placed), packed).block_until_ready()
+                jax.block_until_ready(stage_step_inputs(*self._new_step_slots(size), device_rows(previous, placed),
+                                                        packed))
                 if decode_steps > 1:  # fed from a draw of several steps
                     rows = jnp.zeros((decode_steps, previous), jnp.int32, device=placed)
-                    feed_step_tokens(rows, packed).block_until_ready()
+                    jax.block_until_ready(stage_step_inputs(*self._new_step_slots(size), rows, packed))
 
     def decode_async(self, seqs: list[Sequence], previous: tuple[list[Sequence], Drawn] | None = None,
                      steps: int = 1) -> Drawn:
@@ -655,15 +680,19 @@ class ModelRunner:
         # for host tokens (a server's steps after each admission).
         placed = self.tp.sharding(None)
         packed = jax.device_put(packed, placed)
-        tokens = feed_step_tokens(previous[1].tokens if previous else device_rows(size, placed), packed)
+        slots = self._step_slots.pop(size, None) or self._new_step_slots(size)
+        tokens, packed = stage_step_inputs(*slots, previous[1].tokens if previous else device_rows(size, placed),
+                                           packed)
         if steps > 1:
-            drawn, self.k_pool, self.v_pool = _decode_steps(
+            drawn, self.k_pool, self.v_pool, *slots = _decode_steps(
                 self.cfg, self.impl, self.params, self.k_pool, self.v_pool, self.inv_freq, tokens, packed, steps,
                 tp=self.tp)
+            self._step_slots[size] = tuple(slots)
             return drawn
-        logits, self.k_pool, self.v_pool = _decode_step(
+        logits, self.k_pool, self.v_pool, *slots = _decode_step(
             self.cfg, self.impl, self.params, self.k_pool, self.v_pool, self.inv_freq, tokens, packed, tp=self.tp)
-        return _sample_step(logits, packed, draws)
+        self._step_slots[size] = tuple(slots)
+        return _sample_step(logits, slots[1], draws)
 
     # ---- KVSwapper --------------------------------------------------------------------------------------------
 
