@@ -358,9 +358,13 @@ def _send_all(outbox: queue.SimpleQueue, conn) -> None:
     holds the GIL while the engine's thread would launch the next step."""
     while (message := outbox.get()) is not None:
         items, load, host_bytes = message
-        deltas = [(d.request_id, d.token_ids, d.text, d.logprobs, d.finish_reason, d.output)
-                  for _, d in items if type(d) is RequestDelta]
-        others = [(key, item) for key, item in items if type(item) is not RequestDelta]
+        deltas, others = [], []
+        for key, item in items:
+            if type(item) is RequestDelta:
+                deltas.append((item.request_id, item.token_ids, item.text, item.logprobs, item.finish_reason,
+                               item.output))
+            else:
+                others.append((key, item))
         try:
             conn.send((deltas, others, load, host_bytes))
         except (BrokenPipeError, OSError):

@@ -361,7 +361,8 @@ def _decode_step(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tuple
 @functools.partial(step_jit, static_argnums=(0, 1, 8), static_argnames=("tp",), donate_argnums=(3, 4, 6, 7))
 def _decode_steps(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tuple[jax.Array, ...],
                   v_pool: tuple[jax.Array, ...], inv_freq: jax.Array, tokens: jax.Array, packed: jax.Array,
-                  steps: int, tp: TensorParallel | None = None) -> tuple[Drawn, tuple, tuple]:
+                  steps: int, tp: TensorParallel | None = None
+                  ) -> tuple[Drawn, tuple, tuple, jax.Array, jax.Array]:
     """`steps` decode steps in one program, each the model (`_decode_step`) and its draw, the next taking the
     tokens the last drew: one launch for several tokens, where a small batch's step waits for the host's launch
     (bench/results/runs/h200_dispatch/, "Several decode steps a launch"). Step k runs each live row at its length
