@@ -14,6 +14,8 @@ process (aiohttp, streaming /v1/completions). Phases:
   --without-prefill-behind   then the inf and rate runs again with a new prompt's prefill dispatched only after the
             decode step in flight is read (as before 443180f): `inf_without_prefill_behind`,
             `rates_without_prefill_behind`
+  --without-gc-freeze   then the inf runs again with the HTTP process's startup heap given back to the garbage
+            collector (`gc.unfreeze`, as before the server froze it): `inf_without_gc_freeze`
 
     python bench/bench_serve.py --shape qwen3-0.6b --out DIR          # one device call each shape
     python bench/bench_serve.py --shape llama-3.1-8b --out DIR
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import json
 import os
 import random
@@ -271,6 +274,29 @@ def _prefill_after_read(llm) -> None:
     engine._prefill_behind = lambda pending, deltas: engine._read(*pending, deltas)
 
 
+class GcPauses:
+    """The garbage collector's pauses in this (the HTTP) process, by generation: count and seconds since `reset`."""
+
+    def __init__(self):
+        self.began = 0.0
+        self.reset()
+        gc.callbacks.append(self._observe)
+
+    def reset(self) -> None:
+        self.pauses = {generation: [0, 0.0] for generation in range(3)}
+
+    def _observe(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.began = time.perf_counter()
+        else:
+            pause = self.pauses[info["generation"]]
+            pause[0] += 1
+            pause[1] += time.perf_counter() - self.began
+
+    def report(self) -> dict:
+        return {f"gen{g}": {"count": n, "seconds": s} for g, (n, s) in self.pauses.items()}
+
+
 def time_budget(client: dict, events: list) -> dict:
     """Where a served run's wall time went, in seconds: before the engine took the first request, while the engine
     ran steps, between its steps (taking commands, handing out output, idle), and after its last step until the
@@ -304,7 +330,7 @@ def ttft_split(client: dict, events: list) -> dict:
 def run(args) -> None:
     import uvicorn
 
-    from jax_offload.serving.api_server import create_app
+    from jax_offload.serving.api_server import create_app, freeze_startup_heap
     from jax_offload.serving.async_engine import EngineProcess
 
     prompts, max_tokens = workload(args.shape, args.num_requests)
@@ -325,6 +351,8 @@ def run(args) -> None:
               "offline_ttft_ms": stats([s * 1e3 for s in offline["ttft_s"]])}
 
     app = create_app(engine, "bench")
+    freeze_startup_heap()  # as `python -m jax_offload.serve` does before it serves
+    gc_pauses = GcPauses()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -340,11 +368,13 @@ def run(args) -> None:
                                     "rate": rate}))
         asyncio.run(engine.call(_step_log, True))
         asyncio.run(engine.call(_take_events))
+        gc_pauses.reset()
         subprocess.run([sys.executable, __file__, "--client", str(spec)], check=True)
         out = json.loads(spec.read_text())
         log = asyncio.run(engine.call(_step_log, False))
         events = asyncio.run(engine.call(_take_events))
         out["time_budget_s"] = time_budget(out, events)
+        out["http_gc_pauses"] = gc_pauses.report()
         # Each request's mean decode step, over the steps it took part in (its batches): the engine's side of TPOT.
         out["request_step_ms"] = _ms([s for kind, s, _, _ in events if kind == "done"])
         out["host_split_ms"] = host_split(events)
@@ -375,6 +405,10 @@ def run(args) -> None:
         result["inf_without_prefill_behind"] = [client(float("inf"), len(prompts)) for _ in range(args.runs)]
         result["rates_without_prefill_behind"] = [client(rate, args.rate_requests) for rate in args.rates]
         save()
+    if args.without_gc_freeze:
+        gc.unfreeze()
+        result["inf_without_gc_freeze"] = [client(float("inf"), len(prompts)) for _ in range(args.runs)]
+        save()
     server.should_exit = True
     engine.stop()
 
@@ -395,7 +429,7 @@ def report(folder: Path, out: Path) -> None:
                   f"| offline output tok/s | {fmt(r['offline']['output_tok_s'], digits=0)} |",
                   f"| server output tok/s, infinite rate | {fmt(served, digits=0)} (**{ratio:.3f}x** offline) |",
                   f"| server request/s, infinite rate | {fmt(stats([x['request_s'] for x in inf]))} |",
-                  *_without_behind_row(r),
+                  *_without_rows(r),
                   f"| offline single-request TTFT ms | {fmt(r['offline_ttft_ms'], digits=1)} |", "",
                   "| rate req/s | requests | out tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms "
                   "| engine decode step ms | each request's engine step ms, p50 (TPOT p50 / it) "
@@ -428,15 +462,18 @@ def report(folder: Path, out: Path) -> None:
     out.write_text("\n".join(lines))
 
 
-def _without_behind_row(r: dict) -> list[str]:
-    """The infinite-rate output tok/s with each prefill dispatched after the decode step in flight is read."""
-    runs = r.get("inf_without_prefill_behind")
-    if not runs:
-        return []
-    served = stats([x["output_tok_s"] for x in runs])
-    ratio = served["median"] / r["offline"]["output_tok_s"]["median"]
-    return [f"| server output tok/s, infinite rate, prefill after the read | {fmt(served, digits=0)} "
-            f"(**{ratio:.3f}x** offline) |"]
+def _without_rows(r: dict) -> list[str]:
+    """The infinite-rate output tok/s of the A/B runs: each prefill dispatched after the decode step in flight is
+    read; the HTTP process's heap unfrozen."""
+    rows = []
+    for key, label in (("inf_without_prefill_behind", "prefill after the read"),
+                       ("inf_without_gc_freeze", "HTTP heap not frozen")):
+        if r.get(key):
+            served = stats([x["output_tok_s"] for x in r[key]])
+            ratio = served["median"] / r["offline"]["output_tok_s"]["median"]
+            rows.append(f"| server output tok/s, infinite rate, {label} | {fmt(served, digits=0)} "
+                        f"(**{ratio:.3f}x** offline) |")
+    return rows
 
 
 def _budget_table(r: dict) -> list[str]:
@@ -464,7 +501,10 @@ def _budget_table(r: dict) -> list[str]:
                 [x["prefill"]["seconds"] for x in off_steps]),
             row("decode steps", [x["decode"]["count"] for x in steps], [x["decode"]["count"] for x in off_steps], 0),
             row("decode step ms (median)", [x["decode"]["median_ms"] for x in steps],
-                [x["decode"]["median_ms"] for x in off_steps], 2), ""]
+                [x["decode"]["median_ms"] for x in off_steps], 2),
+            row("the HTTP process's full garbage collections (seconds)",
+                [x["http_gc_pauses"]["gen2"]["seconds"] for x in inf], None) if "http_gc_pauses" in inf[0] else None,
+            ""]
     return [line for line in lines if line is not None]
 
 
@@ -480,6 +520,8 @@ def main() -> None:
     p.add_argument("--rate-requests", type=int, default=32)
     p.add_argument("--without-prefill-behind", action="store_true",
                    help="then the rate runs again, each prefill dispatched after the decode step in flight is read")
+    p.add_argument("--without-gc-freeze", action="store_true",
+                   help="then the infinite-rate runs again with the HTTP process's heap unfrozen")
     p.add_argument("--client", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--report", type=Path)
     args = p.parse_args()

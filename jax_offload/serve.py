@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn
 
-    from jax_offload.serving.api_server import create_app
+    from jax_offload.serving.api_server import create_app, freeze_startup_heap
     from jax_offload.serving.async_engine import EngineProcess
 
     # The engine runs in a process of its own: its Python and the event loop's per-token work then do not share
@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = args.served_model_name or (args.model.name if args.model is not None else "SmolLM2-135M-Instruct")
     app = create_app(engine, name, args.api_key, args.max_waiting)
+    freeze_startup_heap()
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 

@@ -4,6 +4,7 @@ the rest."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import time
 import uuid
@@ -23,6 +24,16 @@ from jax_offload.serving.async_engine import EngineFailure, EngineLoop, EnginePr
 from jax_offload.serving.metrics import ServerMetrics
 from jax_offload.serving.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                           TokenizeRequest)
+
+
+def freeze_startup_heap() -> None:
+    """Moves every object alive now (imports, the app, the engine's front) out of the garbage collector's sight, as
+    vLLM and SGLang do once their servers are up, so that a full collection walks only what serving made. The HTTP
+    process calls it before it serves: unfrozen, its full collections (~190,000 objects) stopped the event loop for
+    0.25-0.6 s each while 256 requests streamed, against 0.04-0.2 s frozen (2-core CPU machine). The engine process
+    made no full collection over 256 requests."""
+    gc.collect()
+    gc.freeze()
 
 
 def create_app(engine, served_model_name: str, api_key: str | None = None, max_waiting: int = 1024,
