@@ -10,7 +10,8 @@ process (aiohttp, streaming /v1/completions). Phases:
   single    each of the --rate-requests first prompts alone through LLM.generate, max_tokens 1: the offline TTFT
   inf       all requests sent at once, --runs runs: output tok/s, request/s, TTFT, TPOT, inter-token latency
   rate R    --rate-requests requests with Poisson arrivals at R requests/s: the same figures, and the engine's
-            decode step over that run (its step log) beside the TPOT
+            decode step over that run (its step log) beside the TPOT: its median, its median per batch size, and
+            the median as the requests saw it (each step once per request in it)
   --without-prefill-behind   then the inf and rate runs again with a new prompt's prefill dispatched only after the
             decode step in flight is read (as before 443180f): `inf_without_prefill_behind`,
             `rates_without_prefill_behind`
@@ -163,6 +164,24 @@ def _step_counts(log) -> dict:
     decode = [s for k, _, _, s in log if k == "decode"]
     out["decode"]["median_ms"] = statistics.median(decode) * 1e3 if decode else None
     return out
+
+
+def decode_steps_by_rows(log) -> dict:
+    """The decode steps of a step log by their rows (running requests): count and median ms per row count, and the
+    step as the requests saw it (each step counted once per request in it: `request_weighted_median_ms`)."""
+    by_rows: dict[int, list[float]] = {}
+    for kind, rows, _, seconds in log:
+        if kind == "decode":
+            by_rows.setdefault(rows, []).append(seconds * 1e3)
+    weighted = sorted((ms, rows) for rows, steps in by_rows.items() for ms in steps)
+    half, seen, median = sum(rows for _, rows in weighted) / 2, 0, None
+    for ms, rows in weighted:
+        seen += rows
+        if seen >= half:
+            median = ms
+            break
+    return {"rows": {rows: {"count": len(steps), "median_ms": statistics.median(steps)}
+                     for rows, steps in sorted(by_rows.items())}, "request_weighted_median_ms": median}
 
 
 def _step_log(llm, clear: bool) -> list:
@@ -384,6 +403,7 @@ def run(args) -> None:
             del out[key]
         decode = [s for kind, _, _, s in log if kind == "decode"]
         out["decode_step_ms"] = stats([s * 1e3 for s in decode]) if decode else None
+        out["decode_step_ms_by_rows"] = decode_steps_by_rows(log)
         out["engine_steps"] = _step_counts(log)
         out["same_tokens_as_offline"] = sum(a == b for a, b in zip(out.pop("token_ids"), offline["token_ids"]))
         return out
@@ -439,6 +459,8 @@ def report(folder: Path, out: Path) -> None:
             [(f"{x['rate']}, prefill after the read", x) for x in r.get("rates_without_prefill_behind", [])]
         for label, x in [(str(inf[0]["rate"]), inf[0]), *rated]:
             step = fmt(x["decode_step_ms"], digits=2) if x.get("decode_step_ms") else "-"
+            if (x.get("decode_step_ms_by_rows") or {}).get("request_weighted_median_ms") is not None:
+                step += f"; as its requests saw it {x['decode_step_ms_by_rows']['request_weighted_median_ms']:.2f}"
             own = x.get("request_step_ms")
             own = f"{own['p50']:.2f} ({x['tpot_ms']['p50'] / own['p50']:.3f}x)" if own else "-"
             lines.append(f"| {label} | {x['requests']} | {x['output_tok_s']:.0f} | {x['ttft_ms']['p50']:.1f} / "
