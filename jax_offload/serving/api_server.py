@@ -28,10 +28,10 @@ from jax_offload.serving.protocol import (BadRequest, ChatCompletionRequest, Com
 
 def freeze_startup_heap() -> None:
     """Moves every object alive now (imports, the app, the engine's front) out of the garbage collector's sight, as
-    vLLM and SGLang do once their servers are up, so that a full collection walks only what serving made. The HTTP
-    process calls it before it serves: unfrozen, its full collections (~190,000 objects) stopped the event loop for
-    0.25-0.6 s each while 256 requests streamed, against 0.04-0.2 s frozen (2-core CPU machine). The engine process
-    made no full collection over 256 requests."""
+    vLLM does after its warm-up, so that a full collection walks only what serving made. The HTTP process calls it
+    before it serves: unfrozen, its full collections (~200,000 objects) stopped the event loop for 0.20-0.45 s of
+    each infinite-rate run on an H200, against 0.02-0.04 s frozen (bench/results/runs/h200_serve). The engine
+    process made no full collection over 256 requests."""
     gc.collect()
     gc.freeze()
 
