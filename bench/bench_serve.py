@@ -346,9 +346,23 @@ def ttft_split(client: dict, events: list) -> dict:
     return {name: {"p50": percentile(xs, 50), "mean": statistics.mean(xs)} for name, xs in parts.items()}
 
 
-def run(args) -> None:
+def serve_on_thread(app):
+    """A uvicorn server for `app` on a free port of 127.0.0.1, run by a thread of this process once started:
+    (server, its thread, base URL)."""
     import uvicorn
 
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+def run(args) -> None:
     from jax_offload.serving.api_server import create_app, freeze_startup_heap
     from jax_offload.serving.async_engine import EngineProcess
 
@@ -372,14 +386,7 @@ def run(args) -> None:
     app = create_app(engine, "bench")
     freeze_startup_heap()  # as `python -m jax_offload.serve` does before it serves
     gc_pauses = GcPauses()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}"
+    server, _, url = serve_on_thread(app)
 
     def client(rate: float, num: int) -> dict:
         spec = Path(args.out) / "client_spec.json"

@@ -13,10 +13,8 @@ generation. Arms, in turn run by run: the heap as the server leaves it before it
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -26,9 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-import uvicorn  # noqa: E402
-
-from bench_serve import GcPauses, workload  # noqa: E402
+from bench_serve import GcPauses, serve_on_thread, workload  # noqa: E402
 from common import probe_output, run_metadata, stats  # noqa: E402
 from jax_offload.outputs import RequestDelta  # noqa: E402
 from jax_offload.serving.api_server import create_app, freeze_startup_heap  # noqa: E402
@@ -87,14 +83,7 @@ def main() -> None:
 
     engine = StandInEngine(args.step)
     app = create_app(engine, "bench")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    loop_thread = threading.Thread(target=server.run, daemon=True)
-    loop_thread.start()
-    while not server.started:
-        time.sleep(0.05)
+    server, loop_thread, url = serve_on_thread(app)
     loop_clock = time.pthread_getcpuclockid(loop_thread.ident)
     prompts, max_tokens = workload("qwen3-0.6b", 256)
     max_tokens = [max(2, int(m * args.scale)) for m in max_tokens]
@@ -106,7 +95,7 @@ def main() -> None:
             gc.unfreeze()
             if arm == "frozen":
                 freeze_startup_heap()
-            spec.write_text(json.dumps({"url": f"http://127.0.0.1:{port}", "prompts": prompts,
+            spec.write_text(json.dumps({"url": url, "prompts": prompts,
                                         "max_tokens": max_tokens, "rate": float("inf")}))
             engine.adds.clear()
             gc_pauses.reset()
