@@ -70,11 +70,13 @@ def _row_kinds(tables: list, cached: dict[int, tuple]) -> dict[tuple[int, bool],
 
 
 @jax.jit
-def _step_rows(drawn: jax.Array, packed: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(tokens, tail slots, positions, tail lengths) [B] of a decode step from its rows packed [B, 5] (token, the row
-    of the previous draw that holds it or -1, tail slot, position, tail length): one host-to-device copy a step, not
-    five."""
-    return feed_step_tokens(drawn, packed), packed[:, 2], packed[:, 3], packed[:, 4]
+def _step_rows(drawn: jax.Array, packed: jax.Array) -> tuple[jax.Array, ...]:
+    """(tokens, tail slots, positions, tail lengths, page cache regions, steps through them) [B] of a decode step from
+    its rows packed [B, 7] (token, the row of the previous draw that holds it or -1, tail slot, position, tail length,
+    region, step): one host-to-device copy a step, not seven. As outputs of one program they keep their device
+    addresses from step to step, so the sparse programs that read them need no CUDA graph update before a launch
+    (a region step moved by `device_put` each step made every sparse program update its graph)."""
+    return feed_step_tokens(drawn, packed), packed[:, 2], packed[:, 3], packed[:, 4], packed[:, 5], packed[:, 6]
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -167,7 +169,8 @@ class OffloadModelRunner:
         sequence's next block."""
         runner, bs = self.runner, self.block_size
         size = self.batch_size(len(seqs))
-        packed = np.zeros((size, 5), np.int32)  # token, previous draw's row, tail slot, position, tail length
+        # token, previous draw's row, tail slot, position, tail length, page cache region, step through it
+        packed = np.zeros((size, 7), np.int32)
         packed[:, 1:3] = -1
         previous_row = {id(seq): row for row, seq in enumerate(previous[0])} if previous else {}
         for row, seq in enumerate(seqs):
@@ -175,26 +178,30 @@ class OffloadModelRunner:
                 packed[row, 1] = previous_row[id(seq)]
             else:
                 packed[row, 0] = seq.last_token
-            packed[row, 2:] = self._slot[seq.index], seq.num_cached, seq.num_cached % bs
-        # Once a step on the device, not once per layer's two calls (each would move them again). The tokens go
-        # through the previous draw even when none is pending (a stand-in no row reads): one kind of array, one
-        # compile per pair of batch sizes.
-        placed = runner.tp.sharding(None)
-        packed = jax.device_put(packed, placed)
-        tokens, slots, positions, tail_lens = _step_rows(
-            previous[1].tokens if previous else device_rows(size, placed), packed)
+            packed[row, 2:5] = self._slot[seq.index], seq.num_cached, seq.num_cached % bs
         stored = [seq.num_cached // bs for seq in seqs]
         groups, ring = self._stream(seqs, stored)
         tables = self._tables(seqs, stored)
         cached = self._cache_rows(seqs)
         self._region_args_of_step = {}
+        if cached:  # rows without a region, padding too, go through the spare one at step 0
+            packed[:, 5] = self._spare_region
+            for row, region_step in cached.items():
+                packed[row, 5:] = region_step
+        # Once a step on the device, not once per layer's two calls (each would move them again). The tokens go
+        # through the previous draw even when none is pending (a stand-in no row reads): one kind of array, one
+        # compile per pair of batch sizes.
+        placed = runner.tp.sharding(None)
+        packed = jax.device_put(packed, placed)
+        tokens, slots, positions, tail_lens, regions, steps = _step_rows(
+            previous[1].tokens if previous else device_rows(size, placed), packed)
         kinds = _row_kinds(tables, cached)
         kind = next(iter(kinds)) if len(kinds) == 1 else None
         groups_at = {group[0]: group for group in self._page_groups} if kind is not None else {}
         x = embed_tokens(self.params.embed, tokens[:, None])
         for l, layer in enumerate(self.params.layers):
             if l in groups_at:
-                x = self._pages_layers(groups_at[l], x, kind, slots, positions, tail_lens, tables, cached)
+                x = self._pages_layers(groups_at[l], x, kind, slots, positions, tail_lens, tables, regions, steps)
                 continue
             if l in self._dense_groups:
                 x = self._dense_layers(self._dense_groups[l], x, slots, positions, tail_lens, tables)
@@ -272,21 +279,21 @@ class OffloadModelRunner:
         return x
 
     def _pages_layers(self, group: list[int], x: jax.Array, kind: tuple[int, bool], slots, positions, tail_lens,
-                      tables: list, cached: dict[int, tuple]) -> jax.Array:
+                      tables: list, row_regions: jax.Array, row_steps: jax.Array) -> jax.Array:
         """A group of consecutive sparse layers of a step whose rows are all of `kind` (page-table length, through
         regions of the page cache or not) as one program (`pooled_pages_decode_layers`): each padding row reads no
-        page, through a region of its own that never hits or misses. -> the hidden state after the group."""
+        page, through a region of its own that never hits or misses (`row_regions`, `row_steps`: each row's region
+        and step, the spare region for padding). -> the hidden state after the group."""
         runner, store, cache = self.runner, self.store, self.cache
         num_candidates, in_cache = kind
-        real, pad = len(tables), x.shape[0] - len(tables)
+        pad = x.shape[0] - len(tables)
         num_pages = tuple(t[3] for t in tables) + (self._zero,) * pad
         page_tables = tuple(t[2] for t in tables) + (tables[0][2],) * pad
         kvs = maps = regions = region_slots = steps = None
         if in_cache:
             kvs = tuple(cache.states[l].kv for l in group)
             maps = tuple(self._region_maps[l] for l in group)
-            regions, steps = self._region_args(list(range(real)) + [real] * pad, cached)
-            region_slots = self._region_slots
+            regions, steps, region_slots = row_regions, row_steps, self._region_slots
         layers = self.params.layers
         x, tails, kvs, maps, counts = pooled_pages_decode_layers(
             self.cfg, runner.impl, tuple(layers[l] for l in group), x, runner.inv_freq,
