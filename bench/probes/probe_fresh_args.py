@@ -5,10 +5,12 @@ The in-GPU decode step's CUDA graph was updated before every launch because its 
 (runs/h200_batch_of_one/, 47th session), ~0.5 ms of each sparse program's launch in `command_buffer::update` (46th
 session's trace). This lists, per program the batch engine's offloaded step calls (`embed_tokens`, `_step_rows`,
 `pooled_stored_decode_layers`, `pooled_pages_decode_layers`, `sample_last`), the array arguments whose buffer
-address changed between consecutive steps, by parameter name, over the steady steps of one request (the first 3
-steps left out). Random weights, SHAPE (qwen3-0.6b) with LAYERS layers (6), a CTX-token prompt (4096), block
-BLOCK (512), sketch decode (budget CTX/8, page 16, 2 dense layers, int4 sketch) with a page cache, TOKENS new tokens
-(12), DTYPE (float32; bfloat16 on a GPU). On the CPU a `device_put` of a NumPy array may alias host memory, so
+address changed between consecutive steps (each call compared with the same call of the next step), by parameter name, over the steady steps of one request (the first 3
+steps left out), and likewise its results (`out` and their path). Random weights, SHAPE (qwen3-0.6b) with LAYERS
+layers (6), a CTX-token prompt (4096), block BLOCK (512), RING ring slots (4), sketch decode (budget BUDGET tokens,
+default CTX/8; page 16, 2 dense layers, int4 sketch) with a page cache of CACHE_GB (0.05), MAX_SEQS (2) sequences at
+most, TOKENS new tokens (12), DTYPE (float32; bfloat16 on a GPU). The 128K step of `probe_batch_of_one.py`:
+`SHAPE=llama-3.1-8b LAYERS=32 CTX=131072 BLOCK=4096 RING=16 BUDGET=4096 CACHE_GB=2 MAX_SEQS=1 DTYPE=bfloat16`. On the CPU a `device_put` of a NumPy array may alias host memory, so
 arguments moved from the host each step can keep an address there that they would not keep on a GPU. Writes
 probe_fresh_args.json under $OUT.
 
@@ -37,7 +39,9 @@ from jax_offload import LLM, SamplingParams  # noqa: E402
 
 SHAPE, LAYERS = os.environ.get("SHAPE", "qwen3-0.6b"), int(os.environ.get("LAYERS", 6))
 CTX, BLOCK, TOKENS = int(os.environ.get("CTX", 4096)), int(os.environ.get("BLOCK", 512)), int(os.environ.get("TOKENS", 12))
-DTYPE = os.environ.get("DTYPE", "float32")
+DTYPE, RING = os.environ.get("DTYPE", "float32"), int(os.environ.get("RING", 4))
+BUDGET, CACHE_GB = int(os.environ.get("BUDGET", CTX // 8)), float(os.environ.get("CACHE_GB", 0.05))
+MAX_SEQS = int(os.environ.get("MAX_SEQS", 2))
 PROGRAMS = ("embed_tokens", "_step_rows", "pooled_stored_decode_layers", "pooled_pages_decode_layers", "sample_last")
 
 
@@ -45,10 +49,13 @@ def main() -> None:
     cfg = model_config(SHAPE, LAYERS)
     cfg = dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings, CTX + 4 * BLOCK))
     llm = LLM.from_params(cfg, random_params(cfg, jnp.dtype(DTYPE)), dtype=DTYPE, offload=True, block_size=BLOCK,
-                          num_ring_slots=4, max_model_len=CTX + TOKENS + BLOCK, max_num_seqs=2,
-                          decode_policy="sketch", decode_budget=CTX // 8, page_size=16, dense_layers=2,
-                          sketch_dtype="int4", sparse_cache_gb=0.05)
+                          num_ring_slots=RING, max_model_len=CTX + TOKENS + BLOCK, max_num_seqs=MAX_SEQS,
+                          decode_policy="sketch", decode_budget=BUDGET, page_size=16, dense_layers=2,
+                          sketch_dtype="int4", sparse_cache_gb=CACHE_GB)
+    # Per program and its place in the step (a step runs each sparse layer group's program once: `name#i`, the i-th
+    # call since the step's `_step_rows`), each call's arrays, so a group is compared with itself a step later.
     calls: dict[str, list[list[tuple[str, int]]]] = collections.defaultdict(list)
+    in_step: collections.Counter = collections.Counter()
 
     def recorded(name: str):
         fn = getattr(offload_model_runner, name)
@@ -56,9 +63,16 @@ def main() -> None:
 
         def call(*args, **kwargs):
             leaves = jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
-            calls[name].append([(_argument(path, names), x.unsafe_buffer_pointer()) for path, x in leaves
-                                if isinstance(x, jax.Array)])
-            return fn(*args, **kwargs)
+            addresses = [(_argument(path, names), x.unsafe_buffer_pointer()) for path, x in leaves
+                         if isinstance(x, jax.Array)]
+            out = fn(*args, **kwargs)
+            addresses += [("out" + jax.tree_util.keystr(path), x.unsafe_buffer_pointer())
+                          for path, x in jax.tree_util.tree_flatten_with_path(out)[0] if isinstance(x, jax.Array)]
+            if name == "_step_rows":
+                in_step.clear()
+            calls[f"{name}#{in_step[name]}"].append(addresses)
+            in_step[name] += 1
+            return out
         return call
 
     for name in PROGRAMS:
@@ -74,11 +88,12 @@ def main() -> None:
         for before, after in zip(steady, steady[1:]):
             for (argument, a), (_, b) in zip(before, after):
                 moved[argument] += a != b
-        programs[name] = {"calls": len(steps), "array_arguments": len(steps[0]),
+        programs[name] = {"calls": len(steps), "arrays_in_and_out": len(steps[0]),
                           "moved": {argument: f"{count}/{len(steady) - 1}" for argument, count in moved.items()
                                     if count}}
         print(name, programs[name], flush=True)
-    result = {**run_metadata(), "shape": SHAPE, "layers": LAYERS, "ctx": CTX, "block": BLOCK, "tokens": TOKENS,
+    result = {**run_metadata(), "shape": SHAPE, "layers": LAYERS, "ctx": CTX, "block": BLOCK, "ring": RING,
+              "budget": BUDGET, "sparse_cache_gb": CACHE_GB, "max_num_seqs": MAX_SEQS, "tokens": TOKENS,
               "dtype": DTYPE, "programs": programs}
     probe_output("probe_fresh_args.json").write_text(json.dumps(result, indent=1))
 
