@@ -7,10 +7,15 @@ import asyncio
 import contextlib
 import functools
 import json
+import os
 import random
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx2 as httpx  # the openai client's HTTP library
 import numpy as np
@@ -294,6 +299,42 @@ def test_engine_in_its_own_process_equals_generate(model_dir, reference):
     assert text == streamed == want.text
     assert held.kv_blocks_used > 0 and after.kv_blocks_used == 0 and after.running == 0
     assert not engine.alive  # the app's shutdown ended the process
+
+
+def test_engine_process_ends_with_its_parent():
+    """A server killed while its engine process builds (here a build that would take 10 minutes) leaves no engine
+    behind: the engine process ends within seconds."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import functools, threading, time\n"
+         "from jax_offload.serving.async_engine import EngineProcess\n"
+         "engine = EngineProcess(functools.partial(time.sleep, 600))\n"
+         "threading.Thread(target=engine.start, daemon=True).start()\n"
+         "while engine._process.pid is None: time.sleep(0.01)\n"
+         "print(engine._process.pid, flush=True)\n"
+         "time.sleep(600)\n"],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    try:
+        child = int(parent.stdout.readline())
+        time.sleep(3)  # the child is past its imports, in its build
+        assert _running(child), "the engine process ended before its parent"
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 20
+    while _running(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _running(child):
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError(f"the engine process {child} outlived its killed parent by 20 s")
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def rss_bytes() -> int:

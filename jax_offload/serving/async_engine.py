@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import itertools
 import multiprocessing
+import os
 import queue
 import threading
 import time
@@ -319,6 +320,7 @@ class EngineProcess(_Front):
 
 def _engine_process(build: Callable[[], object], conn) -> None:
     """The engine process: builds the LLM, says "ready" with its ModelInfo, then runs commands and steps."""
+    threading.Thread(target=_end_with_parent, name="jax_offload-engine-parent", daemon=True).start()
     try:
         _, warm_up = conn.recv()
         llm = build()
@@ -350,6 +352,14 @@ def _engine_process(build: Callable[[], object], conn) -> None:
     finally:
         outbox.put(None)
         sender.join(timeout=30)
+
+
+def _end_with_parent() -> None:
+    """Ends the engine process as soon as the process that started it is gone, whatever the engine is doing: a server
+    killed while its engine builds, warms up or runs a long prefill must not leave the engine compiling and holding
+    the GPU (it reads its pipe, and would see the parent gone, only between steps)."""
+    multiprocessing.parent_process().join()
+    os._exit(1)
 
 
 def _send_all(outbox: queue.SimpleQueue, conn) -> None:
