@@ -25,6 +25,7 @@ import uvicorn
 
 from jax_offload import LLM, SamplingParams
 from jax_offload.serving.api_server import create_app
+from jax_offload.serving import async_engine
 from jax_offload.serving.async_engine import EngineProcess
 from tests.tiny_models import WORDS, build_in
 
@@ -179,6 +180,24 @@ def test_echo_logprobs_equal_log_softmax_of_logits(client, reference):
     assert len(more.choices[0].logprobs.token_logprobs) == len(ids) + 1
     np.testing.assert_allclose(more.choices[0].logprobs.token_logprobs[1:len(ids)], want, atol=1e-5)
 
+
+
+def test_prompt_logprobs_top_tokens_equal_a_stable_sort_of_the_vocabulary():
+    """The echo path's top-N (found without sorting the vocabulary) equals a full stable sort's first N, ties to the
+    lower token id, against float64 NumPy; logits with many ties."""
+    seed = random.randrange(2**31)
+    rng = np.random.default_rng(seed)
+    logits = rng.integers(0, 5, (9, 300)).astype(np.float32)
+    ids = rng.integers(0, 300, 9).tolist()
+    logp = logits.astype(np.float64) - logits.astype(np.float64).max(-1, keepdims=True)
+    logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+    for n in (0, 1, 7, 300):
+        got = async_engine.prompt_logprobs(logits, ids, n)
+        assert got[0] is None and len(got) == len(ids), seed
+        for i in range(1, len(ids)):
+            want = np.argsort(-logp[i - 1], kind="stable")[:n]
+            assert [t for t, _ in got[i].top] == want.tolist(), (seed, n, i)
+            assert got[i].logprob == logp[i - 1, ids[i]], (seed, n, i)
 
 BAD = [
     ("not json", '{"prompt": ', "not valid JSON"),

@@ -409,14 +409,23 @@ def _drive(core: EngineCore, get: Callable[[float | None], tuple | None], empty:
 
 
 def prompt_logprobs(logits: np.ndarray, ids: list[int], num_logprobs: int) -> list[TokenLogprobs | None]:
-    """From prefill logits [n, vocab] (float32): token i's log-probability under position i-1's distribution."""
+    """From prefill logits [n, vocab] (float32): token i's log-probability under position i-1's distribution, with
+    its `num_logprobs` most likely tokens (equal log-probabilities: the lower token id first)."""
     logp = logits.astype(np.float64)
     logp = logp - logp.max(axis=-1, keepdims=True)
     logp = logp - np.log(np.exp(logp).sum(axis=-1, keepdims=True))
+    vocab = logp.shape[-1]
+    k = min(num_logprobs, vocab)
+    # Each row's k-th largest value, found without sorting the vocabulary: a full sort of every prompt position
+    # took ~1.4 s of a 2.7-s lm-eval request on the CPU machine (and grows with the prompt and a 128K vocabulary).
+    kth = np.partition(logp[:len(ids) - 1], vocab - k, axis=-1)[:, vocab - k] if k else None
     out: list[TokenLogprobs | None] = [None]
     for i in range(1, len(ids)):
         row = logp[i - 1]
-        top = np.argsort(-row, kind="stable")[:num_logprobs] if num_logprobs else np.zeros(0, np.int64)
+        top = np.zeros(0, np.int64)
+        if k:
+            candidates = np.flatnonzero(row >= kth[i - 1])  # ascending ids, so a stable sort keeps ties in id order
+            top = candidates[np.argsort(-row[candidates], kind="stable")[:k]]
         out.append(TokenLogprobs(float(row[ids[i]]), [(int(t), float(row[t])) for t in top]))
     return out
 
