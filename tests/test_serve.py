@@ -24,8 +24,8 @@ import pytest
 import uvicorn
 
 from jax_offload import LLM, SamplingParams
-from jax_offload.serving.api_server import create_app
 from jax_offload.serving import async_engine
+from jax_offload.serving.api_server import create_app
 from jax_offload.serving.async_engine import EngineProcess
 from tests.tiny_models import WORDS, build_in
 
@@ -181,7 +181,6 @@ def test_echo_logprobs_equal_log_softmax_of_logits(client, reference):
     np.testing.assert_allclose(more.choices[0].logprobs.token_logprobs[1:len(ids)], want, atol=1e-5)
 
 
-
 def test_prompt_logprobs_top_tokens_equal_a_stable_sort_of_the_vocabulary():
     """The echo path's top-N (found without sorting the vocabulary) equals a full stable sort's first N, ties to the
     lower token id, against float64 NumPy; logits with many ties."""
@@ -198,6 +197,7 @@ def test_prompt_logprobs_top_tokens_equal_a_stable_sort_of_the_vocabulary():
             want = np.argsort(-logp[i - 1], kind="stable")[:n]
             assert [t for t, _ in got[i].top] == want.tolist(), (seed, n, i)
             assert got[i].logprob == logp[i - 1, ids[i]], (seed, n, i)
+
 
 BAD = [
     ("not json", '{"prompt": ', "not valid JSON"),
@@ -443,8 +443,6 @@ def test_engine_loop_holds_a_run_ahead_step_until_due_and_takes_requests_meanwhi
     """The engine loop (`async_engine._drive`) with a step in flight: no step runs before the core says the next is
     due; a command that comes meanwhile is taken and its step runs at once, not at the due time."""
     import queue
-
-    from jax_offload.serving import async_engine
 
     class Core:
         busy = True

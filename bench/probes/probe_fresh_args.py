@@ -5,14 +5,15 @@ The in-GPU decode step's CUDA graph was updated before every launch because its 
 (runs/h200_batch_of_one/, 47th session), ~0.5 ms of each sparse program's launch in `command_buffer::update` (46th
 session's trace). This lists, per program the batch engine's offloaded step calls (`embed_tokens`, `_step_rows`,
 `pooled_stored_decode_layers`, `pooled_pages_decode_layers`, `sample_last`), the array arguments whose buffer
-address changed between consecutive steps (each call compared with the same call of the next step), by parameter name, over the steady steps of one request (the first 3
-steps left out), and likewise its results (`out` and their path). Random weights, SHAPE (qwen3-0.6b) with LAYERS
-layers (6), a CTX-token prompt (4096), block BLOCK (512), RING ring slots (4), sketch decode (budget BUDGET tokens,
-default CTX/8; page 16, 2 dense layers, int4 sketch) with a page cache of CACHE_GB (0.05), MAX_SEQS (2) sequences at
-most, TOKENS new tokens (12), DTYPE (float32; bfloat16 on a GPU). The 128K step of `probe_batch_of_one.py`:
-`SHAPE=llama-3.1-8b LAYERS=32 CTX=131072 BLOCK=4096 RING=16 BUDGET=4096 CACHE_GB=2 MAX_SEQS=1 DTYPE=bfloat16`. On the CPU a `device_put` of a NumPy array may alias host memory, so
-arguments moved from the host each step can keep an address there that they would not keep on a GPU. Writes
-probe_fresh_args.json under $OUT.
+address changed between consecutive steps (each call compared with the same call of the next step: `name#i`), by
+parameter name, over the steady steps of one request (the first 3 steps left out), and likewise its results (`out`
+and their path). Random weights, SHAPE (qwen3-0.6b) with LAYERS layers (6), a CTX-token prompt (4096), block BLOCK
+(512), RING ring slots (4), sketch decode (budget BUDGET tokens, default CTX/8; page 16, 2 dense layers, int4
+sketch) with a page cache of CACHE_GB (0.05), MAX_SEQS (2) sequences at most, TOKENS new tokens (12), DTYPE
+(float32; bfloat16 on a GPU). The 128K step of `probe_batch_of_one.py`: `SHAPE=llama-3.1-8b LAYERS=32 CTX=131072
+BLOCK=4096 RING=16 BUDGET=4096 CACHE_GB=2 MAX_SEQS=1 DTYPE=bfloat16`. On the CPU a `device_put` of a NumPy array may
+alias host memory, so arguments moved from the host each step can keep an address there that they would not keep
+on a GPU. Writes probe_fresh_args.json under $OUT.
 
     python bench/probes/probe_fresh_args.py
 """

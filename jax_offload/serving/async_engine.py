@@ -416,8 +416,8 @@ def prompt_logprobs(logits: np.ndarray, ids: list[int], num_logprobs: int) -> li
     logp = logp - np.log(np.exp(logp).sum(axis=-1, keepdims=True))
     vocab = logp.shape[-1]
     k = min(num_logprobs, vocab)
-    # Each row's k-th largest value, found without sorting the vocabulary: a full sort of every prompt position
-    # took ~1.4 s of a 2.7-s lm-eval request on the CPU machine (and grows with the prompt and a 128K vocabulary).
+    # Each row's k-th largest value, found without sorting the vocabulary: a stable sort of every prompt position
+    # took 0.41 s for 60 positions of a 49,152-token vocabulary on the 2-core CPU, this 0.06 s.
     kth = np.partition(logp[:len(ids) - 1], vocab - k, axis=-1)[:, vocab - k] if k else None
     out: list[TokenLogprobs | None] = [None]
     for i in range(1, len(ids)):
