@@ -32,11 +32,9 @@ import gc
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -346,24 +344,8 @@ def ttft_split(client: dict, events: list) -> dict:
     return {name: {"p50": percentile(xs, 50), "mean": statistics.mean(xs)} for name, xs in parts.items()}
 
 
-def serve_on_thread(app):
-    """A uvicorn server for `app` on a free port of 127.0.0.1, run by a thread of this process once started:
-    (server, its thread, base URL)."""
-    import uvicorn
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    return server, thread, f"http://127.0.0.1:{port}"
-
-
 def run(args) -> None:
-    from jax_offload.serving.api_server import create_app, freeze_startup_heap
+    from jax_offload.serving.api_server import create_app, freeze_startup_heap, serve_in_background
     from jax_offload.serving.async_engine import EngineProcess
 
     prompts, max_tokens = workload(args.shape, args.num_requests)
@@ -386,57 +368,56 @@ def run(args) -> None:
     app = create_app(engine, "bench")
     freeze_startup_heap()  # as `python -m jax_offload.serve` does before it serves
     gc_pauses = GcPauses()
-    server, _, url = serve_on_thread(app)
+    with serve_in_background(app) as (url, _):
 
-    def client(rate: float, num: int) -> dict:
-        spec = Path(args.out) / "client_spec.json"
-        spec.write_text(json.dumps({"url": url, "prompts": prompts[:num], "max_tokens": max_tokens[:num],
-                                    "rate": rate}))
-        asyncio.run(engine.call(_step_log, True))
-        asyncio.run(engine.call(_take_events))
-        gc_pauses.reset()
-        subprocess.run([sys.executable, __file__, "--client", str(spec)], check=True)
-        out = json.loads(spec.read_text())
-        log = asyncio.run(engine.call(_step_log, False))
-        events = asyncio.run(engine.call(_take_events))
-        out["time_budget_s"] = time_budget(out, events)
-        out["http_gc_pauses"] = gc_pauses.report()
-        # Each request's mean decode step, over the steps it took part in (its batches): the engine's side of TPOT.
-        out["request_step_ms"] = _ms([s for kind, s, _, _ in events if kind == "done"])
-        out["host_split_ms"] = host_split(events)
-        if rate != float("inf"):
-            out["ttft_split_ms"] = ttft_split(out, events)
-        for key in ("accepted", "sent", "first"):
-            del out[key]
-        decode = [s for kind, _, _, s in log if kind == "decode"]
-        out["decode_step_ms"] = stats([s * 1e3 for s in decode]) if decode else None
-        out["decode_step_ms_by_rows"] = decode_steps_by_rows(log)
-        out["engine_steps"] = _step_counts(log)
-        out["same_tokens_as_offline"] = sum(a == b for a, b in zip(out.pop("token_ids"), offline["token_ids"]))
-        return out
+        def client(rate: float, num: int) -> dict:
+            spec = Path(args.out) / "client_spec.json"
+            spec.write_text(json.dumps({"url": url, "prompts": prompts[:num], "max_tokens": max_tokens[:num],
+                                        "rate": rate}))
+            asyncio.run(engine.call(_step_log, True))
+            asyncio.run(engine.call(_take_events))
+            gc_pauses.reset()
+            subprocess.run([sys.executable, __file__, "--client", str(spec)], check=True)
+            out = json.loads(spec.read_text())
+            log = asyncio.run(engine.call(_step_log, False))
+            events = asyncio.run(engine.call(_take_events))
+            out["time_budget_s"] = time_budget(out, events)
+            out["http_gc_pauses"] = gc_pauses.report()
+            # Each request's mean decode step, over the steps it took part in (its batches): the engine's side of TPOT.
+            out["request_step_ms"] = _ms([s for kind, s, _, _ in events if kind == "done"])
+            out["host_split_ms"] = host_split(events)
+            if rate != float("inf"):
+                out["ttft_split_ms"] = ttft_split(out, events)
+            for key in ("accepted", "sent", "first"):
+                del out[key]
+            decode = [s for kind, _, _, s in log if kind == "decode"]
+            out["decode_step_ms"] = stats([s * 1e3 for s in decode]) if decode else None
+            out["decode_step_ms_by_rows"] = decode_steps_by_rows(log)
+            out["engine_steps"] = _step_counts(log)
+            out["same_tokens_as_offline"] = sum(a == b for a, b in zip(out.pop("token_ids"), offline["token_ids"]))
+            return out
 
-    def save() -> None:  # after each phase: a call cut short keeps what it measured
-        (args.out / f"serve_{args.shape}.json").write_text(json.dumps(result, indent=1))
+        def save() -> None:  # after each phase: a call cut short keeps what it measured
+            (args.out / f"serve_{args.shape}.json").write_text(json.dumps(result, indent=1))
 
-    save()
-    client(float("inf"), len(prompts))  # warm-ups: the client's first connections, the small batches' shapes
-    client(16.0, args.rate_requests)
-    result["inf"] = [client(float("inf"), len(prompts)) for _ in range(args.runs)]
-    save()
-    result["rates"] = []
-    for rate in args.rates:
-        result["rates"].append(client(rate, args.rate_requests))
         save()
-    if args.without_prefill_behind:
-        asyncio.run(engine.call(_prefill_after_read))
-        result["inf_without_prefill_behind"] = [client(float("inf"), len(prompts)) for _ in range(args.runs)]
-        result["rates_without_prefill_behind"] = [client(rate, args.rate_requests) for rate in args.rates]
+        client(float("inf"), len(prompts))  # warm-ups: the client's first connections, the small batches' shapes
+        client(16.0, args.rate_requests)
+        result["inf"] = [client(float("inf"), len(prompts)) for _ in range(args.runs)]
         save()
-    if args.without_gc_freeze:
-        gc.unfreeze()
-        result["inf_without_gc_freeze"] = [client(float("inf"), len(prompts)) for _ in range(args.runs)]
-        save()
-    server.should_exit = True
+        result["rates"] = []
+        for rate in args.rates:
+            result["rates"].append(client(rate, args.rate_requests))
+            save()
+        if args.without_prefill_behind:
+            asyncio.run(engine.call(_prefill_after_read))
+            result["inf_without_prefill_behind"] = [client(float("inf"), len(prompts)) for _ in range(args.runs)]
+            result["rates_without_prefill_behind"] = [client(rate, args.rate_requests) for rate in args.rates]
+            save()
+        if args.without_gc_freeze:
+            gc.unfreeze()
+            result["inf_without_gc_freeze"] = [client(float("inf"), len(prompts)) for _ in range(args.runs)]
+            save()
     engine.stop()
 
 

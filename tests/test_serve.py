@@ -10,7 +10,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,11 +20,10 @@ import httpx2 as httpx  # the openai client's HTTP library
 import numpy as np
 import openai
 import pytest
-import uvicorn
 
 from jax_offload import LLM, SamplingParams
 from jax_offload.serving import async_engine
-from jax_offload.serving.api_server import create_app
+from jax_offload.serving.api_server import create_app, serve_in_background
 from jax_offload.serving.async_engine import EngineProcess
 from tests.tiny_models import WORDS, build_in
 
@@ -49,21 +47,8 @@ def reference(model_dir):
 @contextlib.contextmanager
 def serving(app):
     """A real uvicorn server for `app` on a free port of 127.0.0.1, on a thread: its base URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=30)
+    with serve_in_background(app) as (url, _):
+        yield url
 
 
 @pytest.fixture(scope="module")

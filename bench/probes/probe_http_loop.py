@@ -24,10 +24,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from bench_serve import GcPauses, serve_on_thread, workload  # noqa: E402
+from bench_serve import GcPauses, workload  # noqa: E402
 from common import probe_output, run_metadata, stats  # noqa: E402
 from jax_offload.outputs import RequestDelta  # noqa: E402
-from jax_offload.serving.api_server import create_app, freeze_startup_heap  # noqa: E402
+from jax_offload.serving.api_server import create_app, freeze_startup_heap, serve_in_background  # noqa: E402
 from jax_offload.serving.async_engine import EngineProcess, ModelInfo, _Front  # noqa: E402
 
 
@@ -83,32 +83,31 @@ def main() -> None:
 
     engine = StandInEngine(args.step)
     app = create_app(engine, "bench")
-    server, loop_thread, url = serve_on_thread(app)
-    loop_clock = time.pthread_getcpuclockid(loop_thread.ident)
-    prompts, max_tokens = workload("qwen3-0.6b", 256)
-    max_tokens = [max(2, int(m * args.scale)) for m in max_tokens]
-    spec = probe_output("probe_http_loop_client.json")
-    gc_pauses, objects = GcPauses(), len(gc.get_objects())
-    runs: dict[str, list[dict]] = {"frozen": [], "unfrozen": []}
-    for _ in range(args.runs):
-        for arm in runs:
-            gc.unfreeze()
-            if arm == "frozen":
-                freeze_startup_heap()
-            spec.write_text(json.dumps({"url": url, "prompts": prompts,
-                                        "max_tokens": max_tokens, "rate": float("inf")}))
-            engine.adds.clear()
-            gc_pauses.reset()
-            cpu = time.clock_gettime(loop_clock)
-            subprocess.run([sys.executable, str(ROOT / "bench" / "bench_serve.py"), "--client", str(spec)],
-                           check=True)
-            cpu = time.clock_gettime(loop_clock) - cpu
-            out = json.loads(spec.read_text())
-            runs[arm].append({"wall_s": out["wall_s"], "first_request_s": engine.adds[0] - out["began"],
-                              "last_request_s": engine.adds[-1] - out["began"], "loop_cpu_s": cpu,
-                              "loop_us_per_token": cpu / sum(max_tokens) * 1e6, "gc": gc_pauses.report()})
-            print(arm, {k: v for k, v in runs[arm][-1].items() if k != "gc"}, flush=True)
-    server.should_exit = True
+    with serve_in_background(app) as (url, loop_thread):
+        loop_clock = time.pthread_getcpuclockid(loop_thread.ident)
+        prompts, max_tokens = workload("qwen3-0.6b", 256)
+        max_tokens = [max(2, int(m * args.scale)) for m in max_tokens]
+        spec = probe_output("probe_http_loop_client.json")
+        gc_pauses, objects = GcPauses(), len(gc.get_objects())
+        runs: dict[str, list[dict]] = {"frozen": [], "unfrozen": []}
+        for _ in range(args.runs):
+            for arm in runs:
+                gc.unfreeze()
+                if arm == "frozen":
+                    freeze_startup_heap()
+                spec.write_text(json.dumps({"url": url, "prompts": prompts,
+                                            "max_tokens": max_tokens, "rate": float("inf")}))
+                engine.adds.clear()
+                gc_pauses.reset()
+                cpu = time.clock_gettime(loop_clock)
+                subprocess.run([sys.executable, str(ROOT / "bench" / "bench_serve.py"), "--client", str(spec)],
+                               check=True)
+                cpu = time.clock_gettime(loop_clock) - cpu
+                out = json.loads(spec.read_text())
+                runs[arm].append({"wall_s": out["wall_s"], "first_request_s": engine.adds[0] - out["began"],
+                                  "last_request_s": engine.adds[-1] - out["began"], "loop_cpu_s": cpu,
+                                  "loop_us_per_token": cpu / sum(max_tokens) * 1e6, "gc": gc_pauses.report()})
+                print(arm, {k: v for k, v in runs[arm][-1].items() if k != "gc"}, flush=True)
     spec.unlink()
     summary = {arm: {key: stats([r[key] for r in rs]) for key in
                      ("wall_s", "first_request_s", "last_request_s", "loop_cpu_s", "loop_us_per_token")}

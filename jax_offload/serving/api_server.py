@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import socket
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from functools import lru_cache
 
 from fastapi import FastAPI, Request
@@ -34,6 +36,32 @@ def freeze_startup_heap() -> None:
     process made no full collection over 256 requests."""
     gc.collect()
     gc.freeze()
+
+
+@contextmanager
+def serve_in_background(app: FastAPI, host: str = "127.0.0.1", port: int = 0,
+                        timeout: float = 120.0) -> Iterator[tuple[str, threading.Thread]]:
+    """Serves `app` with uvicorn on a thread of this process (a notebook, a test, a benchmark) until the block ends:
+    (its base URL, the thread running its event loop). Port 0: a free one."""
+    import uvicorn
+
+    if port == 0:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="jax_offload-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"The server on {host}:{port} did not start within {timeout:g} s.")
+        time.sleep(0.05)
+    try:
+        yield f"http://{host}:{port}", thread
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 def create_app(engine, served_model_name: str, api_key: str | None = None, max_waiting: int = 1024,
