@@ -460,17 +460,19 @@ def _stored_blocks_batch(impl, q, buffer, blocks, num_keys, state, host, device,
         q, buffer, state, blocks, num_keys)
 
 
-@functools.partial(step_jit, static_argnums=(0, 1, 12, 13), static_argnames=("tp",), donate_argnums=(5,))
+@functools.partial(step_jit, static_argnums=(0, 1, 12, 13), static_argnames=("tp", "executable"),
+                   donate_argnums=(5,))
 def pooled_stored_decode_layers(
     cfg: ModelConfig, impl: str, layers: tuple[LayerParams, ...], x: jax.Array, inv_freq: jax.Array,
     tails: tuple[jax.Array, ...], slots: jax.Array, positions: jax.Array, tail_lens: jax.Array,
     buffers: tuple, blocks: tuple[jax.Array, ...], num_keys: tuple[jax.Array, ...], host, device,
-    tp: TensorParallel | None = None,
+    tp: TensorParallel | None = None, executable: int = 0,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """Consecutive layers kept in GPU memory (the dense layers of sketch and Quest decode) of a batch decode step as
     one program, each as `pooled_decode_begin`, attention over every row's block table (`blocks`, `num_keys`: one
     per row of the batch; a padding row reads no key) and `pooled_decode_end` would run it. As three launches a
-    layer they cost the host ~4.4 ms of a step of 8 x 64K on an H200 (0.5-0.9 ms each).
+    layer they cost the host ~4.4 ms of a step of 8 x 64K on an H200 (0.5-0.9 ms each). `executable`: a key of the
+    compiled program alone (see `layer_group_executable`).
     -> (hidden, tails)."""
     tails = list(tails)
     for i, layer in enumerate(layers):
@@ -532,7 +534,7 @@ def _requests_pages(impl, q, scorer, meta, page_tables, num_pages, num_candidate
     of `block_pages` pages), then one top-k for all (a selection, each KV head's row on its own: the choice each gets
     alone)."""
     scores = scorer.requests_page_scores(impl, q[:, 0], meta, page_tables, num_pages, num_candidates, block_pages)
-    return quest.top_pages(scores, _per_head(num_pages, meta[0].shape[0]), budget_pages)
+    return quest.top_pages(scores, _per_head(num_pages, meta[0].shape[0]), budget_pages, impl)
 
 
 def _per_head(values: tuple[jax.Array, ...], hkv: int) -> jax.Array:
@@ -592,8 +594,8 @@ cached_pages_attend_rows = functools.partial(step_jit, static_argnums=(0, 2, 4, 
                                              static_argnames=("tp",), donate_argnums=(11, 12))(_cached_pages_rows)
 
 
-@functools.partial(step_jit, static_argnums=(0, 1, 9, 11, 12, 13, 14, 21, 23, 24), static_argnames=("tp",),
-                   donate_argnums=(5, 18, 19))
+@functools.partial(step_jit, static_argnums=(0, 1, 9, 11, 12, 13, 14, 21, 23, 24),
+                   static_argnames=("tp", "executable"), donate_argnums=(5, 18, 19))
 def pooled_pages_decode_layers(
     cfg: ModelConfig, impl: str, layers: tuple[LayerParams, ...], x: jax.Array, inv_freq: jax.Array,
     tails: tuple[jax.Array, ...], slots: jax.Array, positions: jax.Array, tail_lens: jax.Array, scorer,
@@ -601,7 +603,7 @@ def pooled_pages_decode_layers(
     num_pages: tuple[jax.Array, ...], page_tables: tuple[jax.Array, ...], buffers: tuple[jax.Array, ...],
     cache_kvs: tuple[jax.Array, ...] | None, maps: tuple[page_cache.CacheState, ...] | None,
     regions: jax.Array | None, region_slots: int | None, steps: jax.Array | None, host, device,
-    tp: TensorParallel | None = None,
+    tp: TensorParallel | None = None, executable: int = 0,
 ):
     """Consecutive sparse layers of a batch decode step whose rows are all of one kind (one page-table length, and
     all reading through their regions of the page cache or none) as one program, each layer as its three calls
@@ -609,6 +611,7 @@ def pooled_pages_decode_layers(
     cache's stored KV `cache_kvs` and its regions' `maps`; or `chosen_pages_attend_rows`, all None) and
     `pooled_decode_end`. Every row of the batch takes part (a padding row has no pages). Each launch costs the
     host ~0.5 ms besides its kernels, more than such a layer's GPU time once its pages come from the cache.
+    `executable`: a key of the compiled program alone (see `layer_group_executable`).
     -> (hidden, tails, cache_kvs, maps (None without the cache), int32 [layers, rows, 3] counts or None)."""
     tails, kvs, new_maps, counts = list(tails), [], [], []
     for i, layer in enumerate(layers):
@@ -634,7 +637,7 @@ def _chosen_pages(impl, q, scorer, meta, num_pages, num_candidates, budget_pages
     the first `num_pages` by the policy's page score (`scorer`, over its metadata `meta` of the layer, scoring the
     first `num_candidates` page slots); see `quest.top_pages`."""
     return quest.top_pages(scorer.page_scores(impl, q[0, 0], meta, num_pages, num_candidates), num_pages,
-                           budget_pages)
+                           budget_pages, impl)
 
 
 def _chosen_rows(impl, q, scorer, meta, num_pages, num_candidates, budget_pages, page_size, block_size):
@@ -647,6 +650,15 @@ def _page_keys(pages, num_kv_heads: int, dtype) -> tuple[jax.Array, jax.Array]:
     """Gathered pages [Hkv * n, 2, PAGE_UNIT, D], head by head -> k, v [1, n * PAGE_UNIT, Hkv, D] in `dtype`."""
     by_head = jax.tree.map(lambda p: p.reshape(num_kv_heads, -1, *p.shape[1:]), pages)
     return _split_block(dequantize(from_stored_layout(by_head), dtype))
+
+
+def layer_group_executable(first_layer: int) -> int:
+    """The `executable` key of a layer group's program: on a GPU each group its own compiled program, elsewhere one
+    for all groups of a shape. XLA runs a program as CUDA graphs and updates a graph whenever the program's buffers
+    moved since its last launch; the groups of a step take one compiled program with each group's own weights and
+    caches, so every launch updated its graphs (0.6 ms of the host's time a 6-layer sparse launch on an H200, 3 ms of
+    a 128K sketch step). A program of its own keeps each group's buffers where they were at its last launch."""
+    return first_layer if jax.default_backend() == "gpu" else 0
 
 
 def reads_rows_in_place(impl: str) -> bool:

@@ -1,6 +1,7 @@
 """Pallas kernels: attention with its LSE or online-softmax state (dense, paged, block-sparse, streamed), XAttention's
-estimate, sketch scoring, a batch-invariant matmul and a row copy that reads pinned host memory in place; Triton on
-NVIDIA GPUs, Mosaic GPU on Hopper for prefill attention and sketch scoring, interpret mode elsewhere.
+estimate, sketch scoring, a batch-invariant matmul, a top-k without a sort and a row copy that reads pinned host
+memory in place; Triton on NVIDIA GPUs, Mosaic GPU on Hopper for prefill attention and sketch scoring, interpret
+mode elsewhere.
 
 See README.md in this directory for semantics, layouts and tuning notes.
 """
@@ -38,6 +39,7 @@ from pallas_kernels.paged_decode import (
 )
 from pallas_kernels.sketch import SKETCH_TILE_PAGES, sketch_page_lse, sketch_page_lse_requests
 from pallas_kernels.state import AttentionState, empty_state, finish_state, merge_into_state
+from pallas_kernels.top_k import top_k_ascending
 from pallas_kernels.xattn import (
     antidiagonal_scores,
     default_xattn_config,
@@ -84,6 +86,7 @@ __all__ = [
     "SKETCH_TILE_PAGES",
     "sketch_page_lse",
     "sketch_page_lse_requests",
+    "top_k_ascending",
     "softmax_normalize_block_sum",
     "softmax_partial_stats",
     "xattn_estimate",

@@ -12,7 +12,8 @@ import tiny_models
 from jax_offload import LLM, SamplingParams
 from jax_offload.serving.engine import run_requests
 from jax_offload.sparse.quest import TOP_K_CHUNK, page_bounds, page_rows, select_pages, top_k
-from pallas_kernels import mgpu_sketch
+from pallas_kernels import mgpu_sketch, top_k_ascending
+from pallas_kernels.top_k import ROW_MAX
 from pallas_kernels._common import on_hopper
 from pallas_kernels.sketch import runs_on_hopper_kernel
 
@@ -51,6 +52,22 @@ def test_top_k_in_stages_equals_one_top_k_over_the_row(n, k):
     ref = np.stack([np.lexsort((np.arange(n), -row))[:k] for row in x])  # value descending, then index ascending
     np.testing.assert_array_equal(np.asarray(index), ref, err_msg=f"seed {seed}")
     np.testing.assert_array_equal(np.asarray(values), np.take_along_axis(x, ref, -1), err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("rows,n,k,dtype", [(3, 100, 7, np.float32), (2, 256, 256, np.float32),
+                                             (4, 2048, 64, np.int32), (2, 2 * ROW_MAX, 256, np.float32)])
+def test_top_k_ascending_kernel_equals_a_stable_sort(rows, n, k, dtype):
+    # Few distinct values (ties everywhere, also across the two stages' chunks), +-inf and -0.0 for floats.
+    seed = 700 + n + k
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-20, 20, size=(rows, n)).astype(dtype)
+    if dtype == np.float32:
+        x[:, rng.integers(0, n, 3)] = np.inf
+        x[:, rng.integers(0, n, n // 4)] = -np.inf
+        x[x == 0] = -0.0
+    got = np.asarray(top_k_ascending(jnp.asarray(x), k, interpret=True))
+    ref = np.sort(np.stack([np.lexsort((np.arange(n), -row.astype(np.float64)))[:k] for row in x]), axis=-1)
+    np.testing.assert_array_equal(got, ref, err_msg=f"seed {seed}")
 
 
 @pytest.mark.parametrize("hq,hkv,num_pages,budget", [(8, 2, 40, 8), (4, 4, 40, 40), (6, 3, 5, 8), (8, 1, 33, 1)])

@@ -28,8 +28,8 @@ import jax
 import numpy as np
 
 from jax_offload.attention import (cached_pages_attend_rows, chosen_pages_attend_rows, embed_tokens,
-                                   pooled_decode_begin, pooled_decode_end, pooled_pages_decode_layers,
-                                   pooled_stored_decode_layers)
+                                   layer_group_executable, pooled_decode_begin, pooled_decode_end,
+                                   pooled_pages_decode_layers, pooled_stored_decode_layers)
 from jax_offload.buckets import layer_group_size
 from jax_offload.device_runner import pad_ids
 from jax_offload.kv.ring import BlockRing, grouped
@@ -273,7 +273,7 @@ class OffloadModelRunner:
             self.cfg, runner.impl, tuple(self.params.layers[l] for l in group), x, runner.inv_freq,
             tuple(self.tails[l] for l in group), slots, positions, tail_lens,
             tuple(store.layer_buffer(l) for l in group), blocks, num_keys, *store.gather_places(group[0]),
-            tp=runner.tp)
+            tp=runner.tp, executable=layer_group_executable(group[0]))
         for j, l in enumerate(group):
             self.tails[l] = tails[j]
         return x
@@ -300,7 +300,8 @@ class OffloadModelRunner:
             tuple(self.tails[l] for l in group), slots, positions, tail_lens, runner.pages.scorer,
             tuple(runner.pages.metadata(l) for l in group), runner.budget_pages, runner.page_size, self.block_size,
             num_candidates, num_pages, page_tables, tuple(store.layer_buffer(l) for l in group), kvs, maps, regions,
-            region_slots, steps, *store.gather_places(group[0]), tp=runner.tp)
+            region_slots, steps, *store.gather_places(group[0]), tp=runner.tp,
+            executable=layer_group_executable(group[0]))
         for j, l in enumerate(group):
             self.tails[l] = tails[j]
             if in_cache:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels
 from jax_offload.kv.host_store import PAGE_UNIT
 from jax_offload.precision import step_jit
 from jax_offload.tensor_parallel import TensorParallel
@@ -67,13 +68,18 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return values, jnp.take_along_axis(index, position, axis=-1)
 
 
-def top_pages(score: jax.Array, num_pages: jax.Array, k: int) -> jax.Array:
+def top_pages(score: jax.Array, num_pages: jax.Array, k: int, impl: str = "xla") -> jax.Array:
     """Quest's rule for any page score [Hkv, P]: page 0 and the `k - 1` highest-scoring pages among pages
     1..num_pages - 1, ascending -> int32 [Hkv, k], missing entries P, ties to the lower page. Its own function
-    so that another score (an oracle's true attention mass, bench/eval_sparse.py) ranks the very same candidates."""
+    so that another score (an oracle's true attention mass, bench/eval_sparse.py) ranks the very same candidates.
+    With the Pallas kernels on a GPU one program a row selects them (`pallas_kernels.top_k_ascending`: no sort);
+    otherwise a top-k, then a sort: the same pages."""
     num_slots = score.shape[1]
     page = jnp.arange(num_slots, dtype=jnp.int32)
     score = jnp.where(page == 0, jnp.inf, jnp.where(page < num_pages, score, -jnp.inf))
+    if impl == "pallas" and jax.default_backend() == "gpu":
+        chosen = pallas_kernels.top_k_ascending(score.astype(jnp.float32), k)
+        return jnp.where(chosen < num_pages, chosen, num_slots).astype(jnp.int32)  # the missing ones are last
     _, chosen = top_k(score, k)  # equal values: the lower index first
     chosen = jnp.where(chosen < num_pages, chosen, num_slots).astype(jnp.int32)
     return jnp.sort(chosen, axis=-1)
