@@ -29,26 +29,28 @@ CHAIN, REPEATS = int(os.environ.get("CHAIN", 31)), int(os.environ.get("REPEATS",
 MISSES = int(os.environ.get("MISSES", 170))
 
 
-def per_op_us(op, x0) -> dict:
-    """One op's device time: (CHAIN runs - 1 run) / (CHAIN - 1), each program timed REPEATS times."""
+def per_op_us(op, x0, *args) -> dict:
+    """One op's device time: (CHAIN runs - 1 run) / (CHAIN - 1), each program timed REPEATS times. `args` go in as
+    arguments (an array a program closes over becomes a constant in GPU memory: a pinned source would not be read
+    over PCIe)."""
     def chain(n):
-        def run(x):
+        def run(x, *args):
             for _ in range(n):
-                x = op(x)
+                x = op(x, *args)
             return x
         return jax.jit(run, donate_argnums=0)
 
     times = {}
     for n in (1, CHAIN):
         fn = chain(n)
-        x = fn(x0())
+        x = fn(x0(), *args)
         jax.block_until_ready(x)
         samples = []
         for _ in range(REPEATS):
             x = x0()
             jax.block_until_ready(x)
             t = time.perf_counter()
-            jax.block_until_ready(fn(x))
+            jax.block_until_ready(fn(x, *args))
             samples.append(time.perf_counter() - t)
         times[n] = samples
     return stats([(a - b) / (CHAIN - 1) * 1e6 for a, b in zip(sorted(times[CHAIN]), sorted(times[1]))])
@@ -94,8 +96,8 @@ def main():
     copy = {}
     for warps in (1, 2, 4, 8):
         copy[f"copy_rows_{warps}_warps_us"] = per_op_us(
-            jax.tree_util.Partial(lambda d, w: copy_rows(d, src, src_rows, dst_rows, num_warps=w), w=warps),
-            lambda: jnp.zeros((heads * slots, 2, 16, 128), jnp.bfloat16))
+            lambda d, s, r, w_rows, w=warps: copy_rows(d, s, r, w_rows, num_warps=w),
+            lambda: jnp.zeros((heads * slots, 2, 16, 128), jnp.bfloat16), src, src_rows, dst_rows)
         print(warps, copy[f"copy_rows_{warps}_warps_us"], flush=True)
     result["copy"] = {"misses": MISSES, "bytes": MISSES * 2 * 16 * 128 * 2, **copy}
     probe_output("probe_select_copy.json").write_text(json.dumps(result, indent=1))
