@@ -86,8 +86,8 @@ __all__ = [
     "SKETCH_TILE_PAGES",
     "sketch_page_lse",
     "sketch_page_lse_requests",
-    "top_k_ascending",
     "softmax_normalize_block_sum",
     "softmax_partial_stats",
+    "top_k_ascending",
     "xattn_estimate",
 ]

@@ -3,9 +3,10 @@
 `top_k_ascending(x, k)` equals `jnp.sort(jax.lax.top_k(x, k)[1], axis=-1)`: the same k positions (equal values: the
 lower position first), sorted. XLA's GPU top-k of more than 16 entries is a sort of the whole row, and its positions
 then need a second sort; sketch and Quest decode choose 256 of 8,192 pages per KV head and layer at 128K, and those
-sorts took ~35 us a layer on an H200. Here each program keeps its row in registers, finds the k-th largest value by a
-binary search over the bits of an order-preserving integer key (31 rounds of compare-and-count), and writes the
-positions above it, then as many equal to it as fit, lowest first, at their ranks (two prefix sums): no sort.
+sorts took 45 us a layer on an H200 (this kernel: 21 us; bench/results/runs/h200_batch_of_one/README.md). Here each
+program keeps its row in registers, finds the k-th largest value by a binary search over the bits of an
+order-preserving integer key (32 rounds of compare-and-count), and writes the positions above it, then as many equal
+to it as fit, lowest first, at their ranks (two prefix sums): no sort.
 
 Rows longer than `ROW_MAX` run in two stages, as `jax_offload.sparse.quest.top_k` does: the top k of each
 `ROW_MAX`-long chunk, then the top k of those (exact: an entry of the row's top k is in its chunk's, and ascending
@@ -33,7 +34,7 @@ def order_key(x: jax.Array) -> jax.Array:
     """float32 -> int32 with the same order (-0.0 as +0.0; NaN not allowed); int32 as it is."""
     if x.dtype == jnp.int32:
         return x
-    bits = lax.bitcast_convert_type(x + 0.0, jnp.int32)  # + 0.0 turns -0.0 into +0.0
+    bits = lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.int32)
     return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
