@@ -660,3 +660,19 @@ def test_step_due_only_while_a_step_runs_ahead(tmp_root):
                 outputs[delta.request_id] = delta.output.token_ids
     alone = [llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
     assert [outputs["a"], outputs["b"]] == alone
+
+
+def test_live_rows_of_a_padded_draw_get_the_padded_products_bits(tmp_root):
+    """On the CPU a draw's logits are multiplied for its live rows only (the LM head multiplies row by row): each
+    live row's logits equal, bit for bit, those of the whole padded product; the padding rows' are 0. Hidden states
+    drawn with seed PROMPT_SEED + 3."""
+    from jax_offload.serving.model_runner import _last_logits
+
+    llm = _llm("llama3", tmp_root)
+    rng = np.random.default_rng(PROMPT_SEED + 3)
+    hidden = jax.numpy.asarray(rng.standard_normal((1, 40, llm.model_config.hidden_size)), np.float32)
+    index = jax.numpy.asarray(np.r_[rng.integers(0, 40, 5), np.zeros(11)].astype(np.int32))
+    whole = np.asarray(_last_logits(llm.model_config, llm.params, hidden, index, None))
+    live = np.asarray(_last_logits(llm.model_config, llm.params, hidden, index, np.int32(5)))
+    np.testing.assert_array_equal(live[:5], whole[:5], err_msg=f"seed {PROMPT_SEED + 3}")
+    assert not live[5:].any(), f"seed {PROMPT_SEED + 3}"

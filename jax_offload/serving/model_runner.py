@@ -311,18 +311,29 @@ def _chunk_layer(cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, 
 
 
 def sample_last(cfg: ModelConfig, params: ModelParams, hidden: jax.Array, index: jax.Array,
-                knobs: jax.Array, draws: Draws) -> Drawn:
+                knobs: jax.Array, draws: Draws, live: int | None = None) -> Drawn:
     """The next token of each request b, from its last token's hidden state: hidden [..., hidden_size] with the
-    leading axes flattened, at index[b]. Two programs: the logits compile once per hidden shape, the draw (the
-    decode step's) once per batch size and kind of draw, so a prefill of a length met before never compiles for
-    a new mix of greedy and sampled requests (on a GPU, seconds of a server's time to first token)."""
-    return _sample(_last_logits(cfg, params, hidden, index), knobs, draws)
+    leading axes flattened, at index[b]; `live`: how many of the rows are requests (the others pad the draw to a
+    compiled size; default all). Two programs: the logits compile once per hidden shape, the draw (the decode
+    step's) once per batch size and kind of draw, so a prefill of a length met before never compiles for a new mix
+    of greedy and sampled requests (on a GPU, seconds of a server's time to first token)."""
+    row_by_row = live is not None and jax.default_backend() == "cpu" and not params.batch_invariant
+    return _sample(_last_logits(cfg, params, hidden, index, np.int32(live) if row_by_row else None), knobs, draws)
 
 
 @functools.partial(step_jit, static_argnums=0)
-def _last_logits(cfg: ModelConfig, params: ModelParams, hidden: jax.Array, index: jax.Array) -> jax.Array:
-    """float32 logits [B, vocab] of the hidden states [..., hidden_size] at flattened rows index[b]."""
-    return decoder.logits(cfg, params, hidden.reshape(-1, hidden.shape[-1])[index])
+def _last_logits(cfg: ModelConfig, params: ModelParams, hidden: jax.Array, index: jax.Array,
+                 live: jax.Array | None) -> jax.Array:
+    """float32 logits [B, vocab] of the hidden states [..., hidden_size] at flattened rows index[b]. With `live`
+    (the CPU, whose LM head multiplies a batch row by row, `decoder._dot`): only rows b < live are multiplied, each
+    as that product multiplies it, and the padding rows' logits are 0 (a prefill's draw padded to 256 rows cost
+    ~1.4 s of each prompt's prefill of the default model on the 2-core CPU, bench/results/runs/cpu_step_api_prefill/).
+    """
+    h = hidden.reshape(-1, hidden.shape[-1])[index]
+    if live is None:
+        return decoder.logits(cfg, params, h)
+    return jax.lax.fori_loop(0, live, lambda b, out: out.at[b].set(decoder.logits(cfg, params, h[b])),
+                             jnp.zeros((h.shape[0], cfg.vocab_size), jnp.float32))
 
 
 def _model_step(cfg: ModelConfig, impl: str, params: ModelParams, k_pool: tuple[jax.Array, ...],
@@ -506,7 +517,7 @@ class ModelRunner:
         """`prefill` without waiting: the draw stays on the device."""
         size = self.buckets[-1]
         x, last = self._prefill_packed(seqs, [s.num_tokens for s in seqs], size)
-        return sample_last(self.cfg, self.params, x, self.tp.replicate(last), *self._sampling(seqs, size))
+        return sample_last(self.cfg, self.params, x, self.tp.replicate(last), *self._sampling(seqs, size), len(seqs))
 
     def own_prefill(self, seq: Sequence) -> list[tuple[int, TokenLogprobs | None]]:
         """Runs a prompt's own prefill (`seq.own_prefill`), writes its K and V into the sequence's blocks and samples
@@ -524,7 +535,7 @@ class ModelRunner:
             return []
         size = self.buckets[-1]
         last = self.tp.replicate(np.zeros(size, np.int32))
-        return drawn_to_host(sample_last(self.cfg, self.params, hidden, last, *self._sampling([seq], size)), 1)
+        return drawn_to_host(sample_last(self.cfg, self.params, hidden, last, *self._sampling([seq], size), 1), 1)
 
     def _prefill_packed(self, seqs: list[Sequence], counts: list[int], size: int) -> tuple[jax.Array, np.ndarray]:
         """Runs the first counts[i] tokens of each sequence packed into one row: the hidden states and the row
@@ -613,7 +624,7 @@ class ModelRunner:
         rows[: len(decodes)] = t + np.arange(len(decodes))
         if final:
             rows[len(decodes)] = last
-        out = sample_last(self.cfg, self.params, x, self.tp.replicate(rows), *self._sampling(drawn, size))
+        out = sample_last(self.cfg, self.params, x, self.tp.replicate(rows), *self._sampling(drawn, size), len(drawn))
         return drawn_to_host(out, len(drawn))
 
     def _after_inputs(self, seq: Sequence, start: int, end: int):
