@@ -79,10 +79,10 @@ def top_pages(score: jax.Array, num_pages: jax.Array, k: int, impl: str = "xla")
     score = jnp.where(page == 0, jnp.inf, jnp.where(page < num_pages, score, -jnp.inf))
     if impl == "pallas" and jax.default_backend() == "gpu":
         chosen = pallas_kernels.top_k_ascending(score.astype(jnp.float32), k)
-        return jnp.where(chosen < num_pages, chosen, num_slots).astype(jnp.int32)  # the missing ones are last
-    _, chosen = top_k(score, k)  # equal values: the lower index first
-    chosen = jnp.where(chosen < num_pages, chosen, num_slots).astype(jnp.int32)
-    return jnp.sort(chosen, axis=-1)
+    else:
+        chosen = jnp.sort(top_k(score, k)[1], axis=-1)  # equal values: the lower index first
+    # Pages past num_pages (fewer pages than k) sort last either way: marked missing where they are.
+    return jnp.where(chosen < num_pages, chosen, num_slots).astype(jnp.int32)
 
 
 def candidate_count(num_slots: int, num_pages: int, budget_pages: int) -> int:
