@@ -85,10 +85,11 @@ def default_matmul_config(m: int, k: int, n: int) -> dict[str, int]:
 
 def wgmma_suits(m: int, n: int, k: int) -> bool:
     """Whether `m` rows against a [k, n] weight take the warpgroup-MMA form on Hopper: prefill sizes, decode batches of
-    64 rows or more against wide weights, and of 256 rows or more against deep ones (the 8B's four projections at 256
-    rows: 0.255 ms against the Triton form's 0.304). The Triton form keeps shallow, narrow weights at decode sizes,
-    where it is the faster (Qwen3-0.6B's at 256 rows, runs/h200_invariant_price/hopper_matmul/wgmma/)."""
-    return m > 512 or (m >= 64 and n >= 16384) or (m >= 256 and k >= 4096)
+    64 rows or more against wide weights, of 128 or more against large ones (k * n >= 24 Mi: the 8B's wqkv and w_down,
+    23.4 and 63.2 us at 128 rows against the Triton form's 31.6 and 65.2) and of 256 or more against deep ones (the
+    8B's four projections at 256 rows). The Triton form keeps small weights at decode sizes, where it is the faster
+    (Qwen3-0.6B's at 256 rows, the 8B's wo at 128: runs/h200_invariant_price/hopper_matmul/)."""
+    return m > 512 or (m >= 64 and n >= 16384) or (m >= 128 and k * n >= 24 * 2**20) or (m >= 256 and k >= 4096)
 
 
 def _matmul_kernel(x_ref, w_ref, o_ref, *, block_k: int, k_unroll: int, chunk: int, transpose_w: bool, precision,
@@ -184,8 +185,8 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=N
             and all(p is None for p in launch) and x.dtype in (jnp.bfloat16, jnp.float16)
             and wgmma_suits(rows.shape[0], n, x.shape[-1]) and n % 128 == 0 and x.shape[-1] % BLOCK_K == 0
             and on_hopper()):
-        from pallas_kernels.mgpu_matmul import mgpu_matmul  # it imports this module
-        return mgpu_matmul(rows, w, out_dtype=out_dtype).reshape(*x.shape[:-1], n)
+        from pallas_kernels.mgpu_matmul import default_tiles, mgpu_matmul  # it imports this module
+        return mgpu_matmul(rows, w, out_dtype=out_dtype, **default_tiles(rows.shape[0], n)).reshape(*x.shape[:-1], n)
     cfg = default_matmul_config(rows.shape[0], x.shape[-1], n)
     block_n = block_n or cfg["block_n"]
     if block_n < MIN_BLOCK or n % block_n:

@@ -45,6 +45,18 @@ _PRODUCER_REGS = 40
 _EPILOGUE = 64  # an output store's rows and columns: two such slots per warpgroup beside the ring
 _RING_BYTES = 192 * 1024  # the ring's share of ~227 KiB of shared memory a CTA, beside the output's 32 KiB
 GROUP_M = 8
+# CTAs one wave holds: Hopper's 132 SMs (H100 SXM, H200), one CTA each (a CTA takes most of an SM's shared memory).
+_WAVE = 132
+
+
+def default_tiles(m: int, n: int) -> dict:
+    """A CTA's tiles for `m` rows against N = `n` columns: 128 x 128 CTAs (two 64 x 128 tiles, one above the other),
+    unless CTAs of 64 rows x 128 columns (two 64 x 64 tiles side by side) still fit one wave: a decode batch against a
+    narrow weight, where 128-row CTAs leave SMs idle (the 8B's w_down at 256 rows: 67.1 us against 83.1, its wo 23.6
+    against 29.6; runs/h200_invariant_price/hopper_matmul/). They change the speed, not the bits."""
+    if -(-m // 64) * (n // 128) <= _WAVE:
+        return dict(tile_m=64, tile_n=64, split_rows=False)
+    return dict(tile_m=64, tile_n=128, split_rows=True)
 
 
 def _swizzled(elems_per_row: int):
@@ -53,17 +65,23 @@ def _swizzled(elems_per_row: int):
 
 
 def _kernel(x_gmem, w_gmem, o_gmem, o_smem, *, tile_m: int, tile_n: int, split_rows: bool, steps: int,
-            m_tiles: int, n_tiles: int, interpret: bool):
+            m_tiles: int, n_tiles: int, cluster: str | None, interpret: bool):
     k = x_gmem.shape[1]
     tiles_per_chunk = chunk_len_for(k) // BLOCK_K
-    # Grouped order: GROUP_M row tiles across every column tile, then the next group.
+    # Grouped order over the clusters' tiles (a cluster of two CTAs covers two row tiles, or two column tiles, of
+    # the output): GROUP_M row tiles across every column tile, then the next group.
+    m_mult, n_mult = (2, 1) if cluster == "m" else (1, 2) if cluster == "n" else (1, 1)
+    cluster_m_tiles, cluster_n_tiles = m_tiles // m_mult, n_tiles // n_mult
     tile = lax.axis_index("tile")
-    group = tile // (GROUP_M * n_tiles)
+    group = tile // (GROUP_M * cluster_n_tiles)
     first_m = group * GROUP_M
-    group_rows = jnp.minimum(m_tiles - first_m, GROUP_M)
-    in_group = tile % (GROUP_M * n_tiles)
+    group_rows = jnp.minimum(cluster_m_tiles - first_m, GROUP_M)
+    in_group = tile % (GROUP_M * cluster_n_tiles)
     m_idx = first_m + in_group % group_rows
     n_idx = in_group // group_rows
+    if cluster is not None:
+        cta = lax.axis_index("cluster")
+        m_idx, n_idx = m_idx * m_mult + cta * (m_mult - 1), n_idx * n_mult + cta * (n_mult - 1)
     cta_m, cta_n = (_COMPUTE_WGS * tile_m, tile_n) if split_rows else (tile_m, _COMPUTE_WGS * tile_n)
     cta_rows, cta_cols = pl.ds(m_idx * cta_m, cta_m), pl.ds(n_idx * cta_n, cta_n)
     wg = lax.axis_index("wg")
@@ -107,8 +125,11 @@ def _kernel(x_gmem, w_gmem, o_gmem, o_smem, *, tile_m: int, tile_n: int, split_r
         step,
         grid=(k // BLOCK_K,),
         memory_registers=_PRODUCER_REGS,
-        in_specs=[plgpu.BlockSpec((cta_m, BLOCK_K), lambda t: (0, t), transforms=_swizzled(BLOCK_K)),
-                  plgpu.BlockSpec((BLOCK_K, cta_n), lambda t: (t, 0), transforms=_swizzled(BLOCK_K))],
+        # A cluster's two CTAs share one operand's tiles: TMA multicasts them to both.
+        in_specs=[plgpu.BlockSpec((cta_m, BLOCK_K), lambda t: (0, t), transforms=_swizzled(BLOCK_K),
+                                  collective_axes=("cluster",) if cluster == "n" else ()),
+                  plgpu.BlockSpec((BLOCK_K, cta_n), lambda t: (t, 0), transforms=_swizzled(BLOCK_K),
+                                  collective_axes=("cluster",) if cluster == "m" else ())],
         wg_axis="wg",
         num_compute_wgs=_COMPUTE_WGS,
         max_concurrent_steps=steps,
@@ -117,24 +138,28 @@ def _kernel(x_gmem, w_gmem, o_gmem, o_smem, *, tile_m: int, tile_n: int, split_r
     pipeline(x_gmem.at[cta_rows, :], w_gmem.at[:, cta_cols])
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "tile_m", "tile_n", "split_rows", "steps", "interpret"))
-def _mgpu_matmul(x, w, *, out_dtype, tile_m, tile_n, split_rows, steps, interpret):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "tile_m", "tile_n", "split_rows", "steps", "cluster",
+                                             "interpret"))
+def _mgpu_matmul(x, w, *, out_dtype, tile_m, tile_n, split_rows, steps, cluster, interpret):
     m, k = x.shape
     n = w.shape[1]
     cta_m, cta_n = (_COMPUTE_WGS * tile_m, tile_n) if split_rows else (tile_m, _COMPUTE_WGS * tile_n)
-    m_pad = -(-m // cta_m) * cta_m
+    rows_per_cluster = cta_m * (2 if cluster == "m" else 1)
+    m_pad = -(-m // rows_per_cluster) * rows_per_cluster
     if m_pad != m:  # rows do not mix: zero rows change no other row's bits
         x = jnp.pad(x, ((0, m_pad - m), (0, 0)))
     m_tiles, n_tiles = m_pad // cta_m, n // cta_n
     kernel = functools.partial(_kernel, tile_m=tile_m, tile_n=tile_n, split_rows=split_rows, steps=steps,
-                               m_tiles=m_tiles, n_tiles=n_tiles, interpret=interpret)
+                               m_tiles=m_tiles, n_tiles=n_tiles, cluster=cluster, interpret=interpret)
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
         scratch_types=(plgpu.SMEM((_COMPUTE_WGS, 2, _EPILOGUE, _EPILOGUE), out_dtype,
                                   transforms=_swizzled(128 // jnp.dtype(out_dtype).itemsize)),),
-        grid=(m_tiles * n_tiles,),
+        grid=(m_tiles * n_tiles // (1 if cluster is None else 2),),
         grid_names=("tile",),
+        cluster=() if cluster is None else (2,),
+        cluster_names=() if cluster is None else ("cluster",),
         num_threads=_COMPUTE_WGS + 1,
         thread_name="wg",
         interpret=mosaic_interpret_params() if interpret else None,
@@ -144,7 +169,8 @@ def _mgpu_matmul(x, w, *, out_dtype, tile_m, tile_n, split_rows, steps, interpre
 
 
 def mgpu_matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, tile_m: int = 64, tile_n: int = 128,
-                split_rows: bool = True, steps: int | None = None, interpret: bool = False) -> jax.Array:
+                split_rows: bool = True, steps: int | None = None, cluster: str | None = None,
+                interpret: bool = False) -> jax.Array:
     """x [M, K] @ w [K, N] -> [M, N] in `out_dtype` (default x's), the bits of `matmul.matmul(x, w)`.
 
     Args:
@@ -153,7 +179,9 @@ def mgpu_matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, tile_m: int = 64,
         128 or 256); split_rows: the two tiles one above the other (a CTA of 2 * tile_m rows and tile_n columns),
         else side by side; steps: shared-memory ring slots (each a CTA's rows x 64 of x and 64 x its columns of w),
         by default 6 where they fit beside the output's slots, else 4 (6 ran 5% faster at 256 rows on an H200, the
-        same at 8,192). They change the speed, not the bits.
+        same at 8,192); cluster: "m" runs CTAs in pairs over two row tiles, each weight tile loaded once for both
+        (multicast), "n" pairs over two column tiles sharing x's tiles, None single CTAs. They change the speed, not
+        the bits.
       interpret: run Mosaic GPU's CPU interpreter instead (tests only; small shapes).
     """
     if plgpu is None:
@@ -164,13 +192,16 @@ def mgpu_matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, tile_m: int = 64,
         raise ValueError(f"x has dtype {x.dtype} and w {w.dtype}; allowed: one dtype, bfloat16 or float16")
     if tile_m not in (64, 128) or tile_n not in (64, 128, 256):
         raise ValueError(f"tile_m={tile_m}, tile_n={tile_n}; allowed: tile_m 64 or 128, tile_n 64, 128 or 256")
+    if cluster not in (None, "m", "n"):
+        raise ValueError(f"cluster={cluster!r}; allowed: None, 'm' or 'n'")
     k, n = w.shape
     cta_n = tile_n if split_rows else _COMPUTE_WGS * tile_n
-    if k % BLOCK_K or n % cta_n:
-        raise ValueError(f"w has shape {w.shape}; allowed: K a multiple of {BLOCK_K}, N of {cta_n}")
+    cols = cta_n * (2 if cluster == "n" else 1)
+    if k % BLOCK_K or n % cols:
+        raise ValueError(f"w has shape {w.shape}; allowed: K a multiple of {BLOCK_K}, N of {cols}")
     if steps is None:
         cta_m = tile_m if not split_rows else _COMPUTE_WGS * tile_m
         slot_bytes = (cta_m + cta_n) * BLOCK_K * x.dtype.itemsize
         steps = 6 if 6 * slot_bytes <= _RING_BYTES else 4
     return _mgpu_matmul(x, w, out_dtype=jnp.dtype(out_dtype or x.dtype), tile_m=tile_m, tile_n=tile_n,
-                        split_rows=split_rows, steps=steps, interpret=interpret)
+                        split_rows=split_rows, steps=steps, cluster=cluster, interpret=interpret)

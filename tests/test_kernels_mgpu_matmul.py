@@ -49,7 +49,9 @@ def test_lowers_for_cuda():
     this CPU-only machine (the lowering and layout inference the GPU build runs; the interpreter skips them)."""
     for m, k, n, tiles in [(8192, 14336, 4096, dict(tile_m=64, tile_n=128, split_rows=True)),
                            (256, 4096, 28672, dict(tile_m=128, tile_n=64, split_rows=False, steps=6)),
-                           (100, 4096, 6144, dict(tile_m=64, tile_n=128, split_rows=False))]:
+                           (100, 4096, 6144, dict(tile_m=64, tile_n=128, split_rows=False)),
+                           (256, 14336, 4096, dict(tile_m=64, tile_n=64, split_rows=False)),
+                           (8192, 14336, 4096, dict(tile_m=64, tile_n=128, split_rows=True, cluster="m"))]:
         x, w = jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
         try:
             jax.jit(lambda x, w, tiles=tiles: mgpu_matmul(x, w, **tiles)).trace(x, w).lower(
@@ -69,24 +71,27 @@ def test_gives_the_bits_of_the_triton_form_on_hopper(monkeypatch):
             x, w = _inputs(seed + m, m, k, n)
             ref = matmul(x, w)
             for tiles in [dict(tile_m=64, tile_n=128, split_rows=True), dict(tile_m=128, tile_n=64, split_rows=False),
-                          dict(tile_m=64, tile_n=128, split_rows=False)]:
+                          dict(tile_m=64, tile_n=128, split_rows=False), dict(tile_m=64, tile_n=64, split_rows=False),
+                          dict(tile_m=64, tile_n=128, split_rows=True, cluster="m"),
+                          dict(tile_m=128, tile_n=64, split_rows=False, cluster="n")]:
                 got = mgpu_matmul(x, w, **tiles)
                 assert _same_bits(got, ref), f"seed {seed + m}: M={m} K={k} N={n} {tiles} differ from the Triton form"
 
 
 def test_matmul_routes_to_the_warpgroup_form_on_hopper(monkeypatch):
     """On Hopper `matmul.matmul` takes the warpgroup form at prefill sizes and for decode batches of 64+ rows against
-    wide weights or 256+ against deep ones, untransposed, bf16, with no launch parameter given; the Triton form
-    otherwise, and always with JAX_OFFLOAD_HOPPER_MATMUL=0. The device check and both kernels are stubbed
-    (recorders)."""
+    wide weights, 128+ against large ones or 256+ against deep ones, untransposed, bf16, with no launch parameter
+    given, in CTAs of 64 rows where they fit one wave; the Triton form otherwise, and always with
+    JAX_OFFLOAD_HOPPER_MATMUL=0. The device check and both kernels are stubbed (recorders)."""
     mm = sys.modules["pallas_kernels.matmul"]  # the package's `matmul` is the function
     mgm = sys.modules["pallas_kernels.mgpu_matmul"]
 
-    calls = []
+    calls, tiles = [], []
 
     def recorder(name):
         def run(x, w, transpose_w=False, **kw):
             calls.append(name)
+            tiles.append({key: kw[key] for key in ("tile_m", "tile_n", "split_rows") if key in kw})
             return jnp.zeros((x.shape[0], w.shape[0] if transpose_w else w.shape[1]), x.dtype)
         return run
 
@@ -109,6 +114,15 @@ def test_matmul_routes_to_the_warpgroup_form_on_hopper(monkeypatch):
     assert route(256, 512) == "triton"
     assert route(256, 512, k=4096) == "wgmma"
     assert route(128, 512, k=4096) == "triton"
+    assert route(128, 6144, k=4096) == "wgmma"  # k * n >= 24 Mi from 128 rows
+    assert route(128, 4096, k=4096) == "triton"
+    # Narrow weights at decode sizes take CTAs of 64 rows while they fit one wave of 132; 128-row CTAs otherwise.
+    tiles.clear()
+    route(256, 4096, k=14336)
+    route(256, 6144, k=4096)
+    route(8192, 4096, k=14336)
+    assert tiles == [dict(tile_m=64, tile_n=64, split_rows=False), dict(tile_m=64, tile_n=128, split_rows=True),
+                     dict(tile_m=64, tile_n=128, split_rows=True)], tiles
     assert route(600, 512, transpose_w=True) == "triton"
     assert route(600, 512, block_n=128) == "triton"
     assert route(600, 512, dtype=jnp.float32) == "triton"

@@ -41,10 +41,18 @@ M, N = hopper.MatmulDimension.M, hopper.MatmulDimension.N
 CONFIGS = {  # JAX's kernel: (tile_m, tile_n, steps, wg_dimension, grid_minor_dim, grid_tile_width)
     "jax_t128x128_wgN_s4": (128, 128, 4, N, N, 8),
 }
-OURS = {  # mgpu_matmul: (tile_m, tile_n of each consumer warpgroup, split_rows, ring slots); 128 x 128 needs 256
-    # registers a thread for its two float32 tiles
-    "wg_rows_64x128_s4": (64, 128, True, 4), "wg_rows_64x128_s6": (64, 128, True, 6),
-    "wg_cols_128x64_s4": (128, 64, False, 4), "wg_cols_128x128_s4": (128, 128, False, 4)}
+OURS = {  # mgpu_matmul: (tile_m, tile_n of each consumer warpgroup, split_rows, ring slots, cluster); 128 x 128
+    # needs 256 registers a thread for its two float32 tiles; cluster "m"/"n": CTA pairs sharing w's / x's tiles
+    "wg_rows_64x128_s6": (64, 128, True, 6, None), "wg_rows_64x128_s6_cm": (64, 128, True, 6, "m"),
+    "wg_rows_64x128_s6_cn": (64, 128, True, 6, "n"), "wg_rows_64x128_s4_cm": (64, 128, True, 4, "m"),
+    "wg_cols_128x64_s6_cm": (128, 64, False, 6, "m"), "wg_cols_128x64_s6_cn": (128, 64, False, 6, "n"),
+    "wg_rows_64x64_s6": (64, 64, True, 6, None), "wg_cols_64x64_s6": (64, 64, False, 6, None)}
+if os.environ.get("OURS"):
+    OURS = {k: v for k, v in OURS.items() if k in os.environ["OURS"].split(",")}
+if os.environ.get("SHAPES"):
+    SHAPES = {k: v for k, v in SHAPES.items() if k in os.environ["SHAPES"].split(",")}
+if os.environ.get("NO_JAX_KERNEL"):
+    CONFIGS = {}
 
 
 def hopper_fn(name: str):
@@ -82,7 +90,7 @@ def attempt(fn):
 result = {"meta": run_metadata(), "configs": {k: [str(v) for v in c] for k, c in CONFIGS.items()}, "bits": {},
           "ms": {}}
 key = jax.random.PRNGKey(0)
-for m in (64, 256, 8192):  # bits at one chunk of K
+for m in (64, 256, 8192) if CONFIGS else ():  # bits at one chunk of K
     x = jax.random.normal(jax.random.fold_in(key, m), (m, 1536), jnp.bfloat16)
     w = (jax.random.normal(key, (1536, 1024), jnp.float32) * 0.02).astype(jnp.bfloat16)
     ours = jax.jit(matmul)(x, w)
@@ -104,8 +112,9 @@ for sname, (k, n) in SHAPES.items():
         times = {"cublas": per_matmul_ms(program(jnp.dot), x, ws),
                  "triton_default": per_matmul_ms(program(matmul), x, ws)}
         ref = jax.jit(matmul)(x, ws[0])
-        for name, (tm, tn, split_rows, steps) in OURS.items():
-            fn = functools.partial(mgpu_matmul, tile_m=tm, tile_n=tn, split_rows=split_rows, steps=steps)
+        for name, (tm, tn, split_rows, steps, cluster) in OURS.items():
+            fn = functools.partial(mgpu_matmul, tile_m=tm, tile_n=tn, split_rows=split_rows, steps=steps,
+                                   cluster=cluster)
             times[name] = attempt(lambda fn=fn: per_matmul_ms(program(fn), x, ws))
             result["bits"][f"{sname}.{m}.{name}"] = attempt(
                 lambda fn=fn: {"bits_equal": bits_equal(jax.jit(fn)(x, ws[0]), ref)})

@@ -1,7 +1,8 @@
 """Probe: does a request's bfloat16 output depend on how the engine ran it? Greedy 64 tokens for 16 prompts of
 mixed lengths: each alone (in GPU memory, the batch engine with one request), all together (continuous batching,
 prompts past max_num_batched_tokens in chunk steps shared with the others' decodes), and offloaded one at a time
-(a block size that is a multiple of the 256-key decode split), with the engine's batch-invariant mode and,
+(a block size that is a multiple of the decode split), and all together again after their first halves were cached
+by earlier requests (prefix caching), with the engine's batch-invariant mode and,
 with `--modes invariant,default`, without it.
 
 Model: the Llama-3.1-8B shape with random bf16 weights (prompts of 100..20K random tokens, block 4096), or with
@@ -97,6 +98,15 @@ def main() -> None:
             offloaded = [list(off.generate([q], sp)[0].token_ids) for q in prompts]
             del off
             result["offloaded_vs_alone"] = compare(offloaded, alone)
+            # The first halves sent first (one token each, together), so that the prompts' full blocks up to their
+            # middles are cached; then the prompts together, their first halves read from the prefix cache.
+            cached = make(gpu_memory_utilization=0.5, batch_invariant=invariant, enable_prefix_caching=True)
+            cached.generate([q[: len(q) // 2] for q in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+            outs = cached.generate(prompts, sp)
+            result["cached_halves_together_vs_alone"] = compare([list(o.token_ids) for o in outs], alone)
+            result["cached_prompt_tokens"] = [o.num_cached_tokens for o in outs]
+            del cached
         out["batch_invariant" if invariant else "not_invariant"] = result
         print(mode, json.dumps(result), flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
