@@ -43,7 +43,7 @@ except ImportError:  # pragma: no cover
 _COMPUTE_WGS = 2
 _PRODUCER_REGS = 40
 _EPILOGUE = 64  # an output store's rows and columns: two such slots per warpgroup beside the ring
-_RING_BYTES = 192 * 1024  # the ring's share of ~227 KiB of shared memory a CTA, beside the output's 32 KiB
+_SMEM_BYTES = 227 * 1024 - 1024  # a CTA's shared memory on Hopper, less room for the pipeline's barriers
 GROUP_M = 8
 # CTAs one wave holds: Hopper's 132 SMs (H100 SXM, H200), one CTA each (a CTA takes most of an SM's shared memory).
 _WAVE = 132
@@ -202,6 +202,9 @@ def mgpu_matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, tile_m: int = 64,
     if steps is None:
         cta_m = tile_m if not split_rows else _COMPUTE_WGS * tile_m
         slot_bytes = (cta_m + cta_n) * BLOCK_K * x.dtype.itemsize
-        steps = 6 if 6 * slot_bytes <= _RING_BYTES else 4
+        # The ring shares the CTA's shared memory with the output's slots: 32 KiB in bf16, 64 KiB in float32 (the
+        # products tensor parallelism adds across devices), where 6 slots did not fit (262,240 bytes on an H200).
+        out_bytes = _COMPUTE_WGS * 2 * _EPILOGUE * _EPILOGUE * jnp.dtype(out_dtype or x.dtype).itemsize
+        steps = 6 if 6 * slot_bytes + out_bytes <= _SMEM_BYTES else 4
     return _mgpu_matmul(x, w, out_dtype=jnp.dtype(out_dtype or x.dtype), tile_m=tile_m, tile_n=tile_n,
                         split_rows=split_rows, steps=steps, cluster=cluster, interpret=interpret)

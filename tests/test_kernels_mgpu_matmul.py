@@ -45,9 +45,11 @@ def test_interpreted_gives_the_bits_of_the_triton_form():
 
 def test_lowers_for_cuda():
     """The 8B shapes it serves (a 14,336-deep w_down at prefill size, the wide w_gate_up at 256 rows, a padded
-    row count) at both arrangements of a CTA's two tiles lower to Mosaic GPU kernels that fit shared memory, on
+    row count, a float32 product as tensor parallelism's w_down shard makes) at both arrangements of a CTA's two
+    tiles, and in cluster pairs, lower to Mosaic GPU kernels that fit shared memory, on
     this CPU-only machine (the lowering and layout inference the GPU build runs; the interpreter skips them)."""
     for m, k, n, tiles in [(8192, 14336, 4096, dict(tile_m=64, tile_n=128, split_rows=True)),
+                           (8192, 7168, 4096, dict(tile_m=64, tile_n=128, split_rows=True, out_dtype=jnp.float32)),
                            (256, 4096, 28672, dict(tile_m=128, tile_n=64, split_rows=False, steps=6)),
                            (100, 4096, 6144, dict(tile_m=64, tile_n=128, split_rows=False)),
                            (256, 14336, 4096, dict(tile_m=64, tile_n=64, split_rows=False)),
