@@ -2,14 +2,15 @@
 
 Kernels (Pallas interpret mode): the batch-invariant matmul gives each row the same bits for every row count and
 launch config; decode attention over a paged pool, folded in fixed splits, gives each sequence the bits it gets
-alone and the bits of the offloaded decode's contiguous pieces. Engine (CPU, XLA's kernels, tiny Qwen3 in
-bfloat16): 6 prompts of 5..700 tokens alone, together, and offloaded give the same greedy and seeded tokens
-(chunked offloaded prefill equals in-GPU in tests/test_offload_bf16.py; tiny Llama and Qwen2, every max_num_seqs
-1..10, 60 tokens, block 256 and 512: bench/probes/probe_cpu_bf16_identity.py). On the CPU one prompt runs the
-one-request path and several the batch engine; their decode attention agrees because the paged twin attends one
-sequence at a time with the contiguous twin's arithmetic (batched, a sequence's bits changed with the batch
-size: this test's first prompt at its 21st token).
-The engine test passes `batch_invariant=True`, which changes nothing on the CPU and is what makes it hold on a GPU
+alone and the bits of the offloaded decode's contiguous pieces. Engine (CPU, XLA's kernels, tiny Llama, Qwen2 and
+Qwen3 in bfloat16): prompts of 5..700 tokens alone, together, offloaded (alone and together) and after their first
+halves were cached give the same greedy tokens, and six Qwen3 prompts the same seeded tokens alone and together
+(chunked offloaded prefill equals in-GPU in tests/test_offload_bf16.py; every max_num_seqs 1..10, 60 tokens, block
+256 and 512: bench/probes/probe_cpu_bf16_identity.py). On the CPU one prompt runs the one-request path and several
+the batch engine; their decode attention agrees because the paged twin attends one sequence at a time with the
+contiguous twin's arithmetic (batched, a sequence's bits changed with the batch size: a 700-token prompt's at its
+21st token).
+The engine tests pass `batch_invariant=True`, which changes nothing on the CPU and is what makes it hold on a GPU
 (without it, on an H100, the first prompt's greedy tokens alone and together part at the 11th token:
 bench/results/runs/h100_gpu_tests/README.md; the Llama-3.1-8B shape: bench/results/runs/h200_batch_invariance/).
 """
@@ -272,19 +273,38 @@ def tiny_qwen3(tmp_path_factory):
     return path, [rng.integers(3, tiny_models.VOCAB, size=n).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
-                                      SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, ignore_eos=True,
-                                                     seed=7)], ids=["greedy", "seeded"])
-def test_alone_together_offloaded_give_the_same_tokens(tiny_qwen3, sampling):
+def test_seeded_alone_and_together_give_the_same_tokens(tiny_qwen3):
+    """Six prompts of 5..700 tokens, seeded sampling (the greedy paths, offloaded and cached included, are
+    `test_each_architecture_alone_together_offloaded_cached`'s): each alone == all together."""
     path, prompts = tiny_qwen3
-    where = f"model seed {MODEL_SEED}, prompt seed {PROMPT_SEED}"
+    sampling = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, ignore_eos=True, seed=7)
     # batch_invariant: what makes this hold on a GPU (Pallas kernels); the CPU's XLA twins run as without it.
     gpu = LLM(path, dtype="bfloat16", max_model_len=1024, max_num_seqs=len(prompts), batch_invariant=True)
     alone = [gpu.generate([p], sampling)[0].token_ids for p in prompts]
-    assert [o.token_ids for o in gpu.generate(prompts, sampling)] == alone, where
-    if sampling.temperature > 0:  # the seeded draw adds the sampler; the paths below it are the greedy case's
-        return
-    off = LLM(path, dtype="bfloat16", max_model_len=1024, offload=True, block_size=256, prefill="layerwise",
-              batch_invariant=True)
-    assert [off.generate([p], sampling)[0].token_ids for p in prompts] == alone, f"{where}, offloaded"
-    # Offloaded together: bit for bit each alone, tokens and log-probabilities, in tests/test_offload_bf16.py.
+    assert [o.token_ids for o in gpu.generate(prompts, sampling)] == alone, \
+        f"model seed {MODEL_SEED}, prompt seed {PROMPT_SEED}"
+
+
+@pytest.mark.parametrize("variant", ["llama3", "qwen2", "qwen3"])
+def test_each_architecture_alone_together_offloaded_cached(tmp_path_factory, variant):
+    """Tiny Llama, Qwen2 and Qwen3 in bfloat16, three prompts of 5..700 tokens, 12 greedy tokens: alone == together
+    == offloaded (one at a time and together) == together after their first halves were sent first (prefix
+    caching: each prompt past one block reads its first 256 keys from the cache)."""
+    seed = MODEL_SEED + len(variant)
+    path = tiny_models.build_in(tmp_path_factory, variant, seed)
+    rng = np.random.default_rng(PROMPT_SEED)
+    prompts = [rng.integers(3, tiny_models.VOCAB, size=n).tolist() for n in (5, 530, 700)]
+    where = f"{variant}, model seed {seed}, prompt seed {PROMPT_SEED}"
+    sampling = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    kw = dict(dtype="bfloat16", max_model_len=1024, batch_invariant=True)
+    gpu = LLM(path, max_num_seqs=len(prompts), **kw)
+    alone = [gpu.generate([p], sampling)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in gpu.generate(prompts, sampling)] == alone, f"{where}: together"
+    off = LLM(path, offload=True, block_size=256, prefill="layerwise", **kw)
+    assert [off.generate([p], sampling)[0].token_ids for p in prompts] == alone, f"{where}: offloaded"
+    assert [o.token_ids for o in off.generate(prompts, sampling)] == alone, f"{where}: offloaded together"
+    cached = LLM(path, max_num_seqs=len(prompts), enable_prefix_caching=True, **kw)
+    cached.generate([p[: len(p) // 2] for p in prompts], SamplingParams(temperature=0.0, max_tokens=1))
+    outs = cached.generate(prompts, sampling)
+    assert [o.num_cached_tokens for o in outs] == [0, 256, 256], where
+    assert [o.token_ids for o in outs] == alone, f"{where}: after cached halves"
