@@ -53,7 +53,7 @@ def default_tiles(m: int, n: int) -> dict:
     """A CTA's tiles for `m` rows against N = `n` columns: 128 x 128 CTAs (two 64 x 128 tiles, one above the other),
     unless CTAs of 64 rows x 128 columns (two 64 x 64 tiles side by side) still fit one wave: a decode batch against a
     narrow weight, where 128-row CTAs leave SMs idle (the 8B's w_down at 256 rows: 67.1 us against 83.1, its wo 23.6
-    against 29.6; runs/h200_invariant_price/hopper_matmul/). They change the speed, not the bits."""
+    against 29.6; runs/h200_invariant_price/price_2026_11_30/matmul/). They change the speed, not the bits."""
     if -(-m // 64) * (n // 128) <= _WAVE:
         return dict(tile_m=64, tile_n=64, split_rows=False)
     return dict(tile_m=64, tile_n=128, split_rows=True)
