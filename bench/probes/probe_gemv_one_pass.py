@@ -14,7 +14,10 @@ For each Llama-3.1-8B projection at ROWS (default 1, 4), us a matmul (16 weights
 back, median of 7 loops with min-max): cuBLAS, the engine's chunked Triton form (today's bits), the Triton form in one
 pass (K_CHUNK past K: the one-pass order's bits), and `gemv_t` at each (columns, slots); and whether `gemv_t`'s bits
 equal the one-pass Triton form's (the wgmma's sums taken with w as the left operand must match the dot's with x as
-the left one for the order to hold across forms).
+the left one for the order to hold across forms). Then at BATCH_ROWS (default 128, 256, 8192; 4 weights a program
+past 512 rows) what one pass would give decode batches and prefill: cuBLAS, the engine's chunked form (the warpgroup
+form where `wgmma_suits` sends it), and JAX's one-pass Hopper matmul (one float32 accumulator a warpgroup) at a few
+tile shapes, its bits checked against the one-pass Triton form's.
 
     python bench/probes/probe_gemv_one_pass.py          # writes probe_gemv_one_pass.json under $OUT
 """
@@ -40,7 +43,9 @@ from common import probe_output, run_metadata, stats  # noqa: E402
 triton_matmul = importlib.import_module("pallas_kernels.matmul")  # the package's `matmul` attribute is the function
 
 SHAPES = {"wqkv": (4096, 6144), "wo": (4096, 4096), "w_gate_up": (4096, 28672), "w_down": (14336, 4096)}
-ROWS = [int(m) for m in os.environ.get("ROWS", "1,4").split(",")]
+ROWS = [int(m) for m in os.environ.get("ROWS", "1,4").split(",") if m]
+BATCH_ROWS = [int(m) for m in os.environ.get("BATCH_ROWS", "128,256,8192").split(",") if m]
+BATCH_TILES = [(64, 64), (64, 128), (128, 128)]  # JAX's kernel: a warpgroup's tile, two side by side a CTA
 CONFIGS = [(64, 6), (64, 8), (64, 12), (128, 6), (128, 8)]  # (columns a CTA, ring slots)
 LAYERS, CALLS, LOOPS = 16, 10, 7
 BLOCK_K, PADDED_ROWS = 64, 8
@@ -160,4 +165,35 @@ if __name__ == "__main__":
                   flush=True)
             probe_output("probe_gemv_one_pass.json").write_text(json.dumps(result, indent=1))
         del ws
+    print("bits equal to the one-pass Triton form:", result["bits_equal_one_pass"], flush=True)
+
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hopper
+    for name, (k, n) in SHAPES.items():
+        all_ws = [(jax.random.normal(jax.random.fold_in(key, i), (k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)
+                  for i in range(LAYERS)]
+        for m in BATCH_ROWS:
+            ws = all_ws[:4] if m > 512 else all_ws
+            x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.bfloat16)
+            jax.clear_caches()
+            ref = jax.block_until_ready(program(one_pass_triton)(x, ws[:1])[0])
+            jax.clear_caches()
+            os.environ["JAX_OFFLOAD_HOPPER_MATMUL"] = "1"  # the engine's route at these sizes
+            times = {"cublas": per_matmul_us(program(jnp.dot), x, ws),
+                     "chunked_engine": per_matmul_us(program(triton_matmul.matmul), x, ws)}
+            os.environ["JAX_OFFLOAD_HOPPER_MATMUL"] = "0"
+            for tile_m, tile_n in BATCH_TILES:
+                label = f"jax_one_pass_{tile_m}x{tile_n}"
+                cfg = hopper.TuningConfig(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=4,
+                                          epi_tile_n=64, epi_tile_m=64, grid_minor_dim=hopper.MatmulDimension.N,
+                                          grid_tile_width=8, wg_dimension=hopper.MatmulDimension.N)
+                fn = functools.partial(lambda x, w, cfg: hopper.matmul(x, w, None, cfg), cfg=cfg)
+                times[label] = attempt(lambda fn=fn: per_matmul_us(program(fn), x, ws))
+                got = attempt(lambda fn=fn: jax.jit(fn)(x, ws[0]))
+                if not isinstance(got, dict):
+                    result["bits_equal_one_pass"][f"{name}.{m}.{label}"] = bool(same(got, ref))
+            result["us"][f"{name}.{m}"] = times
+            print(name, m, {lbl: round(t["median"], 1) if "median" in t else t["error"][:60] for lbl, t in times.items()},
+                  flush=True)
+            probe_output("probe_gemv_one_pass.json").write_text(json.dumps(result, indent=1))
+        del all_ws
     print("bits equal to the one-pass Triton form:", result["bits_equal_one_pass"], flush=True)
