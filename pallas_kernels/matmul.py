@@ -86,7 +86,7 @@ def default_matmul_config(m: int, k: int, n: int) -> dict[str, int]:
 def wgmma_suits(m: int, n: int, k: int) -> bool:
     """Whether `m` rows against a [k, n] weight take the warpgroup-MMA form on Hopper: prefill sizes, decode batches of
     64 rows or more against wide weights, of 128 or more against large ones (k * n >= 24 Mi: the 8B's wqkv and w_down,
-    23.4 and 63.2 us at 128 rows against the Triton form's 31.6 and 65.2) and of 256 or more against deep ones (the
+    23.6 and 63.2 us at 128 rows against the Triton form's 31.6 and 65.2) and of 256 or more against deep ones (the
     8B's four projections at 256 rows). The Triton form keeps small weights at decode sizes, where it is the faster
     (Qwen3-0.6B's at 256 rows, the 8B's wo at 128: runs/h200_invariant_price/price_2026_11_30/matmul/)."""
     return m > 512 or (m >= 64 and n >= 16384) or (m >= 128 and k * n >= 24 * 2**20) or (m >= 256 and k >= 4096)
