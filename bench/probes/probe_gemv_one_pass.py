@@ -138,59 +138,43 @@ if __name__ == "__main__":
     os.environ["JAX_OFFLOAD_HOPPER_MATMUL"] = "0"  # the chunked default: the engine's decode-size Triton form
     result = {"meta": run_metadata(), "configs": CONFIGS, "us": {}, "bits_equal_one_pass": {},
               "max_abs_diff_one_pass": {}}
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hopper
+
+    def jax_one_pass(tile_m: int, tile_n: int):
+        cfg = hopper.TuningConfig(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=4, epi_tile_n=64,
+                                  epi_tile_m=64, grid_minor_dim=hopper.MatmulDimension.N, grid_tile_width=8,
+                                  wg_dimension=hopper.MatmulDimension.N)
+        return lambda x, w: hopper.matmul(x, w, None, cfg)
+
     key = jax.random.PRNGKey(0)
     for name, (k, n) in SHAPES.items():
-        ws = [(jax.random.normal(jax.random.fold_in(key, i), (k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)
-              for i in range(LAYERS)]
-        for m in ROWS:
+        all_ws = [(jax.random.normal(jax.random.fold_in(key, i), (k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)
+                  for i in range(LAYERS)]
+        for m in ROWS + BATCH_ROWS:
+            ws = all_ws[:4] if m > 512 else all_ws
             x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.bfloat16)
             jax.clear_caches()  # the one-pass form traces with K_CHUNK raised: no trace of the chunked one reused
             one_pass = program(one_pass_triton)
             ref = jax.block_until_ready(one_pass(x, ws[:1])[0])
-            times = {"cublas": per_matmul_us(program(jnp.dot), x, ws),
-                     "triton_one_pass": per_matmul_us(one_pass, x, ws)}
+            times = {"cublas": per_matmul_us(program(jnp.dot), x, ws)}
+            if m in ROWS:
+                times["triton_one_pass"] = per_matmul_us(one_pass, x, ws)
+                candidates = {f"gemv_t_n{tile_n}_s{steps}": functools.partial(gemv_t, tile_n=tile_n, steps=steps)
+                              for tile_n, steps in CONFIGS}
+            else:
+                candidates = {f"jax_one_pass_{tm}x{tn}": jax_one_pass(tm, tn) for tm, tn in BATCH_TILES}
             jax.clear_caches()
-            times["triton_chunked"] = per_matmul_us(program(triton_matmul.matmul), x, ws)
-            for tile_n, steps in CONFIGS:
-                label = f"gemv_t_n{tile_n}_s{steps}"
-                fn = functools.partial(gemv_t, tile_n=tile_n, steps=steps)
+            # The engine's chunked form: the Triton form at decode rows, the warpgroup form where `wgmma_suits` says.
+            os.environ["JAX_OFFLOAD_HOPPER_MATMUL"] = "0" if m in ROWS else "1"
+            times["chunked_engine"] = per_matmul_us(program(triton_matmul.matmul), x, ws)
+            os.environ["JAX_OFFLOAD_HOPPER_MATMUL"] = "0"
+            for label, fn in candidates.items():
                 times[label] = attempt(lambda fn=fn: per_matmul_us(program(fn), x, ws))
                 got = attempt(lambda fn=fn: jax.jit(fn)(x, ws[0]))
                 if not isinstance(got, dict):
                     result["bits_equal_one_pass"][f"{name}.{m}.{label}"] = bool(same(got, ref))
                     result["max_abs_diff_one_pass"][f"{name}.{m}.{label}"] = float(
                         jnp.max(jnp.abs(got.astype(jnp.float32) - ref.astype(jnp.float32))))
-            result["us"][f"{name}.{m}"] = times
-            print(name, m, {lbl: round(t["median"], 1) if "median" in t else t["error"][:60] for lbl, t in times.items()},
-                  flush=True)
-            probe_output("probe_gemv_one_pass.json").write_text(json.dumps(result, indent=1))
-        del ws
-    print("bits equal to the one-pass Triton form:", result["bits_equal_one_pass"], flush=True)
-
-    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hopper
-    for name, (k, n) in SHAPES.items():
-        all_ws = [(jax.random.normal(jax.random.fold_in(key, i), (k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)
-                  for i in range(LAYERS)]
-        for m in BATCH_ROWS:
-            ws = all_ws[:4] if m > 512 else all_ws
-            x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.bfloat16)
-            jax.clear_caches()
-            ref = jax.block_until_ready(program(one_pass_triton)(x, ws[:1])[0])
-            jax.clear_caches()
-            os.environ["JAX_OFFLOAD_HOPPER_MATMUL"] = "1"  # the engine's route at these sizes
-            times = {"cublas": per_matmul_us(program(jnp.dot), x, ws),
-                     "chunked_engine": per_matmul_us(program(triton_matmul.matmul), x, ws)}
-            os.environ["JAX_OFFLOAD_HOPPER_MATMUL"] = "0"
-            for tile_m, tile_n in BATCH_TILES:
-                label = f"jax_one_pass_{tile_m}x{tile_n}"
-                cfg = hopper.TuningConfig(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=4,
-                                          epi_tile_n=64, epi_tile_m=64, grid_minor_dim=hopper.MatmulDimension.N,
-                                          grid_tile_width=8, wg_dimension=hopper.MatmulDimension.N)
-                fn = functools.partial(lambda x, w, cfg: hopper.matmul(x, w, None, cfg), cfg=cfg)
-                times[label] = attempt(lambda fn=fn: per_matmul_us(program(fn), x, ws))
-                got = attempt(lambda fn=fn: jax.jit(fn)(x, ws[0]))
-                if not isinstance(got, dict):
-                    result["bits_equal_one_pass"][f"{name}.{m}.{label}"] = bool(same(got, ref))
             result["us"][f"{name}.{m}"] = times
             print(name, m, {lbl: round(t["median"], 1) if "median" in t else t["error"][:60] for lbl, t in times.items()},
                   flush=True)
