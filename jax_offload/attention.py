@@ -171,6 +171,7 @@ def prefill_layer_in_device(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """One layer over a whole (padded) prompt x [1, T, hidden]; writes its K, V into the caches [1, S, Hkv, D].
     Also returns the [selected, visible] XAttention block counts."""
+    layer = layer.for_prompt_tokens()
     positions = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
     q, k, v = split_qkv(cfg, tp, layer, x, positions, inv_freq)
     o, counts = prompt_attention(impl, xattn, q, k, v, prompt_len, tp)
@@ -266,6 +267,7 @@ def chunk_begin(
 ) -> tuple[jax.Array, jax.Array, AttentionState]:
     """q of a prompt chunk x [1, T, hidden] at absolute `start`, its KV block [2, T, Hkv, D], and the empty
     attention state its queries start from."""
+    layer = layer.for_prompt_tokens()
     positions = start + jnp.arange(x.shape[1], dtype=jnp.int32)[None]
     q, k, v = split_qkv(cfg, tp, layer, x, positions, inv_freq)
     return q, jnp.stack([k[0], v[0]]), _empty_state(tp, q)
@@ -288,7 +290,8 @@ def chunk_end(
     """The chunk's causal attention on its own keys, last in key order, then the rest of the layer."""
     k, v = _split_block(kv)
     o = attend_and_finish(impl, q, k, v, state, causal=True, kv_len=chunk_len, tp=tp)
-    return decoder.attention_output_and_mlp(cfg, layer, x, o)  # the one rounding to the model dtype
+    # the one rounding to the model dtype
+    return decoder.attention_output_and_mlp(cfg, layer.for_prompt_tokens(), x, o)
 
 
 def _decode_inputs(cfg, layer, x, inv_freq, tail, position, tail_len, tp=None):
@@ -874,6 +877,7 @@ def layerwise_layer(
 ) -> tuple[jax.Array, tuple[jax.Array, ...], jax.Array]:
     """One layer over the whole prompt x [1, T, hidden] (T a multiple of block_size); its KV as blocks, and the
     [selected, visible] XAttention block counts."""
+    layer = layer.for_prompt_tokens()
     positions = jnp.arange(x.shape[1], dtype=jnp.int32)[None]
     q, k, v = split_qkv(cfg, tp, layer, x, positions, inv_freq)
     o, counts = prompt_attention(impl, xattn, q, k, v, prompt_len, tp)
@@ -920,4 +924,4 @@ def xattn_chunk_layer(
     o, _ = xattn_attention(impl, xattn, q, k, v, mask, causal=True, q_offset=start, kv_len=end, out_dtype=q.dtype,
                            tp=tp)
     counts = xattention.block_counts(mask, start, end, xattn.block)
-    return decoder.attention_output_and_mlp(cfg, layer, x, o), keys, values, counts
+    return decoder.attention_output_and_mlp(cfg, layer.for_prompt_tokens(), x, o), keys, values, counts

@@ -137,6 +137,7 @@ def _blend_layer(cfg: ModelConfig, impl: str, every_token: bool, layer: LayerPar
     their fresh K and V replace the cache's rows [1, T, Hkv, D], then they attend over the cache (`every_token`:
     rows are 0..S-1, all computed: the prefill kernel over their own K and V). Returns (x out, k_cache, v_cache,
     their keys before RoPE, their values)."""
+    layer = layer.for_prompt_tokens()
     q, k_pre, v_raw = decoder.project_qkv(cfg, layer, x)
     q, k, v = decoder.place_qkv(layer, q, k_pre, v_raw, rows[None], inv_freq)
     slots = jnp.where(row_ok, rows, k_cache.shape[1])  # padding rows write past the end: dropped
@@ -154,7 +155,8 @@ def _blend_layer(cfg: ModelConfig, impl: str, every_token: bool, layer: LayerPar
 def _choose(cfg: ModelConfig, layer: LayerParams, x: jax.Array, v_kept: jax.Array, reused: jax.Array,
             always: jax.Array, count: jax.Array) -> jax.Array:
     """`choose_recompute` from the layer's fresh values of x [1, W, hidden] against the kept ones [1, W, ...]."""
-    return choose_recompute(decoder.project_qkv(cfg, layer, x)[2][0], v_kept[0], reused, always, count)
+    return choose_recompute(decoder.project_qkv(cfg, layer.for_prompt_tokens(), x)[2][0], v_kept[0], reused, always,
+                            count)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))

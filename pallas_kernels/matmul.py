@@ -5,8 +5,11 @@ cuBLAS picks its algorithm (tiling, split-K, reduction order) from the shape, so
 prompts kept their tokens batched on the H200, `bench/results/runs/h200_batch_invariance/`). Here every output
 element is one float32 sum of `block_k`-wide tile products in ascending K order, rounded once to the output
 dtype: the products of each `K_CHUNK` keys summed from zero, then the chunks' sums added in ascending order;
-`block_k` and the chunks depend on K alone. The tiles over rows and columns (`block_m`, `block_n`) only decide
-which program computes an element, and `k_unroll` how many K tiles a loop step loads, so they are picked per call
+`block_k` and the chunks depend on K alone. With `one_pass` all of K is one chunk: the order a prompt's tokens take
+(the engine's prefill), where a tile holding one float32 sum instead of two runs at cuBLAS's speed; generated tokens
+keep the chunks, which a one-row matmul needs to keep a deep weight in flight (a token is always computed in the same
+phase, so each order only has to hold within its phase). The tiles over rows and columns (`block_m`, `block_n`) only
+decide which program computes an element, and `k_unroll` how many K tiles a loop step loads, so they are picked per call
 for speed: wide tiles for prefill, narrow ones for decode batches, where the weight must be read by many programs at
 once, each with enough of it in flight, to reach HBM speed; `split_k` whether each chunk of K is a program of its
 own (a decode batch's few row tiles and narrow weights give too few programs otherwise), its float32 sum added to the
@@ -42,12 +45,13 @@ def block_k_for(k: int) -> int:
     return next(b for b in (BLOCK_K, 32, 16) if k % b == 0)
 
 
-def chunk_len_for(k: int) -> int:
-    """Keys of K summed from zero before being added to the other chunks' sums: K_CHUNK, or all of K."""
-    return K_CHUNK if k % K_CHUNK == 0 else k
+def chunk_len_for(k: int, one_pass: bool = False) -> int:
+    """Keys of K summed from zero before being added to the other chunks' sums: K_CHUNK, or all of K (`one_pass`,
+    or a K that K_CHUNK does not divide)."""
+    return K_CHUNK if k % K_CHUNK == 0 and not one_pass else k
 
 
-def default_matmul_config(m: int, k: int, n: int) -> dict[str, int]:
+def default_matmul_config(m: int, k: int, n: int, one_pass: bool = False) -> dict[str, int]:
     """Launch parameters by row count and weight shape, the fastest measured for the Llama-3.1-8B and Qwen3-0.6B
     projections (bench/probes/probe_matmul.h200.json; one row: bench/results/runs/h200_matmul_decode/); any choice
     gives the same bits."""
@@ -74,12 +78,12 @@ def default_matmul_config(m: int, k: int, n: int) -> dict[str, int]:
         # chunk's and the total), 256 registers a thread at 8 warps (the 8B 32K prefill took 2.10x the default's), so
         # chunked K takes 128 x 128 tiles at 4 stages (1.40x; the matmuls alone 1.47x cuBLAS's time:
         # runs/h200_invariant_price/, "Batched decode and prefill").
-        wide = k * n >= 16 * 2**20 and chunk_len_for(k) == k
+        wide = k * n >= 16 * 2**20 and chunk_len_for(k, one_pass) == k
         cfg = dict(block_m=128, block_n=256 if wide else 128, num_warps=8, num_stages=3 if wide else 4)
     cfg["block_n"] = next(b for b in (256, 128, 64, 32, 16) if b <= cfg["block_n"] and n % b == 0)
-    tiles = chunk_len_for(k) // block_k_for(k)
+    tiles = chunk_len_for(k, one_pass) // block_k_for(k)
     cfg["k_unroll"] = next(u for u in (cfg.get("k_unroll", 1), 2, 1) if tiles % u == 0)
-    cfg["split_k"] = cfg.get("split_k", False) and chunk_len_for(k) < k
+    cfg["split_k"] = cfg.get("split_k", False) and chunk_len_for(k, one_pass) < k
     return cfg
 
 
@@ -128,10 +132,11 @@ def _matmul_kernel(x_ref, w_ref, o_ref, *, block_k: int, k_unroll: int, chunk: i
         plgpu.store(o_ref, total.astype(o_ref.dtype), mask=row_ok)
 
 
-def _matmul(x, w, *, transpose_w, out_dtype, interpret, block_m, block_n, k_unroll, split_k, num_warps, num_stages):
+def _matmul(x, w, *, transpose_w, one_pass, out_dtype, interpret, block_m, block_n, k_unroll, split_k, num_warps,
+            num_stages):
     m, k = x.shape
     n = w.shape[0] if transpose_w else w.shape[1]
-    chunk = chunk_len_for(k)
+    chunk = chunk_len_for(k, one_pass)
     # One program per output tile over all of K, or (split_k) one per output tile and chunk of K.
     span, chunks = (chunk, k // chunk) if split_k else (k, 1)
     w_spec = pl.BlockSpec((block_n, span), lambda i, j, c: (j, c)) if transpose_w \
@@ -151,11 +156,12 @@ def _matmul(x, w, *, transpose_w, out_dtype, interpret, block_m, block_n, k_unro
     return functools.reduce(operator.add, list(out)).astype(out_dtype)
 
 
-_matmul = interpret_aware_jit(_matmul, ("transpose_w", "out_dtype", "interpret", "block_m", "block_n", "k_unroll",
-                                        "split_k", "num_warps", "num_stages"))
+_matmul = interpret_aware_jit(_matmul, ("transpose_w", "one_pass", "out_dtype", "interpret", "block_m", "block_n",
+                                        "k_unroll", "split_k", "num_warps", "num_stages"))
 
 
-def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=None, interpret: bool | None = None,
+def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, one_pass: bool = False, out_dtype=None,
+           interpret: bool | None = None,
            block_m: int | None = None, block_n: int | None = None, k_unroll: int | None = None,
            split_k: bool | None = None, num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
     """x [..., K] @ w [K, N] -> [..., N] in `out_dtype` (default x's), each row's bits independent of the rows
@@ -164,6 +170,8 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=N
     Args:
       x: [..., K]; w: [K, N] of x's dtype, K and N multiples of 16 ([N, K] with transpose_w: a tied embedding
         table as the LM head, read in place).
+      one_pass: all of K summed as one chunk (prompt tokens) instead of in K_CHUNK-key chunks (generated tokens):
+        another order, so other bits.
       interpret: None picks Triton on a GPU backend and interpret mode elsewhere.
       block_m, block_n, k_unroll, split_k, num_warps, num_stages: launch parameters (powers of two, block_n
         dividing N, k_unroll the K tiles loaded per loop step, dividing a chunk's tile count; split_k a program per
@@ -186,17 +194,18 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, out_dtype=N
             and wgmma_suits(rows.shape[0], n, x.shape[-1]) and n % 128 == 0 and x.shape[-1] % BLOCK_K == 0
             and on_hopper()):
         from pallas_kernels.mgpu_matmul import default_tiles, mgpu_matmul  # it imports this module
-        return mgpu_matmul(rows, w, out_dtype=out_dtype, **default_tiles(rows.shape[0], n)).reshape(*x.shape[:-1], n)
-    cfg = default_matmul_config(rows.shape[0], x.shape[-1], n)
+        return mgpu_matmul(rows, w, one_pass=one_pass, out_dtype=out_dtype,
+                           **default_tiles(rows.shape[0], n, one_pass)).reshape(*x.shape[:-1], n)
+    cfg = default_matmul_config(rows.shape[0], x.shape[-1], n, one_pass)
     block_n = block_n or cfg["block_n"]
     if block_n < MIN_BLOCK or n % block_n:
         raise ValueError(f"block_n={block_n} for N={n}; allowed: a divisor of N, >= {MIN_BLOCK}")
-    tiles = chunk_len_for(x.shape[-1]) // block_k_for(x.shape[-1])
+    tiles = chunk_len_for(x.shape[-1], one_pass) // block_k_for(x.shape[-1])
     k_unroll = k_unroll or cfg["k_unroll"]
     if k_unroll < 1 or tiles % k_unroll:
         raise ValueError(f"k_unroll={k_unroll} for K={x.shape[-1]} ({tiles} tiles a chunk); allowed: a divisor of "
                          f"{tiles}")
-    out = _matmul(rows, w, transpose_w=transpose_w, out_dtype=jnp.dtype(out_dtype or x.dtype),
+    out = _matmul(rows, w, transpose_w=transpose_w, one_pass=one_pass, out_dtype=jnp.dtype(out_dtype or x.dtype),
                   interpret=resolve_interpret(interpret), block_m=block_m or cfg["block_m"], block_n=block_n,
                   k_unroll=k_unroll, split_k=cfg["split_k"] if split_k is None else split_k,
                   num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"])

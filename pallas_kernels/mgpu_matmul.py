@@ -11,11 +11,13 @@ that sum.
 
 A CTA computes two warpgroup tiles of (tile_m, tile_n) side by side (`split_rows`: one above the other): a producer
 warpgroup streams x's and w's 64-key tiles through a ring of shared-memory slots (TMA), two consumer warpgroups each
-multiply into their own tile. A consumer holds two float32 tiles in registers (the chunk's sum and the total), so
-tile_m * tile_n / 64 registers a thread: 128 for 64 x 128 or 128 x 64 tiles, 256 for 128 x 128, past the ~232 a
-consumer gets beside a 40-register producer (the Triton form's 128 x 256 prefill tiles ran into the same,
-runs/h200_invariant_price/). Output tiles are walked in groups of GROUP_M row tiles so that the CTAs in flight
-share their x rows and w columns in L2.
+multiply into their own tile. In chunks, a consumer holds two float32 tiles in registers (the chunk's sum and the
+total), so tile_m * tile_n / 64 registers a thread: 128 for 64 x 128 or 128 x 64 tiles, 256 for 128 x 128, past the
+~232 a consumer gets beside a 40-register producer (the Triton form's 128 x 256 prefill tiles ran into the same,
+runs/h200_invariant_price/). In one pass (`one_pass`, a prompt's tokens) it holds one, and prefill takes 128 x 128
+tiles: JAX's own one-pass Hopper matmul ran the 8B's projections at 8,192 rows at 1.02-1.04x cuBLAS with them, with
+the Triton one-pass form's bits (runs/h200_invariant_price/price_2026_11_30/gemv_one_pass/). Output tiles are walked
+in groups of GROUP_M row tiles so that the CTAs in flight share their x rows and w columns in L2.
 
 `matmul.matmul` routes to it on Hopper (`matmul.wgmma_suits` says where; JAX_OFFLOAD_HOPPER_MATMUL=0 turns it off).
 On an H200 it gave the Triton form's bits at every shape and tile config probed and runs 1.17x cuBLAS's time over an
@@ -49,11 +51,15 @@ GROUP_M = 8
 _WAVE = 132
 
 
-def default_tiles(m: int, n: int) -> dict:
+def default_tiles(m: int, n: int, one_pass: bool = False) -> dict:
     """A CTA's tiles for `m` rows against N = `n` columns: 128 x 128 CTAs (two 64 x 128 tiles, one above the other),
     unless CTAs of 64 rows x 128 columns (two 64 x 64 tiles side by side) still fit one wave: a decode batch against a
     narrow weight, where 128-row CTAs leave SMs idle (the 8B's w_down at 256 rows: 67.1 us against 83.1, its wo 23.6
-    against 29.6; runs/h200_invariant_price/price_2026_11_30/matmul/). They change the speed, not the bits."""
+    against 29.6; runs/h200_invariant_price/price_2026_11_30/matmul/). In one pass past 512 rows (prefill), two
+    128 x 128 tiles a CTA (JAX's one-pass Hopper matmul with them: 1.02-1.04x cuBLAS over the 8B's projections at
+    8,192 rows, runs/h200_invariant_price/price_2026_11_30/gemv_one_pass/). They change the speed, not the bits."""
+    if one_pass and m > 512:
+        return dict(tile_m=128, tile_n=128, split_rows=n % (_COMPUTE_WGS * 128) != 0)
     if -(-m // 64) * (n // 128) <= _WAVE:
         return dict(tile_m=64, tile_n=64, split_rows=False)
     return dict(tile_m=64, tile_n=128, split_rows=True)
@@ -65,9 +71,9 @@ def _swizzled(elems_per_row: int):
 
 
 def _kernel(x_gmem, w_gmem, o_gmem, o_smem, *, tile_m: int, tile_n: int, split_rows: bool, steps: int,
-            m_tiles: int, n_tiles: int, cluster: str | None, interpret: bool):
+            m_tiles: int, n_tiles: int, cluster: str | None, one_pass: bool, interpret: bool):
     k = x_gmem.shape[1]
-    tiles_per_chunk = chunk_len_for(k) // BLOCK_K
+    tiles_per_chunk = chunk_len_for(k, one_pass) // BLOCK_K
     # Grouped order over the clusters' tiles (a cluster of two CTAs covers two row tiles, or two column tiles, of
     # the output): GROUP_M row tiles across every column tile, then the next group.
     m_mult, n_mult = (2, 1) if cluster == "m" else (1, 2) if cluster == "n" else (1, 1)
@@ -92,23 +98,31 @@ def _kernel(x_gmem, w_gmem, o_gmem, o_smem, *, tile_m: int, tile_n: int, split_r
         v = jnp.full((tile_m, tile_n), value, jnp.float32)
         return v if interpret else plgpu.layout_cast(v, plgpu.Layout.WGMMA)
 
+    def add_tile(part, x_smem, w_smem):
+        if interpret:  # the CPU interpreter takes no register accumulator: a tile's dot added, as Triton's form
+            return part + lax.dot(x_smem.at[wg_rows][...], w_smem.at[:, wg_cols][...],
+                                  preferred_element_type=jnp.float32)
+
+        def mma(acc_ref):
+            plgpu.wgmma(acc_ref, x_smem.at[wg_rows], w_smem.at[:, wg_cols])
+
+        return pl.run_state(mma)(plgpu.ACC.init(part))
+
     def step(idxs, x_smem, w_smem, carry):
         (t,) = idxs
+        if one_pass:
+            return add_tile(carry, x_smem, w_smem)
         part, total = carry
-        if interpret:  # the CPU interpreter takes no register accumulator: a tile's dot added, as Triton's form
-            part = part + lax.dot(x_smem.at[wg_rows][...], w_smem.at[:, wg_cols][...],
-                                  preferred_element_type=jnp.float32)
-        else:
-            def mma(acc_ref):
-                plgpu.wgmma(acc_ref, x_smem.at[wg_rows], w_smem.at[:, wg_cols])
-
-            part = pl.run_state(mma)(plgpu.ACC.init(part))
+        part = add_tile(part, x_smem, w_smem)
         # A chunk's last tile: its sum joins the total, the next chunk starts from zero.
         return lax.cond((t + 1) % tiles_per_chunk == 0, lambda p, s: (filled(0.0), s + p), lambda p, s: (p, s),
                         part, total)
 
     def compute(run_pipeline):
-        _, total = run_pipeline((filled(0.0), filled(-0.0)))
+        if one_pass:
+            total = run_pipeline(filled(0.0))
+        else:
+            _, total = run_pipeline((filled(0.0), filled(-0.0)))
         out = total.astype(o_gmem.dtype)
         wg_out = o_gmem.at[cta_rows, cta_cols].at[wg_rows, wg_cols]
         pieces = [(i, j) for i in range(tile_m // _EPILOGUE) for j in range(tile_n // _EPILOGUE)]
@@ -139,8 +153,8 @@ def _kernel(x_gmem, w_gmem, o_gmem, o_smem, *, tile_m: int, tile_n: int, split_r
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tile_m", "tile_n", "split_rows", "steps", "cluster",
-                                             "interpret"))
-def _mgpu_matmul(x, w, *, out_dtype, tile_m, tile_n, split_rows, steps, cluster, interpret):
+                                             "one_pass", "interpret"))
+def _mgpu_matmul(x, w, *, out_dtype, tile_m, tile_n, split_rows, steps, cluster, one_pass, interpret):
     m, k = x.shape
     n = w.shape[1]
     cta_m, cta_n = (_COMPUTE_WGS * tile_m, tile_n) if split_rows else (tile_m, _COMPUTE_WGS * tile_n)
@@ -150,7 +164,8 @@ def _mgpu_matmul(x, w, *, out_dtype, tile_m, tile_n, split_rows, steps, cluster,
         x = jnp.pad(x, ((0, m_pad - m), (0, 0)))
     m_tiles, n_tiles = m_pad // cta_m, n // cta_n
     kernel = functools.partial(_kernel, tile_m=tile_m, tile_n=tile_n, split_rows=split_rows, steps=steps,
-                               m_tiles=m_tiles, n_tiles=n_tiles, cluster=cluster, interpret=interpret)
+                               m_tiles=m_tiles, n_tiles=n_tiles, cluster=cluster, one_pass=one_pass,
+                               interpret=interpret)
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
@@ -169,19 +184,20 @@ def _mgpu_matmul(x, w, *, out_dtype, tile_m, tile_n, split_rows, steps, cluster,
 
 
 def mgpu_matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, tile_m: int = 64, tile_n: int = 128,
-                split_rows: bool = True, steps: int | None = None, cluster: str | None = None,
+                split_rows: bool = True, steps: int | None = None, cluster: str | None = None, one_pass: bool = False,
                 interpret: bool = False) -> jax.Array:
-    """x [M, K] @ w [K, N] -> [M, N] in `out_dtype` (default x's), the bits of `matmul.matmul(x, w)`.
+    """x [M, K] @ w [K, N] -> [M, N] in `out_dtype` (default x's), the bits of `matmul.matmul(x, w, one_pass=...)`.
 
     Args:
       x, w: bfloat16 or float16 (wgmma operands), one dtype; K a multiple of 64, N of the CTA's columns.
       tile_m, tile_n: the output tile of each of a CTA's two consumer warpgroups (tile_m 64 or 128, tile_n 64,
         128 or 256); split_rows: the two tiles one above the other (a CTA of 2 * tile_m rows and tile_n columns),
         else side by side; steps: shared-memory ring slots (each a CTA's rows x 64 of x and 64 x its columns of w),
-        by default 6 where they fit beside the output's slots, else 4 (6 ran 5% faster at 256 rows on an H200, the
-        same at 8,192); cluster: "m" runs CTAs in pairs over two row tiles, each weight tile loaded once for both
-        (multicast), "n" pairs over two column tiles sharing x's tiles, None single CTAs. They change the speed, not
-        the bits.
+        by default 6 where they fit beside the output's slots, else the most of 4, 3 or 2 that do (6 ran 5% faster
+        at 256 rows on an H200, the same at 8,192); cluster: "m" runs CTAs in pairs over two row tiles, each weight
+        tile loaded once for both (multicast), "n" pairs over two column tiles sharing x's tiles, None single CTAs.
+        They change the speed, not the bits.
+      one_pass: all of K summed as one chunk (matmul.matmul's `one_pass`), one float32 tile a consumer instead of two.
       interpret: run Mosaic GPU's CPU interpreter instead (tests only; small shapes).
     """
     if plgpu is None:
@@ -205,6 +221,6 @@ def mgpu_matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, tile_m: int = 64,
         # The ring shares the CTA's shared memory with the output's slots: 32 KiB in bf16, 64 KiB in float32 (the
         # products tensor parallelism adds across devices), where 6 slots did not fit (262,240 bytes on an H200).
         out_bytes = _COMPUTE_WGS * 2 * _EPILOGUE * _EPILOGUE * jnp.dtype(out_dtype or x.dtype).itemsize
-        steps = 6 if 6 * slot_bytes + out_bytes <= _SMEM_BYTES else 4
+        steps = next(s for s in (6, 4, 3, 2) if s * slot_bytes + out_bytes <= _SMEM_BYTES)
     return _mgpu_matmul(x, w, out_dtype=jnp.dtype(out_dtype or x.dtype), tile_m=tile_m, tile_n=tile_n,
-                        split_rows=split_rows, steps=steps, cluster=cluster, interpret=interpret)
+                        split_rows=split_rows, steps=steps, cluster=cluster, one_pass=one_pass, interpret=interpret)

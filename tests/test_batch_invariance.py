@@ -67,26 +67,31 @@ def test_matmul_rows_are_batch_invariant(k, n, transpose_w):
             f"seed {seed}: rows of M={m} (tiles {block_m}x{block_n}, {k_unroll} K tiles a step) differ"
 
 
-@pytest.mark.parametrize("transpose_w", [False, True])
-def test_matmul_chunks_of_k_give_the_same_bits_in_either_form(transpose_w):
-    """K of two chunks (`K_CHUNK` keys each, their sums added in order): a program per chunk (`split_k`, the decode
-    form) and one program over both give the same bits at every row count, each row its bits in the full batch,
-    close to float64."""
+@pytest.mark.parametrize("transpose_w,one_pass", [(False, False), (True, False), (False, True)])
+def test_matmul_chunks_of_k_give_the_same_bits_in_either_form(transpose_w, one_pass):
+    """K of two chunks (`K_CHUNK` keys each, their sums added in order), or in one pass (`one_pass`, a prompt's
+    order): a program per chunk (`split_k`, the decode form) and one program over both give the same bits at every
+    row count, each row its bits in the full batch, close to float64; the two orders' float32 sums differ."""
     from pallas_kernels.matmul import K_CHUNK
 
-    seed = 4017 + transpose_w
+    seed = 4017 + transpose_w + 2 * one_pass
     rng = np.random.default_rng(seed)
     k, n = 2 * K_CHUNK, 64
     x = jnp.asarray(rng.standard_normal((40, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((n, k) if transpose_w else (k, n)) / np.sqrt(k), jnp.bfloat16)
     w64 = np.asarray(w, np.float64)
     ref = np.asarray(x, np.float64) @ (w64.T if transpose_w else w64)
-    full = _bits(pk.matmul(x, w, transpose_w=transpose_w, split_k=False))
+    full = _bits(pk.matmul(x, w, transpose_w=transpose_w, one_pass=one_pass, split_k=False))
     assert np.abs(full - ref).max() <= 2 ** -7 * np.abs(ref).max(), f"seed {seed}"
     for m, split_k, block_n, k_unroll in [(1, True, 32, 1), (1, False, 16, 4), (5, True, 64, 16), (40, True, 32, 2)]:
-        got = _bits(pk.matmul(x[:m], w, transpose_w=transpose_w, split_k=split_k, block_n=block_n, k_unroll=k_unroll))
+        got = _bits(pk.matmul(x[:m], w, transpose_w=transpose_w, one_pass=one_pass, split_k=split_k, block_n=block_n,
+                              k_unroll=k_unroll))
         assert np.array_equal(got, full[:m]), \
             f"seed {seed}: rows of M={m} (split_k {split_k}, block_n {block_n}, {k_unroll} K tiles a step) differ"
+    if one_pass:  # another order: in float32 most sums of 2,048 products differ in their last bits
+        sums = [np.asarray(pk.matmul(x, w, one_pass=p, out_dtype=jnp.float32)) for p in (True, False)]
+        np.testing.assert_allclose(sums[0], ref, rtol=1e-4, atol=1e-4, err_msg=f"seed {seed}")
+        assert (sums[0] != sums[1]).mean() > 0.5, f"seed {seed}: one pass gave the chunks' float32 sums"
 
 
 def test_matmul_lowers_for_cuda():

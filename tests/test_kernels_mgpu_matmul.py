@@ -32,13 +32,15 @@ def _same_bits(a, b) -> bool:
     return bool(jnp.all(jax.lax.bitcast_convert_type(a, jnp.uint16) == jax.lax.bitcast_convert_type(b, jnp.uint16)))
 
 
-def test_interpreted_gives_the_bits_of_the_triton_form():
-    """70 rows (one CTA of two 64-row warpgroup tiles, padded), two column tiles, K of two 1,024-key chunks, bf16:
-    bit for bit the Triton form's output, and within bf16 rounding of float64."""
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_interpreted_gives_the_bits_of_the_triton_form(one_pass):
+    """70 rows (one CTA of two 64-row warpgroup tiles, padded), two column tiles, K of two 1,024-key chunks or one
+    pass, bf16: bit for bit the Triton form's output, and within bf16 rounding of float64."""
     seed = int(np.random.default_rng().integers(2**31))
     x, w = _inputs(seed, 70, 2048, 128)
-    got = mgpu_matmul(x, w, tile_m=64, tile_n=64, split_rows=True, steps=2, interpret=True)
-    assert _same_bits(got, matmul(x, w, interpret=True)), f"seed {seed}: bits differ from the Triton form's"
+    got = mgpu_matmul(x, w, tile_m=64, tile_n=64, split_rows=True, steps=2, one_pass=one_pass, interpret=True)
+    assert _same_bits(got, matmul(x, w, one_pass=one_pass, interpret=True)), \
+        f"seed {seed}: bits differ from the Triton form's"
     ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=1e-2, atol=1e-2, err_msg=f"seed {seed}")
 
@@ -46,14 +48,18 @@ def test_interpreted_gives_the_bits_of_the_triton_form():
 def test_lowers_for_cuda():
     """The 8B shapes it serves (a 14,336-deep w_down at prefill size, the wide w_gate_up at 256 rows, a padded
     row count, a float32 product as tensor parallelism's w_down shard makes) at both arrangements of a CTA's two
-    tiles, and in cluster pairs, lower to Mosaic GPU kernels that fit shared memory, on
+    tiles, in cluster pairs, and in one pass with prefill's 128 x 128 tiles (a ring of 4 slots; 3 beside float32
+    output slots), lower to Mosaic GPU kernels that fit shared memory, on
     this CPU-only machine (the lowering and layout inference the GPU build runs; the interpreter skips them)."""
     for m, k, n, tiles in [(8192, 14336, 4096, dict(tile_m=64, tile_n=128, split_rows=True)),
                            (8192, 7168, 4096, dict(tile_m=64, tile_n=128, split_rows=True, out_dtype=jnp.float32)),
                            (256, 4096, 28672, dict(tile_m=128, tile_n=64, split_rows=False, steps=6)),
                            (100, 4096, 6144, dict(tile_m=64, tile_n=128, split_rows=False)),
                            (256, 14336, 4096, dict(tile_m=64, tile_n=64, split_rows=False)),
-                           (8192, 14336, 4096, dict(tile_m=64, tile_n=128, split_rows=True, cluster="m"))]:
+                           (8192, 14336, 4096, dict(tile_m=64, tile_n=128, split_rows=True, cluster="m")),
+                           (8192, 14336, 4096, dict(tile_m=128, tile_n=128, split_rows=False, one_pass=True)),
+                           (8192, 7168, 2048, dict(tile_m=128, tile_n=128, split_rows=False, one_pass=True,
+                                                   out_dtype=jnp.float32))]:
         x, w = jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
         try:
             jax.jit(lambda x, w, tiles=tiles: mgpu_matmul(x, w, **tiles)).trace(x, w).lower(
@@ -78,6 +84,11 @@ def test_gives_the_bits_of_the_triton_form_on_hopper(monkeypatch):
                           dict(tile_m=128, tile_n=64, split_rows=False, cluster="n")]:
                 got = mgpu_matmul(x, w, **tiles)
                 assert _same_bits(got, ref), f"seed {seed + m}: M={m} K={k} N={n} {tiles} differ from the Triton form"
+            one_pass = matmul(x, w, one_pass=True)
+            for tiles in [dict(tile_m=128, tile_n=128, split_rows=False), dict(tile_m=64, tile_n=64, split_rows=False)]:
+                got = mgpu_matmul(x, w, one_pass=True, **tiles)
+                assert _same_bits(got, one_pass), \
+                    f"seed {seed + m}: M={m} K={k} N={n} {tiles} in one pass differ from the Triton form"
 
 
 def test_matmul_routes_to_the_warpgroup_form_on_hopper(monkeypatch):

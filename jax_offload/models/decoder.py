@@ -38,9 +38,10 @@ def _column_parallel(layer: LayerParams, x: jax.Array, w: jax.Array) -> jax.Arra
     Pallas matmul when asked (each row's bits independent of the others), on each device over its columns."""
     if not layer.batch_invariant:
         return _dot(x, w)
+    multiply = functools.partial(matmul, one_pass=layer.k_one_pass)
     if layer.tp is None:
-        return matmul(x, w)
-    return layer.tp.per_head(matmul, (None, 1), x.ndim - 1)(x, w)
+        return multiply(x, w)
+    return layer.tp.per_head(multiply, (None, 1), x.ndim - 1)(x, w)
 
 
 def _row_parallel(layer: LayerParams, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -51,10 +52,10 @@ def _row_parallel(layer: LayerParams, x: jax.Array, w: jax.Array) -> jax.Array:
     if not layer.batch_invariant:
         return _dot(x, w)
     if layer.tp is None:
-        return matmul(x, w)
+        return matmul(x, w, one_pass=layer.k_one_pass)
 
     def local(x: jax.Array, w: jax.Array) -> jax.Array:
-        products = jax.lax.all_gather(matmul(x, w, out_dtype=jnp.float32), AXIS)
+        products = jax.lax.all_gather(matmul(x, w, one_pass=layer.k_one_pass, out_dtype=jnp.float32), AXIS)
         return functools.reduce(operator.add, list(products)).astype(x.dtype)
 
     return layer.tp.per_head(local, (x.ndim - 1, 0), None)(x, w)

@@ -31,6 +31,14 @@ class LayerParams:
     # How the KV cache stores K and V (`kv.kv_cache_dtype`): the layer rounds them to the stored values once, as
     # it projects them, so every attention path reads the same keys.
     kv_cache_dtype: str = struct.field(pytree_node=False, default="auto")
+    # The batch-invariant matmul's order for the tokens this layer view multiplies: all of K in one pass (a prompt's
+    # tokens, `for_prompt_tokens`) or in 1,024-key chunks (generated tokens; `pallas_kernels.matmul`).
+    k_one_pass: bool = struct.field(pytree_node=False, default=False)
+
+    def for_prompt_tokens(self) -> "LayerParams":
+        """The same layer, its batch-invariant matmuls summing K in one pass: how every path (prefill in GPU memory
+        or offloaded, in chunks, packed, beside decode tokens) multiplies a prompt's tokens."""
+        return self.replace(k_one_pass=True)
 
 
 @struct.dataclass

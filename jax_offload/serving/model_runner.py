@@ -275,6 +275,7 @@ def _prefill_layers(cfg: ModelConfig, impl: str, layers: tuple[LayerParams, ...]
     as the one-request engine's `prefill_layer_in_device`."""
     k_out, v_out = [], []
     for layer, k_pool, v_pool in zip(layers, k_pools, v_pools):
+        layer = layer.for_prompt_tokens()
         q, k, v = split_qkv(cfg, tp, layer, x, positions, inv_freq)
         o, _ = prefill_attention(impl, q, k, v, causal=True, kv_start=starts, tp=tp)
         k_out.append(_write_kv(k_pool, slots, k, layer.kv_cache_dtype))
@@ -290,13 +291,27 @@ def _chunk_layer(cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, 
                  seq_lens: jax.Array, tp: TensorParallel | None = None):
     """One layer over a chunk of one prompt (the first T rows of x [1, T + B, hidden]) and the new token of each of B
     running sequences (the last B rows; block tables [B, n], lengths [B] counting the token, 0 for padding): the
-    projections and the MLP run over every row at once, each part's attention as its own step would run it. The
-    chunk: a prompt's first (`prefix_blocks` None) as `_prefill_layers` runs a prompt (`starts`: its rows' first
-    keys), a later one over the prompt's first prefix_len tokens in the pool's `prefix_blocks` (ids past them are
-    padding: read, then masked) and then causally over its own chunk_len; the tokens as `_decode_step` runs them.
+    projections and the MLP over every row at once (batch-invariant: each part's apart, in its phase's order), each
+    part's attention as its own step would run it. The chunk: a prompt's first (`prefix_blocks` None) as
+    `_prefill_layers` runs a prompt (`starts`: its rows' first keys), a later one over the prompt's first prefix_len
+    tokens in the pool's `prefix_blocks` (ids past them are padding: read, then masked) and then causally over its
+    own chunk_len; the tokens as `_decode_step` runs them.
     `positions`, `slots` [1, T + B] (slot -1: nothing written)."""
     t = positions.shape[1] - seq_lens.shape[0]
-    q, k, v = split_qkv(cfg, tp, layer, x, positions, inv_freq)
+    prompt_layer = layer.for_prompt_tokens()
+
+    def by_phase(fn, x: jax.Array, *args) -> tuple | jax.Array:
+        """fn(layer, x, *args) over all rows, or, batch-invariant, over the chunk's rows and the decode rows apart,
+        each in its phase's matmul order (args: row-aligned arrays [1, T + B, ...])."""
+        if not layer.batch_invariant or t == x.shape[1]:
+            return fn(layer, x, *args)
+        parts = (fn(prompt_layer, x[:, :t], *(a[:, :t] for a in args)),
+                 fn(layer, x[:, t:], *(a[:, t:] for a in args)))
+        if isinstance(parts[0], tuple):
+            return tuple(jnp.concatenate(p, axis=1) for p in zip(*parts))
+        return jnp.concatenate(parts, axis=1)
+
+    q, k, v = by_phase(lambda lay, x, pos: split_qkv(cfg, tp, lay, x, pos, inv_freq), x, positions)
     if prefix_blocks is not None:  # the prefix as earlier steps left it, read before this step writes
         k_prefix, v_prefix = (_pool_prefix(pool, prefix_blocks, x.dtype) for pool in (k_pool, v_pool))
     k_pool = _write_kv(k_pool, slots, k, layer.kv_cache_dtype)
@@ -307,7 +322,7 @@ def _chunk_layer(cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, 
         o_chunk = chunk_attention(impl, q[:, :t], k[:, :t], v[:, :t], k_prefix, v_prefix, prefix_len, chunk_len, tp=tp)
     o_tokens = paged_decode_attention(impl, q[0, t:], k_pool, v_pool, tables, seq_lens, tp, layer.batch_invariant)
     o = jnp.concatenate([o_chunk.astype(x.dtype), o_tokens.astype(x.dtype)[None]], axis=1)
-    return decoder.attention_output_and_mlp(cfg, layer, x, o), k_pool, v_pool
+    return by_phase(lambda lay, x, o: decoder.attention_output_and_mlp(cfg, lay, x, o), x, o), k_pool, v_pool
 
 
 def sample_last(cfg: ModelConfig, params: ModelParams, hidden: jax.Array, index: jax.Array,
