@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,34 +79,45 @@ def main() -> None:
     out = {"meta": run_metadata() | {"hopper_attention": os.environ.get("JAX_OFFLOAD_HOPPER_ATTENTION", "1")},
            "model": model, "lengths": lengths, "tokens": TOKENS, "offload_block": block}
 
+    start = time.perf_counter()
+
+    def leg(result: dict, name: str, got: list[list[int]], alone: list[list[int]]) -> None:
+        """Records a comparison as it comes (a run cut short by a time limit keeps the legs it finished)."""
+        result[name] = compare(got, alone)
+        print(f"{time.perf_counter() - start:.0f} s", mode, name, result[name]["identical"], "of", len(alone),
+              flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out | {"batch_invariant" if mode == "invariant" else "not_invariant": result},
+                                       indent=1))
+
     for mode in modes:
         invariant = mode == "invariant"
         gpu = make(gpu_memory_utilization=0.5, batch_invariant=invariant)
         alone = [list(gpu.generate([q], sp)[0].token_ids) for q in prompts]
         together = [list(o.token_ids) for o in gpu.generate(prompts, sp)]
         del gpu
-        result = {"together_vs_alone": compare(together, alone)}
+        result = {}
+        leg(result, "together_vs_alone", together, alone)
         if args.num_decode_steps > 1:
             n = args.num_decode_steps
             stepped = make(gpu_memory_utilization=0.5, batch_invariant=invariant, num_decode_steps=n)
-            result[f"alone_steps{n}_vs_alone"] = compare([list(stepped.generate([q], sp)[0].token_ids)
-                                                          for q in prompts], alone)
-            result[f"together_steps{n}_vs_alone"] = compare([list(o.token_ids) for o in stepped.generate(prompts, sp)],
-                                                            alone)
+            leg(result, f"alone_steps{n}_vs_alone", [list(stepped.generate([q], sp)[0].token_ids) for q in prompts],
+                alone)
+            leg(result, f"together_steps{n}_vs_alone", [list(o.token_ids) for o in stepped.generate(prompts, sp)], alone)
             del stepped
         if args.tp == 1:
             off = make(offload=True, block_size=block, batch_invariant=invariant)
             offloaded = [list(off.generate([q], sp)[0].token_ids) for q in prompts]
             del off
-            result["offloaded_vs_alone"] = compare(offloaded, alone)
+            leg(result, "offloaded_vs_alone", offloaded, alone)
             # The first halves sent first (one token each, together), so that the prompts' full blocks up to their
             # middles are cached; then the prompts together, their first halves read from the prefix cache.
             cached = make(gpu_memory_utilization=0.5, batch_invariant=invariant, enable_prefix_caching=True)
             cached.generate([q[: len(q) // 2] for q in prompts],
                             SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
             outs = cached.generate(prompts, sp)
-            result["cached_halves_together_vs_alone"] = compare([list(o.token_ids) for o in outs], alone)
             result["cached_prompt_tokens"] = [o.num_cached_tokens for o in outs]
+            leg(result, "cached_halves_together_vs_alone", [list(o.token_ids) for o in outs], alone)
             del cached
         out["batch_invariant" if invariant else "not_invariant"] = result
         print(mode, json.dumps(result), flush=True)
