@@ -1,8 +1,9 @@
 """A request's bfloat16 tokens do not depend on how it was run: alone, batched with others, or offloaded.
 
 Kernels (Pallas interpret mode): the batch-invariant matmul gives each row the same bits for every row count and
-launch config; decode attention over a paged pool, folded in fixed splits, gives each sequence the bits it gets
-alone and the bits of the offloaded decode's contiguous pieces. Engine (CPU, XLA's kernels, tiny Llama, Qwen2 and
+launch config, in either order (prompt tokens sum K in one pass, generated tokens in 1,024-key chunks; which order
+each path's matmuls take is recorded as they are traced); decode attention over a paged pool, folded in fixed
+splits, gives each sequence the bits it gets alone and the bits of the offloaded decode's contiguous pieces. Engine (CPU, XLA's kernels, tiny Llama, Qwen2 and
 Qwen3 in bfloat16): prompts of 5..700 tokens alone, together, offloaded (alone and together) and after their first
 halves were cached give the same greedy tokens, and six Qwen3 prompts the same seeded tokens alone and together
 (chunked offloaded prefill equals in-GPU in tests/test_offload_bf16.py; every max_num_seqs 1..10, 60 tokens, block
@@ -313,3 +314,43 @@ def test_each_architecture_alone_together_offloaded_cached(tmp_path_factory, var
     outs = cached.generate(prompts, sampling)
     assert [o.num_cached_tokens for o in outs] == [0, 256, 256], where
     assert [o.token_ids for o in outs] == alone, f"{where}: after cached halves"
+
+
+def test_prompt_tokens_take_one_pass_and_generated_tokens_the_chunks(tmp_path_factory, monkeypatch):
+    """Which order each path's layer matmuls take, recorded as their programs are traced (Pallas kernels, interpret
+    mode): a prompt's tokens one pass over K in every prefill (packed, in chunk steps, offloaded in chunks and
+    layerwise), generated tokens K's chunks in every decode step, and a chunk step that also decodes multiplies its
+    chunk's rows in one pass and its decode rows in chunks."""
+    path = tiny_models.build_in(tmp_path_factory, "llama3", MODEL_SEED)
+    calls: list[tuple[int, bool]] = []
+    real = decoder.matmul
+
+    def spy(x, w, **kw):
+        if w.shape[-1] != tiny_models.VOCAB and not kw.get("transpose_w"):  # a layer's weight, not the LM head
+            calls.append((int(np.prod(x.shape[:-1])), kw.get("one_pass", False)))
+        return real(x, w, **kw)
+
+    monkeypatch.setattr(decoder, "matmul", spy)
+    rng = np.random.default_rng(PROMPT_SEED)
+    short, long = (rng.integers(3, tiny_models.VOCAB, size=n).tolist() for n in (29, 140))
+    kw = dict(dtype="float32", attention_impl="pallas", batch_invariant=True, max_model_len=256)
+
+    def orders(llm, prompts, max_tokens: int) -> list[tuple[int, bool]]:
+        jax.clear_caches()  # programs traced by earlier tests would not reach the spy
+        calls.clear()
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        assert calls, "no layer matmul was traced"
+        return list(calls)
+
+    batch = LLM(path, max_num_seqs=2, max_num_batched_tokens=128, **kw)
+    assert {p for _, p in orders(batch, [short], 1)} == {True}, "a packed prefill multiplied in chunks"
+    prefill = set(calls)
+    assert {p for _, p in set(orders(batch, [short], 3)) - prefill} == {False}, "a decode step took one pass"
+    chunk_step = orders(batch, [short, long], 2)
+    assert {p for rows, p in chunk_step if rows > 2} == {True}, "a prompt chunk's rows multiplied in chunks"
+    assert (2, False) in chunk_step, "a chunk step's decode rows were not multiplied apart, in chunks"
+    for prefill_mode in ("chunked", "layerwise"):
+        off = LLM(path, offload=True, block_size=16, num_ring_slots=2, prefill=prefill_mode, **kw)
+        assert {p for _, p in orders(off, [short], 1)} == {True}, f"offloaded {prefill_mode} prefill in chunks"
+        prefill = set(calls)
+        assert {p for _, p in set(orders(off, [short], 3)) - prefill} == {False}, "an offloaded decode took one pass"

@@ -103,7 +103,8 @@ def main() -> None:
             stepped = make(gpu_memory_utilization=0.5, batch_invariant=invariant, num_decode_steps=n)
             leg(result, f"alone_steps{n}_vs_alone", [list(stepped.generate([q], sp)[0].token_ids) for q in prompts],
                 alone)
-            leg(result, f"together_steps{n}_vs_alone", [list(o.token_ids) for o in stepped.generate(prompts, sp)], alone)
+            leg(result, f"together_steps{n}_vs_alone", [list(o.token_ids) for o in stepped.generate(prompts, sp)],
+                alone)
             del stepped
         if args.tp == 1:
             off = make(offload=True, block_size=block, batch_invariant=invariant)
