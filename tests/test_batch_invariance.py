@@ -336,12 +336,13 @@ def test_prompt_tokens_take_one_pass_and_generated_tokens_the_chunks(tmp_path_fa
     kw = dict(dtype="float32", attention_impl="pallas", batch_invariant=True, max_model_len=256)
 
     def orders(llm, prompts, max_tokens: int) -> list[tuple[int, bool]]:
-        jax.clear_caches()  # programs traced by earlier tests would not reach the spy
+        """The (rows, one_pass) of the layer matmuls in the programs this generate traced first."""
         calls.clear()
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
         assert calls, "no layer matmul was traced"
         return list(calls)
 
+    jax.clear_caches()  # programs traced before (by earlier tests, by another engine here) would not reach the spy
     batch = LLM(path, max_num_seqs=2, max_num_batched_tokens=128, **kw)
     assert {p for _, p in orders(batch, [short], 1)} == {True}, "a packed prefill multiplied in chunks"
     prefill = set(calls)
@@ -350,6 +351,7 @@ def test_prompt_tokens_take_one_pass_and_generated_tokens_the_chunks(tmp_path_fa
     assert {p for rows, p in chunk_step if rows > 2} == {True}, "a prompt chunk's rows multiplied in chunks"
     assert (2, False) in chunk_step, "a chunk step's decode rows were not multiplied apart, in chunks"
     for prefill_mode in ("chunked", "layerwise"):
+        jax.clear_caches()
         off = LLM(path, offload=True, block_size=16, num_ring_slots=2, prefill=prefill_mode, **kw)
         assert {p for _, p in orders(off, [short], 1)} == {True}, f"offloaded {prefill_mode} prefill in chunks"
         prefill = set(calls)
