@@ -10,7 +10,8 @@ Model: the Llama-3.1-8B shape with random bf16 weights (prompts of 100..20K rand
 
   python bench/probes/probe_path_invariance.py --out probe_path_invariance.json [--model DIR] [--modes invariant]
   python bench/probes/probe_path_invariance.py --out tp2.json --tp 2      # two GPUs: alone against together
-  python bench/probes/probe_path_invariance.py --out steps.json --num-decode-steps 4   # + alone and together, 4 a program
+  python bench/probes/probe_path_invariance.py --out steps.json --num-decode-steps 4   # + 4 decode steps a program
+  python bench/probes/probe_path_invariance.py --out cached.json --modes invariant --legs cached   # one leg a call
 """
 import argparse
 import json
@@ -53,8 +54,14 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (the 8B shape): alone against together only")
     p.add_argument("--num-decode-steps", type=int, default=1,
                    help="N > 1: also each alone and all together with N decode steps a program, against alone")
+    p.add_argument("--legs", default="together,offloaded,cached",
+                   help="what to compare against alone (comma-separated: together, offloaded, cached); a subset fits "
+                        "a shorter device call")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
+    legs = {leg.strip() for leg in args.legs.split(",") if leg.strip()}
+    if not legs or legs - {"together", "offloaded", "cached"}:
+        raise SystemExit(f"--legs {args.legs!r}: give together, offloaded and/or cached")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or set(modes) - {"invariant", "default"}:
         raise SystemExit(f"--modes {args.modes!r}: give invariant, default or both")
@@ -94,10 +101,11 @@ def main() -> None:
         invariant = mode == "invariant"
         gpu = make(gpu_memory_utilization=0.5, batch_invariant=invariant)
         alone = [list(gpu.generate([q], sp)[0].token_ids) for q in prompts]
-        together = [list(o.token_ids) for o in gpu.generate(prompts, sp)]
-        del gpu
         result = {}
-        leg(result, "together_vs_alone", together, alone)
+        print(f"{time.perf_counter() - start:.0f} s", mode, "alone", flush=True)
+        if "together" in legs:
+            leg(result, "together_vs_alone", [list(o.token_ids) for o in gpu.generate(prompts, sp)], alone)
+        del gpu
         if args.num_decode_steps > 1:
             n = args.num_decode_steps
             stepped = make(gpu_memory_utilization=0.5, batch_invariant=invariant, num_decode_steps=n)
@@ -106,11 +114,12 @@ def main() -> None:
             leg(result, f"together_steps{n}_vs_alone", [list(o.token_ids) for o in stepped.generate(prompts, sp)],
                 alone)
             del stepped
-        if args.tp == 1:
+        if args.tp == 1 and "offloaded" in legs:
             off = make(offload=True, block_size=block, batch_invariant=invariant)
             offloaded = [list(off.generate([q], sp)[0].token_ids) for q in prompts]
             del off
             leg(result, "offloaded_vs_alone", offloaded, alone)
+        if args.tp == 1 and "cached" in legs:
             # The first halves sent first (one token each, together), so that the prompts' full blocks up to their
             # middles are cached; then the prompts together, their first halves read from the prefix cache.
             cached = make(gpu_memory_utilization=0.5, batch_invariant=invariant, enable_prefix_caching=True)
