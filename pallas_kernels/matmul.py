@@ -6,7 +6,7 @@ prompts kept their tokens batched on the H200, `bench/results/runs/h200_batch_in
 element is one float32 sum of `block_k`-wide tile products in ascending K order, rounded once to the output
 dtype: the products of each `K_CHUNK` keys summed from zero, then the chunks' sums added in ascending order;
 `block_k` and the chunks depend on K alone. With `one_pass` all of K is one chunk: the order a prompt's tokens take
-(the engine's prefill), where a tile holding one float32 sum instead of two runs at cuBLAS's speed; generated tokens
+(the engine's prefill), where a tile holding one float32 sum instead of two runs near cuBLAS's speed; generated tokens
 keep the chunks, which a one-row matmul needs to keep a deep weight in flight (a token is always computed in the same
 phase, so each order only has to hold within its phase). The tiles over rows and columns (`block_m`, `block_n`) only
 decide which program computes an element, and `k_unroll` how many K tiles a loop step loads, so they are picked per call
@@ -161,9 +161,9 @@ _matmul = interpret_aware_jit(_matmul, ("transpose_w", "one_pass", "out_dtype", 
 
 
 def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, one_pass: bool = False, out_dtype=None,
-           interpret: bool | None = None,
-           block_m: int | None = None, block_n: int | None = None, k_unroll: int | None = None,
-           split_k: bool | None = None, num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
+           interpret: bool | None = None, block_m: int | None = None, block_n: int | None = None,
+           k_unroll: int | None = None, split_k: bool | None = None, num_warps: int | None = None,
+           num_stages: int | None = None) -> jax.Array:
     """x [..., K] @ w [K, N] -> [..., N] in `out_dtype` (default x's), each row's bits independent of the rows
     computed with it.
 
