@@ -49,7 +49,7 @@ def test_lowers_for_cuda():
     """The 8B shapes it serves (a 14,336-deep w_down at prefill size, the wide w_gate_up at 256 rows, a padded
     row count, a float32 product as tensor parallelism's w_down shard makes) at both arrangements of a CTA's two
     tiles, in cluster pairs, and in one pass with prefill's 128 x 128 tiles (a ring of 4 slots; 3 beside float32
-    output slots), lower to Mosaic GPU kernels that fit shared memory, on
+    output slots; one above the other where N is no multiple of 256), lower to Mosaic GPU kernels that fit shared memory, on
     this CPU-only machine (the lowering and layout inference the GPU build runs; the interpreter skips them)."""
     for m, k, n, tiles in [(8192, 14336, 4096, dict(tile_m=64, tile_n=128, split_rows=True)),
                            (8192, 7168, 4096, dict(tile_m=64, tile_n=128, split_rows=True, out_dtype=jnp.float32)),
@@ -59,7 +59,8 @@ def test_lowers_for_cuda():
                            (8192, 14336, 4096, dict(tile_m=64, tile_n=128, split_rows=True, cluster="m")),
                            (8192, 14336, 4096, dict(tile_m=128, tile_n=128, split_rows=False, one_pass=True)),
                            (8192, 7168, 2048, dict(tile_m=128, tile_n=128, split_rows=False, one_pass=True,
-                                                   out_dtype=jnp.float32))]:
+                                                   out_dtype=jnp.float32)),
+                           (1024, 4096, 1152, dict(tile_m=128, tile_n=128, split_rows=True, one_pass=True))]:
         x, w = jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
         try:
             jax.jit(lambda x, w, tiles=tiles: mgpu_matmul(x, w, **tiles)).trace(x, w).lower(
