@@ -7,8 +7,9 @@ element is one float32 sum of `block_k`-wide tile products in ascending K order,
 dtype: the products of each `K_CHUNK` keys summed from zero, then the chunks' sums added in ascending order;
 `block_k` and the chunks depend on K alone. With `one_pass` all of K is one chunk: the order a prompt's tokens take
 (the engine's prefill), where a tile holding one float32 sum instead of two runs near cuBLAS's speed; generated tokens
-keep the chunks, which a one-row matmul needs to keep a deep weight in flight (a token is always computed in the same
-phase, so each order only has to hold within its phase). The tiles over rows and columns (`block_m`, `block_n`) only
+keep the chunks, which a one-row matmul needs to keep a deep weight in flight (a token is computed in the same phase
+however its request runs, so each order only has to hold within its phase; a generated token recomputed by a prefill
+after a preemption is the exception). The tiles over rows and columns (`block_m`, `block_n`) only
 decide which program computes an element, and `k_unroll` how many K tiles a loop step loads, so they are picked per call
 for speed: wide tiles for prefill, narrow ones for decode batches, where the weight must be read by many programs at
 once, each with enough of it in flight, to reach HBM speed; `split_k` whether each chunk of K is a program of its

@@ -16,8 +16,9 @@ total), so tile_m * tile_n / 64 registers a thread: 128 for 64 x 128 or 128 x 64
 ~232 a consumer gets beside a 40-register producer (the Triton form's 128 x 256 prefill tiles ran into the same,
 runs/h200_invariant_price/). In one pass (`one_pass`, a prompt's tokens) it holds one, and prefill takes 128 x 128
 tiles: JAX's own one-pass Hopper matmul ran the 8B's projections at 8,192 rows at 1.02-1.04x cuBLAS with them, with
-the Triton one-pass form's bits (runs/h200_invariant_price/price_2026_11_30/gemv_one_pass/). Output tiles are walked
-in groups of GROUP_M row tiles so that the CTAs in flight share their x rows and w columns in L2.
+the Triton one-pass form's bits (runs/h200_invariant_price/price_2026_11_30/gemv_one_pass/); this form with them
+brought the 8B's 32K prefill in the mode to 1.015x the default's (price_2026_11_30/prefill_one_pass/). Output tiles
+are walked in groups of GROUP_M row tiles so that the CTAs in flight share their x rows and w columns in L2.
 
 `matmul.matmul` routes to it on Hopper (`matmul.wgmma_suits` says where; JAX_OFFLOAD_HOPPER_MATMUL=0 turns it off).
 On an H200 it gave the Triton form's bits at every shape and tile config probed and runs 1.17x cuBLAS's time over an
@@ -221,6 +222,9 @@ def mgpu_matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, tile_m: int = 64,
         # The ring shares the CTA's shared memory with the output's slots: 32 KiB in bf16, 64 KiB in float32 (the
         # products tensor parallelism adds across devices), where 6 slots did not fit (262,240 bytes on an H200).
         out_bytes = _COMPUTE_WGS * 2 * _EPILOGUE * _EPILOGUE * jnp.dtype(out_dtype or x.dtype).itemsize
-        steps = next(s for s in (6, 4, 3, 2) if s * slot_bytes + out_bytes <= _SMEM_BYTES)
+        steps = next((s for s in (6, 4, 3, 2) if s * slot_bytes + out_bytes <= _SMEM_BYTES), None)
+        if steps is None:
+            raise ValueError(f"tiles {tile_m} x {tile_n} (split_rows={split_rows}) of {x.dtype}: not even 2 ring slots "
+                             f"fit beside the output's in {_SMEM_BYTES} bytes of shared memory; allowed: smaller tiles")
     return _mgpu_matmul(x, w, out_dtype=jnp.dtype(out_dtype or x.dtype), tile_m=tile_m, tile_n=tile_n,
                         split_rows=split_rows, steps=steps, cluster=cluster, one_pass=one_pass, interpret=interpret)

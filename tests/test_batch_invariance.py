@@ -2,15 +2,15 @@
 
 Kernels (Pallas interpret mode): the batch-invariant matmul gives each row the same bits for every row count and
 launch config, in either order (prompt tokens sum K in one pass, generated tokens in 1,024-key chunks; which order
-each path's matmuls take is recorded as they are traced); decode attention over a paged pool, folded in fixed
-splits, gives each sequence the bits it gets alone and the bits of the offloaded decode's contiguous pieces. Engine (CPU, XLA's kernels, tiny Llama, Qwen2 and
-Qwen3 in bfloat16): prompts of 5..700 tokens alone, together, offloaded (alone and together) and after their first
-halves were cached give the same greedy tokens, and six Qwen3 prompts the same seeded tokens alone and together
-(chunked offloaded prefill equals in-GPU in tests/test_offload_bf16.py; every max_num_seqs 1..10, 60 tokens, block
-256 and 512: bench/probes/probe_cpu_bf16_identity.py). On the CPU one prompt runs the one-request path and several
-the batch engine; their decode attention agrees because the paged twin attends one sequence at a time with the
-contiguous twin's arithmetic (batched, a sequence's bits changed with the batch size: a 700-token prompt's at its
-21st token).
+each path's matmuls take is recorded as they are traced); decode attention over a paged pool, folded in fixed splits,
+gives each sequence the bits it gets alone and the bits of the offloaded decode's contiguous pieces. Engine (CPU,
+XLA's kernels, tiny Llama, Qwen2 and Qwen3 in bfloat16): prompts of 5..700 tokens alone, together, offloaded (alone
+and together) and after their first halves were cached give the same greedy tokens, and six Qwen3 prompts the same
+seeded tokens alone and together (chunked offloaded prefill equals in-GPU in tests/test_offload_bf16.py; every
+max_num_seqs 1..10, 60 tokens, block 256 and 512: bench/probes/probe_cpu_bf16_identity.py). On the CPU one prompt runs
+the one-request path and several the batch engine; their decode attention agrees because the paged twin attends one
+sequence at a time with the contiguous twin's arithmetic (batched, a sequence's bits changed with the batch size: a
+700-token prompt's at its 21st token).
 The engine tests pass `batch_invariant=True`, which changes nothing on the CPU and is what makes it hold on a GPU
 (without it, on an H100, the first prompt's greedy tokens alone and together part at the 11th token:
 bench/results/runs/h100_gpu_tests/README.md; the Llama-3.1-8B shape: bench/results/runs/h200_batch_invariance/).
@@ -318,41 +318,49 @@ def test_each_architecture_alone_together_offloaded_cached(tmp_path_factory, var
 
 def test_prompt_tokens_take_one_pass_and_generated_tokens_the_chunks(tmp_path_factory, monkeypatch):
     """Which order each path's layer matmuls take, recorded as their programs are traced (Pallas kernels, interpret
-    mode): a prompt's tokens one pass over K in every prefill (packed, in chunk steps, offloaded in chunks and
-    layerwise), generated tokens K's chunks in every decode step, and a chunk step that also decodes multiplies its
-    chunk's rows in one pass and its decode rows in chunks."""
+    mode; the tiny models' K is below K_CHUNK, so the two orders' bits agree and only this test tells the paths
+    apart): a prompt's tokens (more than 2 rows here) one pass over K, generated tokens (at most 2: max_num_seqs)
+    K's chunks. In GPU memory: packed prefill, decode steps, chunk steps that also decode (their chunk's rows and
+    decode rows multiplied apart), the one-request prefill (`LLM.logits`); offloaded: one request (prefill in chunks,
+    layerwise) and two (the batch engine's offloaded prefill and pooled decode). Not traced here: the one-request
+    in-GPU decode, XAttention's chunk layer, CacheBlend, several decode steps a program, tensor parallelism."""
     path = tiny_models.build_in(tmp_path_factory, "llama3", MODEL_SEED)
     calls: list[tuple[int, bool]] = []
     real = decoder.matmul
 
     def spy(x, w, **kw):
-        if w.shape[-1] != tiny_models.VOCAB and not kw.get("transpose_w"):  # a layer's weight, not the LM head
-            calls.append((int(np.prod(x.shape[:-1])), kw.get("one_pass", False)))
+        if "one_pass" in kw:  # a layer's matmul (the LM head passes no order)
+            calls.append((int(np.prod(x.shape[:-1])), kw["one_pass"]))
         return real(x, w, **kw)
 
     monkeypatch.setattr(decoder, "matmul", spy)
     rng = np.random.default_rng(PROMPT_SEED)
-    short, long = (rng.integers(3, tiny_models.VOCAB, size=n).tolist() for n in (29, 140))
-    kw = dict(dtype="float32", attention_impl="pallas", batch_invariant=True, max_model_len=256)
+    short, other, long = (rng.integers(3, tiny_models.VOCAB, size=n).tolist() for n in (29, 37, 140))
+    kw = dict(dtype="float32", attention_impl="pallas", batch_invariant=True, max_model_len=256, max_num_seqs=2)
+    three = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 
-    def orders(llm, prompts, max_tokens: int) -> list[tuple[int, bool]]:
-        """The (rows, one_pass) of the layer matmuls in the programs this generate traced first."""
+    def traced(run, where: str, phases: set[bool] = frozenset({True, False})) -> list[tuple[int, bool]]:
+        """The (rows, one_pass) of the layer matmuls in the programs `run` traced (`phases`: the orders it traces
+        programs of); each in its phase's order."""
         calls.clear()
-        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-        assert calls, "no layer matmul was traced"
+        run()
+        assert {p for _, p in calls} == phases, f"{where}: traced {sorted(set(calls))}"
+        wrong = sorted({(rows, p) for rows, p in calls if p != (rows > 2)})
+        assert not wrong, f"{where}: (rows, one_pass) {wrong} in the other phase's order"
         return list(calls)
 
     jax.clear_caches()  # programs traced before (by earlier tests, by another engine here) would not reach the spy
-    batch = LLM(path, max_num_seqs=2, max_num_batched_tokens=128, **kw)
-    assert {p for _, p in orders(batch, [short], 1)} == {True}, "a packed prefill multiplied in chunks"
-    prefill = set(calls)
-    assert {p for _, p in set(orders(batch, [short], 3)) - prefill} == {False}, "a decode step took one pass"
-    chunk_step = orders(batch, [short, long], 2)
-    assert {p for rows, p in chunk_step if rows > 2} == {True}, "a prompt chunk's rows multiplied in chunks"
-    assert (2, False) in chunk_step, "a chunk step's decode rows were not multiplied apart, in chunks"
+    batch = LLM(path, max_num_batched_tokens=128, **kw)
+    traced(lambda: batch.generate([short], three), "packed prefill, decode")
+    chunk_step = traced(lambda: batch.generate([short, long], three), "chunk steps beside a decode")
+    assert max(rows for rows, _ in chunk_step) <= 128, "a chunk step multiplied its chunk and decode rows as one"
+    calls.clear()
+    batch.logits(other)
+    assert calls and all(p for _, p in calls), "the one-request prefill multiplied in chunks"
     for prefill_mode in ("chunked", "layerwise"):
         jax.clear_caches()
         off = LLM(path, offload=True, block_size=16, num_ring_slots=2, prefill=prefill_mode, **kw)
-        assert {p for _, p in orders(off, [short], 1)} == {True}, f"offloaded {prefill_mode} prefill in chunks"
-        prefill = set(calls)
-        assert {p for _, p in set(orders(off, [short], 3)) - prefill} == {False}, "an offloaded decode took one pass"
+        traced(lambda: off.generate([short], three), f"offloaded {prefill_mode}, one request")
+        if prefill_mode == "chunked":
+            # Its prefill reuses the one-request programs (same shapes); the pooled decode is new.
+            traced(lambda: off.generate([short, other], three), "offloaded, two requests", {False})

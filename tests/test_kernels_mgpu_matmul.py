@@ -46,10 +46,10 @@ def test_interpreted_gives_the_bits_of_the_triton_form(one_pass):
 
 
 def test_lowers_for_cuda():
-    """The 8B shapes it serves (a 14,336-deep w_down at prefill size, the wide w_gate_up at 256 rows, a padded
-    row count, a float32 product as tensor parallelism's w_down shard makes) at both arrangements of a CTA's two
-    tiles, in cluster pairs, and in one pass with prefill's 128 x 128 tiles (a ring of 4 slots; 3 beside float32
-    output slots; one above the other where N is no multiple of 256), lower to Mosaic GPU kernels that fit shared memory, on
+    """The 8B shapes it serves (a 14,336-deep w_down at prefill size, the wide w_gate_up at 256 rows, a padded row
+    count, a float32 product as tensor parallelism's w_down shard makes) at both arrangements of a CTA's two tiles,
+    in cluster pairs, and in one pass with prefill's 128 x 128 tiles (a ring of 4 slots; 3 beside float32 output
+    slots; one above the other where N is no multiple of 256), lower to Mosaic GPU kernels that fit shared memory, on
     this CPU-only machine (the lowering and layout inference the GPU build runs; the interpreter skips them)."""
     for m, k, n, tiles in [(8192, 14336, 4096, dict(tile_m=64, tile_n=128, split_rows=True)),
                            (8192, 7168, 4096, dict(tile_m=64, tile_n=128, split_rows=True, out_dtype=jnp.float32)),
@@ -86,7 +86,8 @@ def test_gives_the_bits_of_the_triton_form_on_hopper(monkeypatch):
                 got = mgpu_matmul(x, w, **tiles)
                 assert _same_bits(got, ref), f"seed {seed + m}: M={m} K={k} N={n} {tiles} differ from the Triton form"
             one_pass = matmul(x, w, one_pass=True)
-            for tiles in [dict(tile_m=128, tile_n=128, split_rows=False), dict(tile_m=64, tile_n=64, split_rows=False)]:
+            for tiles in [dict(tile_m=128, tile_n=128, split_rows=False), dict(tile_m=128, tile_n=128, split_rows=True),
+                          dict(tile_m=64, tile_n=128, split_rows=True), dict(tile_m=64, tile_n=64, split_rows=False)]:
                 got = mgpu_matmul(x, w, one_pass=True, **tiles)
                 assert _same_bits(got, one_pass), \
                     f"seed {seed + m}: M={m} K={k} N={n} {tiles} in one pass differ from the Triton form"
