@@ -51,11 +51,12 @@ def _row_parallel(layer: LayerParams, x: jax.Array, w: jax.Array) -> jax.Array:
     so with the batch (at 2 devices it is the one commutative addition either way)."""
     if not layer.batch_invariant:
         return _dot(x, w)
+    multiply = functools.partial(matmul, one_pass=layer.k_one_pass)
     if layer.tp is None:
-        return matmul(x, w, one_pass=layer.k_one_pass)
+        return multiply(x, w)
 
     def local(x: jax.Array, w: jax.Array) -> jax.Array:
-        products = jax.lax.all_gather(matmul(x, w, one_pass=layer.k_one_pass, out_dtype=jnp.float32), AXIS)
+        products = jax.lax.all_gather(multiply(x, w, out_dtype=jnp.float32), AXIS)
         return functools.reduce(operator.add, list(products)).astype(x.dtype)
 
     return layer.tp.per_head(local, (x.ndim - 1, 0), None)(x, w)

@@ -303,7 +303,7 @@ def _chunk_layer(cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, 
     def by_phase(fn, x: jax.Array, *args) -> tuple | jax.Array:
         """fn(layer, x, *args) over all rows, or, batch-invariant, over the chunk's rows and the decode rows apart,
         each in its phase's matmul order (args: row-aligned arrays [1, T + B, ...])."""
-        if not layer.batch_invariant or t == x.shape[1]:
+        if not layer.batch_invariant:
             return fn(layer, x, *args)
         parts = (fn(prompt_layer, x[:, :t], *(a[:, :t] for a in args)),
                  fn(layer, x[:, t:], *(a[:, t:] for a in args)))
