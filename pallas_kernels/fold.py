@@ -21,14 +21,20 @@ from pallas_kernels._common import LOG2E, NEG_INF, compiler_params, interpret_aw
 from pallas_kernels.state import AttentionState
 
 
-# Splits loaded together per loop step: their loads are issued at once, a step ahead of their fold, so that their
-# latency hides behind the previous step's folds (the fold is latency-bound: one program per KV head walks every
-# split). A constant, so that every call runs the very same code.
-_SPLITS_PER_STEP = 16
+# Most splits loaded together per loop step: their loads are issued at once, a step ahead of their fold, so that
+# their latency hides behind the previous step's folds (the fold is latency-bound: one program per KV head walks
+# every split). A call of fewer splits loads fewer a step (`_splits_per_step`): 32 tiles held in registers cost
+# occupancy where many short sequences (one or two splits each) fill the grid. The step only groups loads: every
+# split is folded by the same operations in the same order, so the bits do not depend on it.
+_MAX_SPLITS_PER_STEP = 16
 
 
-# The group sizes a tree fold may take (`fold_splits`' `tree`): divisors of a loop step's splits.
-TREE_SIZES = tuple(t for t in range(1, _SPLITS_PER_STEP + 1) if _SPLITS_PER_STEP % t == 0 and t & (t - 1) == 0)
+# The group sizes a tree fold may take (`fold_splits`' `tree`): powers of two up to a loop step's splits.
+TREE_SIZES = tuple(1 << i for i in range(_MAX_SPLITS_PER_STEP.bit_length()))
+
+
+def _splits_per_step(num_splits: int, tree: int) -> int:
+    return max(tree, min(_MAX_SPLITS_PER_STEP, next_pow2(num_splits)))
 
 
 def _merge(a, b):
@@ -44,7 +50,7 @@ def _merge(a, b):
 
 
 def _fold_kernel(live_ref, o_ref, lse_ref, acc_ref, m_ref, l_ref, acc_out, m_out, l_out, *, group: int,
-                 tree: int):
+                 tree: int, per_step: int):
     # Row statistics are [rows, 1] columns, as acc's rows: a statistic meets acc with no layout change between them
     # (~10% of the fold on an H200, the same bits: bench/results/runs/h200_fold/).
     rows = acc_ref.shape[0]
@@ -68,8 +74,8 @@ def _fold_kernel(live_ref, o_ref, lse_ref, acc_ref, m_ref, l_ref, acc_out, m_out
     def load_step(i):
         """The splits of loop step i (clamped to the last split past the end: loaded, never folded)."""
         loaded = []
-        for u in range(_SPLITS_PER_STEP):
-            s = jnp.minimum(i * _SPLITS_PER_STEP + u, num_splits - 1)
+        for u in range(per_step):
+            s = jnp.minimum(i * per_step + u, num_splits - 1)
             loaded.append((plgpu.load(o_ref.at[s], mask=row_ok, other=0.0),
                            plgpu.load(lse_ref.at[s], mask=row_ok, other=NEG_INF)))
         return loaded
@@ -91,20 +97,20 @@ def _fold_kernel(live_ref, o_ref, lse_ref, acc_ref, m_ref, l_ref, acc_out, m_out
         upcoming = load_step(i + 1)  # issued before this step's folds, which do not need it
         if tree == 1:
             for u, (o, lse) in enumerate(loaded):
-                carry = fold_one(carry, o, lse, i * _SPLITS_PER_STEP + u < num_live)
+                carry = fold_one(carry, o, lse, i * per_step + u < num_live)
         else:
-            for u in range(0, _SPLITS_PER_STEP, tree):
-                carry = fold_tree(carry, loaded[u:u + tree], i * _SPLITS_PER_STEP + u)
+            for u in range(0, per_step, tree):
+                carry = fold_tree(carry, loaded[u:u + tree], i * per_step + u)
         return carry, upcoming
 
-    steps = (num_live + _SPLITS_PER_STEP - 1) // _SPLITS_PER_STEP
+    steps = (num_live + per_step - 1) // per_step
     (acc, m, l), _ = lax.fori_loop(0, steps, step, ((acc, m, l), load_step(0)))
     plgpu.store(acc_out, acc, mask=row_ok)
     plgpu.store(m_out, m, mask=row_ok)
     plgpu.store(l_out, l, mask=row_ok)
 
 
-def _fold(num_live, o_part, lse_part, acc, m, l, *, tree, interpret):
+def _fold(num_live, o_part, lse_part, acc, m, l, *, tree, per_step, interpret):
     """num_live [B]; o_part [S, B, Hkv, G, D], lse_part [S, B, Hkv, G, 1]; acc [B, Hkv, G, D], m and l
     [B, Hkv, G, 1]."""
     num_splits, batch, hkv, group, d = o_part.shape
@@ -112,7 +118,7 @@ def _fold(num_live, o_part, lse_part, acc, m, l, *, tree, interpret):
     row_spec = pl.BlockSpec((None, None, rows, d), lambda bh: (bh // hkv, bh % hkv, 0, 0))
     stat_spec = pl.BlockSpec((None, None, rows, 1), lambda bh: (bh // hkv, bh % hkv, 0, 0))
     return pl.pallas_call(
-        functools.partial(_fold_kernel, group=group, tree=tree),
+        functools.partial(_fold_kernel, group=group, tree=tree, per_step=per_step),
         grid=(batch * hkv,),
         in_specs=[pl.BlockSpec((None,), lambda bh: (bh // hkv,)),
                   pl.BlockSpec((num_splits, None, None, rows, d), lambda bh: (0, bh // hkv, bh % hkv, 0, 0)),
@@ -127,7 +133,7 @@ def _fold(num_live, o_part, lse_part, acc, m, l, *, tree, interpret):
     )(num_live, o_part, lse_part, acc, m, l)
 
 
-_fold = interpret_aware_jit(_fold, ("tree", "interpret"))
+_fold = interpret_aware_jit(_fold, ("tree", "per_step", "interpret"))
 
 
 def fold_splits(state: AttentionState, o_part: jax.Array, lse_part: jax.Array, num_live: jax.Array | None = None,
@@ -151,5 +157,6 @@ def fold_splits(state: AttentionState, o_part: jax.Array, lse_part: jax.Array, n
     num_live = jnp.full((batch,), num_splits, jnp.int32) if num_live is None else num_live.astype(jnp.int32)
     acc, m, l = _fold(num_live, o_part.astype(jnp.float32), lse_part.astype(jnp.float32)[..., None],
                       state.acc.reshape(batch, hkv, group, d), state.m.reshape(batch, hkv, group, 1),
-                      state.l.reshape(batch, hkv, group, 1), tree=tree, interpret=resolve_interpret(interpret))
+                      state.l.reshape(batch, hkv, group, 1), tree=tree,
+                      per_step=_splits_per_step(num_splits, tree), interpret=resolve_interpret(interpret))
     return AttentionState(acc.reshape(batch, 1, hq, d), m.reshape(batch, hq, 1), l.reshape(batch, hq, 1))
