@@ -126,14 +126,18 @@ def _assert_fold_is_the_float64_merge(state, o, lse, live, seed: int) -> None:
 
 
 def test_fold_splits_over_many_steps_equals_pieces_and_float64():
-    """40 splits (three of the fold's loop steps, the last partial), a row whose live splits end mid-step, empty
-    splits: one call equals the same splits folded in two calls (bits), and the float64 softmax merge."""
+    """40 splits (three of the fold's loop steps of 16, the last partial), a row whose live splits end mid-step, empty
+    splits: one call equals the same splits folded in two calls, and in calls of 1, 2, 5 and 32 splits (loop steps of
+    1, 2, 8 and 16 splits: a call loads as many a step as it has) (bits), and the float64 softmax merge."""
     seed = 4103
     o, lse, live, state = _fold_inputs(seed, 40, 23)
     one = pk.fold_splits(state, o, jnp.asarray(lse), jnp.asarray(live))
-    first = pk.fold_splits(state, o[:17], jnp.asarray(lse[:17]), jnp.asarray(np.minimum(live, 17)))
-    two = pk.fold_splits(first, o[17:], jnp.asarray(lse[17:]), jnp.asarray(live - 17))
-    assert all(np.array_equal(x, y) for x, y in zip(one, two)), f"seed {seed}"
+    for cuts in ((17,), (1, 3, 8)):
+        pieces = state
+        for start, end in zip((0, *cuts), (*cuts, 40)):
+            pieces = pk.fold_splits(pieces, o[start:end], jnp.asarray(lse[start:end]),
+                                    jnp.asarray(np.clip(live - start, 0, end - start)))
+        assert all(np.array_equal(x, y) for x, y in zip(one, pieces)), f"seed {seed}: calls cut at {cuts}"
     _assert_fold_is_the_float64_merge(one, o, lse, live, seed)
 
 
