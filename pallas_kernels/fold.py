@@ -51,6 +51,19 @@ def _merge(a, b):
     return tuple(jnp.where(b_empty, xa, jnp.where(a_empty, xb, x)) for x, xa, xb in zip(merged, a, b))
 
 
+def _fold_one_split(carry, o, lse, live):
+    """A running state (acc [rows, D], m and l [rows, 1], m in log2 units) with one split's float32 (o [rows, D],
+    natural-log lse [rows, 1]) folded in where `live`, as it was elsewhere: the operations every decode fold runs."""
+    acc, m, l = carry
+    lse2 = lse * LOG2E
+    m_new = jnp.maximum(m, lse2)
+    m_use = jnp.where(m_new == NEG_INF, 0.0, m_new)  # both empty: keep exp2() finite
+    w_old, w_new = jnp.exp2(m - m_use), jnp.exp2(lse2 - m_use)
+    part = jnp.where(w_new > 0, w_new * o, 0.0)  # an empty split's o may be anything
+    new = (acc * w_old + part, m_new, l * w_old + w_new)
+    return tuple(jnp.where(live, x, y) for x, y in zip(new, carry))  # past the live splits: unchanged
+
+
 def _fold_kernel(live_ref, o_ref, lse_ref, acc_ref, m_ref, l_ref, acc_out, m_out, l_out, *, group: int,
                  tree: int, per_step: int):
     # Row statistics are [rows, 1] columns, as acc's rows: a statistic meets acc with no layout change between them
@@ -62,16 +75,6 @@ def _fold_kernel(live_ref, o_ref, lse_ref, acc_ref, m_ref, l_ref, acc_out, m_out
     l = plgpu.load(l_ref, mask=row_ok, other=0.0)
     num_live = live_ref[()]
     num_splits = o_ref.shape[0]
-
-    def fold_one(carry, o, lse, live):
-        acc, m, l = carry
-        lse2 = lse * LOG2E
-        m_new = jnp.maximum(m, lse2)
-        m_use = jnp.where(m_new == NEG_INF, 0.0, m_new)  # both empty: keep exp2() finite
-        w_old, w_new = jnp.exp2(m - m_use), jnp.exp2(lse2 - m_use)
-        part = jnp.where(w_new > 0, w_new * o, 0.0)  # an empty split's o may be anything
-        new = (acc * w_old + part, m_new, l * w_old + w_new)
-        return tuple(jnp.where(live, x, y) for x, y in zip(new, carry))  # past the live splits: unchanged
 
     def load_step(i):
         """The splits of loop step i (clamped to the last split past the end: loaded, never folded)."""
@@ -99,7 +102,7 @@ def _fold_kernel(live_ref, o_ref, lse_ref, acc_ref, m_ref, l_ref, acc_out, m_out
         upcoming = load_step(i + 1)  # issued before this step's folds, which do not need it
         if tree == 1:
             for u, (o, lse) in enumerate(loaded):
-                carry = fold_one(carry, o, lse, i * per_step + u < num_live)
+                carry = _fold_one_split(carry, o, lse, i * per_step + u < num_live)
         else:
             for u in range(0, per_step, tree):
                 carry = fold_tree(carry, loaded[u:u + tree], i * per_step + u)

@@ -66,6 +66,33 @@ from pallas_kernels.merge import merge_stack
 from pallas_kernels.state import AttentionState, check_state
 
 
+def _attend_paged_split(q, seq_len, start, bt_ref, k_ref, v_ref, k_scale_ref, v_scale_ref, *, scale_log2: float,
+                page_size: int, page_stride: int, v_offset: int, block_k: int, split_len: int, precision):
+    """Inside a program: the query group q [block_h, D] attended to the split of keys [start, start + split_len)
+    (those below seq_len) of a paged pool whose block table row is bt_ref -> (o float32, natural-log lse)."""
+    n_keys = jnp.clip(seq_len - start, 0, split_len)
+    n_full = fdiv(n_keys, block_k)
+    n_blocks = cdiv(n_keys, block_k)
+
+    def body(j, carry, masked: bool):
+        pos = start + j * block_k
+        # Only pages below ceil(seq_len / page_size) are reached, so padding entries of the
+        # block table are never read.
+        phys = bt_ref[fdiv(pos, page_size)]
+        row = pl.multiple_of(phys * page_stride + lax.rem(pos, jnp.int32(page_size)), block_k)
+        vslice = pl.ds(pl.multiple_of(row + v_offset, block_k), block_k)
+        # Rows of the tail page past seq_len may hold stale keys (even NaN): never loaded.
+        col_ok = (j * block_k + jnp.arange(block_k, dtype=jnp.int32)) < n_keys if masked else None
+        return decode_key_tile(carry, q, k_ref, v_ref, pl.ds(row, block_k), vslice, col_ok,
+                               scale_log2=scale_log2, precision=precision, k_scale_ref=k_scale_ref,
+                               v_scale_ref=v_scale_ref)
+
+    carry = empty_softmax_state(q.shape[0], q.shape[-1])
+    carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
+    carry = lax.fori_loop(n_full, n_blocks, functools.partial(body, masked=True), carry)
+    return finish_online_softmax(*carry)
+
+
 def _paged_decode_kernel(seqlen_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
                          scale_log2: float, page_size: int, page_stride: int, v_offset: int,
                          block_k: int, split_len: int, num_programs: int, group: int, precision):
@@ -84,28 +111,9 @@ def _paged_decode_kernel(seqlen_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
         # Program p takes splits p, p + num_programs, ... that hold keys. Each starts from an empty state, so its
         # result does not depend on how splits map to programs.
         split = program + i * num_programs
-        start = split * split_len
-        n_keys = jnp.clip(seq_len - start, 0, split_len)
-        n_full = fdiv(n_keys, block_k)
-        n_blocks = cdiv(n_keys, block_k)
-
-        def body(j, carry, masked: bool):
-            pos = start + j * block_k
-            # Only pages below ceil(seq_len / page_size) are reached, so padding entries of the
-            # block table are never read.
-            phys = bt_ref[fdiv(pos, page_size)]
-            row = pl.multiple_of(phys * page_stride + lax.rem(pos, jnp.int32(page_size)), block_k)
-            vslice = pl.ds(pl.multiple_of(row + v_offset, block_k), block_k)
-            # Rows of the tail page past seq_len may hold stale keys (even NaN): never loaded.
-            col_ok = (j * block_k + jnp.arange(block_k, dtype=jnp.int32)) < n_keys if masked else None
-            return decode_key_tile(carry, q, k_ref, v_ref, pl.ds(row, block_k), vslice, col_ok,
-                                   scale_log2=scale_log2, precision=precision, k_scale_ref=k_scale_ref,
-                                   v_scale_ref=v_scale_ref)
-
-        carry = empty_softmax_state(block_h, q.shape[-1])
-        carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
-        carry = lax.fori_loop(n_full, n_blocks, functools.partial(body, masked=True), carry)
-        o, lse = finish_online_softmax(*carry)
+        o, lse = _attend_paged_split(q, seq_len, split * split_len, bt_ref, k_ref, v_ref, k_scale_ref, v_scale_ref,
+                             scale_log2=scale_log2, page_size=page_size, page_stride=page_stride, v_offset=v_offset,
+                             block_k=block_k, split_len=split_len, precision=precision)
         plgpu.store(o_ref.at[split], o, mask=row_ok[:, None])
         plgpu.store(lse_ref.at[split], lse, mask=row_ok)
         return _

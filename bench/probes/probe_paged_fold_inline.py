@@ -34,9 +34,10 @@ from jax.experimental.pallas import triton as plgpu  # noqa: E402
 from common import run_metadata  # noqa: E402
 import pallas_kernels as pk  # noqa: E402
 from pallas_kernels._common import (LOG2E, MIN_BLOCK, NEG_INF, cdiv, check_sm_scale, compiler_params,  # noqa: E402
-                                    decode_key_tile, dot_precision, empty_softmax_state, fdiv,
-                                    finish_online_softmax, next_pow2)
+                                    dot_precision, next_pow2)
 from pallas_kernels.decode import default_decode_config  # noqa: E402
+from pallas_kernels.fold import _fold_one_split  # noqa: E402
+from pallas_kernels.paged_decode import _attend_paged_split  # noqa: E402
 from pallas_kernels.state import AttentionState  # noqa: E402
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -48,19 +49,10 @@ CPU_SHAPES = [(3, 4, 2, 32, 64, 64, 300), (5, 8, 2, 32, 32, 64, 200)]
 LOOPS, CALLS = 20, 10
 
 
-def fold_one(carry, o, lse):
-    """`pallas_kernels/fold.py`'s fold of one live split, operation for operation."""
-    acc, m, l = carry
-    lse2 = lse * LOG2E
-    m_new = jnp.maximum(m, lse2)
-    m_use = jnp.where(m_new == NEG_INF, 0.0, m_new)
-    w_old, w_new = jnp.exp2(m - m_use), jnp.exp2(lse2 - m_use)
-    part = jnp.where(w_new > 0, w_new * o, 0.0)
-    return acc * w_old + part, m_new, l * w_old + w_new
-
-
 def fused_kernel(seqlen_ref, bt_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, acc_out, m_out, l_out, *,
                  scale_log2, page_size, block_k, split_len, group, precision):
+    """The library's split attention (`_attend_paged_split`) and fold (`_fold_one_split`), one after the other for
+    each of the program's splits."""
     seq_len = seqlen_ref[()]
     block_h = q_ref.shape[0]
     row_ok = jnp.arange(block_h) < group
@@ -70,23 +62,10 @@ def fused_kernel(seqlen_ref, bt_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
              plgpu.load(l_ref, mask=row_ok[:, None], other=0.0))
 
     def one_split(split, state):
-        start = split * split_len
-        n_keys = jnp.clip(seq_len - start, 0, split_len)
-        n_full, n_blocks = fdiv(n_keys, block_k), cdiv(n_keys, block_k)
-
-        def body(j, carry, masked):
-            pos = start + j * block_k
-            row = pl.multiple_of(bt_ref[fdiv(pos, page_size)] * page_size + lax.rem(pos, jnp.int32(page_size)),
-                                 block_k)
-            col_ok = (j * block_k + jnp.arange(block_k, dtype=jnp.int32)) < n_keys if masked else None
-            return decode_key_tile(carry, q, k_ref, v_ref, pl.ds(row, block_k), pl.ds(row, block_k), col_ok,
-                                   scale_log2=scale_log2, precision=precision)
-
-        carry = empty_softmax_state(block_h, q.shape[-1])
-        carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
-        carry = lax.fori_loop(n_full, n_blocks, functools.partial(body, masked=True), carry)
-        o, lse = finish_online_softmax(*carry)
-        return fold_one(state, o, lse[:, None])
+        o, lse = _attend_paged_split(q, seq_len, split * split_len, bt_ref, k_ref, v_ref, None, None,
+                                     scale_log2=scale_log2, page_size=page_size, page_stride=page_size, v_offset=0,
+                                     block_k=block_k, split_len=split_len, precision=precision)
+        return _fold_one_split(state, o, lse[:, None], True)
 
     acc, m, l = lax.fori_loop(0, cdiv(seq_len, split_len), one_split, state)
     plgpu.store(acc_out, acc, mask=row_ok[:, None])
