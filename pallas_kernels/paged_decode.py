@@ -61,7 +61,7 @@ from pallas_kernels.decode import (
     decode_attention_with_lse_xla,
     default_decode_config,
 )
-from pallas_kernels.fold import fold_splits
+from pallas_kernels.fold import _fold_one_split, fold_splits
 from pallas_kernels.merge import merge_stack
 from pallas_kernels.state import AttentionState, check_state
 
@@ -95,10 +95,11 @@ def _attend_paged_split(q, seq_len, start, bt_ref, k_ref, v_ref, k_scale_ref, v_
 
 def _paged_decode_kernel(seqlen_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
                          scale_log2: float, page_size: int, page_stride: int, v_offset: int,
-                         block_k: int, split_len: int, num_programs: int, group: int, precision):
-    # refs: (o, lse), or (k scales, v scales, o, lse) for an 8-bit pool.
-    k_scale_ref, v_scale_ref = refs[:-2] or (None, None)
-    o_ref, lse_ref = refs[-2:]
+                         block_k: int, split_len: int, num_programs: int, group: int, fold: bool, precision):
+    # refs: (o, lse) of every split, or with `fold` (one program a (sequence, KV head)) the state in, then out
+    # (acc, m, l each); an 8-bit pool's (k scales, v scales) come first.
+    n_scales = len(refs) - (6 if fold else 2)
+    k_scale_ref, v_scale_ref = refs[:n_scales] or (None, None)
     seq_len = seqlen_ref[()]
     block_h = q_ref.shape[0]
     row_ok = jnp.arange(block_h) < group
@@ -107,13 +108,35 @@ def _paged_decode_kernel(seqlen_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
     q = plgpu.load(q_ref, mask=row_ok[:, None], other=0)
     program = pl.program_id(0)
 
+    def attend(split):
+        return _attend_paged_split(q, seq_len, split * split_len, bt_ref, k_ref, v_ref, k_scale_ref, v_scale_ref,
+                                   scale_log2=scale_log2, page_size=page_size, page_stride=page_stride,
+                                   v_offset=v_offset, block_k=block_k, split_len=split_len, precision=precision)
+
+    if fold:
+        # Each split folded into the state as soon as it is attended, by `fold_splits`' operations in its order: the
+        # split states' float32 round trip and the fold kernel's launch go (an 8B decode step of 256 sequences on an
+        # H200: 111 -> 102 us a layer, the same bits, runs/h200_invariant_price/price_2026_12_01/paged_fold_inline/).
+        acc_in, m_in, l_in, acc_out, m_out, l_out = refs[n_scales:]
+        state = (plgpu.load(acc_in, mask=row_ok[:, None], other=0.0),
+                 plgpu.load(m_in, mask=row_ok[:, None], other=NEG_INF),
+                 plgpu.load(l_in, mask=row_ok[:, None], other=0.0))
+
+        def fold_split(split, state):
+            o, lse = attend(split)
+            return _fold_one_split(state, o, lse[:, None], True)
+
+        for ref, x in zip((acc_out, m_out, l_out), lax.fori_loop(0, cdiv(seq_len, split_len), fold_split, state)):
+            plgpu.store(ref, x, mask=row_ok[:, None])
+        return
+
+    o_ref, lse_ref = refs[n_scales:]
+
     def one_split(i, _):
         # Program p takes splits p, p + num_programs, ... that hold keys. Each starts from an empty state, so its
         # result does not depend on how splits map to programs.
         split = program + i * num_programs
-        o, lse = _attend_paged_split(q, seq_len, split * split_len, bt_ref, k_ref, v_ref, k_scale_ref, v_scale_ref,
-                             scale_log2=scale_log2, page_size=page_size, page_stride=page_stride, v_offset=v_offset,
-                             block_k=block_k, split_len=split_len, precision=precision)
+        o, lse = attend(split)
         plgpu.store(o_ref.at[split], o, mask=row_ok[:, None])
         plgpu.store(lse_ref.at[split], lse, mask=row_ok)
         return _
@@ -122,11 +145,12 @@ def _paged_decode_kernel(seqlen_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
 
 
 def _paged_decode_parts(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, *, page_size, v_offset, sm_scale,
-                        interpret, block_k, split_len, num_programs, num_warps, num_stages):
+                        interpret, block_k, split_len, num_programs, num_warps, num_stages, state=None):
     """Unmerged float32 states of consecutive key splits of `split_len` keys (a multiple of block_k), computed by
     `num_programs` programs per (sequence, KV head): o [S, B, Hkv, group, D], natural-log lse [S, B, Hkv, group]
     with S covering the block table. Only the splits holding keys (the first ceil(seq_len / split_len)) are
-    written; the others hold whatever the buffer held.
+    written; the others hold whatever the buffer held. With `state` (acc, m, l as [B, Hkv, group, D or 1], and
+    num_programs 1): that state with the splits folded in, in order, by `fold_splits`' operations.
     k_rows, v_rows [rows, Hkv, D]: page p's keys are rows p * page_stride + [0, page_size) of k_rows, its values
     the same rows + v_offset of v_rows (page_stride = page_size for separate pools; a combined pool is passed as
     both, with page_stride = 2 * page_size and v_offset = page_size). scale_rows: None, or the float32 scales
@@ -140,36 +164,46 @@ def _paged_decode_parts(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, *
     kernel = functools.partial(
         _paged_decode_kernel, scale_log2=sm_scale * LOG2E, page_size=page_size,
         page_stride=page_size + v_offset, v_offset=v_offset, block_k=block_k, split_len=split_len,
-        num_programs=num_programs, group=group, precision=dot_precision(q.dtype))
+        num_programs=num_programs, group=group, fold=state is not None, precision=dot_precision(q.dtype))
     qg = q.reshape(batch, hkv, group, d)
     # A key block is one contiguous row slice of a page, as in the contiguous kernel.
     kv_spec = pl.BlockSpec((k_rows.shape[0], None, d), lambda s, bh: (0, bh % hkv, 0))
     scales = () if scale_rows is None else tuple(scale_rows)
     scale_spec = pl.BlockSpec((k_rows.shape[0], None), lambda s, bh: (0, bh % hkv))
+    # The query block is padded past the group to a full tensor-core tile.
+    row_spec = pl.BlockSpec((None, None, block_h, d), lambda s, bh: (bh // hkv, bh % hkv, 0, 0))
+    if state is None:
+        state_specs = []
+        out_specs = [
+            pl.BlockSpec((num_splits, None, None, block_h, d), lambda s, bh: (0, bh // hkv, bh % hkv, 0, 0)),
+            pl.BlockSpec((num_splits, None, None, block_h), lambda s, bh: (0, bh // hkv, bh % hkv, 0)),
+        ]
+        out_shape = [
+            jax.ShapeDtypeStruct((num_splits, batch, hkv, group, d), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, batch, hkv, group), jnp.float32),
+        ]
+    else:
+        stat_spec = pl.BlockSpec((None, None, block_h, 1), lambda s, bh: (bh // hkv, bh % hkv, 0, 0))
+        state_specs = out_specs = [row_spec, stat_spec, stat_spec]
+        out_shape = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in state]
     return pl.pallas_call(
         kernel,
         grid=(num_programs, batch * hkv),
         in_specs=[
             pl.BlockSpec((None,), lambda s, bh: (bh // hkv,)),
             pl.BlockSpec((None, max_pages), lambda s, bh: (bh // hkv, 0)),
-            # The query block is padded past the group to a full tensor-core tile.
-            pl.BlockSpec((None, None, block_h, d), lambda s, bh: (bh // hkv, bh % hkv, 0, 0)),
+            row_spec,
             kv_spec,
             kv_spec,
             *[scale_spec] * len(scales),
+            *state_specs,
         ],
-        out_specs=[
-            pl.BlockSpec((num_splits, None, None, block_h, d), lambda s, bh: (0, bh // hkv, bh % hkv, 0, 0)),
-            pl.BlockSpec((num_splits, None, None, block_h), lambda s, bh: (0, bh // hkv, bh % hkv, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((num_splits, batch, hkv, group, d), jnp.float32),
-            jax.ShapeDtypeStruct((num_splits, batch, hkv, group), jnp.float32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
-        name="paged_decode_attention_with_lse",
-    )(seq_lens, block_tables, qg, k_rows, v_rows, *scales)
+        name="paged_decode_attention_with_lse" if state is None else "paged_decode_state_folded",
+    )(seq_lens, block_tables, qg, k_rows, v_rows, *scales, *(state or ()))
 
 
 def _paged_decode_pallas(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, *, page_size, v_offset, sm_scale,
@@ -195,25 +229,32 @@ _paged_decode_pallas = interpret_aware_jit(
 
 
 def _paged_decode_state(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, state, *, page_size, v_offset,
-                        sm_scale, interpret, block_k, split_len, num_programs, num_warps, num_stages):
-    o_part, lse_part = _paged_decode_parts(
-        q, k_rows, v_rows, scale_rows, block_tables, seq_lens, page_size=page_size, v_offset=v_offset,
-        sm_scale=sm_scale,
-        interpret=interpret, block_k=block_k, split_len=split_len, num_programs=num_programs, num_warps=num_warps,
-        num_stages=num_stages)
+                        sm_scale, interpret, block_k, split_len, num_programs, fold_in_kernel, num_warps, num_stages):
+    launch = dict(page_size=page_size, v_offset=v_offset, sm_scale=sm_scale, interpret=interpret, block_k=block_k,
+                  split_len=split_len, num_programs=num_programs, num_warps=num_warps, num_stages=num_stages)
+    if fold_in_kernel:
+        batch, hq, d = q.shape
+        hkv = k_rows.shape[1]
+        group = hq // hkv
+        acc, m, l = _paged_decode_parts(
+            q, k_rows, v_rows, scale_rows, block_tables, seq_lens, **launch,
+            state=(state.acc.reshape(batch, hkv, group, d), state.m.reshape(batch, hkv, group, 1),
+                   state.l.reshape(batch, hkv, group, 1)))
+        return AttentionState(acc.reshape(batch, 1, hq, d), m.reshape(batch, hq, 1), l.reshape(batch, hq, 1))
+    o_part, lse_part = _paged_decode_parts(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, **launch)
     return fold_splits(state, o_part, lse_part, cdiv(seq_lens, split_len), interpret=interpret)
 
 
 _paged_decode_state = interpret_aware_jit(
     _paged_decode_state, ("page_size", "v_offset", "sm_scale", "interpret", "block_k", "split_len", "num_programs",
-                          "num_warps", "num_stages"))
+                          "fold_in_kernel", "num_warps", "num_stages"))
 
 
 def paged_decode_state(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                        seq_lens: jax.Array, state: AttentionState, *, sm_scale: float | None = None,
                        split_len: int = DECODE_SPLIT, interpret: bool | None = None,
                        num_programs: int | None = None, k_scales: jax.Array | None = None,
-                       v_scales: jax.Array | None = None) -> AttentionState:
+                       v_scales: jax.Array | None = None, fold_in_kernel: bool | None = None) -> AttentionState:
     """Continues the decode state of each sequence over its keys in a paged pool, batch-invariantly.
 
     The keys are cut into splits of `split_len` keys from position 0, attended in parallel, and folded into
@@ -226,6 +267,11 @@ def paged_decode_state(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, blo
       split_len: keys per split (static), a multiple of 16.
       num_programs: programs per (sequence, KV head), each taking every num_programs-th split; default gives
         ~128 programs on a GPU. Changes the speed, not the bits.
+      fold_in_kernel: True: one program per (sequence, KV head) folds each split into the state as soon as it has
+        attended it (no split states in memory, no fold kernel); False: the splits' states, then `fold_splits`;
+        None: True where one program walks a sequence's splits (num_programs comes to 1) on a GPU. The same
+        operations in the same order: on an H200 the same bits. The CPU interpreter's bits follow the surrounding
+        program (an ulp apart in places), so there it defaults to False, the form every other path folds in.
     """
     block_tables, seq_lens = _check_paged_args(q, k_pages, v_pages, block_tables, seq_lens, k_scales, v_scales)
     num_pages, page_size, hkv, d = k_pages.shape
@@ -233,11 +279,11 @@ def paged_decode_state(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, blo
     return _launch_state(q, k_pages.reshape(rows, hkv, d), v_pages.reshape(rows, hkv, d),
                          _scale_rows(rows, hkv, k_scales, v_scales), block_tables, seq_lens, state, page_size=page_size,
                          v_offset=0, sm_scale=sm_scale, split_len=split_len, interpret=interpret,
-                         num_programs=num_programs)
+                         num_programs=num_programs, fold_in_kernel=fold_in_kernel)
 
 
 def _launch_state(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, state, *, page_size, v_offset, sm_scale,
-                  split_len, interpret, num_programs):
+                  split_len, interpret, num_programs, fold_in_kernel):
     """Checks the state and split length, defaults the launch parameters (see `paged_decode_state`) and runs the
     kernel and the fold."""
     batch, hq, d = q.shape
@@ -250,18 +296,22 @@ def _launch_state(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, state, 
     max_splits = -(-block_tables.shape[1] * page_size // split_len)
     if num_programs is None:
         num_programs = -(-_TARGET_PROGRAMS // (batch * hkv))
+    num_programs = int(max(1, min(num_programs, max_splits)))
+    interpret = resolve_interpret(interpret)
+    if fold_in_kernel is None:
+        fold_in_kernel = num_programs == 1 and not interpret
     return _paged_decode_state(
         q, k_rows, v_rows, scale_rows, block_tables, seq_lens, state, page_size=page_size, v_offset=v_offset,
-        sm_scale=check_sm_scale(sm_scale, d), interpret=resolve_interpret(interpret),
+        sm_scale=check_sm_scale(sm_scale, d), interpret=interpret,
         block_k=math.gcd(cfg["block_k"], split_len, page_size), split_len=split_len,
-        num_programs=int(max(1, min(num_programs, max_splits))), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        num_programs=1 if fold_in_kernel else num_programs, fold_in_kernel=bool(fold_in_kernel),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def paged_decode_state_kv(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
                           state: AttentionState, *, kv_scales: jax.Array | None = None, sm_scale: float | None = None,
                           split_len: int = DECODE_SPLIT, interpret: bool | None = None,
-                          num_programs: int | None = None) -> AttentionState:
+                          num_programs: int | None = None, fold_in_kernel: bool | None = None) -> AttentionState:
     """`paged_decode_state` over one pool kv_pages [num_pages, 2, page_size, Hkv, D] whose page p holds its keys at
     [p, 0] and its values at [p, 1] (an 8-bit pool's scales as kv_scales [num_pages, 2, page_size, Hkv, 1]); same
     arguments and bits rule: each sequence's result depends on its own keys and `split_len` only, not on the batch,
@@ -271,7 +321,7 @@ def paged_decode_state_kv(q: jax.Array, kv_pages: jax.Array, block_tables: jax.A
     page_size = kv_pages.shape[2]
     return _launch_state(q, pool, pool, scale_rows, block_tables, seq_lens, state, page_size=page_size,
                          v_offset=page_size, sm_scale=sm_scale, split_len=split_len, interpret=interpret,
-                         num_programs=num_programs)
+                         num_programs=num_programs, fold_in_kernel=fold_in_kernel)
 
 
 def _scale_rows(rows: int, hkv: int, k_scales, v_scales):

@@ -193,6 +193,40 @@ def test_paged_decode_state_is_batch_invariant_and_equals_pieces():
         assert float(jnp.abs(o[:, 0] - ref).max()) < 2e-2, f"seed {seed}: sequence {b}"
 
 
+def test_paged_decode_state_folded_in_kernel_is_the_fold_kernels_state():
+    """One program a (sequence, KV head) folding each split as soon as it has attended it (`fold_in_kernel`, the
+    default on a GPU where one program walks a sequence's splits) continues a state as the split states and the fold
+    kernel do (tested against float64 in test_fold_splits_*): the same bits on a GPU, where Triton compiles the same
+    operations either way; in the CPU interpreter, whose bits follow the surrounding program, within float32
+    rounding (it defaults to the fold kernel there). The two-pool and the one-pool (offloaded store's) forms; a
+    sequence with no key leaves its state as it was."""
+    seed = 4105
+    rng = np.random.default_rng(seed)
+    batch, hq, hkv, d, page, split = 4, 4, 2, 32, 32, 64
+    lengths = np.array([100, 300, 31, 0])
+    kv = jnp.asarray(rng.standard_normal((40, 2, page, hkv, d)), jnp.bfloat16)
+    tables = np.zeros((batch, 10), np.int32)
+    for b in range(batch):
+        tables[b, :-(-lengths[b] // page)] = rng.permutation(40)[:-(-lengths[b] // page)]
+    q = jnp.asarray(rng.standard_normal((batch, hq, d)), jnp.bfloat16)
+    # A state that already holds keys, as the offloaded decode's does after its host blocks.
+    start = pk.paged_decode_state(q, kv[:, 0], kv[:, 1], np.roll(tables, 1, axis=0), np.roll(lengths, 1),
+                                  pk.empty_state(batch, 1, hq, d), split_len=split)
+    on_gpu = jax.default_backend() == "gpu"
+    runs = {"two pools": lambda **kw: pk.paged_decode_state(q, kv[:, 0], kv[:, 1], tables, lengths, start,
+                                                            split_len=split, **kw),
+            "one pool": lambda **kw: pk.paged_decode_state_kv(q, kv, tables, lengths, start, split_len=split, **kw)}
+    for name, run in runs.items():
+        folded = run(fold_in_kernel=True)
+        kernel = run(num_programs=1, fold_in_kernel=False)
+        for x, y, part in zip(folded, kernel, ("acc", "m", "l")):
+            if on_gpu:
+                assert np.array_equal(x, y), f"seed {seed}: {name}, {part}"
+            else:
+                np.testing.assert_allclose(x, y, rtol=4e-6, atol=1e-6, err_msg=f"seed {seed}: {name}, {part}")
+        assert all(np.array_equal(x[3], y[3]) for x, y in zip(folded, start)), f"seed {seed}: {name}, no key"
+
+
 def test_paged_decode_state_kv_equals_split_pools_and_is_batch_invariant():
     """The one-pool form (a page's keys then its values, as the store and the page cache keep them) gives the bits of
     the two-pool form, and a sequence alone (a narrow table) the bits it gets in a batch (a wider one, other

@@ -311,6 +311,15 @@ def test_paged_decode_state_over_fp8_pool():
     dequant = pk.paged_decode_state(q, _dequantized(kv, ks, dtype), _dequantized(vv, vs, dtype), table, lens, empty,
                                     split_len=32)
     _assert_bits_equal(fp8, dequant, f"seed {seed}: decode state fp8 vs dequantized")
+    # Folded in the attention kernel (a GPU's default where one program walks a sequence's splits): the scales are
+    # read as by the split states' kernel; bits on a GPU, float32 rounding in the CPU interpreter.
+    folded = pk.paged_decode_state(q, jnp.asarray(kv), jnp.asarray(vv), table, lens, empty, split_len=32,
+                                   k_scales=jnp.asarray(ks), v_scales=jnp.asarray(vs), fold_in_kernel=True)
+    if jax.default_backend() == "gpu":
+        _assert_bits_equal(folded, fp8, f"seed {seed}: decode state fp8, folded in the kernel")
+    else:
+        for x, y in zip(folded, fp8):
+            np.testing.assert_allclose(x, y, rtol=4e-6, atol=1e-6, err_msg=f"seed {seed}: folded in the kernel")
     o, lse = pk.finish_state(fp8)
     ref_o, ref_lse = _reference64(q, kv, ks, vv, vs, table, lens)
     assert_attention_close(o[:, 0], lse[..., 0], ref_o, ref_lse, tol=1e-2, lse_tol=1e-2)

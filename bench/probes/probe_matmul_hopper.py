@@ -32,7 +32,7 @@ from common import probe_output, run_metadata, stats  # noqa: E402
 from pallas_kernels.matmul import matmul  # noqa: E402
 from pallas_kernels.mgpu_matmul import mgpu_matmul  # noqa: E402
 
-SHAPES = {"wqkv": (4096, 6144), "wo": (4096, 4096), "w_gate_up": (4096, 28672), "w_down": (14336, 4096),
+SHAPES = {"lm_head": (4096, 128256), "wqkv": (4096, 6144), "wo": (4096, 4096), "w_gate_up": (4096, 28672), "w_down": (14336, 4096),
           "qwen3_0.6b.wqkv": (1024, 4096), "qwen3_0.6b.wo": (2048, 1024), "qwen3_0.6b.w_gate_up": (1024, 6144),
           "qwen3_0.6b.w_down": (3072, 1024)}
 ROWS = [int(m) for m in os.environ.get("ROWS", "256,8192").split(",")]
@@ -46,7 +46,8 @@ OURS = {  # mgpu_matmul: (tile_m, tile_n of each consumer warpgroup, split_rows,
     "wg_rows_64x128_s6": (64, 128, True, 6, None), "wg_rows_64x128_s6_cm": (64, 128, True, 6, "m"),
     "wg_rows_64x128_s6_cn": (64, 128, True, 6, "n"), "wg_rows_64x128_s4_cm": (64, 128, True, 4, "m"),
     "wg_cols_128x64_s6_cm": (128, 64, False, 6, "m"), "wg_cols_128x64_s6_cn": (128, 64, False, 6, "n"),
-    "wg_rows_64x64_s6": (64, 64, True, 6, None), "wg_cols_64x64_s6": (64, 64, False, 6, None)}
+    "wg_rows_64x64_s6": (64, 64, True, 6, None), "wg_cols_64x64_s6": (64, 64, False, 6, None),
+    "wg_cols_64x64_s6_cm": (64, 64, False, 6, "m"), "wg_cols_64x64_s6_cn": (64, 64, False, 6, "n")}
 if os.environ.get("OURS"):
     OURS = {k: v for k, v in OURS.items() if k in os.environ["OURS"].split(",")}
 if os.environ.get("SHAPES"):
