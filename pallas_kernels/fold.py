@@ -29,6 +29,8 @@ from pallas_kernels.state import AttentionState
 # operations in the same order, so the bits do not depend on it (1 to 16 a step on the H200: 40 of 40 the same,
 # bench/results/runs/h200_invariant_price/price_2026_12_01/fold_steps/).
 _MAX_SPLITS_PER_STEP = 16
+# Programs a fold aims at: about one per SM of an H100 / H200 (132).
+_TARGET_PROGRAMS = 128
 
 
 # The group sizes a tree fold may take (`fold_splits`' `tree`): powers of two up to a loop step's splits.
@@ -37,6 +39,17 @@ TREE_SIZES = tuple(1 << i for i in range(_MAX_SPLITS_PER_STEP.bit_length()))
 
 def _splits_per_step(num_splits: int, tree: int) -> int:
     return max(tree, min(_MAX_SPLITS_PER_STEP, next_pow2(num_splits)))
+
+
+def _column_blocks(programs: int, d: int) -> int:
+    """Column blocks a (sequence, KV head) for ~_TARGET_PROGRAMS programs in all. A fold is latency-bound in each
+    program (its splits one after another), so where few (sequence, KV head)s fold, more programs each loading a
+    part of the columns take less time: batch-1 decode at 128K, 8 KV heads of 128 splits, was 13.9 us a fold with
+    one program each (0.44 ms of a 9.6 ms step, bench/results/runs/h200_invariant_price/)."""
+    blocks = 1
+    while blocks * 2 * programs <= _TARGET_PROGRAMS and d // (blocks * 2) >= 16:
+        blocks *= 2
+    return blocks
 
 
 def _merge(a, b):
@@ -115,19 +128,21 @@ def _fold_kernel(live_ref, o_ref, lse_ref, acc_ref, m_ref, l_ref, acc_out, m_out
     plgpu.store(l_out, l, mask=row_ok)
 
 
-def _fold(num_live, o_part, lse_part, acc, m, l, *, tree, per_step, interpret):
+def _fold(num_live, o_part, lse_part, acc, m, l, *, tree, per_step, column_blocks, interpret):
     """num_live [B]; o_part [S, B, Hkv, G, D], lse_part [S, B, Hkv, G, 1]; acc [B, Hkv, G, D], m and l
-    [B, Hkv, G, 1]."""
+    [B, Hkv, G, 1]. Each (sequence, KV head) is folded by `column_blocks` programs, each over its D / column_blocks
+    columns of o and acc (m and l computed alike by all, from the same lse)."""
     num_splits, batch, hkv, group, d = o_part.shape
     rows = next_pow2(group)
-    row_spec = pl.BlockSpec((None, None, rows, d), lambda bh: (bh // hkv, bh % hkv, 0, 0))
-    stat_spec = pl.BlockSpec((None, None, rows, 1), lambda bh: (bh // hkv, bh % hkv, 0, 0))
+    cols = d // column_blocks
+    row_spec = pl.BlockSpec((None, None, rows, cols), lambda bh, c: (bh // hkv, bh % hkv, 0, c))
+    stat_spec = pl.BlockSpec((None, None, rows, 1), lambda bh, c: (bh // hkv, bh % hkv, 0, 0))
     return pl.pallas_call(
         functools.partial(_fold_kernel, group=group, tree=tree, per_step=per_step),
-        grid=(batch * hkv,),
-        in_specs=[pl.BlockSpec((None,), lambda bh: (bh // hkv,)),
-                  pl.BlockSpec((num_splits, None, None, rows, d), lambda bh: (0, bh // hkv, bh % hkv, 0, 0)),
-                  pl.BlockSpec((num_splits, None, None, rows, 1), lambda bh: (0, bh // hkv, bh % hkv, 0, 0)),
+        grid=(batch * hkv, column_blocks),
+        in_specs=[pl.BlockSpec((None,), lambda bh, c: (bh // hkv,)),
+                  pl.BlockSpec((num_splits, None, None, rows, cols), lambda bh, c: (0, bh // hkv, bh % hkv, 0, c)),
+                  pl.BlockSpec((num_splits, None, None, rows, 1), lambda bh, c: (0, bh // hkv, bh % hkv, 0, 0)),
                   row_spec, stat_spec, stat_spec],
         out_specs=[row_spec, stat_spec, stat_spec],
         out_shape=[jax.ShapeDtypeStruct(acc.shape, jnp.float32), jax.ShapeDtypeStruct(m.shape, jnp.float32),
@@ -138,11 +153,11 @@ def _fold(num_live, o_part, lse_part, acc, m, l, *, tree, per_step, interpret):
     )(num_live, o_part, lse_part, acc, m, l)
 
 
-_fold = interpret_aware_jit(_fold, ("tree", "per_step", "interpret"))
+_fold = interpret_aware_jit(_fold, ("tree", "per_step", "column_blocks", "interpret"))
 
 
 def fold_splits(state: AttentionState, o_part: jax.Array, lse_part: jax.Array, num_live: jax.Array | None = None,
-                interpret: bool | None = None, tree: int = 1) -> AttentionState:
+                interpret: bool | None = None, tree: int = 1, column_blocks: int | None = None) -> AttentionState:
     """Folds split results o_part [S, B, Hkv, G, D] (float32) and natural-log lse_part [S, B, Hkv, G], in
     ascending split order, into the decode state of B sequences (acc [B, 1, Hkv * G, D], m and l [B, Hkv * G, 1]).
     Sequence b folds its first num_live[b] splits (default all S; the others are never read). A split with
@@ -151,17 +166,27 @@ def fold_splits(state: AttentionState, o_part: jax.Array, lse_part: jax.Array, n
     tree (static, one of TREE_SIZES): 1 folds one split after another. T > 1 cuts the splits into groups of T from
     the call's first split, merges each group pairwise level by level (a balanced tree), and folds the groups in
     order: a dependent chain of S / T + log2(T) merges instead of S, whose order still depends on the splits'
-    positions alone, so two calls give one call's bits where the second begins at a multiple of T splits."""
+    positions alone, so two calls give one call's bits where the second begins at a multiple of T splits.
+
+    column_blocks (static): programs a (sequence, KV head), each folding D / column_blocks columns of the outputs
+    (a power of two, at most D / 16); default: enough for ~128 programs on a GPU, one in the interpreter. Changes
+    the speed, not the bits: every column is folded by its own operations."""
     num_splits, batch, hkv, group, d = o_part.shape
     if lse_part.shape != o_part.shape[:4]:
         raise ValueError(f"lse_part has shape {lse_part.shape} for o_part {o_part.shape}; allowed: "
                          f"{o_part.shape[:4]}")
     if tree not in TREE_SIZES:
         raise ValueError(f"tree={tree}; allowed: one of {TREE_SIZES}")
+    if column_blocks is None:
+        column_blocks = 1 if resolve_interpret(interpret) else _column_blocks(batch * hkv, d)
+    if column_blocks < 1 or column_blocks & (column_blocks - 1) or d % column_blocks or d // column_blocks < 16:
+        raise ValueError(f"column_blocks={column_blocks}; allowed: a power of two with D / column_blocks >= 16 "
+                         f"(D = {d})")
     hq = hkv * group
     num_live = jnp.full((batch,), num_splits, jnp.int32) if num_live is None else num_live.astype(jnp.int32)
     acc, m, l = _fold(num_live, o_part.astype(jnp.float32), lse_part.astype(jnp.float32)[..., None],
                       state.acc.reshape(batch, hkv, group, d), state.m.reshape(batch, hkv, group, 1),
                       state.l.reshape(batch, hkv, group, 1), tree=tree,
-                      per_step=_splits_per_step(num_splits, tree), interpret=resolve_interpret(interpret))
+                      per_step=_splits_per_step(num_splits, tree), column_blocks=column_blocks,
+                      interpret=resolve_interpret(interpret))
     return AttentionState(acc.reshape(batch, 1, hq, d), m.reshape(batch, hq, 1), l.reshape(batch, hq, 1))

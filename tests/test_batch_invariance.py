@@ -141,6 +141,26 @@ def test_fold_splits_over_many_steps_equals_pieces_and_float64():
     _assert_fold_is_the_float64_merge(one, o, lse, live, seed)
 
 
+def test_fold_splits_by_column_blocks_keeps_the_bits():
+    """Each (sequence, KV head) folded by 1, 2 or 4 programs, each over a part of D (the default on a GPU where few
+    (sequence, KV head)s fold, as in batch-1 decode): the same bits, every column folded by its own operations, and
+    m and l computed alike by each program; a count that does not divide D into blocks of >= 16 is refused."""
+    seed = 4104
+    rng = np.random.default_rng(seed)
+    o = jnp.asarray(rng.standard_normal((20, 2, 2, 3, 64)), jnp.float32)
+    lse = np.asarray(4 * rng.standard_normal((20, 2, 2, 3)), np.float32)
+    lse[rng.random(lse.shape) < 0.1] = -np.inf
+    live = jnp.asarray([20, 7])
+    state = pk.empty_state(2, 1, 6, 64)
+    one = pk.fold_splits(state, o, jnp.asarray(lse), live, column_blocks=1)
+    for blocks in (2, 4):
+        got = pk.fold_splits(state, o, jnp.asarray(lse), live, column_blocks=blocks)
+        assert all(np.array_equal(x, y) for x, y in zip(one, got)), f"seed {seed}: {blocks} column blocks"
+    _assert_fold_is_the_float64_merge(one, o, lse, np.asarray(live), seed)
+    with pytest.raises(ValueError, match="column_blocks=8; allowed"):
+        pk.fold_splits(state, o, jnp.asarray(lse), live, column_blocks=8)
+
+
 def test_fold_splits_tree_equals_aligned_pieces_alone_and_float64():
     """A tree fold (groups of 8 splits merged pairwise, two groups a loop step, groups in order) over 24 splits (two
     loop steps), a row whose live splits end mid-group, empty splits: one call equals two calls cut at split 8 (a
