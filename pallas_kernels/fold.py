@@ -45,7 +45,8 @@ def _column_blocks(programs: int, d: int) -> int:
     """Column blocks a (sequence, KV head) for ~_TARGET_PROGRAMS programs in all. A fold is latency-bound in each
     program (its splits one after another), so where few (sequence, KV head)s fold, more programs each loading a
     part of the columns take less time: batch-1 decode at 128K, 8 KV heads of 128 splits, was 13.9 us a fold with
-    one program each (0.44 ms of a 9.6 ms step, bench/results/runs/h200_invariant_price/)."""
+    one program each (0.44 ms of a 9.6 ms step on an H200); with 8 blocks each the mode's step lost 0.04 ms
+    (bench/results/runs/h200_invariant_price/price_2026_12_01/batch1_128k_column_blocks/)."""
     blocks = 1
     while blocks * 2 * programs <= _TARGET_PROGRAMS and d // (blocks * 2) >= 16:
         blocks *= 2

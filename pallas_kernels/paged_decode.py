@@ -115,7 +115,7 @@ def _paged_decode_kernel(seqlen_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
 
     if fold:
         # Each split folded into the state as soon as it is attended, by `fold_splits`' operations in its order: the
-        # split states' float32 round trip and the fold kernel's launch go (an 8B decode step of 256 sequences on an
+        # split states' float32 round trip and the fold kernel's launch go (256 sequences of 600 keys, 8B heads, on an
         # H200: 111 -> 102 us a layer, the same bits, runs/h200_invariant_price/price_2026_12_01/paged_fold_inline/).
         acc_in, m_in, l_in, acc_out, m_out, l_out = refs[n_scales:]
         state = (plgpu.load(acc_in, mask=row_ok[:, None], other=0.0),
