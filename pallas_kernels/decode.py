@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
+    _TARGET_PROGRAMS,
     check_pallas_head_dim,
     decode_key_tile,
     empty_softmax_state,
@@ -47,10 +48,6 @@ from pallas_kernels.fold import fold_splits
 from pallas_kernels.merge import merge_stack
 from pallas_kernels.state import AttentionState, check_state
 
-# About one program per SM of an H100/H200 (132): on 64K keys, 16 splits x 8 KV heads ran at
-# 0.94x the device copy bandwidth, against 0.81x for 64 splits (fewer, longer programs keep
-# their loads pipelined for longer).
-_TARGET_PROGRAMS = 128
 # Keys per split of `decode_state`, the engine's batch-invariant and offloaded decode: offload block sizes that are
 # multiples of it give the in-GPU bits. Against 256, 1,024 keys write a quarter of the float32 split states and
 # shorten the fold's chain 4x: batch-invariant attention within 0.15 ms of the default's at 8K-128K on an H200

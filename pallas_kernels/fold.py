@@ -2,7 +2,7 @@
 
 Decode kernels cut the keys into fixed splits attended in parallel; `fold_splits` then merges the splits' (o, lse)
 into the running `AttentionState` strictly in split order, with the formula of `merge_into_state`, in one
-program per (sequence, KV head). The order of operations depends on nothing but the keys' positions: not on the
+program per (sequence, KV head) and block of its columns. The order of operations depends on nothing but the keys' positions: not on the
 batch, nor on how many splits a kernel call covered, nor on whether the keys arrived in one call or block by
 block from the host. So decode gives the same bits alone or batched, in GPU memory or offloaded.
 """
@@ -17,20 +17,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import LOG2E, NEG_INF, compiler_params, interpret_aware_jit, next_pow2, resolve_interpret
+from pallas_kernels._common import (_TARGET_PROGRAMS, LOG2E, NEG_INF, compiler_params, interpret_aware_jit, next_pow2,
+                                    resolve_interpret)
 from pallas_kernels.state import AttentionState
 
 
 # Most splits loaded together per loop step: their loads are issued at once, a step ahead of their fold, so that
-# their latency hides behind the previous step's folds (the fold is latency-bound: one program per KV head walks
-# every split). A call of fewer splits loads fewer a step (`_splits_per_step`): 32 tiles held in registers cost
+# their latency hides behind the previous step's folds (the fold is latency-bound: each program walks every split). A call of fewer splits loads fewer a step (`_splits_per_step`): 32 tiles held in registers cost
 # occupancy where many short sequences (one or two splits each) fill the grid (a fold of 256 sequences of one split
 # on an H200: 27.0 us at 16 a step, 16.3 at one). The step only groups loads: every split is folded by the same
 # operations in the same order, so the bits do not depend on it (1 to 16 a step on the H200: 40 of 40 the same,
 # bench/results/runs/h200_invariant_price/price_2026_12_01/fold_steps/).
 _MAX_SPLITS_PER_STEP = 16
-# Programs a fold aims at: about one per SM of an H100 / H200 (132).
-_TARGET_PROGRAMS = 128
 
 
 # The group sizes a tree fold may take (`fold_splits`' `tree`): powers of two up to a loop step's splits.
@@ -42,10 +40,11 @@ def _splits_per_step(num_splits: int, tree: int) -> int:
 
 
 def _column_blocks(programs: int, d: int) -> int:
-    """Column blocks a (sequence, KV head) for ~_TARGET_PROGRAMS programs in all. A fold is latency-bound in each
-    program (its splits one after another), so where few (sequence, KV head)s fold, more programs each loading a
-    part of the columns take less time: batch-1 decode at 128K, 8 KV heads of 128 splits, was 13.9 us a fold with
-    one program each (0.44 ms of a 9.6 ms step on an H200); with 8 blocks each the mode's step lost 0.04 ms
+    """Column blocks a (sequence, KV head): up to ~_TARGET_PROGRAMS programs in all, blocks of >= 16 columns. A fold
+    is latency-bound in each program (its splits one after another), so where few (sequence, KV head)s fold, more
+    programs each loading a part of the columns take less time: batch-1 decode at 128K, 8 KV heads of 128 splits,
+    was 13.9 us a fold with one program each (0.44 ms of a 9.6 ms step on an H200); with 8 blocks each (64 programs)
+    the mode's step was 0.04 ms shorter
     (bench/results/runs/h200_invariant_price/price_2026_12_01/batch1_128k_column_blocks/)."""
     blocks = 1
     while blocks * 2 * programs <= _TARGET_PROGRAMS and d // (blocks * 2) >= 16:
@@ -132,7 +131,8 @@ def _fold_kernel(live_ref, o_ref, lse_ref, acc_ref, m_ref, l_ref, acc_out, m_out
 def _fold(num_live, o_part, lse_part, acc, m, l, *, tree, per_step, column_blocks, interpret):
     """num_live [B]; o_part [S, B, Hkv, G, D], lse_part [S, B, Hkv, G, 1]; acc [B, Hkv, G, D], m and l
     [B, Hkv, G, 1]. Each (sequence, KV head) is folded by `column_blocks` programs, each over its D / column_blocks
-    columns of o and acc (m and l computed alike by all, from the same lse)."""
+    columns of o and acc (m and l computed alike by all, from the same lse, and written by each: so no output may
+    alias an input here, or a program could read what another has already written)."""
     num_splits, batch, hkv, group, d = o_part.shape
     rows = next_pow2(group)
     cols = d // column_blocks

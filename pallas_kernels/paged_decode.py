@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
+    _TARGET_PROGRAMS,
     check_pallas_head_dim,
     decode_key_tile,
     LOG2E,
@@ -56,7 +57,6 @@ from pallas_kernels._common import (
     resolve_interpret,
 )
 from pallas_kernels.decode import (
-    _TARGET_PROGRAMS,
     DECODE_SPLIT,
     decode_attention_with_lse_xla,
     default_decode_config,
@@ -106,7 +106,6 @@ def _paged_decode_kernel(seqlen_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
     # Rows past the group are zero queries; they are computed (tensor-core tiles are >= 16
     # rows) and never stored.
     q = plgpu.load(q_ref, mask=row_ok[:, None], other=0)
-    program = pl.program_id(0)
 
     def attend(split):
         return _attend_paged_split(q, seq_len, split * split_len, bt_ref, k_ref, v_ref, k_scale_ref, v_scale_ref,
@@ -131,6 +130,7 @@ def _paged_decode_kernel(seqlen_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
         return
 
     o_ref, lse_ref = refs[n_scales:]
+    program = pl.program_id(0)
 
     def one_split(i, _):
         # Program p takes splits p, p + num_programs, ... that hold keys. Each starts from an empty state, so its
@@ -258,7 +258,8 @@ def paged_decode_state(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, blo
     """Continues the decode state of each sequence over its keys in a paged pool, batch-invariantly.
 
     The keys are cut into splits of `split_len` keys from position 0, attended in parallel, and folded into
-    `state` in ascending order (`fold_splits`): the same operations as `decode_state` over the same keys,
+    `state` in ascending order (by `fold_splits`, or its operations inside the attention kernel: `fold_in_kernel`):
+    the same operations as `decode_state` over the same keys,
     whatever the batch, the block tables or how many programs run. Bits equal `decode_state`'s when page_size
     is at least the decode tile (128 keys in bfloat16, 32 in float32).
 
@@ -268,7 +269,7 @@ def paged_decode_state(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, blo
       num_programs: programs per (sequence, KV head), each taking every num_programs-th split; default gives
         ~128 programs on a GPU. Changes the speed, not the bits.
       fold_in_kernel: True: one program per (sequence, KV head) folds each split into the state as soon as it has
-        attended it (no split states in memory, no fold kernel); False: the splits' states, then `fold_splits`;
+        attended it (no split states in memory, no fold kernel; num_programs must then be None or 1); False: the splits' states, then `fold_splits`;
         None: True where one program walks a sequence's splits (num_programs comes to 1) on a GPU. The same
         operations in the same order: on an H200 the same bits. The CPU interpreter's bits follow the surrounding
         program (an ulp apart in places), so there it defaults to False, the form every other path folds in.
@@ -294,6 +295,9 @@ def _launch_state(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, state, 
         raise ValueError(f"split_len={split_len}; allowed: a positive multiple of {MIN_BLOCK}")
     cfg = default_decode_config(q.dtype)
     max_splits = -(-block_tables.shape[1] * page_size // split_len)
+    if fold_in_kernel and num_programs not in (None, 1):
+        raise ValueError(f"num_programs={num_programs} with fold_in_kernel=True; allowed: None or 1 (one program "
+                         "walks a sequence's splits and folds them)")
     if num_programs is None:
         num_programs = -(-_TARGET_PROGRAMS // (batch * hkv))
     num_programs = int(max(1, min(num_programs, max_splits)))

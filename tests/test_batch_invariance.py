@@ -151,14 +151,18 @@ def test_fold_splits_by_column_blocks_keeps_the_bits():
     lse = np.asarray(4 * rng.standard_normal((20, 2, 2, 3)), np.float32)
     lse[rng.random(lse.shape) < 0.1] = -np.inf
     live = jnp.asarray([20, 7])
-    state = pk.empty_state(2, 1, 6, 64)
-    one = pk.fold_splits(state, o, jnp.asarray(lse), live, column_blocks=1)
-    for blocks in (2, 4):
-        got = pk.fold_splits(state, o, jnp.asarray(lse), live, column_blocks=blocks)
-        assert all(np.array_equal(x, y) for x, y in zip(one, got)), f"seed {seed}: {blocks} column blocks"
+    empty = pk.empty_state(2, 1, 6, 64)
+    one = pk.fold_splits(empty, o, jnp.asarray(lse), live, column_blocks=1)
+    four = pk.fold_splits(empty, o, jnp.asarray(lse), live, column_blocks=4)
+    assert all(np.array_equal(x, y) for x, y in zip(one, four)), f"seed {seed}: 4 column blocks"
     _assert_fold_is_the_float64_merge(one, o, lse, np.asarray(live), seed)
+    # Continuing a state that holds splits already (each block reads its columns of acc), as a tree of 4.
+    start = pk.fold_splits(empty, o[:4], jnp.asarray(lse[:4]))
+    want, got = (pk.fold_splits(start, o[4:], jnp.asarray(lse[4:]), live - 4, column_blocks=blocks, tree=4)
+                 for blocks in (1, 2))
+    assert all(np.array_equal(x, y) for x, y in zip(want, got)), f"seed {seed}: a tree of 4, 2 column blocks"
     with pytest.raises(ValueError, match="column_blocks=8; allowed"):
-        pk.fold_splits(state, o, jnp.asarray(lse), live, column_blocks=8)
+        pk.fold_splits(empty, o, jnp.asarray(lse), live, column_blocks=8)
 
 
 def test_fold_splits_tree_equals_aligned_pieces_alone_and_float64():
@@ -195,6 +199,10 @@ def test_paged_decode_state_is_batch_invariant_and_equals_pieces():
     q = jnp.asarray(rng.standard_normal((batch, hq, d)), jnp.bfloat16)
     together = pk.paged_decode_state(q, k_pages, v_pages, tables, lengths, pk.empty_state(batch, 1, hq, d),
                                      split_len=split, num_programs=3)
+    # One program a sequence, the fold chosen by default (on a GPU inside the attention kernel, here the fold kernel).
+    one_program = pk.paged_decode_state(q, k_pages, v_pages, tables, lengths, pk.empty_state(batch, 1, hq, d),
+                                        split_len=split, num_programs=1)
+    assert all(np.array_equal(x, y) for x, y in zip(together, one_program)), f"seed {seed}: one program"
     for b in range(batch):
         alone = pk.paged_decode_state(q[b:b + 1], k_pages, v_pages, tables[b:b + 1], lengths[b:b + 1],
                                       pk.empty_state(1, 1, hq, d), split_len=split)
@@ -245,6 +253,8 @@ def test_paged_decode_state_folded_in_kernel_is_the_fold_kernels_state():
             else:
                 np.testing.assert_allclose(x, y, rtol=4e-6, atol=1e-6, err_msg=f"seed {seed}: {name}, {part}")
         assert all(np.array_equal(x[3], y[3]) for x, y in zip(folded, start)), f"seed {seed}: {name}, no key"
+    with pytest.raises(ValueError, match="num_programs=3 with fold_in_kernel=True; allowed"):
+        runs["two pools"](fold_in_kernel=True, num_programs=3)
 
 
 def test_paged_decode_state_kv_equals_split_pools_and_is_batch_invariant():

@@ -261,7 +261,7 @@ def _dequantized(values, scales, dtype):
 
 
 def _assert_bits_equal(a, b, what):
-    for x, y, name in zip(a, b, ("o", "lse", "l")):
+    for x, y, name in zip(a, b, ("o (or a state's acc)", "lse (or m)", "l")):
         np.testing.assert_array_equal(np.asarray(jnp.asarray(x).astype(jnp.float32)),
                                       np.asarray(jnp.asarray(y).astype(jnp.float32)), err_msg=f"{what}: {name}")
 
