@@ -110,7 +110,11 @@ for sname, (k, n) in SHAPES.items():
         ws = [(jax.random.normal(jax.random.fold_in(key, i), (k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)
               for i in range(layers)]
         x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.bfloat16)
+        # The engine's default multiplies a decode step's [B, 1, K] rows (decoder._dot), where XLA may pick other
+        # cuBLAS kernels than for [B, K]: the engine's 256-row profile had two of its four layer kernels at ~24 and ~17
+        # us (likely wqkv and wo), jnp.dot here 40.9 and 25.6 (runs/h200_invariant_price/price_2026_12_01/).
         times = {"cublas": per_matmul_ms(program(jnp.dot), x, ws),
+                 "cublas_engine_rows": per_matmul_ms(program(lambda x, w: (x[:, None, :] @ w)[:, 0]), x, ws),
                  "triton_default": per_matmul_ms(program(matmul), x, ws)}
         ref = jax.jit(matmul)(x, ws[0])
         for name, (tm, tn, split_rows, steps, cluster) in OURS.items():
