@@ -84,36 +84,34 @@ def _kernel(x_gmem, w_gmem, o_gmem, o_smem, recv, recv_full, consumed, *, tile_m
 
         return pl.run_state(mma)(plgpu.ACC.init(part))
 
+    # `consumed` (a barrier of the pair) completes a phase when both CTAs have arrived: each CTA waits for phase c at
+    # its c-th chunk's end and arrives for phase c + 1 after it, so CTA 1 writes a chunk's sum only once CTA 0 has
+    # read the last one, and neither CTA leaves while the other may still reach its shared memory.
     def even_chunk(part, total):  # CTA 0: its chunk, then CTA 1's, in chunk order
         total = total + part
         plgpu.barrier_wait(recv_full.at[wg])
-        total = total + recv[wg]
-        plgpu.barrier_arrive(consumed.at[wg])  # the buffer is free for CTA 1's next chunk
+        return filled(0.0), total + recv[wg]
+
+    def odd_chunk(part, total):  # CTA 1: hands its chunk's sum to CTA 0
+        plgpu.async_store_smem(part, recv.at[wg], recv_full.at[wg], cluster_idx=0, cluster_dim="kpair")
         return filled(0.0), total
 
-    def odd_chunk(part, total):  # CTA 1: hands its chunk's sum over once CTA 0 has read the last one
+    def chunk_end(part, total):
         plgpu.barrier_wait(consumed.at[wg])
-        plgpu.async_store_smem(part, recv.at[wg], recv_full.at[wg], cluster_idx=0, cluster_dim="kpair")
+        part, total = lax.cond(cta == 0, even_chunk, odd_chunk, part, total)
         plgpu.barrier_arrive(consumed.at[wg])
-        return filled(0.0), total
+        return part, total
 
     def step(idxs, x_smem, w_smem, carry):
         (t,) = idxs
         part, total = carry
         part = add_tile(part, x_smem, w_smem)
-
-        def chunk_end(p, s):
-            return lax.cond(cta == 0, even_chunk, odd_chunk, p, s)
-
         return lax.cond((t + 1) % tpc == 0, chunk_end, lambda p, s: (p, s), part, total)
 
     def compute(run_pipeline):
         plgpu.barrier_arrive(consumed.at[wg])  # phase 0: the buffer starts free
         _, total = run_pipeline((filled(0.0), filled(-0.0)))
-
-        @pl.when(cta == 1)
-        def _():  # CTA 0's last arrival reaches this CTA's barrier: stay until it has
-            plgpu.barrier_wait(consumed.at[wg])
+        plgpu.barrier_wait(consumed.at[wg])  # the last phase: both CTAs are done with each other
 
         @pl.when(cta == 0)
         def _():
