@@ -15,8 +15,12 @@ On a GPU, per shape and row count: bits against the Triton form and the library'
 [B, 1, K] rows, the library's form at its default tiles and this one. On a CPU it only lowers the kernel for CUDA
 (the Mosaic interpreter runs no cluster barrier).
 
-    python bench/probes/probe_matmul_cluster_k.py --out $OUT/cluster_k.json
+    timeout 240 python bench/probes/probe_matmul_cluster_k.py --out $OUT/cluster_k.json
     python bench/probes/probe_matmul_cluster_k.py --lower-only     # a CPU: lowering for CUDA only
+
+Run it under `timeout`: a hand-off barrier that never completes (its arrival count is 128, one per thread of the
+sending warpgroup, as `async_store_smem` lowers in jax 0.10.2) hangs the kernel rather than failing. The results are
+written after each shape.
 """
 import argparse
 import functools
