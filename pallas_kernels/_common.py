@@ -27,6 +27,7 @@ INT4_PAIR_MASK = 0x80078007
 # their loads pipelined for longer).
 _TARGET_PROGRAMS = 128
 
+
 def check_pallas_head_dim(d: int) -> None:
     """The Triton kernels' head dims: a power of two in [16, 256]."""
     if d < 16 or d > 256 or d & (d - 1):

@@ -2,9 +2,9 @@
 
 Decode kernels cut the keys into fixed splits attended in parallel; `fold_splits` then merges the splits' (o, lse)
 into the running `AttentionState` strictly in split order, with the formula of `merge_into_state`, in one
-program per (sequence, KV head) and block of its columns. The order of operations depends on nothing but the keys' positions: not on the
-batch, nor on how many splits a kernel call covered, nor on whether the keys arrived in one call or block by
-block from the host. So decode gives the same bits alone or batched, in GPU memory or offloaded.
+program per (sequence, KV head) and block of its columns. The order of operations depends on nothing but the keys'
+positions: not on the batch, nor on how many splits a kernel call covered, nor on whether the keys arrived in one
+call or block by block from the host. So decode gives the same bits alone or batched, in GPU memory or offloaded.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from pallas_kernels.state import AttentionState
 
 
 # Most splits loaded together per loop step: their loads are issued at once, a step ahead of their fold, so that
-# their latency hides behind the previous step's folds (the fold is latency-bound: each program walks every split). A call of fewer splits loads fewer a step (`_splits_per_step`): 32 tiles held in registers cost
-# occupancy where many short sequences (one or two splits each) fill the grid (a fold of 256 sequences of one split
-# on an H200: 27.0 us at 16 a step, 16.3 at one). The step only groups loads: every split is folded by the same
+# their latency hides behind the previous step's folds (the fold is latency-bound: each program walks every split).
+# A call of fewer splits loads fewer a step (`_splits_per_step`): 32 tiles held in registers cost occupancy where
+# many short sequences (one or two splits each) fill the grid (a fold of 256 sequences of one split on an H200:
+# 27.0 us at 16 a step, 16.3 at one). The step only groups loads: every split is folded by the same
 # operations in the same order, so the bits do not depend on it (1 to 16 a step on the H200: 40 of 40 the same,
 # bench/results/runs/h200_invariant_price/price_2026_12_01/fold_steps/).
 _MAX_SPLITS_PER_STEP = 16

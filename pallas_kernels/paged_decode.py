@@ -259,8 +259,8 @@ def paged_decode_state(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, blo
 
     The keys are cut into splits of `split_len` keys from position 0, attended in parallel, and folded into
     `state` in ascending order (by `fold_splits`, or its operations inside the attention kernel: `fold_in_kernel`):
-    the same operations as `decode_state` over the same keys,
-    whatever the batch, the block tables or how many programs run. Bits equal `decode_state`'s when page_size
+    the same operations as `decode_state` over the same keys, whatever the batch, the block tables or how many
+    programs run. Bits equal `decode_state`'s when page_size
     is at least the decode tile (128 keys in bfloat16, 32 in float32).
 
     Args: as `paged_decode_attention_with_lse`, plus
@@ -269,8 +269,9 @@ def paged_decode_state(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, blo
       num_programs: programs per (sequence, KV head), each taking every num_programs-th split; default gives
         ~128 programs on a GPU. Changes the speed, not the bits.
       fold_in_kernel: True: one program per (sequence, KV head) folds each split into the state as soon as it has
-        attended it (no split states in memory, no fold kernel; num_programs must then be None or 1); False: the splits' states, then `fold_splits`;
-        None: True where one program walks a sequence's splits (num_programs comes to 1) on a GPU. The same
+        attended it (no split states in memory, no fold kernel; num_programs must then be None or 1); False: the
+        splits' states, then `fold_splits`; None: True where one program walks a sequence's splits (num_programs
+        comes to 1) on a GPU. The same
         operations in the same order: on an H200 the same bits. The CPU interpreter's bits follow the surrounding
         program (an ulp apart in places), so there it defaults to False, the form every other path folds in.
     """
