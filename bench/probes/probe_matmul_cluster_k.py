@@ -12,10 +12,11 @@ of 128 x 128 (the library: 128 CTAs of 64 x 128, which run at ~47% of the bf16 p
 
 On a GPU, per shape and row count: bits against the Triton form and the library's warpgroup form, and us a matmul
 (16 distinct weights a program, median of 7 loops of 10 programs, min-max) of cuBLAS on [B, K] and on the engine's
-[B, 1, K] rows, the library's form at its default tiles and this one. On a CPU it only lowers the kernel for CUDA
+[B, 1, K] rows, the Triton form, the library's warpgroup form at its default tiles and this one. On a CPU it only lowers the kernel for CUDA
 (the Mosaic interpreter runs no cluster barrier).
 
     timeout 240 python bench/probes/probe_matmul_cluster_k.py --out $OUT/cluster_k.json
+    timeout 90 python bench/probes/probe_matmul_cluster_k.py --shapes w_down --rows 256 --configs pair_rows_64x128_s4
     python bench/probes/probe_matmul_cluster_k.py --lower-only     # a CPU: lowering for CUDA only
 
 Run it under `timeout`: a hand-off barrier that never completes (its arrival count is 128, one per thread of the
@@ -199,9 +200,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path)
     p.add_argument("--lower-only", action="store_true", help="lower each config for CUDA and stop (a CPU check)")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES))
+    p.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated row counts")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, of " + ", ".join(CONFIGS))
     a = p.parse_args()
+    configs = {name: CONFIGS[name] for name in a.configs.split(",")}
     if a.lower_only:
-        for name, (tm, tn, split_rows, steps) in CONFIGS.items():
+        for name, (tm, tn, split_rows, steps) in configs.items():
             x = jax.ShapeDtypeStruct((256, 14336), jnp.bfloat16)
             w = jax.ShapeDtypeStruct((14336, 4096), jnp.bfloat16)
             fn = functools.partial(cluster_k_matmul, tile_m=tm, tile_n=tn, split_rows=split_rows, steps=steps)
@@ -210,19 +215,21 @@ def main() -> None:
         return
     result = {"meta": run_metadata(), "rows": []}
     key = jax.random.PRNGKey(0)
-    for sname, (k, n) in SHAPES.items():
+    for sname in a.shapes.split(","):
+        k, n = SHAPES[sname]
         ws = [(jax.random.normal(jax.random.fold_in(key, i), (k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)
               for i in range(16)]
-        for m in ROWS:
+        for m in map(int, a.rows.split(",")):
             x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.bfloat16)
             ref = jax.jit(matmul)(x, ws[0])
             row = {"shape": sname, "k": k, "n": n, "rows": m,
                    "cublas": per_matmul_ms(jnp.dot, x, ws),
-                   "cublas_engine_rows": per_matmul_ms(lambda x, w: (x[:, None, :] @ w)[:, 0], x, ws)}
+                   "cublas_engine_rows": per_matmul_ms(lambda x, w: (x[:, None, :] @ w)[:, 0], x, ws),
+                   "triton_form": per_matmul_ms(matmul, x, ws)}
             library = functools.partial(mgpu_matmul, **default_tiles(m, n))
             row["library"] = {**per_matmul_ms(library, x, ws), "tiles": default_tiles(m, n),
                               "bits_equal_triton": bool(jnp.array_equal(jax.jit(library)(x, ws[0]), ref))}
-            for name, (tm, tn, split_rows, steps) in CONFIGS.items():
+            for name, (tm, tn, split_rows, steps) in configs.items():
                 fn = functools.partial(cluster_k_matmul, tile_m=tm, tile_n=tn, split_rows=split_rows, steps=steps)
 
                 def run(fn=fn):
