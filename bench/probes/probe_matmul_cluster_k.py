@@ -12,8 +12,8 @@ of 128 x 128 (the library: 128 CTAs of 64 x 128, which run at ~47% of the bf16 p
 
 On a GPU, per shape and row count: bits against the Triton form and the library's warpgroup form, and us a matmul
 (16 distinct weights a program, median of 7 loops of 10 programs, min-max) of cuBLAS on [B, K] and on the engine's
-[B, 1, K] rows, the Triton form, the library's warpgroup form at its default tiles and this one. On a CPU it only lowers the kernel for CUDA
-(the Mosaic interpreter runs no cluster barrier).
+[B, 1, K] rows, the Triton form, the library's warpgroup form at its default tiles and this one. On a CPU it only
+lowers the kernel for CUDA (the Mosaic interpreter runs no cluster barrier).
 
     timeout 240 python bench/probes/probe_matmul_cluster_k.py --out $OUT/cluster_k.json
     timeout 90 python bench/probes/probe_matmul_cluster_k.py --shapes w_down --rows 256 --configs pair_rows_64x128_s4
