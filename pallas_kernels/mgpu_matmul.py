@@ -71,6 +71,21 @@ def _swizzled(elems_per_row: int):
     return (plgpu.TilingTransform((8, elems_per_row)), plgpu.SwizzleTransform(128))
 
 
+def store_tile(out: jax.Array, slots, dst) -> None:
+    """A consumer warpgroup's output tile (in registers) to `dst` in global memory, in _EPILOGUE x _EPILOGUE pieces
+    through its two shared-memory slots `slots` [2, _EPILOGUE, _EPILOGUE] (TMA stores, one slot filling while the
+    other's store leaves)."""
+    pieces = [(i, j) for i in range(out.shape[0] // _EPILOGUE) for j in range(out.shape[1] // _EPILOGUE)]
+    for p, (i, j) in enumerate(pieces):
+        slot = p % 2
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the slot's previous store has left
+        slots[slot] = out[i * _EPILOGUE:(i + 1) * _EPILOGUE, j * _EPILOGUE:(j + 1) * _EPILOGUE]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(slots.at[slot],
+                                dst.at[pl.ds(i * _EPILOGUE, _EPILOGUE), pl.ds(j * _EPILOGUE, _EPILOGUE)])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 def _kernel(x_gmem, w_gmem, o_gmem, o_smem, *, tile_m: int, tile_n: int, split_rows: bool, steps: int,
             m_tiles: int, n_tiles: int, cluster: str | None, one_pass: bool, interpret: bool):
     k = x_gmem.shape[1]
@@ -124,17 +139,7 @@ def _kernel(x_gmem, w_gmem, o_gmem, o_smem, *, tile_m: int, tile_n: int, split_r
             total = run_pipeline(filled(0.0))
         else:
             _, total = run_pipeline((filled(0.0), filled(-0.0)))
-        out = total.astype(o_gmem.dtype)
-        wg_out = o_gmem.at[cta_rows, cta_cols].at[wg_rows, wg_cols]
-        pieces = [(i, j) for i in range(tile_m // _EPILOGUE) for j in range(tile_n // _EPILOGUE)]
-        for p, (i, j) in enumerate(pieces):
-            slot = p % 2
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the slot's previous store has left
-            o_smem[wg, slot] = out[i * _EPILOGUE:(i + 1) * _EPILOGUE, j * _EPILOGUE:(j + 1) * _EPILOGUE]
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[wg, slot],
-                                    wg_out.at[pl.ds(i * _EPILOGUE, _EPILOGUE), pl.ds(j * _EPILOGUE, _EPILOGUE)])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        store_tile(total.astype(o_gmem.dtype), o_smem.at[wg], o_gmem.at[cta_rows, cta_cols].at[wg_rows, wg_cols])
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
         step,

@@ -43,7 +43,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
 from common import run_metadata, stats  # noqa: E402
 from pallas_kernels.matmul import BLOCK_K, chunk_len_for, matmul  # noqa: E402
-from pallas_kernels.mgpu_matmul import default_tiles, mgpu_matmul  # noqa: E402
+from pallas_kernels.mgpu_matmul import (_COMPUTE_WGS as WGS, _EPILOGUE as EPILOGUE, GROUP_M, _swizzled,  # noqa: E402
+                                        default_tiles, mgpu_matmul, store_tile)
 
 SHAPES = {"w_down": (14336, 4096), "w_gate_up": (4096, 28672), "wqkv": (4096, 6144), "wo": (4096, 4096)}
 ROWS = (128, 256)
@@ -51,12 +52,7 @@ CONFIGS = {  # (tile_m, tile_n of each consumer warpgroup, split_rows, ring slot
     "pair_rows_64x128_s4": (64, 128, True, 4),   # CTA 128 x 128
     "pair_cols_64x64_s4": (64, 64, False, 4),    # CTA 64 x 128
 }
-WGS, EPILOGUE, GROUP_M = 2, 64, 8
 CALLS, LOOPS = 10, 7
-
-
-def _swizzled(elems_per_row: int):
-    return (plgpu.TilingTransform((8, elems_per_row)), plgpu.SwizzleTransform(128))
 
 
 def _kernel(x_gmem, w_gmem, o_gmem, o_smem, recv, recv_full, consumed, *, tile_m, tile_n, split_rows, steps,
@@ -120,17 +116,7 @@ def _kernel(x_gmem, w_gmem, o_gmem, o_smem, recv, recv_full, consumed, *, tile_m
 
         @pl.when(cta == 0)
         def _():
-            out = total.astype(o_gmem.dtype)
-            wg_out = o_gmem.at[cta_rows, cta_cols].at[wg_rows, wg_cols]
-            pieces = [(i, j) for i in range(tile_m // EPILOGUE) for j in range(tile_n // EPILOGUE)]
-            for p, (i, j) in enumerate(pieces):
-                slot = p % 2
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                o_smem[wg, slot] = out[i * EPILOGUE:(i + 1) * EPILOGUE, j * EPILOGUE:(j + 1) * EPILOGUE]
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[wg, slot],
-                                        wg_out.at[pl.ds(i * EPILOGUE, EPILOGUE), pl.ds(j * EPILOGUE, EPILOGUE)])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            store_tile(total.astype(o_gmem.dtype), o_smem.at[wg], o_gmem.at[cta_rows, cta_cols].at[wg_rows, wg_cols])
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
         step,
