@@ -328,6 +328,32 @@ def stats(samples: list[float]) -> dict:
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
 
 
+def matmul_ms(mm, x, ws, calls: int = 10, loops: int = 7) -> dict:
+    """ms per matmul of `mm(x, w)` over the distinct weights `ws`, one jitted program multiplying by each: `loops`
+    timings of `calls` programs back to back, after one untimed (`stats`)."""
+    import time
+
+    import jax
+
+    program = jax.jit(lambda x, ws: [mm(x, w) for w in ws])
+    jax.block_until_ready(program(x, ws))
+    samples = []
+    for _ in range(loops):
+        t = time.perf_counter()
+        jax.block_until_ready([program(x, ws) for _ in range(calls)])
+        samples.append((time.perf_counter() - t) * 1e3 / (calls * len(ws)))
+    return stats(samples)
+
+
+def attempt(fn):
+    """fn(), or {"error": ...} where it raised: a config a kernel refuses (shape, shared memory, lowering) is recorded
+    in a probe's results, not fatal to the rest."""
+    try:
+        return fn()
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+
+
 def fmt(s: dict | None, scale: float = 1.0, digits: int = 2) -> str:
     """'median (min-max)' of a `stats` dict."""
     if not s:

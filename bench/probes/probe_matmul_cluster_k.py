@@ -28,7 +28,6 @@ import functools
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +40,7 @@ from jax import lax  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
-from common import run_metadata, stats  # noqa: E402
+from common import attempt, matmul_ms, run_metadata  # noqa: E402
 from pallas_kernels.matmul import BLOCK_K, chunk_len_for, matmul  # noqa: E402
 from pallas_kernels.mgpu_matmul import (_COMPUTE_WGS as WGS, _EPILOGUE as EPILOGUE, GROUP_M, _swizzled,  # noqa: E402
                                         default_tiles, mgpu_matmul, store_tile)
@@ -52,7 +51,6 @@ CONFIGS = {  # (tile_m, tile_n of each consumer warpgroup, split_rows, ring slot
     "pair_rows_64x128_s4": (64, 128, True, 4),   # CTA 128 x 128
     "pair_cols_64x64_s4": (64, 64, False, 4),    # CTA 64 x 128
 }
-CALLS, LOOPS = 10, 7
 
 
 def _kernel(x_gmem, w_gmem, o_gmem, o_smem, recv, recv_full, consumed, *, tile_m, tile_n, split_rows, steps,
@@ -164,24 +162,6 @@ def cluster_k_matmul(x, w, *, tile_m, tile_n, split_rows, steps):
     return out[:m]
 
 
-def per_matmul_ms(fn, x, ws) -> dict:
-    program = jax.jit(lambda x, ws: [fn(x, w) for w in ws])
-    jax.block_until_ready(program(x, ws))
-    samples = []
-    for _ in range(LOOPS):
-        t = time.perf_counter()
-        jax.block_until_ready([program(x, ws) for _ in range(CALLS)])
-        samples.append((time.perf_counter() - t) * 1e3 / (CALLS * len(ws)))
-    return stats(samples)
-
-
-def attempt(fn):
-    try:
-        return fn()
-    except Exception as e:  # a config the kernel refuses or a lowering error: recorded, not fatal
-        return {"error": f"{type(e).__name__}: {str(e)[:400]}"}
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path)
@@ -209,11 +189,11 @@ def main() -> None:
             x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.bfloat16)
             ref = jax.jit(matmul)(x, ws[0])
             row = {"shape": sname, "k": k, "n": n, "rows": m,
-                   "cublas": per_matmul_ms(jnp.dot, x, ws),
-                   "cublas_engine_rows": per_matmul_ms(lambda x, w: (x[:, None, :] @ w)[:, 0], x, ws),
-                   "triton_form": per_matmul_ms(matmul, x, ws)}
+                   "cublas": matmul_ms(jnp.dot, x, ws),
+                   "cublas_engine_rows": matmul_ms(lambda x, w: (x[:, None, :] @ w)[:, 0], x, ws),
+                   "triton_form": matmul_ms(matmul, x, ws)}
             library = functools.partial(mgpu_matmul, **default_tiles(m, n))
-            row["library"] = {**per_matmul_ms(library, x, ws), "tiles": default_tiles(m, n),
+            row["library"] = {**matmul_ms(library, x, ws), "tiles": default_tiles(m, n),
                               "bits_equal_triton": bool(jnp.array_equal(jax.jit(library)(x, ws[0]), ref))}
             for name, (tm, tn, split_rows, steps) in configs.items():
                 fn = functools.partial(cluster_k_matmul, tile_m=tm, tile_n=tn, split_rows=split_rows, steps=steps)
@@ -222,7 +202,7 @@ def main() -> None:
                     got = jax.jit(fn)(x, ws[0])
                     bits = bool(jnp.array_equal(got, ref))
                     diff = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref.astype(jnp.float32))))
-                    return {**per_matmul_ms(fn, x, ws), "bits_equal_triton": bits, "max_abs_diff": diff}
+                    return {**matmul_ms(fn, x, ws), "bits_equal_triton": bits, "max_abs_diff": diff}
 
                 row[name] = attempt(run)
             result["rows"].append(row)

@@ -2,9 +2,9 @@
 cuBLAS (issue 64)? Our Triton-form matmul (pallas_kernels/matmul.py) takes 1.47x cuBLAS's time on the 8B projections
 at 8,192 rows and 1.31x at 256 (runs/h200_invariant_price/prefill_tiles/).
 
-For each 8B and Qwen3-0.6B projection at ROWS (default 256, 8192): ms per matmul (LAYERS distinct weights a program, CALLS
-programs back to back, median of 7 loops with min-max) of cuBLAS, the Triton form (default launch parameters),
-our warpgroup form (pallas_kernels/mgpu_matmul.py) at a few tile configs, and JAX's own Hopper matmul
+For each 8B and Qwen3-0.6B projection at ROWS (default 256, 8192): ms per matmul (LAYERS distinct weights a program,
+10 programs back to back, median of 7 loops with min-max: `common.matmul_ms`) of cuBLAS, the Triton form (default
+launch parameters), our warpgroup form (pallas_kernels/mgpu_matmul.py) at a few tile configs, and JAX's own Hopper matmul
 (jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu, K summed in one pass, no chunks: the speed a chunked form can
 reach at most). Bits: our warpgroup form against the Triton form at every shape and row count (chunked K); JAX's
 kernel against the Triton form at K = 1,536 (one chunk, where both sum K in one pass) at 64, 256 and 8,192 rows.
@@ -16,7 +16,6 @@ import functools
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,15 +27,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hopper  # noqa: E402
 
-from common import probe_output, run_metadata, stats  # noqa: E402
+from common import attempt, matmul_ms, probe_output, run_metadata  # noqa: E402
 from pallas_kernels.matmul import matmul  # noqa: E402
 from pallas_kernels.mgpu_matmul import mgpu_matmul  # noqa: E402
 
-SHAPES = {"lm_head": (4096, 128256), "wqkv": (4096, 6144), "wo": (4096, 4096), "w_gate_up": (4096, 28672), "w_down": (14336, 4096),
+SHAPES = {"lm_head": (4096, 128256), "wqkv": (4096, 6144), "wo": (4096, 4096), "w_gate_up": (4096, 28672),
+          "w_down": (14336, 4096),
           "qwen3_0.6b.wqkv": (1024, 4096), "qwen3_0.6b.wo": (2048, 1024), "qwen3_0.6b.w_gate_up": (1024, 6144),
           "qwen3_0.6b.w_down": (3072, 1024)}
 ROWS = [int(m) for m in os.environ.get("ROWS", "256,8192").split(",")]
-CALLS, LOOPS = 10, 7
 M, N = hopper.MatmulDimension.M, hopper.MatmulDimension.N
 CONFIGS = {  # JAX's kernel: (tile_m, tile_n, steps, wg_dimension, grid_minor_dim, grid_tile_width)
     "jax_t128x128_wgN_s4": (128, 128, 4, N, N, 8),
@@ -63,29 +62,8 @@ def hopper_fn(name: str):
     return lambda x, w: hopper.matmul(x, w, None, cfg)
 
 
-def per_matmul_ms(fn, x, ws) -> dict:
-    jax.block_until_ready(fn(x, ws))
-    samples = []
-    for _ in range(LOOPS):
-        t = time.perf_counter()
-        jax.block_until_ready([fn(x, ws) for _ in range(CALLS)])
-        samples.append((time.perf_counter() - t) * 1e3 / (CALLS * len(ws)))
-    return stats(samples)
-
-
-def program(mm):
-    return jax.jit(lambda x, ws: [mm(x, w) for w in ws])
-
-
 def bits_equal(a, b) -> bool:
     return bool(jnp.all(jax.lax.bitcast_convert_type(a, jnp.uint16) == jax.lax.bitcast_convert_type(b, jnp.uint16)))
-
-
-def attempt(fn):
-    try:
-        return fn()
-    except Exception as e:  # a tile config the kernel refuses (shape, shared memory): recorded, not fatal
-        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
 result = {"meta": run_metadata(), "configs": {k: [str(v) for v in c] for k, c in CONFIGS.items()}, "bits": {},
@@ -113,18 +91,18 @@ for sname, (k, n) in SHAPES.items():
         # The engine's default multiplies a decode step's [B, 1, K] rows (decoder._dot), where XLA may pick other
         # cuBLAS kernels than for [B, K]: the engine's 256-row profile had two of its four layer kernels at ~24 and ~17
         # us (likely wqkv and wo), jnp.dot here 40.9 and 25.6 (runs/h200_invariant_price/price_2026_12_01/).
-        times = {"cublas": per_matmul_ms(program(jnp.dot), x, ws),
-                 "cublas_engine_rows": per_matmul_ms(program(lambda x, w: (x[:, None, :] @ w)[:, 0]), x, ws),
-                 "triton_default": per_matmul_ms(program(matmul), x, ws)}
+        times = {"cublas": matmul_ms(jnp.dot, x, ws),
+                 "cublas_engine_rows": matmul_ms(lambda x, w: (x[:, None, :] @ w)[:, 0], x, ws),
+                 "triton_default": matmul_ms(matmul, x, ws)}
         ref = jax.jit(matmul)(x, ws[0])
         for name, (tm, tn, split_rows, steps, cluster) in OURS.items():
             fn = functools.partial(mgpu_matmul, tile_m=tm, tile_n=tn, split_rows=split_rows, steps=steps,
                                    cluster=cluster)
-            times[name] = attempt(lambda fn=fn: per_matmul_ms(program(fn), x, ws))
+            times[name] = attempt(lambda fn=fn: matmul_ms(fn, x, ws))
             result["bits"][f"{sname}.{m}.{name}"] = attempt(
                 lambda fn=fn: {"bits_equal": bits_equal(jax.jit(fn)(x, ws[0]), ref)})
         for name in CONFIGS:
-            times[name] = attempt(lambda name=name: per_matmul_ms(program(hopper_fn(name)), x, ws))
+            times[name] = attempt(lambda name=name: matmul_ms(hopper_fn(name), x, ws))
         result["ms"][f"{sname}.{m}"] = times
         print(sname, m, {n: round(t["median"], 4) if "median" in t else t["error"][:80] for n, t in times.items()},
               {n: result["bits"][f"{sname}.{m}.{n}"] for n in OURS}, flush=True)
