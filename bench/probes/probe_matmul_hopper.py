@@ -5,8 +5,8 @@ at 8,192 rows and 1.31x at 256 (runs/h200_invariant_price/prefill_tiles/).
 For each 8B and Qwen3-0.6B projection at ROWS (default 256, 8192): ms per matmul (LAYERS distinct weights a program,
 10 programs back to back, median of 7 loops with min-max: `common.matmul_ms`) of cuBLAS, the Triton form (default
 launch parameters), our warpgroup form (pallas_kernels/mgpu_matmul.py) at a few tile configs, and JAX's own Hopper
-matmul (jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu, K summed in one pass, no chunks: the speed a chunked form can
-reach at most). Bits: our warpgroup form against the Triton form at every shape and row count (chunked K); JAX's
+matmul (jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu, K summed in one pass, no chunks: the speed a chunked form
+can reach at most). Bits: our warpgroup form against the Triton form at every shape and row count (chunked K); JAX's
 kernel against the Triton form at K = 1,536 (one chunk, where both sum K in one pass) at 64, 256 and 8,192 rows.
 The first version of this probe (commit f77ff14) timed JAX's kernel only.
 
