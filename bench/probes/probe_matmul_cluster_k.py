@@ -15,13 +15,15 @@ On a GPU, per shape and row count: bits against the Triton form and the library'
 [B, 1, K] rows, the Triton form, the library's warpgroup form at its default tiles and this one. On a CPU it only
 lowers the kernel for CUDA (the Mosaic interpreter runs no cluster barrier).
 
-    timeout 240 python bench/probes/probe_matmul_cluster_k.py --out $OUT/cluster_k.json
-    timeout 90 python bench/probes/probe_matmul_cluster_k.py --shapes w_down --rows 256 --configs pair_rows_64x128_s4
+    timeout 300 python -u bench/probes/probe_matmul_cluster_k.py --out $OUT/cluster_k.json
+    timeout 45 python -u bench/probes/probe_matmul_cluster_k.py --shapes w_down --rows 128 --stage bits
     python bench/probes/probe_matmul_cluster_k.py --lower-only     # a CPU: lowering for CUDA only
 
-Run it under `timeout`: a hand-off barrier that never completes (its arrival count is 128, one per thread of the
-sending warpgroup, as `async_store_smem` lowers in jax 0.10.2) hangs the kernel rather than failing. The results are
-written after each shape.
+Run it under `timeout` and `python -u`: a hand-off barrier whose count is wrong hangs the kernel rather than failing.
+On the H200 with jax 0.11.2 a count of 128 (one per thread of the sending warpgroup, as the lowering's per-thread
+`arrive_expect_tx` reads) hung, and 1 gave the Triton form's bits; `--stage`, `--no-handoff` and `--handoff-arrivals`
+are that diagnosis (`bench/results/runs/h200_invariant_price/price_2026_12_01/cluster_k/`). The results are written
+after each shape.
 """
 import argparse
 import functools
@@ -54,7 +56,7 @@ CONFIGS = {  # (tile_m, tile_n of each consumer warpgroup, split_rows, ring slot
 
 
 def _kernel(x_gmem, w_gmem, o_gmem, o_smem, recv, recv_full, consumed, *, tile_m, tile_n, split_rows, steps,
-            m_tiles, n_tiles):
+            m_tiles, n_tiles, handoff):
     k = x_gmem.shape[1]
     tpc = chunk_len_for(k, False) // BLOCK_K  # k-tiles a chunk
     tile = lax.axis_index("tile")
@@ -88,11 +90,14 @@ def _kernel(x_gmem, w_gmem, o_gmem, o_smem, recv, recv_full, consumed, *, tile_m
     # read the last one, and neither CTA leaves while the other may still reach its shared memory.
     def even_chunk(part, total):  # CTA 0: its chunk, then CTA 1's, in chunk order
         total = total + part
+        if not handoff:
+            return filled(0.0), total
         plgpu.barrier_wait(recv_full.at[wg])
         return filled(0.0), total + recv[wg]
 
     def odd_chunk(part, total):  # CTA 1: hands its chunk's sum to CTA 0
-        plgpu.async_store_smem(part, recv.at[wg], recv_full.at[wg], cluster_idx=0, cluster_dim="kpair")
+        if handoff:
+            plgpu.async_store_smem(part, recv.at[wg], recv_full.at[wg], cluster_idx=0, cluster_dim="kpair")
         return filled(0.0), total
 
     def chunk_end(part, total):
@@ -130,10 +135,12 @@ def _kernel(x_gmem, w_gmem, o_gmem, o_smem, recv, recv_full, consumed, *, tile_m
     pipeline(x_gmem.at[cta_rows, :], w_gmem.at[:, cta_cols])
 
 
-@functools.partial(jax.jit, static_argnames=("tile_m", "tile_n", "split_rows", "steps"))
-def cluster_k_matmul(x, w, *, tile_m, tile_n, split_rows, steps):
+@functools.partial(jax.jit, static_argnames=("tile_m", "tile_n", "split_rows", "steps", "handoff",
+                                             "handoff_arrivals"))
+def cluster_k_matmul(x, w, *, tile_m, tile_n, split_rows, steps, handoff=True, handoff_arrivals=1):
     """x [M, K] @ w [K, N] in bf16 with `matmul`'s chunked order, K split by chunks over a CTA pair (an even number
-    of whole 1,024-key chunks)."""
+    of whole 1,024-key chunks). `handoff=False` (a hang's diagnosis) drops the odd chunks: wrong sums, the same
+    cluster barriers."""
     m, k = x.shape
     n = w.shape[1]
     if k % chunk_len_for(k, False) or (k // chunk_len_for(k, False)) % 2:
@@ -145,11 +152,12 @@ def cluster_k_matmul(x, w, *, tile_m, tile_n, split_rows, steps):
     m_tiles, n_tiles = m_pad // cta_m, n // cta_n
     out = plgpu.kernel(
         functools.partial(_kernel, tile_m=tile_m, tile_n=tile_n, split_rows=split_rows, steps=steps,
-                          m_tiles=m_tiles, n_tiles=n_tiles),
+                          m_tiles=m_tiles, n_tiles=n_tiles, handoff=handoff),
         out_type=jax.ShapeDtypeStruct((m_pad, n), x.dtype),
         scratch_types=(plgpu.SMEM((WGS, 2, EPILOGUE, EPILOGUE), x.dtype, transforms=_swizzled(64)),
                        plgpu.SMEM((WGS, tile_m, tile_n), jnp.float32, transforms=_swizzled(32)),
-                       plgpu.Barrier(num_arrivals=128, num_barriers=WGS),  # each thread's share of a hand-off
+                       # a hand-off: the count jax 0.11.2 completes with on the H200 (see the docstring)
+                       plgpu.Barrier(num_arrivals=handoff_arrivals, num_barriers=WGS),
                        plgpu.ClusterBarrier(collective_axes=("kpair",), num_arrivals=1, num_barriers=WGS)),
         grid=(m_tiles * n_tiles,),
         grid_names=("tile",),
@@ -162,6 +170,26 @@ def cluster_k_matmul(x, w, *, tile_m, tile_n, split_rows, steps):
     return out[:m]
 
 
+def _diagnose(a, configs) -> None:
+    for sname in a.shapes.split(","):
+        k, n = SHAPES[sname]
+        w = (jax.random.normal(jax.random.PRNGKey(1), (k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)
+        for m in map(int, a.rows.split(",")):
+            x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.bfloat16)
+            for name, (tm, tn, split_rows, steps) in configs.items():
+                fn = jax.jit(functools.partial(cluster_k_matmul, tile_m=tm, tile_n=tn, split_rows=split_rows,
+                                               steps=steps, handoff=a.handoff,
+                                               handoff_arrivals=a.handoff_arrivals))
+                print(sname, m, name, "handoff" if a.handoff else "no handoff", "compiling", flush=True)
+                compiled = fn.lower(x, w).compile()
+                print("  compiled", flush=True)
+                if a.stage == "bits":
+                    got = compiled(x, w).block_until_ready()
+                    ref = jax.jit(matmul)(x, w)
+                    print("  ran; bits equal:", bool(jnp.array_equal(got, ref)), "max abs diff:",
+                          float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref.astype(jnp.float32)))), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path)
@@ -169,8 +197,15 @@ def main() -> None:
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES))
     p.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated row counts")
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, of " + ", ".join(CONFIGS))
+    p.add_argument("--stage", choices=("compile", "bits"),
+                   help="a hang's diagnosis: only compile, or only run once against the reference, each config")
+    p.add_argument("--no-handoff", dest="handoff", action="store_false", help="drop the hand-off (diagnosis only)")
+    p.add_argument("--handoff-arrivals", type=int, default=1, help="the hand-off barrier's count (diagnosis only)")
     a = p.parse_args()
     configs = {name: CONFIGS[name] for name in a.configs.split(",")}
+    if a.stage:
+        _diagnose(a, configs)
+        return
     if a.lower_only:
         for name, (tm, tn, split_rows, steps) in configs.items():
             x = jax.ShapeDtypeStruct((256, 14336), jnp.bfloat16)
@@ -187,7 +222,8 @@ def main() -> None:
               for i in range(16)]
         for m in map(int, a.rows.split(",")):
             x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.bfloat16)
-            ref = jax.jit(matmul)(x, ws[0])
+            refs = [jax.jit(matmul)(x, w) for w in ws]
+            ref = refs[0]
             row = {"shape": sname, "k": k, "n": n, "rows": m,
                    "cublas": matmul_ms(jnp.dot, x, ws),
                    "cublas_engine_rows": matmul_ms(lambda x, w: (x[:, None, :] @ w)[:, 0], x, ws),
@@ -199,9 +235,11 @@ def main() -> None:
                 fn = functools.partial(cluster_k_matmul, tile_m=tm, tile_n=tn, split_rows=split_rows, steps=steps)
 
                 def run(fn=fn):
-                    got = jax.jit(fn)(x, ws[0])
-                    bits = bool(jnp.array_equal(got, ref))
-                    diff = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref.astype(jnp.float32))))
+                    # every weight: a hand-off that raced would show as a difference in some of them
+                    got = [jax.jit(fn)(x, w) for w in ws]
+                    bits = all(bool(jnp.array_equal(g, r)) for g, r in zip(got, refs))
+                    diff = max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32))))
+                               for g, r in zip(got, refs))
                     return {**matmul_ms(fn, x, ws), "bits_equal_triton": bits, "max_abs_diff": diff}
 
                 row[name] = attempt(run)
