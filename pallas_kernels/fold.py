@@ -32,12 +32,8 @@ from pallas_kernels.state import AttentionState
 _MAX_SPLITS_PER_STEP = 16
 
 
-# The group sizes a tree fold may take (`fold_splits`' `tree`): powers of two up to a loop step's splits.
-TREE_SIZES = tuple(1 << i for i in range(_MAX_SPLITS_PER_STEP.bit_length()))
-
-
-def _splits_per_step(num_splits: int, tree: int) -> int:
-    return max(tree, min(_MAX_SPLITS_PER_STEP, next_pow2(num_splits)))
+def _splits_per_step(num_splits: int) -> int:
+    return min(_MAX_SPLITS_PER_STEP, next_pow2(num_splits))
 
 
 def _column_blocks(programs: int, d: int) -> int:
@@ -51,18 +47,6 @@ def _column_blocks(programs: int, d: int) -> int:
     while blocks * 2 * programs <= _TARGET_PROGRAMS and d // (blocks * 2) >= 16:
         blocks *= 2
     return blocks
-
-
-def _merge(a, b):
-    """Partial states (acc [rows, D], m and l [rows, 1], m in log2 units) of adjacent key ranges, a's keys first,
-    merged; an empty one (m = -inf) leaves the other's bits exactly."""
-    (acc_a, m_a, l_a), (acc_b, m_b, l_b) = a, b
-    m = jnp.maximum(m_a, m_b)
-    m_use = jnp.where(m == NEG_INF, 0.0, m)
-    w_a, w_b = jnp.exp2(m_a - m_use), jnp.exp2(m_b - m_use)
-    merged = (acc_a * w_a + acc_b * w_b, m, l_a * w_a + l_b * w_b)
-    a_empty, b_empty = m_a == NEG_INF, m_b == NEG_INF
-    return tuple(jnp.where(b_empty, xa, jnp.where(a_empty, xb, x)) for x, xa, xb in zip(merged, a, b))
 
 
 def _fold_one_split(carry, o, lse, live):
@@ -79,7 +63,7 @@ def _fold_one_split(carry, o, lse, live):
 
 
 def _fold_kernel(live_ref, o_ref, lse_ref, acc_ref, m_ref, l_ref, acc_out, m_out, l_out, *, group: int,
-                 tree: int, per_step: int):
+                 per_step: int):
     # Row statistics are [rows, 1] columns, as acc's rows: a statistic meets acc with no layout change between them
     # (~10% of the fold on an H200, the same bits: bench/results/runs/h200_fold/).
     rows = acc_ref.shape[0]
@@ -99,27 +83,11 @@ def _fold_kernel(live_ref, o_ref, lse_ref, acc_ref, m_ref, l_ref, acc_out, m_out
                            plgpu.load(lse_ref.at[s], mask=row_ok, other=NEG_INF)))
         return loaded
 
-    def fold_tree(carry, leaves, first):
-        """Folds `tree` consecutive splits, the first of them split `first`, merged pairwise level by level."""
-        nodes = []
-        for u, (o, lse) in enumerate(leaves):
-            empty = (first + u >= num_live) | (lse == NEG_INF)  # past the live splits, or no key
-            nodes.append((jnp.where(empty, 0.0, o), jnp.where(empty, NEG_INF, lse * LOG2E),
-                          jnp.where(empty, 0.0, 1.0)))
-        while len(nodes) > 1:
-            nodes = [_merge(nodes[k], nodes[k + 1]) for k in range(0, len(nodes), 2)]
-        new = _merge(carry, nodes[0])
-        return tuple(jnp.where(first < num_live, x, y) for x, y in zip(new, carry))
-
     def step(i, carry_and_loaded):
         carry, loaded = carry_and_loaded
         upcoming = load_step(i + 1)  # issued before this step's folds, which do not need it
-        if tree == 1:
-            for u, (o, lse) in enumerate(loaded):
-                carry = _fold_one_split(carry, o, lse, i * per_step + u < num_live)
-        else:
-            for u in range(0, per_step, tree):
-                carry = fold_tree(carry, loaded[u:u + tree], i * per_step + u)
+        for u, (o, lse) in enumerate(loaded):
+            carry = _fold_one_split(carry, o, lse, i * per_step + u < num_live)
         return carry, upcoming
 
     steps = (num_live + per_step - 1) // per_step
@@ -129,7 +97,7 @@ def _fold_kernel(live_ref, o_ref, lse_ref, acc_ref, m_ref, l_ref, acc_out, m_out
     plgpu.store(l_out, l, mask=row_ok)
 
 
-def _fold(num_live, o_part, lse_part, acc, m, l, *, tree, per_step, column_blocks, interpret):
+def _fold(num_live, o_part, lse_part, acc, m, l, *, per_step, column_blocks, interpret):
     """num_live [B]; o_part [S, B, Hkv, G, D], lse_part [S, B, Hkv, G, 1]; acc [B, Hkv, G, D], m and l
     [B, Hkv, G, 1]. Each (sequence, KV head) is folded by `column_blocks` programs, each over its D / column_blocks
     columns of o and acc (m and l computed alike by all, from the same lse, and written by each: so no output may
@@ -140,7 +108,7 @@ def _fold(num_live, o_part, lse_part, acc, m, l, *, tree, per_step, column_block
     row_spec = pl.BlockSpec((None, None, rows, cols), lambda bh, c: (bh // hkv, bh % hkv, 0, c))
     stat_spec = pl.BlockSpec((None, None, rows, 1), lambda bh, c: (bh // hkv, bh % hkv, 0, 0))
     return pl.pallas_call(
-        functools.partial(_fold_kernel, group=group, tree=tree, per_step=per_step),
+        functools.partial(_fold_kernel, group=group, per_step=per_step),
         grid=(batch * hkv, column_blocks),
         in_specs=[pl.BlockSpec((None,), lambda bh, c: (bh // hkv,)),
                   pl.BlockSpec((num_splits, None, None, rows, cols), lambda bh, c: (0, bh // hkv, bh % hkv, 0, c)),
@@ -155,20 +123,15 @@ def _fold(num_live, o_part, lse_part, acc, m, l, *, tree, per_step, column_block
     )(num_live, o_part, lse_part, acc, m, l)
 
 
-_fold = interpret_aware_jit(_fold, ("tree", "per_step", "column_blocks", "interpret"))
+_fold = interpret_aware_jit(_fold, ("per_step", "column_blocks", "interpret"))
 
 
 def fold_splits(state: AttentionState, o_part: jax.Array, lse_part: jax.Array, num_live: jax.Array | None = None,
-                interpret: bool | None = None, tree: int = 1, column_blocks: int | None = None) -> AttentionState:
+                interpret: bool | None = None, column_blocks: int | None = None) -> AttentionState:
     """Folds split results o_part [S, B, Hkv, G, D] (float32) and natural-log lse_part [S, B, Hkv, G], in
     ascending split order, into the decode state of B sequences (acc [B, 1, Hkv * G, D], m and l [B, Hkv * G, 1]).
     Sequence b folds its first num_live[b] splits (default all S; the others are never read). A split with
     lse = -inf (no key) leaves the state as it was.
-
-    tree (static, one of TREE_SIZES): 1 folds one split after another. T > 1 cuts the splits into groups of T from
-    the call's first split, merges each group pairwise level by level (a balanced tree), and folds the groups in
-    order: a dependent chain of S / T + log2(T) merges instead of S, whose order still depends on the splits'
-    positions alone, so two calls give one call's bits where the second begins at a multiple of T splits.
 
     column_blocks (static): programs a (sequence, KV head), each folding D / column_blocks columns of the outputs
     (a power of two, at most D / 16); default: enough for ~128 programs on a GPU, one in the interpreter. Changes
@@ -177,8 +140,6 @@ def fold_splits(state: AttentionState, o_part: jax.Array, lse_part: jax.Array, n
     if lse_part.shape != o_part.shape[:4]:
         raise ValueError(f"lse_part has shape {lse_part.shape} for o_part {o_part.shape}; allowed: "
                          f"{o_part.shape[:4]}")
-    if tree not in TREE_SIZES:
-        raise ValueError(f"tree={tree}; allowed: one of {TREE_SIZES}")
     if column_blocks is None:
         column_blocks = 1 if resolve_interpret(interpret) else _column_blocks(batch * hkv, d)
     if column_blocks < 1 or column_blocks & (column_blocks - 1) or d % column_blocks or d // column_blocks < 16:
@@ -188,7 +149,6 @@ def fold_splits(state: AttentionState, o_part: jax.Array, lse_part: jax.Array, n
     num_live = jnp.full((batch,), num_splits, jnp.int32) if num_live is None else num_live.astype(jnp.int32)
     acc, m, l = _fold(num_live, o_part.astype(jnp.float32), lse_part.astype(jnp.float32)[..., None],
                       state.acc.reshape(batch, hkv, group, d), state.m.reshape(batch, hkv, group, 1),
-                      state.l.reshape(batch, hkv, group, 1), tree=tree,
-                      per_step=_splits_per_step(num_splits, tree), column_blocks=column_blocks,
-                      interpret=resolve_interpret(interpret))
+                      state.l.reshape(batch, hkv, group, 1), per_step=_splits_per_step(num_splits),
+                      column_blocks=column_blocks, interpret=resolve_interpret(interpret))
     return AttentionState(acc.reshape(batch, 1, hq, d), m.reshape(batch, hq, 1), l.reshape(batch, hq, 1))

@@ -156,32 +156,13 @@ def test_fold_splits_by_column_blocks_keeps_the_bits():
     four = pk.fold_splits(empty, o, jnp.asarray(lse), live, column_blocks=4)
     assert all(np.array_equal(x, y) for x, y in zip(one, four)), f"seed {seed}: 4 column blocks"
     _assert_fold_is_the_float64_merge(one, o, lse, np.asarray(live), seed)
-    # Continuing a state that holds splits already (each block reads its columns of acc), as a tree of 4.
+    # Continuing a state that holds splits already (each block reads its columns of acc).
     start = pk.fold_splits(empty, o[:4], jnp.asarray(lse[:4]))
-    want, got = (pk.fold_splits(start, o[4:], jnp.asarray(lse[4:]), live - 4, column_blocks=blocks, tree=4)
+    want, got = (pk.fold_splits(start, o[4:], jnp.asarray(lse[4:]), live - 4, column_blocks=blocks)
                  for blocks in (1, 2))
-    assert all(np.array_equal(x, y) for x, y in zip(want, got)), f"seed {seed}: a tree of 4, 2 column blocks"
+    assert all(np.array_equal(x, y) for x, y in zip(want, got)), f"seed {seed}: a continued state, 2 column blocks"
     with pytest.raises(ValueError, match="column_blocks=8; allowed"):
         pk.fold_splits(empty, o, jnp.asarray(lse), live, column_blocks=8)
-
-
-def test_fold_splits_tree_equals_aligned_pieces_alone_and_float64():
-    """A tree fold (groups of 8 splits merged pairwise, two groups a loop step, groups in order) over 24 splits (two
-    loop steps), a row whose live splits end mid-group, empty splits: one call equals two calls cut at split 8 (a
-    multiple of the group, mid-step) and each row folded alone (bits), and the float64 softmax merge."""
-    seed, tree = 4112, 8
-    o, lse, live, state = _fold_inputs(seed, 24, 13)
-    one = pk.fold_splits(state, o, jnp.asarray(lse), jnp.asarray(live), tree=tree)
-    first = pk.fold_splits(state, o[:8], jnp.asarray(lse[:8]), jnp.asarray(np.minimum(live, 8)), tree=tree)
-    two = pk.fold_splits(first, o[8:], jnp.asarray(lse[8:]), jnp.asarray(live - 8), tree=tree)
-    assert all(np.array_equal(x, y) for x, y in zip(one, two)), f"seed {seed}"
-    for row in range(len(live)):
-        alone = pk.fold_splits(pk.empty_state(1, 1, 6, 16), o[:live[row], row:row + 1],
-                               jnp.asarray(lse[:live[row], row:row + 1]), tree=tree)
-        assert all(np.array_equal(x[row:row + 1], y) for x, y in zip(one, alone)), f"seed {seed}: row {row}"
-    _assert_fold_is_the_float64_merge(one, o, lse, live, seed)
-    with pytest.raises(ValueError, match="tree=3; allowed"):
-        pk.fold_splits(state, o, jnp.asarray(lse), tree=3)
 
 
 def test_paged_decode_state_is_batch_invariant_and_equals_pieces():
