@@ -19,7 +19,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (_TARGET_PROGRAMS, LOG2E, NEG_INF, compiler_params, interpret_aware_jit, next_pow2,
                                     resolve_interpret)
-from pallas_kernels.state import AttentionState
+from pallas_kernels.state import AttentionState, by_kv_heads, from_kv_heads
 
 
 # Most splits loaded together per loop step: their loads are issued at once, a step ahead of their fold, so that
@@ -145,10 +145,7 @@ def fold_splits(state: AttentionState, o_part: jax.Array, lse_part: jax.Array, n
     if column_blocks < 1 or column_blocks & (column_blocks - 1) or d % column_blocks or d // column_blocks < 16:
         raise ValueError(f"column_blocks={column_blocks}; allowed: a power of two with D / column_blocks >= 16 "
                          f"(D = {d})")
-    hq = hkv * group
     num_live = jnp.full((batch,), num_splits, jnp.int32) if num_live is None else num_live.astype(jnp.int32)
-    acc, m, l = _fold(num_live, o_part.astype(jnp.float32), lse_part.astype(jnp.float32)[..., None],
-                      state.acc.reshape(batch, hkv, group, d), state.m.reshape(batch, hkv, group, 1),
-                      state.l.reshape(batch, hkv, group, 1), per_step=_splits_per_step(num_splits),
-                      column_blocks=column_blocks, interpret=resolve_interpret(interpret))
-    return AttentionState(acc.reshape(batch, 1, hq, d), m.reshape(batch, hq, 1), l.reshape(batch, hq, 1))
+    return from_kv_heads(*_fold(num_live, o_part.astype(jnp.float32), lse_part.astype(jnp.float32)[..., None],
+                                *by_kv_heads(state, hkv), per_step=_splits_per_step(num_splits),
+                                column_blocks=column_blocks, interpret=resolve_interpret(interpret)))

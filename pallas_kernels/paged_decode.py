@@ -63,7 +63,7 @@ from pallas_kernels.decode import (
 )
 from pallas_kernels.fold import _fold_one_split, fold_splits
 from pallas_kernels.merge import merge_stack
-from pallas_kernels.state import AttentionState, check_state
+from pallas_kernels.state import AttentionState, by_kv_heads, check_state, from_kv_heads
 
 
 def _attend_paged_split(q, seq_len, start, bt_ref, k_ref, v_ref, k_scale_ref, v_scale_ref, *, scale_log2: float,
@@ -233,14 +233,8 @@ def _paged_decode_state(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, s
     launch = dict(page_size=page_size, v_offset=v_offset, sm_scale=sm_scale, interpret=interpret, block_k=block_k,
                   split_len=split_len, num_programs=num_programs, num_warps=num_warps, num_stages=num_stages)
     if fold_in_kernel:
-        batch, hq, d = q.shape
-        hkv = k_rows.shape[1]
-        group = hq // hkv
-        acc, m, l = _paged_decode_parts(
-            q, k_rows, v_rows, scale_rows, block_tables, seq_lens, **launch,
-            state=(state.acc.reshape(batch, hkv, group, d), state.m.reshape(batch, hkv, group, 1),
-                   state.l.reshape(batch, hkv, group, 1)))
-        return AttentionState(acc.reshape(batch, 1, hq, d), m.reshape(batch, hq, 1), l.reshape(batch, hq, 1))
+        return from_kv_heads(*_paged_decode_parts(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, **launch,
+                                                  state=by_kv_heads(state, k_rows.shape[1])))
     o_part, lse_part = _paged_decode_parts(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, **launch)
     return fold_splits(state, o_part, lse_part, cdiv(seq_lens, split_len), interpret=interpret)
 
@@ -271,9 +265,9 @@ def paged_decode_state(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, blo
       fold_in_kernel: True: one program per (sequence, KV head) folds each split into the state as soon as it has
         attended it (no split states in memory, no fold kernel; num_programs must then be None or 1); False: the
         splits' states, then `fold_splits`; None: True where one program walks a sequence's splits (num_programs
-        comes to 1) on a GPU. The same
-        operations in the same order: on an H200 the same bits. The CPU interpreter's bits follow the surrounding
-        program (an ulp apart in places), so there it defaults to False, the form every other path folds in.
+        comes to 1) on a GPU. The same operations in the same order: on an H200 the same bits. The CPU
+        interpreter's bits follow the surrounding program (an ulp apart in places), so there it defaults to False,
+        the form every other path folds in.
     """
     block_tables, seq_lens = _check_paged_args(q, k_pages, v_pages, block_tables, seq_lens, k_scales, v_scales)
     num_pages, page_size, hkv, d = k_pages.shape

@@ -41,6 +41,22 @@ def check_state(state: AttentionState, batch: int, tq: int, hq: int, head_dim: i
         raise ValueError(f"state has shapes {got} and dtypes {[str(x.dtype) for x in state]}; allowed: {want}, float32")
 
 
+def by_kv_heads(state: AttentionState, hkv: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A decode state (one query token a row) as the decode kernels tile it: acc [B, Hkv, G, D], m and l
+    [B, Hkv, G, 1], G = H / Hkv query heads a KV head."""
+    batch, _, hq, d = state.acc.shape
+    group = hq // hkv
+    return (state.acc.reshape(batch, hkv, group, d), state.m.reshape(batch, hkv, group, 1),
+            state.l.reshape(batch, hkv, group, 1))
+
+
+def from_kv_heads(acc: jax.Array, m: jax.Array, l: jax.Array) -> AttentionState:
+    """`by_kv_heads`' tiles back to a decode state."""
+    batch, hkv, group, d = acc.shape
+    hq = hkv * group
+    return AttentionState(acc.reshape(batch, 1, hq, d), m.reshape(batch, hq, 1), l.reshape(batch, hq, 1))
+
+
 def _rows_first(x: jax.Array) -> jax.Array:
     """[B, H, T] -> [B, T, H, 1], to scale acc."""
     return jnp.swapaxes(x, 1, 2)[..., None]

@@ -36,7 +36,7 @@ from common import run_metadata  # noqa: E402
 import pallas_kernels  # noqa: E402
 from pallas_kernels._common import NEG_INF, compiler_params  # noqa: E402
 from pallas_kernels.fold import _column_blocks, _fold_one_split  # noqa: E402
-from pallas_kernels.state import AttentionState  # noqa: E402
+from pallas_kernels.state import AttentionState, by_kv_heads, from_kv_heads  # noqa: E402
 
 CHAIN, RUNS = 64, 7
 INTERPRET = jax.default_backend() != "gpu"
@@ -75,8 +75,7 @@ def _specs(hkv, group, cols, lead=None):
 def two_stages(o_part, lse_part, state, *, t):
     num_splits, batch, hkv, group, d = o_part.shape
     groups = num_splits // t
-    acc, m, l = (state.acc.reshape(batch, hkv, group, d), state.m.reshape(batch, hkv, group, 1),
-                 state.l.reshape(batch, hkv, group, 1))
+    acc, m, l = by_kv_heads(state, hkv)
 
     def stage1(o_ref, lse_ref, acc_out, m_out, l_out):
         acc_out[...], m_out[...], l_out[...] = _group_state(o_ref, lse_ref, 0, t)
@@ -112,13 +111,12 @@ def two_stages(o_part, lse_part, state, *, t):
         out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (acc, m, l)],
         compiler_params=compiler_params(4, 3), interpret=INTERPRET, name="fold_groups_stage2",
     )(acc_g, m_g, l_g, acc, m, l)
-    return AttentionState(acc.reshape(state.acc.shape), m.reshape(state.m.shape), l.reshape(state.l.shape))
+    return from_kv_heads(acc, m, l)
 
 
 def one_program(o_part, lse_part, state, *, t):
     num_splits, batch, hkv, group, d = o_part.shape
-    acc, m, l = (state.acc.reshape(batch, hkv, group, d), state.m.reshape(batch, hkv, group, 1),
-                 state.l.reshape(batch, hkv, group, 1))
+    acc, m, l = by_kv_heads(state, hkv)
 
     def kernel(o_ref, lse_ref, acc_ref, m_ref, l_ref, acc_out, m_out, l_out):
         def body(j, carry):
@@ -136,7 +134,7 @@ def one_program(o_part, lse_part, state, *, t):
         out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (acc, m, l)],
         compiler_params=compiler_params(4, 3), interpret=INTERPRET, name="fold_groups_one_program",
     )(o_part, lse_part[..., None], acc, m, l)
-    return AttentionState(acc.reshape(state.acc.shape), m.reshape(state.m.shape), l.reshape(state.l.shape))
+    return from_kv_heads(acc, m, l)
 
 
 def library(o_part, lse_part, state):
