@@ -74,7 +74,7 @@ def paged_decode_attention(impl: str, q: jax.Array, k_pages: jax.Array | Quantiz
                            batch_invariant: bool = False) -> jax.Array:
     """Decode attention of q [B, Hq, D] over a paged pool [num_blocks, block_size, Hkv, D] (block tables [B, n],
     lengths [B]) -> o [B, Hq, D], each device over its heads. Batch-invariant (Pallas only): o float32 from the
-    fixed DECODE_SPLIT splits folded in key order, the bits of the offloaded decode (`decode_state`); otherwise o
+    splits set by each sequence's length folded in key order, the bits of the offloaded decode (`decode_state`); else o
     in q's dtype from splits sized to the batch. An fp8 or int8 pool (`QuantizedKV` pages) is dequantized in the
     kernel."""
     def pool(k_pages, v_pages):
@@ -206,36 +206,43 @@ def decode_layer_in_device(
 # ascending key order, the chunk's own keys (or the decode tail) last, and rounded to the model dtype once,
 # in the layer's end step. Prefill kernels (Pallas and jnp alike) continue the state exactly where one call
 # over all the keys would be, so chunked prefill gives the in-GPU bits; the Pallas decode cuts the keys into
-# fixed splits folded into the state in key order, so blocks of a multiple of DECODE_SPLIT keys give them too.
+# splits set by the sequence's whole length (`pallas_kernels.decode_split_lens`: every call on its pieces is told
+# it) folded into the state in key order, so blocks of a multiple of DECODE_SPLIT_MAX keys give them too.
 
 
 def attend(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState, *, causal: bool,
-           kv_len: int | jax.Array | None = None, tp: TensorParallel | None = None) -> AttentionState:
+           kv_len: int | jax.Array | None = None, total_len: jax.Array | None = None,
+           tp: TensorParallel | None = None) -> AttentionState:
     """Continues `state` of queries q [B, T, Hq, D] over keys [B, S, Hkv, D]; causal keys are the queries'
-    own (positions aligned with the queries), otherwise keys wholly before them."""
-    def local(q, k, v, state, kv_len):
+    own (positions aligned with the queries), otherwise keys wholly before them. A decode token's keys (T = 1)
+    are split by its sequence's whole length `total_len` (None: kv_len, these keys are all of them), so its
+    pieces give one call's bits."""
+    def local(q, k, v, state, kv_len, total_len):
         if impl == "xla":
             return pallas_kernels.attention_state_xla(q, k, v, state, causal=causal, kv_len=kv_len)
         if q.shape[1] == 1:
-            return pallas_kernels.decode_state(q[:, 0], k, v, state, kv_len=kv_len)
+            return pallas_kernels.decode_state(q[:, 0], k, v, state, kv_len=kv_len, total_len=total_len)
         return pallas_kernels.attention_state(q, k, v, state, causal=causal, kv_len=kv_len)
 
-    return _local(tp, local, (HEADS, HEADS, HEADS, STATE_HEADS, None), STATE_HEADS)(q, k, v, state, kv_len)
+    return _local(tp, local, (HEADS, HEADS, HEADS, STATE_HEADS, None, None), STATE_HEADS)(
+        q, k, v, state, kv_len, total_len)
 
 
 def attend_and_finish(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState, *,
-                      causal: bool, kv_len: int | jax.Array | None = None,
+                      causal: bool, kv_len: int | jax.Array | None = None, total_len: jax.Array | None = None,
                       tp: TensorParallel | None = None) -> jax.Array:
     """`attend`, then the final normalisation as the in-GPU kernels do it: o float32 [B, T, Hq, D]."""
-    def local(q, k, v, state, kv_len):
+    def local(q, k, v, state, kv_len, total_len):
         if impl == "pallas" and q.shape[1] > 1:
             o, _ = pallas_kernels.attention_with_lse(q, k, v, state=state, causal=causal, kv_len=kv_len,
                                                      out_dtype=jnp.float32)
             return o
-        o, _ = pallas_kernels.finish_state(attend(impl, q, k, v, state, causal=causal, kv_len=kv_len))
+        o, _ = pallas_kernels.finish_state(attend(impl, q, k, v, state, causal=causal, kv_len=kv_len,
+                                                  total_len=total_len))
         return o
 
-    return _local(tp, local, (HEADS, HEADS, HEADS, STATE_HEADS, None), HEADS)(q, k, v, state, kv_len)
+    return _local(tp, local, (HEADS, HEADS, HEADS, STATE_HEADS, None, None), HEADS)(
+        q, k, v, state, kv_len, total_len)
 
 
 def chunk_attention(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, k_prefix: jax.Array, v_prefix: jax.Array,
@@ -275,11 +282,14 @@ def chunk_begin(
 
 @functools.partial(step_jit, static_argnums=(0,), static_argnames=("tp",))
 def attend_blocks(impl: str, q: jax.Array, blocks: tuple[jax.Array, ...], state: AttentionState,
-                  kv_len: jax.Array | None = None, tp: TensorParallel | None = None) -> AttentionState:
+                  kv_len: jax.Array | None = None, position: jax.Array | None = None,
+                  tp: TensorParallel | None = None) -> AttentionState:
     """Continues the state of a chunk's (or a token's) queries over earlier host blocks, all visible, or their
-    first `kv_len` keys (the rest pads the group: the kernels never load keys past kv_len)."""
+    first `kv_len` keys (the rest pads the group: the kernels never load keys past kv_len). A decode token passes
+    its `position` (its sequence's length is position + 1: the split length, `attend`)."""
     k, v = _join_blocks(blocks, q.dtype)
-    return attend(impl, q, k, v, state, causal=False, kv_len=kv_len, tp=tp)
+    return attend(impl, q, k, v, state, causal=False, kv_len=kv_len, total_len=None if position is None else
+                  position + 1, tp=tp)
 
 
 @functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",))
@@ -310,19 +320,20 @@ def decode_begin(
     return _decode_inputs(cfg, layer, x, inv_freq, tail, position, tail_len, tp)
 
 
-def _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state, tp=None):
+def _finish_decode(cfg, impl, layer, x, q, tail, tail_len, position, state, tp=None):
     k, v = _split_block(tail)
-    o = attend_and_finish(impl, q, k, v, state, causal=False, kv_len=tail_len + 1, tp=tp)
+    o = attend_and_finish(impl, q, k, v, state, causal=False, kv_len=tail_len + 1, total_len=position + 1, tp=tp)
     return decoder.attention_output_and_mlp(cfg, layer, x, o)  # the one rounding to the model dtype
 
 
 @functools.partial(step_jit, static_argnums=(0, 1), static_argnames=("tp",))
 def decode_end(
     cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, q: jax.Array, tail: jax.Array,
-    tail_len: jax.Array, state: AttentionState, tp: TensorParallel | None = None,
+    tail_len: jax.Array, position: jax.Array, state: AttentionState, tp: TensorParallel | None = None,
 ) -> jax.Array:
-    """Attention over the tail (the newest keys, last in key order), then the rest of the layer."""
-    return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state, tp)
+    """Attention over the tail (the newest keys, last in key order) of the token at `position`, then the rest of
+    the layer."""
+    return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, position, state, tp)
 
 
 # ---- offloaded KV, several requests: one new token each, their tails rows of one GPU pool ----------------
@@ -356,16 +367,17 @@ pooled_decode_begin = functools.partial(step_jit, static_argnums=(0,), static_ar
 
 def _pooled_end(
     cfg: ModelConfig, impl: str, layer: LayerParams, x: jax.Array, q: jax.Array, tails: jax.Array,
-    slots: jax.Array, tail_lens: jax.Array, states: tuple[AttentionState, ...], tp: TensorParallel | None = None,
+    slots: jax.Array, tail_lens: jax.Array, positions: jax.Array, states: tuple[AttentionState, ...],
+    tp: TensorParallel | None = None,
 ) -> jax.Array:
-    """Each row continues the state its host blocks left over its tail (its newest keys, last in key order), then
-    the rest of the layer runs for the whole batch."""
-    return _pooled_finish(cfg, impl, layer, x, q, tails, slots, tail_lens, _stack_states(states), tp)
+    """Each row continues the state its host blocks left over its tail (its newest keys, last in key order; its
+    token at `positions`), then the rest of the layer runs for the whole batch."""
+    return _pooled_finish(cfg, impl, layer, x, q, tails, slots, tail_lens, positions, _stack_states(states), tp)
 
 
-def _pooled_finish(cfg, impl, layer, x, q, tails, slots, tail_lens, state, tp):
+def _pooled_finish(cfg, impl, layer, x, q, tails, slots, tail_lens, positions, state, tp):
     """`_pooled_end` with the rows' states as one batch state."""
-    o = _attend_tails(impl, q, tails, slots, tail_lens + 1, state, tp)
+    o = _attend_tails(impl, q, tails, slots, tail_lens + 1, positions + 1, state, tp)
     return decoder.attention_output_and_mlp(cfg, layer, x, o)  # the one rounding to the model dtype
 
 
@@ -383,20 +395,23 @@ pooled_decode_end = functools.partial(step_jit, static_argnums=(0, 1), static_ar
 
 
 def _attend_tails(impl: str, q: jax.Array, tails: jax.Array, slots: jax.Array, kv_len: jax.Array,
-                  state: AttentionState, tp: TensorParallel | None) -> jax.Array:
-    """Each row's `state` continued over the first `kv_len` keys of its slot of the tail pool and finished: o float32
-    [B, 1, Hq, D]. The Pallas kernel reads the pool in place, a slot a page of `paged_decode_state_kv` (same splits
-    and bits as `decode_state` over the slot's block), so a step reads the keys its rows hold, not whole blocks."""
-    def local(q, tails, state, slots, kv_len):
+                  total_lens: jax.Array, state: AttentionState, tp: TensorParallel | None) -> jax.Array:
+    """Each row's `state` continued over the first `kv_len` keys of its slot of the tail pool (split by the row's
+    whole length, `total_lens`) and finished: o float32 [B, 1, Hq, D]. The Pallas kernel reads the pool in place, a
+    slot a page of `paged_decode_state_kv` (same splits and bits as `decode_state` over the slot's block), so a step
+    reads the keys its rows hold, not whole blocks."""
+    def local(q, tails, state, slots, kv_len, total_lens):
         rows = jnp.maximum(slots, 0)  # a padding row (slot -1) reads slot 0 and is never used
         if impl == "pallas":
-            state = pallas_kernels.paged_decode_state_kv(q[:, 0], tails, rows[:, None], kv_len, state)
+            state = pallas_kernels.paged_decode_state_kv(q[:, 0], tails, rows[:, None], kv_len, state,
+                                                         total_lens=total_lens)
         else:
             tail = tails[rows]
             state = attend(impl, q, tail[:, 0], tail[:, 1], state, causal=False, kv_len=kv_len)
         return pallas_kernels.finish_state(state)[0]
 
-    return _local(tp, local, (HEADS, POOL_HEADS, STATE_HEADS, None, None), HEADS)(q, tails, state, slots, kv_len)
+    return _local(tp, local, (HEADS, POOL_HEADS, STATE_HEADS, None, None, None), HEADS)(
+        q, tails, state, slots, kv_len, total_lens)
 
 
 def _layer_blocks(buffer, dtype) -> tuple[jax.Array, jax.Array]:
@@ -441,7 +456,7 @@ def dense_stored_layer(
         return attend_rows(impl, q, buffer, _all_rows(buffer), num_keys, state, host, device, LAYER_SPLIT_KEYS)
 
     state = _local(tp, local, (HEADS, BUFFER_HEADS, STATE_HEADS, None), STATE_HEADS)(q, buffer, state, num_keys)
-    return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state, tp), tail
+    return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, position, state, tp), tail
 
 
 def _stored_blocks_batch(impl, q, buffer, blocks, num_keys, state, host, device, tp):
@@ -481,7 +496,7 @@ def pooled_stored_decode_layers(
     for i, layer in enumerate(layers):
         q, tails[i] = _pooled_qkv(cfg, layer, x, inv_freq, tails[i], slots, positions, tail_lens, tp)
         state = _stored_blocks_batch(impl, q, buffers[i], blocks, num_keys, _empty_state(tp, q), host, device, tp)
-        x = _pooled_finish(cfg, impl, layer, x, q, tails[i], slots, tail_lens, state, tp)
+        x = _pooled_finish(cfg, impl, layer, x, q, tails[i], slots, tail_lens, positions, state, tp)
     return x, tuple(tails)
 
 
@@ -629,7 +644,7 @@ def pooled_pages_decode_layers(
             kvs.append(kv)
             new_maps.append(layer_maps)
             counts.append(layer_counts)
-        x = _pooled_finish(cfg, impl, layer, x, q, tails[i], slots, tail_lens, state, tp)
+        x = _pooled_finish(cfg, impl, layer, x, q, tails[i], slots, tail_lens, positions, state, tp)
     if cache_kvs is None:
         return x, tuple(tails), None, None, None
     return x, tuple(tails), tuple(kvs), tuple(new_maps), jnp.stack(counts)
@@ -773,7 +788,7 @@ def sparse_decode_layer(
     meta_heads = tuple(METADATA_HEADS for _ in meta)
     state = _local(tp, local, (HEADS, meta_heads, BUFFER_HEADS, STATE_HEADS, None), STATE_HEADS)(
         q, tuple(meta), buffer, state, num_pages)
-    return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state, tp), tail
+    return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, position, state, tp), tail
 
 
 def _cache_fill(impl, pages, missing, store_rows, kv, maps: page_cache.CacheState, regions, region_slots: int, steps,
@@ -839,7 +854,7 @@ def _cached_sparse_decode_layer(
     state, cache, counts = _local(tp, local, (HEADS, meta_heads, BUFFER_HEADS, cache_heads, STATE_HEADS, None, None),
                                   (STATE_HEADS, cache_heads, None))(q, tuple(meta), buffer, cache, state, num_pages,
                                                                     step)
-    return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, state, tp), tail, cache, counts
+    return _finish_decode(cfg, impl, layer, x, q, tail, tail_len, position, state, tp), tail, cache, counts
 
 
 @functools.partial(step_jit, static_argnums=(0, 1, 8, 10, 11, 12, 13, 18, 19), static_argnames=("tp",),

@@ -53,10 +53,11 @@ class LLM:
 
     `batch_invariant=True` (with the Pallas kernels): the weights are multiplied by a Pallas matmul whose
     per-element order does not depend on the row count (under tensor parallelism on each device's shard, the
-    row-parallel products added in device order), and decode attention folds fixed 1,024-key splits in key order, so
-    a request's bfloat16 tokens are the same alone, batched or offloaded in blocks of a multiple of 1,024 keys (at a
-    given tensor_parallel_size). Off by default for its price (docs/exactness.md): batch-1 decode within ~5% of the
-    default's on an H200 in single profiled runs, prefill and batched throughput not yet.
+    row-parallel products added in device order), and decode attention folds splits whose length follows the
+    sequence's length alone (512 to 4,096 keys) in key order, so a request's bfloat16 tokens are the same alone,
+    batched or offloaded in blocks of a multiple of 4,096 keys, the default (at a given tensor_parallel_size). Off
+    by default for its price (docs/exactness.md): batch-1 decode within ~5% of the default's on an H200 in single
+    profiled runs, prefill and batched throughput not yet.
 
     `kv_cache_dtype="fp8"` or `"int8"`: K and V are stored as float8_e4m3fn or int8 with a power-of-two scale
     per token and KV head (`kv.kv_cache_dtype`): half the bytes in the host store, over PCIe and in the paged pool

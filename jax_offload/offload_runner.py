@@ -166,15 +166,16 @@ class OffloadRunner:
         return [(layer, self._blocks[b]) for b in blocks]
 
     def attend_groups(self, ring: BlockRing, layer_groups: list[list[Key]], q: jax.Array,
-                      state: AttentionState, whole_groups: bool = False) -> AttentionState:
+                      state: AttentionState, whole_groups: bool = False,
+                      position: jax.Array | None = None) -> AttentionState:
         """Continues the attention state over each of the layer's groups, handing each group's slots back. Each
         group is padded with repeats of its last block (which the kernels skip, reading `kv_len` keys): to the
         whole group size with `whole_groups` (prompt chunks: one program), else to a power of two (decode steps:
-        a few programs, and few repeats copied)."""
+        a few programs, and few repeats copied). A decode token passes its `position` (`attend_blocks`)."""
         for g in layer_groups:
             size = self.group if whole_groups else decode_group_size(len(g), self.group)
             blocks = padded(tuple(ring.take()), size)
-            state = attend_blocks(self.impl, q, blocks, state, self._num_keys(len(g)), tp=self.tp)
+            state = attend_blocks(self.impl, q, blocks, state, self._num_keys(len(g)), position, tp=self.tp)
             ring.release(state.m, len(g))
         return state
 
@@ -395,8 +396,8 @@ class OffloadRunner:
             else:
                 q, self._tails[l], state = decode_begin(self.cfg, layer, x, self.inv_freq, self._tails[l], pos,
                                                         tail_len, tp=self.tp)
-                state = self.attend_groups(ring, groups[l], q, state)
-                x = decode_end(self.cfg, self.impl, layer, x, q, self._tails[l], tail_len, state, tp=self.tp)
+                state = self.attend_groups(ring, groups[l], q, state, position=pos)
+                x = decode_end(self.cfg, self.impl, layer, x, q, self._tails[l], tail_len, pos, state, tp=self.tp)
         self._decode_pcie_bytes = moved
         self._tail_len += 1
         if self._tail_len == self.block_size:

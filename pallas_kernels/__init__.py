@@ -20,10 +20,12 @@ from pallas_kernels.block_sparse import (
 )
 from pallas_kernels.copy_rows import copy_rows
 from pallas_kernels.decode import (
-    DECODE_SPLIT,
+    DECODE_SPLIT_MAX,
     decode_attention_with_lse,
     decode_attention_with_lse_xla,
+    decode_split_lens,
     decode_state,
+    max_decode_splits,
     default_decode_config,
 )
 from pallas_kernels.fold import fold_splits
@@ -60,10 +62,12 @@ __all__ = [
     "block_sparse_attention_with_lse",
     "block_sparse_attention_with_lse_xla",
     "copy_rows",
-    "DECODE_SPLIT",
+    "DECODE_SPLIT_MAX",
     "decode_attention_with_lse",
     "decode_attention_with_lse_xla",
+    "decode_split_lens",
     "decode_state",
+    "max_decode_splits",
     "default_attention_config",
     "default_decode_config",
     "default_xattn_config",

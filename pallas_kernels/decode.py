@@ -48,11 +48,44 @@ from pallas_kernels.fold import fold_splits
 from pallas_kernels.merge import merge_stack
 from pallas_kernels.state import AttentionState, check_state
 
-# Keys per split of `decode_state`, the engine's batch-invariant and offloaded decode: offload block sizes that are
-# multiples of it give the in-GPU bits. Against 256, 1,024 keys write a quarter of the float32 split states and
-# shorten the fold's chain 4x: batch-invariant attention within 0.15 ms of the default's at 8K-128K on an H200
-# (bench/results/runs/h200_invariant_price/).
-DECODE_SPLIT = 1024
+# Keys per split of the engine's batch-invariant decode, by the sequence's length L alone (not the batch): a power of
+# two of DECODE_SPLIT_MIN..DECODE_SPLIT_MAX keys giving about DECODE_SPLITS splits. Many splits spread a batch of one
+# over the SMs; few keep the fold's chain short (one split after another: fixed 1,024-key splits folded 128 at 128K in
+# 0.44 ms of a 9.6 ms step on an H200). Offloaded blocks that are multiples of the split at the sequence's length give
+# the in-GPU bits: DECODE_SPLIT_MAX always (bench/results/runs/h200_invariant_price/).
+DECODE_SPLITS = 16
+DECODE_SPLIT_MIN, DECODE_SPLIT_MAX = 512, 4096
+
+
+def decode_split_lens(total_lens: jax.Array) -> jax.Array:
+    """Keys per split of sequences of `total_lens` keys (int32 [B]), as `decode_state` and `paged_decode_state`
+    cut them by default: the power of two nearest above L / DECODE_SPLITS, clipped to DECODE_SPLIT_MIN..MAX."""
+    want = jnp.maximum(lax.div(total_lens.astype(jnp.int32) + (DECODE_SPLITS - 1), jnp.int32(DECODE_SPLITS)), 1)
+    return jnp.clip(jnp.left_shift(jnp.int32(1), 32 - lax.clz(want - 1)), DECODE_SPLIT_MIN, DECODE_SPLIT_MAX)
+
+
+def max_decode_splits(max_len: int) -> int:
+    """The most splits `decode_split_lens` cuts a sequence of at most `max_len` keys into."""
+    at_min = -(-min(max_len, DECODE_SPLITS * DECODE_SPLIT_MIN) // DECODE_SPLIT_MIN)
+    return max(min(at_min, DECODE_SPLITS), -(-max_len // DECODE_SPLIT_MAX))
+
+
+def max_splits(max_keys: int, split_len: int | None, total_lens) -> int:
+    """The most splits a call over at most `max_keys` keys cuts (static): with split lengths by length, fewer
+    where the call holds the whole sequence (total_lens None) than for a piece of a longer one."""
+    if split_len is not None:
+        return -(-max_keys // split_len)
+    return max_decode_splits(max_keys) if total_lens is None else -(-max_keys // DECODE_SPLIT_MIN)
+
+
+def split_lens_for(split_len: int | None, total_lens: jax.Array) -> tuple[jax.Array, int]:
+    """(keys per split of each sequence, int32 [B]; the least of them any sequence can get, static): `split_len`
+    for all, or None for `decode_split_lens` of the sequences' total lengths."""
+    if split_len is None:
+        return decode_split_lens(total_lens), DECODE_SPLIT_MIN
+    if split_len < MIN_BLOCK or split_len % MIN_BLOCK:
+        raise ValueError(f"split_len={split_len}; allowed: None or a positive multiple of {MIN_BLOCK}")
+    return jnp.full(total_lens.shape, split_len, jnp.int32), int(split_len)
 
 
 def default_decode_config(dtype: jnp.dtype) -> dict[str, int]:
@@ -62,10 +95,11 @@ def default_decode_config(dtype: jnp.dtype) -> dict[str, int]:
     return dict(block_k=128, num_warps=4, num_stages=3)
 
 
-def _decode_kernel(kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale_log2: float,
-                   block_k: int, split_len: int, group: int, precision):
+def _decode_kernel(kvlen_ref, split_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale_log2: float,
+                   block_k: int, group: int, precision):
     split = pl.program_id(0)
     kv_len = kvlen_ref[()]
+    split_len = split_ref[()]
     start = split * split_len
     n_keys = jnp.clip(kv_len - start, 0, split_len)
     n_full = fdiv(n_keys, block_k)
@@ -90,22 +124,22 @@ def _decode_kernel(kvlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale_log2
     plgpu.store(lse_ref, lse, mask=row_ok)
 
 
-def _decode_parts(q, k, v, kv_len, *, sm_scale, interpret, block_k, split_len, num_warps, num_stages):
-    """Unmerged float32 states of consecutive key splits of `split_len` keys (a multiple of block_k):
-    o [num_splits, B, Hkv, group, D], natural-log lse [num_splits, B, Hkv, group]."""
+def _decode_parts(q, k, v, kv_len, split_lens, *, sm_scale, interpret, block_k, num_splits, num_warps, num_stages):
+    """Unmerged float32 states of consecutive key splits, sequence b's of split_lens[b] keys (a multiple of block_k):
+    o [num_splits, B, Hkv, group, D], natural-log lse [num_splits, B, Hkv, group]; a split past kv_len holds no key
+    (o = 0, lse = -inf)."""
     batch, hq, d = q.shape
     _, seq, hkv, _ = k.shape
     group = hq // hkv
     block_h = max(MIN_BLOCK, next_pow2(group))
-    num_splits = -(-seq // split_len)
     kernel = functools.partial(
-        _decode_kernel, scale_log2=sm_scale * LOG2E, block_k=block_k, split_len=split_len,
-        group=group, precision=dot_precision(q.dtype))
+        _decode_kernel, scale_log2=sm_scale * LOG2E, block_k=block_k, group=group, precision=dot_precision(q.dtype))
     qg = q.reshape(batch, hkv, group, d)
     return pl.pallas_call(
         kernel,
         grid=(num_splits, batch * hkv),
         in_specs=[
+            pl.BlockSpec((None,), lambda s, bh: (bh // hkv,)),
             pl.BlockSpec((None,), lambda s, bh: (bh // hkv,)),
             # The query block is padded past the group to a full tensor-core tile.
             pl.BlockSpec((None, None, block_h, d), lambda s, bh: (bh // hkv, bh % hkv, 0, 0)),
@@ -124,11 +158,11 @@ def _decode_parts(q, k, v, kv_len, *, sm_scale, interpret, block_k, split_len, n
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="decode_attention_with_lse",
-    )(kv_len, qg, k, v)
+    )(kv_len, split_lens, qg, k, v)
 
 
 _decode_parts = interpret_aware_jit(
-    _decode_parts, ("sm_scale", "interpret", "block_k", "split_len", "num_warps", "num_stages"))
+    _decode_parts, ("sm_scale", "interpret", "block_k", "num_splits", "num_warps", "num_stages"))
 
 
 def _decode_pallas(q, k, v, kv_len, *, sm_scale, out_dtype, interpret, block_k, num_splits,
@@ -136,8 +170,9 @@ def _decode_pallas(q, k, v, kv_len, *, sm_scale, out_dtype, interpret, block_k, 
     batch, hq, d = q.shape
     seq = k.shape[1]
     split_len = -(-(-(-seq // num_splits)) // block_k) * block_k
-    o_part, lse_part = _decode_parts(q, k, v, kv_len, sm_scale=sm_scale, interpret=interpret, block_k=block_k,
-                                     split_len=split_len, num_warps=num_warps, num_stages=num_stages)
+    o_part, lse_part = _decode_parts(q, k, v, kv_len, jnp.full((batch,), split_len, jnp.int32), sm_scale=sm_scale,
+                                     interpret=interpret, block_k=block_k, num_splits=-(-seq // split_len),
+                                     num_warps=num_warps, num_stages=num_stages)
     o, lse = merge_stack(o_part, lse_part)
     return o.reshape(batch, hq, d).astype(out_dtype), lse.reshape(batch, hq)
 
@@ -198,32 +233,35 @@ def decode_attention_with_lse_xla(q: jax.Array, k: jax.Array, v: jax.Array, *, k
 
 
 def decode_state(q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState, *,
-                 kv_len: int | jax.Array | None = None, sm_scale: float | None = None, split_len: int = DECODE_SPLIT,
-                 interpret: bool | None = None) -> AttentionState:
+                 kv_len: int | jax.Array | None = None, sm_scale: float | None = None, split_len: int | None = None,
+                 total_len: int | jax.Array | None = None, interpret: bool | None = None) -> AttentionState:
     """Continues the attention state of one query token per sequence over k/v, split for parallelism.
 
-    The keys are cut into consecutive splits of `split_len` keys, each attended by its own programs, and the
-    splits' float32 states are folded into `state` one after another in ascending key order. So attention over
-    keys that arrive in pieces (blocks streamed from the host, then the GPU tail) whose lengths are multiples
-    of `split_len` ends in the same bits as one call over all of them: offloaded decode reproduces in-GPU
-    decode exactly. Splits past kv_len hold no key and leave the state unchanged bit for bit.
+    The keys are cut into consecutive splits, each attended by its own programs, and the splits' float32 states
+    are folded into `state` one after another in ascending key order. A split's length depends on the sequence's
+    whole length alone (`decode_split_lens`), so attention over keys that arrive in pieces (blocks streamed from
+    the host, then the GPU tail) whose lengths are multiples of it ends in the same bits as one call over all of
+    them, given the same `total_len`: offloaded decode reproduces in-GPU decode exactly. Splits past kv_len hold no
+    key and are not folded.
 
     Args:
       q: [B, Hq, D]; k, v: [B, S, Hkv, D] with Hq % Hkv == 0.
       state: AttentionState with acc [B, 1, Hq, D], m and l [B, Hq, 1].
       kv_len: keys j >= kv_len are invisible (int or int32 array, scalar or [B]); None means S.
-      split_len: keys per split (static), a multiple of 16.
+      split_len: keys per split (static), a multiple of 16; None: `decode_split_lens(total_len)`.
+      total_len: the sequence's keys in all its pieces (int or int32, scalar or [B]), which sets the split length
+        when split_len is None; None means kv_len (this call holds all of them).
     """
     batch, _, hq, seq, hkv, d = check_attention_shapes(q, k, v, 3)
     check_pallas_head_dim(d)
     check_state(state, batch, 1, hq, d)
-    if split_len < MIN_BLOCK or split_len % MIN_BLOCK:
-        raise ValueError(f"split_len={split_len}; allowed: a positive multiple of {MIN_BLOCK}")
     cfg = default_decode_config(q.dtype)
-    block_k = fit_block(math.gcd(cfg["block_k"], split_len), seq)
-    split_len = min(split_len, -(-seq // block_k) * block_k)
     kv_len = jnp.clip(per_batch(seq if kv_len is None else kv_len, batch, "kv_len"), 0, seq)
+    split_lens, min_split = split_lens_for(split_len, kv_len if total_len is None else
+                                           per_batch(total_len, batch, "total_len"))
+    block_k = fit_block(math.gcd(cfg["block_k"], min_split), seq)
+    interpret = resolve_interpret(interpret)
     o_part, lse_part = _decode_parts(
-        q, k, v, kv_len, sm_scale=check_sm_scale(sm_scale, d), interpret=resolve_interpret(interpret),
-        block_k=block_k, split_len=split_len, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return fold_splits(state, o_part, lse_part, interpret=resolve_interpret(interpret))
+        q, k, v, kv_len, split_lens, sm_scale=check_sm_scale(sm_scale, d), interpret=interpret, block_k=block_k,
+        num_splits=max_splits(seq, split_len, total_len), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return fold_splits(state, o_part, lse_part, lax.div(kv_len + split_lens - 1, split_lens), interpret=interpret)

@@ -57,9 +57,10 @@ from pallas_kernels._common import (
     resolve_interpret,
 )
 from pallas_kernels.decode import (
-    DECODE_SPLIT,
     decode_attention_with_lse_xla,
     default_decode_config,
+    max_splits as _max_splits,
+    split_lens_for,
 )
 from pallas_kernels.fold import _fold_one_split, fold_splits
 from pallas_kernels.merge import merge_stack
@@ -67,7 +68,7 @@ from pallas_kernels.state import AttentionState, by_kv_heads, check_state, from_
 
 
 def _attend_paged_split(q, seq_len, start, bt_ref, k_ref, v_ref, k_scale_ref, v_scale_ref, *, scale_log2: float,
-                page_size: int, page_stride: int, v_offset: int, block_k: int, split_len: int, precision):
+                page_size: int, page_stride: int, v_offset: int, block_k: int, split_len, precision):
     """Inside a program: the query group q [block_h, D] attended to the split of keys [start, start + split_len)
     (those below seq_len) of a paged pool whose block table row is bt_ref -> (o float32, natural-log lse)."""
     n_keys = jnp.clip(seq_len - start, 0, split_len)
@@ -93,14 +94,16 @@ def _attend_paged_split(q, seq_len, start, bt_ref, k_ref, v_ref, k_scale_ref, v_
     return finish_online_softmax(*carry)
 
 
-def _paged_decode_kernel(seqlen_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
+def _paged_decode_kernel(seqlen_ref, splitlen_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
                          scale_log2: float, page_size: int, page_stride: int, v_offset: int,
-                         block_k: int, split_len: int, num_programs: int, group: int, fold: bool, precision):
+                         block_k: int, num_programs: int, group: int, fold: bool, precision):
     # refs: (o, lse) of every split, or with `fold` (one program a (sequence, KV head)) the state in, then out
     # (acc, m, l each); an 8-bit pool's (k scales, v scales) come first.
     n_scales = len(refs) - (6 if fold else 2)
     k_scale_ref, v_scale_ref = refs[:n_scales] or (None, None)
     seq_len = seqlen_ref[()]
+    split_len = splitlen_ref[()]
+    num_splits = lax.div(seq_len + split_len - 1, split_len)
     block_h = q_ref.shape[0]
     row_ok = jnp.arange(block_h) < group
     # Rows past the group are zero queries; they are computed (tensor-core tiles are >= 16
@@ -125,7 +128,7 @@ def _paged_decode_kernel(seqlen_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
             o, lse = attend(split)
             return _fold_one_split(state, o, lse[:, None], True)
 
-        for ref, x in zip((acc_out, m_out, l_out), lax.fori_loop(0, cdiv(seq_len, split_len), fold_split, state)):
+        for ref, x in zip((acc_out, m_out, l_out), lax.fori_loop(0, num_splits, fold_split, state)):
             plgpu.store(ref, x, mask=row_ok[:, None])
         return
 
@@ -141,30 +144,29 @@ def _paged_decode_kernel(seqlen_ref, bt_ref, q_ref, k_ref, v_ref, *refs,
         plgpu.store(lse_ref.at[split], lse, mask=row_ok)
         return _
 
-    lax.fori_loop(0, cdiv(jnp.maximum(cdiv(seq_len, split_len) - program, 0), num_programs), one_split, 0)
+    lax.fori_loop(0, cdiv(jnp.maximum(num_splits - program, 0), num_programs), one_split, 0)
 
 
-def _paged_decode_parts(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, *, page_size, v_offset, sm_scale,
-                        interpret, block_k, split_len, num_programs, num_warps, num_stages, state=None):
-    """Unmerged float32 states of consecutive key splits of `split_len` keys (a multiple of block_k), computed by
-    `num_programs` programs per (sequence, KV head): o [S, B, Hkv, group, D], natural-log lse [S, B, Hkv, group]
-    with S covering the block table. Only the splits holding keys (the first ceil(seq_len / split_len)) are
-    written; the others hold whatever the buffer held. With `state` (acc, m, l as [B, Hkv, group, D or 1], and
-    num_programs 1): that state with the splits folded in, in order, by `fold_splits`' operations.
-    k_rows, v_rows [rows, Hkv, D]: page p's keys are rows p * page_stride + [0, page_size) of k_rows, its values
-    the same rows + v_offset of v_rows (page_stride = page_size for separate pools; a combined pool is passed as
-    both, with page_stride = 2 * page_size and v_offset = page_size). scale_rows: None, or the float32 scales
-    (k, v) [rows, Hkv] of 8-bit rows, indexed as the rows are."""
+def _paged_decode_parts(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, split_lens, *, page_size, v_offset,
+                        sm_scale, interpret, block_k, num_splits, num_programs, num_warps, num_stages, state=None):
+    """Unmerged float32 states of consecutive key splits, sequence b's of split_lens[b] keys (a multiple of block_k),
+    computed by `num_programs` programs per (sequence, KV head): o [S, B, Hkv, group, D], natural-log lse [S, B,
+    Hkv, group] with S = num_splits (enough for the block table). Only the splits holding keys (the first
+    ceil(seq_len / split_len)) are written; the others hold whatever the buffer held. With `state` (acc, m, l as [B,
+    Hkv, group, D or 1], and num_programs 1): that state with the splits folded in, in order, by `fold_splits`'
+    operations. k_rows, v_rows [rows, Hkv, D]: page p's keys are rows p * page_stride + [0, page_size) of k_rows,
+    its values the same rows + v_offset of v_rows (page_stride = page_size for separate pools; a combined pool is
+    passed as both, with page_stride = 2 * page_size and v_offset = page_size). scale_rows: None, or the float32
+    scales (k, v) [rows, Hkv] of 8-bit rows, indexed as the rows are."""
     batch, hq, d = q.shape
     _, hkv, _ = k_rows.shape
     max_pages = block_tables.shape[1]
     group = hq // hkv
     block_h = max(MIN_BLOCK, next_pow2(group))
-    num_splits = -(-max_pages * page_size // split_len)
     kernel = functools.partial(
         _paged_decode_kernel, scale_log2=sm_scale * LOG2E, page_size=page_size,
-        page_stride=page_size + v_offset, v_offset=v_offset, block_k=block_k, split_len=split_len,
-        num_programs=num_programs, group=group, fold=state is not None, precision=dot_precision(q.dtype))
+        page_stride=page_size + v_offset, v_offset=v_offset, block_k=block_k, num_programs=num_programs, group=group,
+        fold=state is not None, precision=dot_precision(q.dtype))
     qg = q.reshape(batch, hkv, group, d)
     # A key block is one contiguous row slice of a page, as in the contiguous kernel.
     kv_spec = pl.BlockSpec((k_rows.shape[0], None, d), lambda s, bh: (0, bh % hkv, 0))
@@ -191,6 +193,7 @@ def _paged_decode_parts(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, *
         grid=(num_programs, batch * hkv),
         in_specs=[
             pl.BlockSpec((None,), lambda s, bh: (bh // hkv,)),
+            pl.BlockSpec((None,), lambda s, bh: (bh // hkv,)),
             pl.BlockSpec((None, max_pages), lambda s, bh: (bh // hkv, 0)),
             row_spec,
             kv_spec,
@@ -203,7 +206,7 @@ def _paged_decode_parts(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, *
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="paged_decode_attention_with_lse" if state is None else "paged_decode_state_folded",
-    )(seq_lens, block_tables, qg, k_rows, v_rows, *scales, *(state or ()))
+    )(seq_lens, split_lens, block_tables, qg, k_rows, v_rows, *scales, *(state or ()))
 
 
 def _paged_decode_pallas(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, *, page_size, v_offset, sm_scale,
@@ -212,10 +215,11 @@ def _paged_decode_pallas(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, 
     batch, hq, d = q.shape
     max_pages = block_tables.shape[1]
     split_pages = -(-max_pages // num_splits)
+    programs = -(-max_pages // split_pages)
     o_part, lse_part = _paged_decode_parts(
-        q, k_rows, v_rows, scale_rows, block_tables, seq_lens, page_size=page_size, v_offset=v_offset,
-        sm_scale=sm_scale, interpret=interpret, block_k=block_k, split_len=split_pages * page_size,
-        num_programs=-(-max_pages // split_pages), num_warps=num_warps, num_stages=num_stages)
+        q, k_rows, v_rows, scale_rows, block_tables, seq_lens, jnp.full((batch,), split_pages * page_size, jnp.int32),
+        page_size=page_size, v_offset=v_offset, sm_scale=sm_scale, interpret=interpret, block_k=block_k,
+        num_splits=programs, num_programs=programs, num_warps=num_warps, num_stages=num_stages)
     # Splits past a sequence's keys were never written: empty them before the merge.
     live = jnp.arange(o_part.shape[0])[:, None] < cdiv(seq_lens, split_pages * page_size)[None, :]
     lse_part = jnp.where(live[:, :, None, None], lse_part, NEG_INF)
@@ -228,30 +232,33 @@ _paged_decode_pallas = interpret_aware_jit(
                            "num_splits", "num_warps", "num_stages"))
 
 
-def _paged_decode_state(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, state, *, page_size, v_offset,
-                        sm_scale, interpret, block_k, split_len, num_programs, fold_in_kernel, num_warps, num_stages):
+def _paged_decode_state(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, split_lens, state, *, page_size,
+                        v_offset, sm_scale, interpret, block_k, num_splits, num_programs, fold_in_kernel, num_warps,
+                        num_stages):
     launch = dict(page_size=page_size, v_offset=v_offset, sm_scale=sm_scale, interpret=interpret, block_k=block_k,
-                  split_len=split_len, num_programs=num_programs, num_warps=num_warps, num_stages=num_stages)
+                  num_splits=num_splits, num_programs=num_programs, num_warps=num_warps, num_stages=num_stages)
+    args = (q, k_rows, v_rows, scale_rows, block_tables, seq_lens, split_lens)
     if fold_in_kernel:
-        return from_kv_heads(*_paged_decode_parts(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, **launch,
-                                                  state=by_kv_heads(state, k_rows.shape[1])))
-    o_part, lse_part = _paged_decode_parts(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, **launch)
-    return fold_splits(state, o_part, lse_part, cdiv(seq_lens, split_len), interpret=interpret)
+        return from_kv_heads(*_paged_decode_parts(*args, **launch, state=by_kv_heads(state, k_rows.shape[1])))
+    o_part, lse_part = _paged_decode_parts(*args, **launch)
+    return fold_splits(state, o_part, lse_part, lax.div(seq_lens + split_lens - 1, split_lens), interpret=interpret)
 
 
 _paged_decode_state = interpret_aware_jit(
-    _paged_decode_state, ("page_size", "v_offset", "sm_scale", "interpret", "block_k", "split_len", "num_programs",
+    _paged_decode_state, ("page_size", "v_offset", "sm_scale", "interpret", "block_k", "num_splits", "num_programs",
                           "fold_in_kernel", "num_warps", "num_stages"))
 
 
 def paged_decode_state(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                        seq_lens: jax.Array, state: AttentionState, *, sm_scale: float | None = None,
-                       split_len: int = DECODE_SPLIT, interpret: bool | None = None,
-                       num_programs: int | None = None, k_scales: jax.Array | None = None,
-                       v_scales: jax.Array | None = None, fold_in_kernel: bool | None = None) -> AttentionState:
+                       split_len: int | None = None, total_lens: jax.Array | None = None,
+                       interpret: bool | None = None, num_programs: int | None = None,
+                       k_scales: jax.Array | None = None, v_scales: jax.Array | None = None,
+                       fold_in_kernel: bool | None = None) -> AttentionState:
     """Continues the decode state of each sequence over its keys in a paged pool, batch-invariantly.
 
-    The keys are cut into splits of `split_len` keys from position 0, attended in parallel, and folded into
+    The keys are cut into splits from position 0 (`decode_state`'s: their length set by the sequence's whole
+    length), attended in parallel, and folded into
     `state` in ascending order (by `fold_splits`, or its operations inside the attention kernel: `fold_in_kernel`):
     the same operations as `decode_state` over the same keys, whatever the batch, the block tables or how many
     programs run. Bits equal `decode_state`'s when page_size
@@ -259,7 +266,9 @@ def paged_decode_state(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, blo
 
     Args: as `paged_decode_attention_with_lse`, plus
       state: AttentionState with acc [B, 1, Hq, D], m and l [B, Hq, 1].
-      split_len: keys per split (static), a multiple of 16.
+      split_len: keys per split (static), a multiple of 16; None: `decode_split_lens(total_lens)`.
+      total_lens: int32 [B], each sequence's keys in all its pieces (the pool holds its last piece); None:
+        seq_lens.
       num_programs: programs per (sequence, KV head), each taking every num_programs-th split; default gives
         ~128 programs on a GPU. Changes the speed, not the bits.
       fold_in_kernel: True: one program per (sequence, KV head) folds each split into the state as soon as it has
@@ -274,22 +283,22 @@ def paged_decode_state(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, blo
     rows = num_pages * page_size
     return _launch_state(q, k_pages.reshape(rows, hkv, d), v_pages.reshape(rows, hkv, d),
                          _scale_rows(rows, hkv, k_scales, v_scales), block_tables, seq_lens, state, page_size=page_size,
-                         v_offset=0, sm_scale=sm_scale, split_len=split_len, interpret=interpret,
-                         num_programs=num_programs, fold_in_kernel=fold_in_kernel)
+                         v_offset=0, sm_scale=sm_scale, split_len=split_len, total_lens=total_lens,
+                         interpret=interpret, num_programs=num_programs, fold_in_kernel=fold_in_kernel)
 
 
 def _launch_state(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, state, *, page_size, v_offset, sm_scale,
-                  split_len, interpret, num_programs, fold_in_kernel):
+                  split_len, total_lens, interpret, num_programs, fold_in_kernel):
     """Checks the state and split length, defaults the launch parameters (see `paged_decode_state`) and runs the
     kernel and the fold."""
     batch, hq, d = q.shape
     hkv = k_rows.shape[1]
     check_pallas_head_dim(d)
     check_state(state, batch, 1, hq, d)
-    if split_len < MIN_BLOCK or split_len % MIN_BLOCK:
-        raise ValueError(f"split_len={split_len}; allowed: a positive multiple of {MIN_BLOCK}")
+    split_lens, min_split = split_lens_for(split_len, seq_lens if total_lens is None else
+                                           per_batch(total_lens, batch, "total_lens"))
     cfg = default_decode_config(q.dtype)
-    max_splits = -(-block_tables.shape[1] * page_size // split_len)
+    max_splits = _max_splits(block_tables.shape[1] * page_size, split_len, total_lens)
     if fold_in_kernel and num_programs not in (None, 1):
         raise ValueError(f"num_programs={num_programs} with fold_in_kernel=True; allowed: None or 1 (one program "
                          "walks a sequence's splits and folds them)")
@@ -300,26 +309,28 @@ def _launch_state(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, state, 
     if fold_in_kernel is None:
         fold_in_kernel = num_programs == 1 and not interpret
     return _paged_decode_state(
-        q, k_rows, v_rows, scale_rows, block_tables, seq_lens, state, page_size=page_size, v_offset=v_offset,
-        sm_scale=check_sm_scale(sm_scale, d), interpret=interpret,
-        block_k=math.gcd(cfg["block_k"], split_len, page_size), split_len=split_len,
+        q, k_rows, v_rows, scale_rows, block_tables, seq_lens, split_lens, state, page_size=page_size,
+        v_offset=v_offset, sm_scale=check_sm_scale(sm_scale, d), interpret=interpret,
+        block_k=math.gcd(cfg["block_k"], min_split, page_size), num_splits=max_splits,
         num_programs=1 if fold_in_kernel else num_programs, fold_in_kernel=bool(fold_in_kernel),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def paged_decode_state_kv(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array, seq_lens: jax.Array,
                           state: AttentionState, *, kv_scales: jax.Array | None = None, sm_scale: float | None = None,
-                          split_len: int = DECODE_SPLIT, interpret: bool | None = None,
-                          num_programs: int | None = None, fold_in_kernel: bool | None = None) -> AttentionState:
+                          split_len: int | None = None, total_lens: jax.Array | None = None,
+                          interpret: bool | None = None, num_programs: int | None = None,
+                          fold_in_kernel: bool | None = None) -> AttentionState:
     """`paged_decode_state` over one pool kv_pages [num_pages, 2, page_size, Hkv, D] whose page p holds its keys at
     [p, 0] and its values at [p, 1] (an 8-bit pool's scales as kv_scales [num_pages, 2, page_size, Hkv, 1]); same
-    arguments and bits rule: each sequence's result depends on its own keys and `split_len` only, not on the batch,
+    arguments and bits rule: each sequence's result depends on its own keys and split lengths only, not on the batch,
     the width of the block tables or `num_programs`. The pool may live in pinned host memory, as for
     `paged_decode_attention_kv_with_lse`."""
     block_tables, seq_lens, pool, scale_rows = _kv_pool_args(q, kv_pages, kv_scales, block_tables, seq_lens)
     page_size = kv_pages.shape[2]
     return _launch_state(q, pool, pool, scale_rows, block_tables, seq_lens, state, page_size=page_size,
-                         v_offset=page_size, sm_scale=sm_scale, split_len=split_len, interpret=interpret,
+                         v_offset=page_size, sm_scale=sm_scale, split_len=split_len, total_lens=total_lens,
+                         interpret=interpret,
                          num_programs=num_programs, fold_in_kernel=fold_in_kernel)
 
 

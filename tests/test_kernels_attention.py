@@ -275,21 +275,21 @@ def test_state_streamed_in_blocks_gives_the_bits_of_one_call(impl):
 
 
 def test_decode_state_over_keys_in_pieces_gives_the_bits_of_one_call():
-    """The engine's decode: keys arriving as blocks of a multiple of DECODE_SPLIT keys, then a partial tail,
-    continue the float32 state to the very bits of one call over the whole (longer, padded) cache; and the
-    result is attention within bf16 tolerance of float64."""
-    split = pk.DECODE_SPLIT
-    (q, k, v), (qn, kn, vn) = _inputs(4200, (2, 8, 64), (2, 4 * split, 2, 64), "bfloat16")
-    kv_len = 3 * split + 37
-    empty = pk.empty_state(2, 1, 8, 64)
+    """The engine's decode: keys arriving as blocks of a multiple of the split at the sequence's length (1,024 keys
+    at 8,229), then a partial tail, each call told the whole length, continue the float32 state to the very bits of
+    one call over the whole (longer, padded) cache; and the result is attention within bf16 tolerance of float64."""
+    kv_len = 8 * 1024 + 37
+    (q, k, v), (qn, kn, vn) = _inputs(4200, (1, 4, 32), (1, 9 * 1024, 2, 32), "bfloat16")
+    assert int(pk.decode_split_lens(jnp.array([kv_len]))[0]) == 1024
+    empty = pk.empty_state(1, 1, 4, 32)
     whole = pk.decode_state(q, k, v, empty, kv_len=kv_len)
     state = empty
-    for block in (slice(0, 2 * split), slice(2 * split, 3 * split)):
-        state = pk.decode_state(q, k[:, block], v[:, block], state)
-    tail = slice(3 * split, 4 * split)
-    state = pk.decode_state(q, k[:, tail], v[:, tail], state, kv_len=kv_len - 3 * split)
+    for block in (slice(0, 4096), slice(4096, 8192)):
+        state = pk.decode_state(q, k[:, block], v[:, block], state, total_len=kv_len)
+    tail = slice(8192, 9 * 1024)
+    state = pk.decode_state(q, k[:, tail], v[:, tail], state, kv_len=kv_len - 8192, total_len=kv_len)
     for got, want in zip(state, whole):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg="seed 4200")
     o, lse = pk.finish_state(whole)
     ref_o, ref_lse = decode_ref(qn, kn, vn, kv_len=kv_len)
     assert_attention_close(o[:, 0], lse[..., 0], ref_o, ref_lse, tol=2e-2)

@@ -41,7 +41,7 @@ from jax_offload.precision import step_jit
 from jax_offload.sampling import Drawn, TokenLogprobs, drawn_logprobs, drawn_to_host, sample_token
 from jax_offload.serving.sequence import Sequence
 from jax_offload.tensor_parallel import TensorParallel, host_memory_kind
-from pallas_kernels import DECODE_SPLIT
+from pallas_kernels import max_decode_splits
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -89,8 +89,8 @@ def default_num_blocks(cfg: ModelConfig, dtype: jnp.dtype, block_size: int, max_
         activations = _activation_bytes(cfg, max_num_batched_tokens + batch_buckets(max_num_seqs)[-1], itemsize)
         logits = 4 * max_num_seqs * cfg.vocab_size * 4  # float32 logits, scaled copy, noise, sort
         prefix = 2 * max_model_len * cfg.num_kv_heads * cfg.head_dim * itemsize  # one layer's, gathered for a chunk
-        # Batch-invariant decode: every DECODE_SPLIT-key split's float32 (o, lse) of one layer.
-        splits = (-(-max_model_len // DECODE_SPLIT) * max_num_seqs * cfg.num_heads * (cfg.head_dim + 1) * 4
+        # Batch-invariant decode: every split's float32 (o, lse) of one layer.
+        splits = (max_decode_splits(max_model_len) * max_num_seqs * cfg.num_heads * (cfg.head_dim + 1) * 4
                   if batch_invariant else 0)
         budget = (stats["bytes_limit"] * gpu_memory_utilization - stats["bytes_in_use"] - activations - logits
                   - prefix - splits - reserve_bytes)

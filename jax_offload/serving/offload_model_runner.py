@@ -70,13 +70,15 @@ def _row_kinds(tables: list, cached: dict[int, tuple]) -> dict[tuple[int, bool],
 
 
 @jax.jit
-def _step_rows(drawn: jax.Array, packed: jax.Array) -> tuple[jax.Array, ...]:
+def _step_rows(drawn: jax.Array, packed: jax.Array) -> tuple:
     """(tokens, tail slots, positions, tail lengths, page cache regions, steps through them) [B] of a decode step from
     its rows packed [B, 7] (token, the row of the previous draw that holds it or -1, tail slot, position, tail length,
-    region, step): one host-to-device copy a step, not seven. As outputs of one program they keep their device
+    region, step), and each row's position alone (a scalar: its host blocks' attention takes it): one host-to-device
+    copy a step, not seven. As outputs of one program they keep their device
     addresses from step to step, so the sparse programs that read them need no CUDA graph update before a launch
     (a region step moved by `device_put` each step made every sparse program update its graph)."""
-    return feed_step_tokens(drawn, packed), packed[:, 2], packed[:, 3], packed[:, 4], packed[:, 5], packed[:, 6]
+    return (feed_step_tokens(drawn, packed), packed[:, 2], packed[:, 3], packed[:, 4], packed[:, 5], packed[:, 6],
+            tuple(packed[r, 3] for r in range(packed.shape[0])))
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -193,7 +195,7 @@ class OffloadModelRunner:
         # compile per pair of batch sizes.
         placed = runner.tp.sharding(None)
         packed = jax.device_put(packed, placed)
-        tokens, slots, positions, tail_lens, regions, steps = _step_rows(
+        tokens, slots, positions, tail_lens, regions, steps, row_positions = _step_rows(
             previous[1].tokens if previous else device_rows(size, placed), packed)
         kinds = _row_kinds(tables, cached)
         kind = next(iter(kinds)) if len(kinds) == 1 else None
@@ -211,10 +213,11 @@ class OffloadModelRunner:
             q, q_rows, self.tails[l], states = pooled_decode_begin(
                 self.cfg, layer, x, runner.inv_freq, self.tails[l], slots, positions, tail_lens, tp=runner.tp)
             # Padding rows (past the sequences) keep their empty states.
-            states = self._attend(l, ring, groups[l], q_rows[:len(seqs)], states[:len(seqs)], tables, cached, kinds) \
+            states = self._attend(l, ring, groups[l], q_rows[:len(seqs)], states[:len(seqs)], tables, cached, kinds,
+                                  row_positions) \
                 + states[len(seqs):]
-            x = pooled_decode_end(self.cfg, runner.impl, layer, x, q, self.tails[l], slots, tail_lens, states,
-                                  tp=runner.tp)
+            x = pooled_decode_end(self.cfg, runner.impl, layer, x, q, self.tails[l], slots, tail_lens, positions,
+                                  states, tp=runner.tp)
         out = sample_last(self.cfg, self.params, x, device_rows(size, placed), *sampling_batch(seqs, size))
         for seq in seqs:
             if (seq.num_cached + 1) % bs == 0:  # its tail is full: store it as the sequence's next block
@@ -224,17 +227,18 @@ class OffloadModelRunner:
         return out
 
     def _attend(self, layer: int, ring: BlockRing, groups: list, qs: tuple, states: tuple, tables: list,
-                cached: dict[int, tuple], kinds: dict[tuple[int, bool], list[int]]) -> tuple:
+                cached: dict[int, tuple], kinds: dict[tuple[int, bool], list[int]], row_positions: tuple) -> tuple:
         """Each row's attention over its stored KV of `layer`, as the one-request step reads it: its blocks through
         the ring ("blocks" layers, row by row), or the pages its policy chooses ("pages"), through its region of the
         page cache where it has one (`cached`: row -> (region, step)), every row of one kind in one program (rows of
         one page-table length, with or without a region: `kinds`, `_row_kinds`). `tables`: per row, (block table,
-        key count, page table, page count) (`_tables`). The layers in GPU memory ("gpu") run as `_dense_layers`."""
+        key count, page table, page count) (`_tables`); `row_positions`: each row's position. The layers in GPU
+        memory ("gpu") run as `_dense_layers`."""
         runner, store = self.runner, self.store
         place = store.places[layer]
         if place == "blocks":
-            return tuple(runner.attend_groups(ring, row_groups, q, state)
-                         for row_groups, q, state in zip(groups, qs, states))
+            return tuple(runner.attend_groups(ring, row_groups, q, state, position=position)
+                         for row_groups, q, state, position in zip(groups, qs, states, row_positions))
         # Each program takes a power of two of rows (its compiled shapes), the missing ones empty: row 0's q and
         # state (every state is still empty here) over no keys, through a region of its own that reads nothing.
         empty = len(qs)
