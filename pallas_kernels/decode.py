@@ -48,26 +48,28 @@ from pallas_kernels.fold import fold_splits
 from pallas_kernels.merge import merge_stack
 from pallas_kernels.state import AttentionState, check_state
 
-# Keys per split of the engine's batch-invariant decode, by the sequence's length L alone (not the batch): a power of
-# two of DECODE_SPLIT_MIN..DECODE_SPLIT_MAX keys giving about DECODE_SPLITS splits. Many splits spread a batch of one
-# over the SMs; few keep the fold's chain short (one split after another: fixed 1,024-key splits folded 128 at 128K in
-# 0.44 ms of a 9.6 ms step on an H200). Offloaded blocks that are multiples of the split at the sequence's length give
-# the in-GPU bits: DECODE_SPLIT_MAX always (bench/results/runs/h200_invariant_price/).
+# Keys per split of the engine's batch-invariant decode, by the sequence's length L alone (not the batch): the power
+# of two at or below L / DECODE_SPLITS within DECODE_SPLIT_MIN..DECODE_SPLIT_MAX keys, so 16 to 32 splits up to 128K.
+# At least 16 spread a batch of one over the SMs (8 KV heads x 16 splits: 128 programs); at most 32 keep the fold's
+# chain short (one split after another: fixed 1,024-key splits folded 128 at 128K in 0.44 ms of a 9.6 ms step on an
+# H200). Rounding up instead left 9 splits just past 32K (72 programs): 1.155x the default's step. Offloaded blocks
+# that are multiples of the split at the sequence's length give the in-GPU bits: DECODE_SPLIT_MAX always
+# (bench/results/runs/h200_invariant_price/).
 DECODE_SPLITS = 16
 DECODE_SPLIT_MIN, DECODE_SPLIT_MAX = 512, 4096
 
 
 def decode_split_lens(total_lens: jax.Array) -> jax.Array:
     """Keys per split of sequences of `total_lens` keys (int32 [B]), as `decode_state` and `paged_decode_state`
-    cut them by default: the power of two nearest above L / DECODE_SPLITS, clipped to DECODE_SPLIT_MIN..MAX."""
+    cut them by default: the power of two at or below ceil(L / DECODE_SPLITS), clipped to DECODE_SPLIT_MIN..MAX."""
     want = jnp.maximum(lax.div(total_lens.astype(jnp.int32) + (DECODE_SPLITS - 1), jnp.int32(DECODE_SPLITS)), 1)
-    return jnp.clip(jnp.left_shift(jnp.int32(1), 32 - lax.clz(want - 1)), DECODE_SPLIT_MIN, DECODE_SPLIT_MAX)
+    return jnp.clip(jnp.left_shift(jnp.int32(1), 31 - lax.clz(want)), DECODE_SPLIT_MIN, DECODE_SPLIT_MAX)
 
 
 def max_decode_splits(max_len: int) -> int:
-    """The most splits `decode_split_lens` cuts a sequence of at most `max_len` keys into."""
-    at_min = -(-min(max_len, DECODE_SPLITS * DECODE_SPLIT_MIN) // DECODE_SPLIT_MIN)
-    return max(min(at_min, DECODE_SPLITS), -(-max_len // DECODE_SPLIT_MAX))
+    """The most splits `decode_split_lens` cuts a sequence of at most `max_len` keys into: 512-key splits up to
+    16,368 keys (32 of them there), 4,096-key ones past 65,520."""
+    return max(min(-(-max_len // DECODE_SPLIT_MIN), 2 * DECODE_SPLITS), -(-max_len // DECODE_SPLIT_MAX))
 
 
 def max_splits(max_keys: int, split_len: int | None, total_lens) -> int:

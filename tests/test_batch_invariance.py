@@ -166,16 +166,18 @@ def test_fold_splits_by_column_blocks_keeps_the_bits():
 
 
 def test_decode_split_lens_follow_the_length_alone():
-    """Keys per split of the engine's decode by a sequence's length L: the power of two at or above L / 16, within
-    512..4,096 (Python integers as the reference), for every L up to 140,000; `max_decode_splits` is the most splits
-    of any length up to its argument."""
+    """Keys per split of the engine's decode by a sequence's length L: the power of two at or below ceil(L / 16),
+    within 512..4,096 (Python integers as the reference), for every L up to 140,000 (so 16 to 32 splits from 8K to
+    128K); `max_decode_splits` is the most splits of any length up to its argument."""
     lengths = np.arange(140_001)
     got = np.asarray(pk.decode_split_lens(jnp.asarray(lengths, jnp.int32)))
-    want = np.array([min(max(1 << (-(-n // 16) - 1).bit_length(), 512), 4096) for n in range(lengths.size)])
+    want = np.array([min(max(1 << (max(-(-n // 16), 1).bit_length() - 1), 512), 4096) for n in range(lengths.size)])
     wrong = np.flatnonzero(got != want)
     assert not wrong.size, f"lengths {lengths[wrong[:5]]}: {got[wrong[:5]]}, want {want[wrong[:5]]}"
     most = np.maximum.accumulate(-(-lengths // want))
-    for max_len in (1, 511, 8192, 8193, 9000, 65536, 70000, 131072, 140_000):
+    splits = -(-lengths[8192:131073] // want[8192:131073])
+    assert splits.min() == 16 and splits.max() == 32, (splits.min(), splits.max())
+    for max_len in (1, 511, 8192, 8193, 9000, 16368, 16369, 65520, 65536, 70000, 131072, 140_000):
         assert pk.max_decode_splits(max_len) == most[max_len], f"max_len {max_len}"
 
 
@@ -278,27 +280,28 @@ def test_paged_decode_state_kv_equals_split_pools_and_is_batch_invariant():
 
 
 def test_paged_decode_splits_by_each_sequences_length():
-    """By default each sequence's splits follow its own whole length (512 keys at 600, 1,024 at 8,300): together,
-    alone, and its last piece after `decode_state` over the earlier whole pages told the whole length, the same
-    bits."""
+    """By default each sequence's splits follow its own whole length (1,024 keys at 16,421, 512 at 600): together,
+    alone, and in pieces (`decode_state` over its first 8,192 keys, then the pool's rest, each told the whole length;
+    by their own lengths the pieces would split by 512) the same bits."""
     seed = 4120
     rng = np.random.default_rng(seed)
     hq, hkv, d, page = 2, 1, 32, 512
-    lengths = np.array([8300, 600])
-    kv = jnp.asarray(rng.standard_normal((24, 2, page, hkv, d)), jnp.bfloat16)
-    order = rng.permutation(24).astype(np.int32)
-    tables = np.stack([order[:17], np.pad(order[17:19], (0, 15))])
+    lengths = np.array([16421, 600])
+    assert pk.decode_split_lens(jnp.asarray(lengths)).tolist() == [1024, 512]
+    kv = jnp.asarray(rng.standard_normal((36, 2, page, hkv, d)), jnp.bfloat16)
+    order = rng.permutation(36).astype(np.int32)
+    tables = np.stack([order[:33], np.pad(order[33:35], (0, 31))])
     q = jnp.asarray(rng.standard_normal((2, hq, d)), jnp.bfloat16)
     together = pk.paged_decode_state_kv(q, kv, tables, lengths, pk.empty_state(2, 1, hq, d), num_programs=3)
     for b in range(2):
         alone = pk.paged_decode_state_kv(q[b:b + 1], kv, tables[b:b + 1], lengths[b:b + 1],
                                          pk.empty_state(1, 1, hq, d))
         assert all(np.array_equal(x[b], y[0]) for x, y in zip(together, alone)), f"seed {seed}: sequence {b}"
-    keys = kv[tables[0, :8]]  # the long one's first 4,096 keys, then its last page table entry's piece
-    state = pk.decode_state(q[:1], keys[:, 0].reshape(1, -1, hkv, d), keys[:, 1].reshape(1, -1, hkv, d),
+    first = kv[tables[0, :16]]
+    state = pk.decode_state(q[:1], first[:, 0].reshape(1, -1, hkv, d), first[:, 1].reshape(1, -1, hkv, d),
                             pk.empty_state(1, 1, hq, d), total_len=int(lengths[0]))
-    last = pk.paged_decode_state_kv(q[:1], kv, tables[:1, 8:], lengths[:1] - 4096, state, total_lens=lengths[:1])
-    assert all(np.array_equal(x[0], y[0]) for x, y in zip(together, last)), f"seed {seed}: pieces"
+    rest = pk.paged_decode_state_kv(q[:1], kv, tables[:1, 16:], lengths[:1] - 8192, state, total_lens=lengths[:1])
+    assert all(np.array_equal(x[0], y[0]) for x, y in zip(together, rest)), f"seed {seed}: pieces"
 
 
 @pytest.mark.parametrize("num_queries", [1, 20])

@@ -275,19 +275,20 @@ def test_state_streamed_in_blocks_gives_the_bits_of_one_call(impl):
 
 
 def test_decode_state_over_keys_in_pieces_gives_the_bits_of_one_call():
-    """The engine's decode: keys arriving as blocks of a multiple of the split at the sequence's length (1,024 keys
-    at 8,229), then a partial tail, each call told the whole length, continue the float32 state to the very bits of
-    one call over the whole (longer, padded) cache; and the result is attention within bf16 tolerance of float64."""
-    kv_len = 8 * 1024 + 37
-    (q, k, v), (qn, kn, vn) = _inputs(4200, (1, 4, 32), (1, 9 * 1024, 2, 32), "bfloat16")
-    assert int(pk.decode_split_lens(jnp.array([kv_len]))[0]) == 1024
-    empty = pk.empty_state(1, 1, 4, 32)
-    whole = pk.decode_state(q, k, v, empty, kv_len=kv_len)
+    """The engine's decode: keys arriving as blocks of a multiple of the split (1,024 keys here), then a partial
+    tail, continue the float32 state to the very bits of one call over the whole (longer, padded) cache; and the
+    result is attention within bf16 tolerance of float64. (Splits set by the whole length:
+    `test_paged_decode_splits_by_each_sequences_length`.)"""
+    split = 1024
+    (q, k, v), (qn, kn, vn) = _inputs(4200, (2, 8, 64), (2, 4 * split, 2, 64), "bfloat16")
+    kv_len = 3 * split + 37
+    empty = pk.empty_state(2, 1, 8, 64)
+    whole = pk.decode_state(q, k, v, empty, kv_len=kv_len, split_len=split)
     state = empty
-    for block in (slice(0, 4096), slice(4096, 8192)):
-        state = pk.decode_state(q, k[:, block], v[:, block], state, total_len=kv_len)
-    tail = slice(8192, 9 * 1024)
-    state = pk.decode_state(q, k[:, tail], v[:, tail], state, kv_len=kv_len - 8192, total_len=kv_len)
+    for block in (slice(0, 2 * split), slice(2 * split, 3 * split)):
+        state = pk.decode_state(q, k[:, block], v[:, block], state, split_len=split)
+    tail = slice(3 * split, 4 * split)
+    state = pk.decode_state(q, k[:, tail], v[:, tail], state, kv_len=kv_len - 3 * split, split_len=split)
     for got, want in zip(state, whole):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg="seed 4200")
     o, lse = pk.finish_state(whole)
