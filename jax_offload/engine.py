@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from jax_offload.serving.model_runner import own_prefill_bytes
 from jax_offload.serving.sequence import PromptKV
 from jax_offload.sparse import xattention
 from jax_offload.tensor_parallel import TensorParallel, check_devices, sharded_model_config, to_host
+from pallas_kernels import decode_split_len
 
 Prompt = str | Sequence[int] | Segments
 
@@ -183,6 +185,12 @@ class LLM:
         self.dtype = jnp.dtype(engine.dtype)
         self.eos_token_ids = frozenset(int(i) for i in eos_ids)
         self._inv_freq = tp.replicate(jnp.asarray(inverse_frequencies(model_config.rope, model_config.head_dim)))
+        if engine.batch_invariant and engine.offload and self.attention_impl == "pallas":
+            split = decode_split_len(engine.max_model_len)
+            if engine.block_size % split:
+                warnings.warn(f"batch_invariant with offload block_size {engine.block_size}: offloaded decode gives the "
+                              f"in-GPU bits only with a multiple of {split} (the decode split at max_model_len "
+                              f"{engine.max_model_len}); the default 4096 always does.", stacklevel=3)
         if engine.offload:
             self._runner = OffloadRunner(model_config, params, self._inv_freq, self.dtype, self.attention_impl, engine,
                                          tp)

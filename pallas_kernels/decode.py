@@ -66,6 +66,13 @@ def decode_split_lens(total_lens: jax.Array) -> jax.Array:
     return jnp.clip(jnp.left_shift(jnp.int32(1), 31 - lax.clz(want)), DECODE_SPLIT_MIN, DECODE_SPLIT_MAX)
 
 
+def decode_split_len(total_len: int) -> int:
+    """`decode_split_lens` of one length, in Python: the split at the longest length a sequence reaches is the
+    largest it ever gets (split lengths do not shrink as a sequence grows)."""
+    want = max(-(-int(total_len) // DECODE_SPLITS), 1)
+    return min(max(1 << (want.bit_length() - 1), DECODE_SPLIT_MIN), DECODE_SPLIT_MAX)
+
+
 def max_decode_splits(max_len: int) -> int:
     """The most splits `decode_split_lens` cuts a sequence of at most `max_len` keys into: 512-key splits up to
     16,368 keys (32 of them there), 4,096-key ones past 65,520."""
