@@ -281,28 +281,33 @@ def test_paged_decode_state_kv_equals_split_pools_and_is_batch_invariant():
 
 
 def test_paged_decode_splits_by_each_sequences_length():
-    """By default each sequence's splits follow its own whole length (1,024 keys at 16,421, 512 at 600): together,
-    alone, and in pieces (`decode_state` over its first 8,192 keys, then the pool's rest, each told the whole length;
-    by their own lengths the pieces would split by 512) the same bits."""
+    """By default each sequence's splits follow its own whole length: 2,100 keys that are the last piece of a
+    sequence of 16,421 (`total_lens`) split by 1,024, 600 keys of their own by 512. Together, alone, and in pieces
+    (`decode_state` over the first 1,024 keys, then the pool's rest, each told the whole length) the same bits; told
+    only their own length, the 2,100 keys split by 512 and their bits change."""
     seed = 4120
     rng = np.random.default_rng(seed)
     hq, hkv, d, page = 2, 1, 32, 512
-    lengths = np.array([16421, 600])
-    assert pk.decode_split_lens(jnp.asarray(lengths)).tolist() == [1024, 512]
-    kv = jnp.asarray(rng.standard_normal((36, 2, page, hkv, d)), jnp.bfloat16)
-    order = rng.permutation(36).astype(np.int32)
-    tables = np.stack([order[:33], np.pad(order[33:35], (0, 31))])
+    lengths, totals = np.array([2100, 600]), np.array([16421, 600])
+    assert pk.decode_split_lens(jnp.asarray(totals)).tolist() == [1024, 512]
+    kv = jnp.asarray(rng.standard_normal((8, 2, page, hkv, d)), jnp.bfloat16)
+    order = rng.permutation(8).astype(np.int32)
+    tables = np.stack([order[:5], np.pad(order[5:7], (0, 3))])
     q = jnp.asarray(rng.standard_normal((2, hq, d)), jnp.bfloat16)
-    together = pk.paged_decode_state_kv(q, kv, tables, lengths, pk.empty_state(2, 1, hq, d), num_programs=3)
+    empty = pk.empty_state(1, 1, hq, d)
+    together = pk.paged_decode_state_kv(q, kv, tables, lengths, pk.empty_state(2, 1, hq, d), total_lens=totals,
+                                        num_programs=3)
     for b in range(2):
-        alone = pk.paged_decode_state_kv(q[b:b + 1], kv, tables[b:b + 1], lengths[b:b + 1],
-                                         pk.empty_state(1, 1, hq, d))
+        alone = pk.paged_decode_state_kv(q[b:b + 1], kv, tables[b:b + 1], lengths[b:b + 1], empty,
+                                         total_lens=totals[b:b + 1])
         assert all(np.array_equal(x[b], y[0]) for x, y in zip(together, alone)), f"seed {seed}: sequence {b}"
-    first = kv[tables[0, :16]]
-    state = pk.decode_state(q[:1], first[:, 0].reshape(1, -1, hkv, d), first[:, 1].reshape(1, -1, hkv, d),
-                            pk.empty_state(1, 1, hq, d), total_len=int(lengths[0]))
-    rest = pk.paged_decode_state_kv(q[:1], kv, tables[:1, 16:], lengths[:1] - 8192, state, total_lens=lengths[:1])
+    first = kv[tables[0, :2]]
+    state = pk.decode_state(q[:1], first[:, 0].reshape(1, -1, hkv, d), first[:, 1].reshape(1, -1, hkv, d), empty,
+                            total_len=int(totals[0]))
+    rest = pk.paged_decode_state_kv(q[:1], kv, tables[:1, 2:], lengths[:1] - 1024, state, total_lens=totals[:1])
     assert all(np.array_equal(x[0], y[0]) for x, y in zip(together, rest)), f"seed {seed}: pieces"
+    own = pk.paged_decode_state_kv(q[:1], kv, tables[:1], lengths[:1], empty)
+    assert not np.array_equal(own.acc[0], together.acc[0]), f"seed {seed}: 512-key splits gave 1,024-key bits"
 
 
 @pytest.mark.parametrize("num_queries", [1, 20])
