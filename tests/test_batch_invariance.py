@@ -106,16 +106,6 @@ def test_matmul_lowers_for_cuda():
             lowering_platforms=("cuda",))
 
 
-def _fold_inputs(seed: int, s: int, live_short: int):
-    """Split results of 2 rows (o [S, 2, 2, 3, 16], natural-log lse with a tenth empty), the second row's live
-    splits ending at `live_short`, and the empty state."""
-    rng = np.random.default_rng(seed)
-    o = jnp.asarray(rng.standard_normal((s, 2, 2, 3, 16)), jnp.float32)
-    lse = np.asarray(4 * rng.standard_normal((s, 2, 2, 3)), np.float32)
-    lse[rng.random(lse.shape) < 0.1] = -np.inf
-    return o, lse, np.array([s, live_short]), pk.empty_state(2, 1, 6, 16)
-
-
 def _assert_fold_is_the_float64_merge(state, o, lse, live, seed: int) -> None:
     got, _ = pk.finish_state(state)
     for row in range(len(live)):
@@ -125,13 +115,20 @@ def _assert_fold_is_the_float64_merge(state, o, lse, live, seed: int) -> None:
                                    err_msg=f"seed {seed}: row {row}")
 
 
-def test_fold_splits_over_many_steps_equals_pieces_and_float64():
+def test_fold_splits_over_many_steps_and_column_blocks_keep_the_bits():
     """40 splits (three of the fold's loop steps of 16, the last partial), a row whose live splits end mid-step, empty
     splits: one call equals the same splits folded in two calls, and in calls of 1, 2, 5 and 32 splits (loop steps of
-    1, 2, 8 and 16 splits: a call loads as many a step as it has) (bits), and the float64 softmax merge."""
+    1, 2, 8 and 16 splits: a call loads as many a step as it has) (bits), and the float64 softmax merge. Each
+    (sequence, KV head) folded by 1, 2 or 4 programs, each over a part of D (the default on a GPU where few
+    (sequence, KV head)s fold, as in batch-1 decode): the same bits, from the empty state and continuing one (each
+    block reads its columns of acc); a count that does not divide D into blocks of >= 16 is refused."""
     seed = 4103
-    o, lse, live, state = _fold_inputs(seed, 40, 23)
-    one = pk.fold_splits(state, o, jnp.asarray(lse), jnp.asarray(live))
+    rng = np.random.default_rng(seed)
+    o = jnp.asarray(rng.standard_normal((40, 2, 2, 3, 64)), jnp.float32)
+    lse = np.asarray(4 * rng.standard_normal((40, 2, 2, 3)), np.float32)
+    lse[rng.random(lse.shape) < 0.1] = -np.inf
+    live, state = np.array([40, 23]), pk.empty_state(2, 1, 6, 64)
+    one = pk.fold_splits(state, o, jnp.asarray(lse), jnp.asarray(live), column_blocks=1)
     for cuts in ((17,), (1, 3, 8)):
         pieces = state
         for start, end in zip((0, *cuts), (*cuts, 40)):
@@ -139,30 +136,13 @@ def test_fold_splits_over_many_steps_equals_pieces_and_float64():
                                     jnp.asarray(np.clip(live - start, 0, end - start)))
         assert all(np.array_equal(x, y) for x, y in zip(one, pieces)), f"seed {seed}: calls cut at {cuts}"
     _assert_fold_is_the_float64_merge(one, o, lse, live, seed)
-
-
-def test_fold_splits_by_column_blocks_keeps_the_bits():
-    """Each (sequence, KV head) folded by 1, 2 or 4 programs, each over a part of D (the default on a GPU where few
-    (sequence, KV head)s fold, as in batch-1 decode): the same bits, every column folded by its own operations, and
-    m and l computed alike by each program; a count that does not divide D into blocks of >= 16 is refused."""
-    seed = 4104
-    rng = np.random.default_rng(seed)
-    o = jnp.asarray(rng.standard_normal((20, 2, 2, 3, 64)), jnp.float32)
-    lse = np.asarray(4 * rng.standard_normal((20, 2, 2, 3)), np.float32)
-    lse[rng.random(lse.shape) < 0.1] = -np.inf
-    live = jnp.asarray([20, 7])
-    empty = pk.empty_state(2, 1, 6, 64)
-    one = pk.fold_splits(empty, o, jnp.asarray(lse), live, column_blocks=1)
-    four = pk.fold_splits(empty, o, jnp.asarray(lse), live, column_blocks=4)
+    four = pk.fold_splits(state, o, jnp.asarray(lse), jnp.asarray(live), column_blocks=4)
     assert all(np.array_equal(x, y) for x, y in zip(one, four)), f"seed {seed}: 4 column blocks"
-    _assert_fold_is_the_float64_merge(one, o, lse, np.asarray(live), seed)
-    # Continuing a state that holds splits already (each block reads its columns of acc).
-    start = pk.fold_splits(empty, o[:4], jnp.asarray(lse[:4]))
-    want, got = (pk.fold_splits(start, o[4:], jnp.asarray(lse[4:]), live - 4, column_blocks=blocks)
-                 for blocks in (1, 2))
-    assert all(np.array_equal(x, y) for x, y in zip(want, got)), f"seed {seed}: a continued state, 2 column blocks"
+    start = pk.fold_splits(state, o[:17], jnp.asarray(lse[:17]), jnp.asarray(np.minimum(live, 17)))
+    two = pk.fold_splits(start, o[17:], jnp.asarray(lse[17:]), jnp.asarray(live - 17), column_blocks=2)
+    assert all(np.array_equal(x, y) for x, y in zip(one, two)), f"seed {seed}: a continued state, 2 column blocks"
     with pytest.raises(ValueError, match="column_blocks=8; allowed"):
-        pk.fold_splits(empty, o, jnp.asarray(lse), live, column_blocks=8)
+        pk.fold_splits(state, o, jnp.asarray(lse), jnp.asarray(live), column_blocks=8)
 
 
 def test_decode_split_lens_follow_the_length_alone():
