@@ -154,8 +154,8 @@ def compiler_params(num_warps: int, num_stages: int):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def cdiv(a, b: int):
-    """Ceiling division of a non-negative traced int32 by a static positive int.
+def cdiv(a, b):
+    """Ceiling division of a non-negative traced int32 by a positive int, static or traced int32.
 
     `lax.div` truncates, which equals floor for the non-negative values used here and lowers
     to a single Triton op.

@@ -62,15 +62,14 @@ DECODE_SPLIT_MIN, DECODE_SPLIT_MAX = 512, 4096
 def decode_split_lens(total_lens: jax.Array) -> jax.Array:
     """Keys per split of sequences of `total_lens` keys (int32 [B]), as `decode_state` and `paged_decode_state`
     cut them by default: the power of two at or below ceil(L / DECODE_SPLITS), clipped to DECODE_SPLIT_MIN..MAX."""
-    want = jnp.maximum(lax.div(total_lens.astype(jnp.int32) + (DECODE_SPLITS - 1), jnp.int32(DECODE_SPLITS)), 1)
+    want = jnp.maximum(cdiv(total_lens.astype(jnp.int32), DECODE_SPLITS), 1)
     return jnp.clip(jnp.left_shift(jnp.int32(1), 31 - lax.clz(want)), DECODE_SPLIT_MIN, DECODE_SPLIT_MAX)
 
 
 def decode_split_len(total_len: int) -> int:
-    """`decode_split_lens` of one length, in Python: the split at the longest length a sequence reaches is the
+    """`decode_split_lens` of one length, as a Python int: the split at the longest length a sequence reaches is the
     largest it ever gets (split lengths do not shrink as a sequence grows)."""
-    want = max(-(-int(total_len) // DECODE_SPLITS), 1)
-    return min(max(1 << (want.bit_length() - 1), DECODE_SPLIT_MIN), DECODE_SPLIT_MAX)
+    return int(decode_split_lens(jnp.array([total_len], jnp.int32))[0])
 
 
 def max_decode_splits(max_len: int) -> int:
@@ -79,22 +78,18 @@ def max_decode_splits(max_len: int) -> int:
     return max(min(-(-max_len // DECODE_SPLIT_MIN), 2 * DECODE_SPLITS), -(-max_len // DECODE_SPLIT_MAX))
 
 
-def max_splits(max_keys: int, split_len: int | None, total_lens) -> int:
-    """The most splits a call over at most `max_keys` keys cuts (static): with split lengths by length, fewer
-    where the call holds the whole sequence (total_lens None) than for a piece of a longer one."""
-    if split_len is not None:
-        return -(-max_keys // split_len)
-    return max_decode_splits(max_keys) if total_lens is None else -(-max_keys // DECODE_SPLIT_MIN)
-
-
-def split_lens_for(split_len: int | None, total_lens: jax.Array) -> tuple[jax.Array, int]:
-    """(keys per split of each sequence, int32 [B]; the least of them any sequence can get, static): `split_len`
-    for all, or None for `decode_split_lens` of the sequences' total lengths."""
+def decode_splits(split_len: int | None, total_lens: jax.Array, max_keys: int,
+                  whole: bool) -> tuple[jax.Array, int, int]:
+    """How a call over at most `max_keys` keys cuts each sequence: (keys per split, int32 [B]; the least of them any
+    sequence can get; split slots, enough for every sequence), static but the first. `split_len` for all, or None
+    for `decode_split_lens` of the sequences' total lengths, fewer slots where the call holds whole sequences
+    (`whole`) than pieces of longer ones."""
     if split_len is None:
-        return decode_split_lens(total_lens), DECODE_SPLIT_MIN
+        slots = max_decode_splits(max_keys) if whole else -(-max_keys // DECODE_SPLIT_MIN)
+        return decode_split_lens(total_lens), DECODE_SPLIT_MIN, slots
     if split_len < MIN_BLOCK or split_len % MIN_BLOCK:
         raise ValueError(f"split_len={split_len}; allowed: None or a positive multiple of {MIN_BLOCK}")
-    return jnp.full(total_lens.shape, split_len, jnp.int32), int(split_len)
+    return jnp.full(total_lens.shape, split_len, jnp.int32), int(split_len), -(-max_keys // split_len)
 
 
 def default_decode_config(dtype: jnp.dtype) -> dict[str, int]:
@@ -266,11 +261,11 @@ def decode_state(q: jax.Array, k: jax.Array, v: jax.Array, state: AttentionState
     check_state(state, batch, 1, hq, d)
     cfg = default_decode_config(q.dtype)
     kv_len = jnp.clip(per_batch(seq if kv_len is None else kv_len, batch, "kv_len"), 0, seq)
-    split_lens, min_split = split_lens_for(split_len, kv_len if total_len is None else
-                                           per_batch(total_len, batch, "total_len"))
+    split_lens, min_split, slots = decode_splits(
+        split_len, kv_len if total_len is None else per_batch(total_len, batch, "total_len"), seq, total_len is None)
     block_k = fit_block(math.gcd(cfg["block_k"], min_split), seq)
     interpret = resolve_interpret(interpret)
     o_part, lse_part = _decode_parts(
         q, k, v, kv_len, split_lens, sm_scale=check_sm_scale(sm_scale, d), interpret=interpret, block_k=block_k,
-        num_splits=max_splits(seq, split_len, total_len), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return fold_splits(state, o_part, lse_part, lax.div(kv_len + split_lens - 1, split_lens), interpret=interpret)
+        num_splits=slots, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return fold_splits(state, o_part, lse_part, cdiv(kv_len, split_lens), interpret=interpret)

@@ -59,8 +59,7 @@ from pallas_kernels._common import (
 from pallas_kernels.decode import (
     decode_attention_with_lse_xla,
     default_decode_config,
-    max_splits as _max_splits,
-    split_lens_for,
+    decode_splits,
 )
 from pallas_kernels.fold import _fold_one_split, fold_splits
 from pallas_kernels.merge import merge_stack
@@ -103,7 +102,7 @@ def _paged_decode_kernel(seqlen_ref, splitlen_ref, bt_ref, q_ref, k_ref, v_ref, 
     k_scale_ref, v_scale_ref = refs[:n_scales] or (None, None)
     seq_len = seqlen_ref[()]
     split_len = splitlen_ref[()]
-    num_splits = lax.div(seq_len + split_len - 1, split_len)
+    num_splits = cdiv(seq_len, split_len)
     block_h = q_ref.shape[0]
     row_ok = jnp.arange(block_h) < group
     # Rows past the group are zero queries; they are computed (tensor-core tiles are >= 16
@@ -241,7 +240,7 @@ def _paged_decode_state(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, s
     if fold_in_kernel:
         return from_kv_heads(*_paged_decode_parts(*args, **launch, state=by_kv_heads(state, k_rows.shape[1])))
     o_part, lse_part = _paged_decode_parts(*args, **launch)
-    return fold_splits(state, o_part, lse_part, lax.div(seq_lens + split_lens - 1, split_lens), interpret=interpret)
+    return fold_splits(state, o_part, lse_part, cdiv(seq_lens, split_lens), interpret=interpret)
 
 
 _paged_decode_state = interpret_aware_jit(
@@ -295,10 +294,10 @@ def _launch_state(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, state, 
     hkv = k_rows.shape[1]
     check_pallas_head_dim(d)
     check_state(state, batch, 1, hq, d)
-    split_lens, min_split = split_lens_for(split_len, seq_lens if total_lens is None else
-                                           per_batch(total_lens, batch, "total_lens"))
+    split_lens, min_split, max_splits = decode_splits(
+        split_len, seq_lens if total_lens is None else per_batch(total_lens, batch, "total_lens"),
+        block_tables.shape[1] * page_size, total_lens is None)
     cfg = default_decode_config(q.dtype)
-    max_splits = _max_splits(block_tables.shape[1] * page_size, split_len, total_lens)
     if fold_in_kernel and num_programs not in (None, 1):
         raise ValueError(f"num_programs={num_programs} with fold_in_kernel=True; allowed: None or 1 (one program "
                          "walks a sequence's splits and folds them)")
