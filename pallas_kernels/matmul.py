@@ -7,9 +7,11 @@ float32 sum of `block_k`-wide tile products in ascending K order, rounded once t
 each `K_CHUNK` keys summed from zero, then the chunks' sums added in ascending order; `block_k` and the chunks depend
 on K alone. With `one_pass` all of K is one chunk: the order a prompt's tokens take (the engine's prefill), where a
 tile holding one float32 sum instead of two runs near cuBLAS's speed; generated tokens keep the chunks, which a
-one-row matmul needs to keep a deep weight in flight (a token is computed in the same phase however its request runs,
-so each order only has to hold within its phase; a generated token recomputed by a prefill after a preemption is the
-exception). The tiles over rows and columns (`block_m`, `block_n`) only decide which program computes an element, and
+one-row matmul against a narrow weight needs to keep the weight in flight (a program a chunk: `split_k`; a token is
+computed in the same phase however its request runs, so each order only has to hold within its phase; a generated
+token recomputed by a prefill after a preemption is the exception). Weights of `ONE_PASS_N` columns or more (w_gate_up,
+LM heads) have programs enough over their columns at one row, so they sum all of K in one pass in both phases: a
+decode batch's tile then holds one float32 sum too. The tiles over rows and columns (`block_m`, `block_n`) only decide which program computes an element, and
 `k_unroll` how many K tiles a loop step loads, so they are picked per call for speed: wide tiles for prefill, narrow
 ones for decode batches, where the weight must be read by many programs at once, each with enough of it in flight, to
 reach HBM speed; `split_k` whether each chunk of K is a program of its own (a decode batch's few row tiles and narrow
@@ -36,6 +38,9 @@ BLOCK_K = 64
 # Keys of K whose tile products are summed from zero before their sum joins the running total (chunks in ascending
 # order). A K that is not a multiple of it is one chunk.
 K_CHUNK = 1024
+# Weights at least this wide sum K in one pass for every token: even one row gives them programs enough over their
+# columns, each reading all of K (`default_matmul_config`), so no order of theirs needs K in chunks.
+ONE_PASS_N = 16384
 
 
 def block_k_for(k: int) -> int:
@@ -51,6 +56,12 @@ def chunk_len_for(k: int, one_pass: bool = False) -> int:
     return K_CHUNK if k % K_CHUNK == 0 and not one_pass else k
 
 
+def sums_in_one_pass(n: int, one_pass: bool) -> bool:
+    """Whether a matmul against a weight of `n` columns sums K in one pass: asked for (a prompt's tokens), or a weight
+    of ONE_PASS_N columns or more (every token)."""
+    return one_pass or n >= ONE_PASS_N
+
+
 def default_matmul_config(m: int, k: int, n: int, one_pass: bool = False) -> dict[str, int]:
     """Launch parameters by row count and weight shape, the fastest measured for the Llama-3.1-8B and Qwen3-0.6B
     projections (bench/probes/probe_matmul.h200.json; one row: bench/results/runs/h200_matmul_decode/); any choice
@@ -59,7 +70,7 @@ def default_matmul_config(m: int, k: int, n: int, one_pass: bool = False) -> dic
         # One row tile: the weight's read sets the time. Wide weights (w_gate_up, the LM head) have programs enough
         # over their columns, each reading all of K; the others take a program per 1,024 keys of K as well (split_k),
         # or too few programs keep too little of the weight in flight (bench/results/runs/h200_matmul_decode/).
-        if n >= 16384:
+        if n >= ONE_PASS_N:
             cfg = dict(block_m=16, block_n=128, k_unroll=2 if n >= 65536 else 1, split_k=False, num_warps=4,
                        num_stages=4)
         else:
@@ -72,7 +83,7 @@ def default_matmul_config(m: int, k: int, n: int, one_pass: bool = False) -> dic
     elif m <= 512:
         # The 8B projections in a batched decode step (runs/h200_invariant_price/prefill_tiles/): 64-row tiles of 128
         # columns; up to 128 rows the narrower weights take a program per 1,024 keys too, as at one row.
-        cfg = dict(block_m=64, block_n=128, split_k=m <= 128 and n < 16384, num_warps=4, num_stages=4)
+        cfg = dict(block_m=64, block_n=128, split_k=m <= 128 and n < ONE_PASS_N, num_warps=4, num_stages=4)
     else:
         # 128 x 256 tiles were the fastest over all of K; with K in chunks a tile keeps two float32 sums live (the
         # chunk's and the total), 256 registers a thread at 8 warps (the 8B 32K prefill took 2.10x the default's), so
@@ -171,7 +182,7 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, one_pass: b
       x: [..., K]; w: [K, N] of x's dtype, K and N multiples of 16 ([N, K] with transpose_w: a tied embedding
         table as the LM head, read in place).
       one_pass: all of K summed as one chunk (prompt tokens) instead of in K_CHUNK-key chunks (generated tokens):
-        another order, so other bits.
+        another order, so other bits. Weights of ONE_PASS_N columns or more sum in one pass either way.
       interpret: None picks Triton on a GPU backend and interpret mode elsewhere.
       block_m, block_n, k_unroll, split_k, num_warps, num_stages: launch parameters (powers of two, block_n
         dividing N, k_unroll the K tiles loaded per loop step, dividing a chunk's tile count; split_k a program per
@@ -188,6 +199,7 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, one_pass: b
         raise ValueError(f"x has dtype {x.dtype} and w {w.dtype}; allowed: one dtype")
     rows = x.reshape(-1, x.shape[-1])
     n = w.shape[1 - k_axis]
+    one_pass = sums_in_one_pass(n, one_pass)
     launch = (block_m, block_n, k_unroll, split_k, num_warps, num_stages)
     if (hopper_matmul_allowed() and not resolve_interpret(interpret) and not transpose_w
             and all(p is None for p in launch) and x.dtype in (jnp.bfloat16, jnp.float16)

@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import mosaic_interpret_params
-from pallas_kernels.matmul import BLOCK_K, chunk_len_for
+from pallas_kernels.matmul import BLOCK_K, chunk_len_for, sums_in_one_pass
 
 try:  # Importing runs no GPU code; a jax without Mosaic GPU only makes `mgpu_matmul` unavailable.
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -203,7 +203,8 @@ def mgpu_matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, tile_m: int = 64,
         at 256 rows on an H200, the same at 8,192); cluster: "m" runs CTAs in pairs over two row tiles, each weight
         tile loaded once for both (multicast), "n" pairs over two column tiles sharing x's tiles, None single CTAs.
         They change the speed, not the bits.
-      one_pass: all of K summed as one chunk (matmul.matmul's `one_pass`), one float32 tile a consumer instead of two.
+      one_pass: all of K summed as one chunk (matmul.matmul's `one_pass`; weights of matmul.ONE_PASS_N columns or
+        more always), one float32 tile a consumer instead of two.
       interpret: run Mosaic GPU's CPU interpreter instead (tests only; small shapes).
     """
     if plgpu is None:
@@ -232,4 +233,5 @@ def mgpu_matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, tile_m: int = 64,
             raise ValueError(f"tiles {tile_m} x {tile_n} (split_rows={split_rows}) of {x.dtype}: not even 2 ring slots "
                              f"fit beside the output's in {_SMEM_BYTES} bytes of shared memory; allowed: smaller tiles")
     return _mgpu_matmul(x, w, out_dtype=jnp.dtype(out_dtype or x.dtype), tile_m=tile_m, tile_n=tile_n,
-                        split_rows=split_rows, steps=steps, cluster=cluster, one_pass=one_pass, interpret=interpret)
+                        split_rows=split_rows, steps=steps, cluster=cluster, one_pass=sums_in_one_pass(n, one_pass),
+                        interpret=interpret)

@@ -95,6 +95,26 @@ def test_matmul_chunks_of_k_give_the_same_bits_in_either_form(transpose_w, one_p
         assert (sums[0] != sums[1]).mean() > 0.5, f"seed {seed}: one pass gave the chunks' float32 sums"
 
 
+def test_wide_weights_sum_k_in_one_pass_for_every_token():
+    """A weight of ONE_PASS_N columns (w_gate_up, LM heads: a program per column block reads all of K even at one row)
+    sums K in one pass for generated tokens too: the bits of `one_pass=True`, each row's in any batch, and not the
+    chunks' order (each K_CHUNK's sum from zero, then added)."""
+    from pallas_kernels.matmul import K_CHUNK, ONE_PASS_N
+
+    seed = 4021
+    rng = np.random.default_rng(seed)
+    k, n = 2 * K_CHUNK, ONE_PASS_N
+    x = jnp.asarray(rng.standard_normal((3, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
+    sums = lambda x, **kw: np.asarray(pk.matmul(x, w, out_dtype=jnp.float32, block_n=4096, **kw))  # noqa: E731
+    generated = sums(x)
+    np.testing.assert_array_equal(generated, sums(x, one_pass=True), err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(sums(x[:1]), generated[:1], err_msg=f"seed {seed}: a row alone")
+    halves = [np.asarray(pk.matmul(x[:, c * K_CHUNK:(c + 1) * K_CHUNK], w[c * K_CHUNK:(c + 1) * K_CHUNK],
+                                   one_pass=True, out_dtype=jnp.float32, block_n=4096)) for c in range(2)]
+    assert (generated != halves[0] + halves[1]).mean() > 0.5, f"seed {seed}: a wide weight summed K in chunks"
+
+
 def test_matmul_lowers_for_cuda():
     """The Triton matmul lowers for the GPU in each form the 8B shape takes (its values are the interpret mode's,
     checked above): a decode row with a program per chunk of K (`w_down`), three rows masked in a 16-row tile over a
