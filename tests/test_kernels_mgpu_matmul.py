@@ -49,8 +49,9 @@ def test_lowers_for_cuda():
     """The 8B shapes it serves (a 14,336-deep w_down at prefill size, the wide w_gate_up at 256 rows, a padded row
     count, a float32 product as tensor parallelism's w_down shard makes) at both arrangements of a CTA's two tiles,
     in cluster pairs, and in one pass with prefill's 128 x 128 tiles (a ring of 4 slots; 3 beside float32 output
-    slots; one above the other where N is no multiple of 256), lower to Mosaic GPU kernels that fit shared memory, on
-    this CPU-only machine (the lowering and layout inference the GPU build runs; the interpreter skips them)."""
+    slots; one above the other where N is no multiple of 256) and a wide weight's 64 x 256 decode tiles, lower to
+    Mosaic GPU kernels that fit shared memory, on this CPU-only machine (the lowering and layout inference the GPU
+    build runs; the interpreter skips them)."""
     for m, k, n, tiles in [(8192, 14336, 4096, dict(tile_m=64, tile_n=128, split_rows=True)),
                            (8192, 7168, 4096, dict(tile_m=64, tile_n=128, split_rows=True, out_dtype=jnp.float32)),
                            (256, 4096, 28672, dict(tile_m=128, tile_n=64, split_rows=False, steps=6)),
@@ -60,7 +61,8 @@ def test_lowers_for_cuda():
                            (8192, 14336, 4096, dict(tile_m=128, tile_n=128, split_rows=False, one_pass=True)),
                            (8192, 7168, 2048, dict(tile_m=128, tile_n=128, split_rows=False, one_pass=True,
                                                    out_dtype=jnp.float32)),
-                           (1024, 4096, 1152, dict(tile_m=128, tile_n=128, split_rows=True, one_pass=True))]:
+                           (1024, 4096, 1152, dict(tile_m=128, tile_n=128, split_rows=True, one_pass=True)),
+                           (128, 4096, 28672, dict(tile_m=64, tile_n=256, split_rows=True))]:
         x, w = jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
         try:
             jax.jit(lambda x, w, tiles=tiles: mgpu_matmul(x, w, **tiles)).trace(x, w).lower(
@@ -87,7 +89,8 @@ def test_gives_the_bits_of_the_triton_form_on_hopper(monkeypatch):
                 assert _same_bits(got, ref), f"seed {seed + m}: M={m} K={k} N={n} {tiles} differ from the Triton form"
             one_pass = matmul(x, w, one_pass=True)
             for tiles in [dict(tile_m=128, tile_n=128, split_rows=False), dict(tile_m=128, tile_n=128, split_rows=True),
-                          dict(tile_m=64, tile_n=128, split_rows=True), dict(tile_m=64, tile_n=64, split_rows=False)]:
+                          dict(tile_m=64, tile_n=128, split_rows=True), dict(tile_m=64, tile_n=64, split_rows=False),
+                          dict(tile_m=64, tile_n=256, split_rows=True), dict(tile_m=64, tile_n=128, split_rows=False)]:
                 got = mgpu_matmul(x, w, one_pass=True, **tiles)
                 assert _same_bits(got, one_pass), \
                     f"seed {seed + m}: M={m} K={k} N={n} {tiles} in one pass differ from the Triton form"
@@ -96,8 +99,8 @@ def test_gives_the_bits_of_the_triton_form_on_hopper(monkeypatch):
 def test_matmul_routes_to_the_warpgroup_form_on_hopper(monkeypatch):
     """On Hopper `matmul.matmul` takes the warpgroup form at prefill sizes and for decode batches of 64+ rows against
     wide weights, 128+ against large ones or 256+ against deep ones, untransposed, bf16, with no launch parameter
-    given, in CTAs of 64 rows where they fit one wave; the Triton form otherwise, and always with
-    JAX_OFFLOAD_HOPPER_MATMUL=0. The device check and both kernels are stubbed (recorders)."""
+    given, in CTAs of 64 rows where they fit one wave (wide weights: the one-pass tiles); the Triton form otherwise,
+    and always with JAX_OFFLOAD_HOPPER_MATMUL=0. The device check and both kernels are stubbed (recorders)."""
     mm = sys.modules["pallas_kernels.matmul"]  # the package's `matmul` is the function
     mgm = sys.modules["pallas_kernels.mgpu_matmul"]
 
@@ -138,6 +141,13 @@ def test_matmul_routes_to_the_warpgroup_form_on_hopper(monkeypatch):
     route(8192, 4096, k=14336)
     assert tiles == [dict(tile_m=64, tile_n=64, split_rows=False), dict(tile_m=64, tile_n=128, split_rows=True),
                      dict(tile_m=64, tile_n=128, split_rows=True)], tiles
+    # Wide weights sum K in one pass for every token: CTAs of 128 x 256 from 65 rows on; at 64 rows 64 x 128 while
+    # they make two waves at most (w_gate_up), else 64 x 256 (an LM head).
+    tiles.clear()
+    for m, n in [(256, 28672), (128, 28672), (64, 28672), (64, 128256)]:
+        route(m, n, k=4096)
+    assert tiles == [dict(tile_m=128, tile_n=128, split_rows=False), dict(tile_m=64, tile_n=256, split_rows=True),
+                     dict(tile_m=64, tile_n=64, split_rows=False), dict(tile_m=64, tile_n=128, split_rows=False)], tiles
     assert route(600, 512, transpose_w=True) == "triton"
     assert route(600, 512, block_n=128) == "triton"
     assert route(600, 512, dtype=jnp.float32) == "triton"
