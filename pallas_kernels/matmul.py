@@ -11,7 +11,9 @@ one-row matmul against a narrow weight needs to keep the weight in flight (a pro
 computed in the same phase however its request runs, so each order only has to hold within its phase; a generated
 token recomputed by a prefill after a preemption is the exception). Weights of `ONE_PASS_N` columns or more (w_gate_up,
 LM heads) have programs enough over their columns at one row, so they sum all of K in one pass in both phases: a
-decode batch's tile then holds one float32 sum too. The tiles over rows and columns (`block_m`, `block_n`) only decide which program computes an element, and
+decode batch's tile then holds one float32 sum too. A deep K (`GROUPED_CHUNKS` chunks or more, an even count: the 8B's
+w_down) adds its chunks' sums in two groups, each group's in ascending order, then the two groups' sums: a decode
+batch's program can then cover one group, twice the programs over a narrow weight. The tiles over rows and columns (`block_m`, `block_n`) only decide which program computes an element, and
 `k_unroll` how many K tiles a loop step loads, so they are picked per call for speed: wide tiles for prefill, narrow
 ones for decode batches, where the weight must be read by many programs at once, each with enough of it in flight, to
 reach HBM speed; `split_k` whether each chunk of K is a program of its own (a decode batch's few row tiles and narrow
@@ -41,6 +43,8 @@ K_CHUNK = 1024
 # Weights at least this wide sum K in one pass for every token: even one row gives them programs enough over their
 # columns, each reading all of K (`default_matmul_config`), so no order of theirs needs K in chunks.
 ONE_PASS_N = 16384
+# A K of at least this many chunks, an even count, adds them in two groups (`k_groups_for`).
+GROUPED_CHUNKS = 8
 
 
 def block_k_for(k: int) -> int:
@@ -54,6 +58,23 @@ def chunk_len_for(k: int, one_pass: bool = False) -> int:
     """Keys of K summed from zero before being added to the other chunks' sums: K_CHUNK, or all of K (`one_pass`,
     or a K that K_CHUNK does not divide)."""
     return K_CHUNK if k % K_CHUNK == 0 and not one_pass else k
+
+
+def k_groups_for(k: int, one_pass: bool = False) -> int:
+    """Groups of consecutive chunks K's sum falls in: each group's chunk sums added in ascending order (the first
+    its start), then the groups' sums in order. Two where K has GROUPED_CHUNKS chunks or more, an even count (a
+    decode batch's programs then cover one group each: twice the programs of 128 rows over the 8B's w_down, whose
+    CTAs over all of K filled half of the SMs at 128 rows); else one."""
+    chunks = k // chunk_len_for(k, one_pass)
+    return 2 if chunks >= GROUPED_CHUNKS and chunks % 2 == 0 else 1
+
+
+def grouped_total(chunk_sums: list, groups: int):
+    """The sum of `chunk_sums` (float32, in K's order) in `groups` groups of consecutive ones: each group's added in
+    order, then the groups' sums in order: the order `k_groups_for` defines."""
+    per_group = len(chunk_sums) // groups
+    return functools.reduce(operator.add, [functools.reduce(operator.add, chunk_sums[g * per_group:(g + 1) * per_group])
+                                           for g in range(groups)])
 
 
 def sums_in_one_pass(n: int, one_pass: bool) -> bool:
@@ -107,8 +128,8 @@ def wgmma_suits(m: int, n: int, k: int) -> bool:
     return m > 512 or (m >= 64 and n >= 16384) or (m >= 128 and k * n >= 24 * 2**20) or (m >= 256 and k >= 4096)
 
 
-def _matmul_kernel(x_ref, w_ref, o_ref, *, block_k: int, k_unroll: int, chunk: int, transpose_w: bool, precision,
-                   num_rows: int):
+def _matmul_kernel(x_ref, w_ref, o_ref, *, block_k: int, k_unroll: int, chunk: int, groups: int, transpose_w: bool,
+                   precision, num_rows: int):
     # Rows past x's `num_rows` (a row tile wider than a decode batch) load as zeros and are not stored: no padded copy
     # of x is made (a pad kernel per matmul, ~0.19 ms of an 8B decode step). Rows do not mix, so a row's bits are
     # the same either way.
@@ -133,10 +154,17 @@ def _matmul_kernel(x_ref, w_ref, o_ref, *, block_k: int, k_unroll: int, chunk: i
     def chunk_sum(c):
         return lax.fori_loop(c * steps, (c + 1) * steps, body, jnp.zeros(o_ref.shape[-2:], jnp.float32))
 
-    total = chunk_sum(0)  # the first chunk's sum is the total's start (not 0 + it: the same bits for one chunk)
-    chunks = x_ref.shape[1] // chunk
-    if chunks > 1:
-        total = lax.fori_loop(1, chunks, lambda c, total: total + chunk_sum(c), total)
+    def chunks_sum(first, count: int):
+        # The first chunk's sum is the start (not 0 + it: the same bits for one chunk).
+        total = chunk_sum(first)
+        if count > 1:
+            total = lax.fori_loop(first + 1, first + count, lambda c, total: total + chunk_sum(c), total)
+        return total
+
+    per_group = x_ref.shape[1] // chunk // groups
+    total = chunks_sum(0, per_group)
+    if groups > 1:
+        total = lax.fori_loop(1, groups, lambda g, total: total + chunks_sum(g * per_group, per_group), total)
     if row_ok is None:
         o_ref[...] = total.astype(o_ref.dtype)
     else:
@@ -148,13 +176,15 @@ def _matmul(x, w, *, transpose_w, one_pass, out_dtype, interpret, block_m, block
     m, k = x.shape
     n = w.shape[0] if transpose_w else w.shape[1]
     chunk = chunk_len_for(k, one_pass)
+    groups = k_groups_for(k, one_pass)
     # One program per output tile over all of K, or (split_k) one per output tile and chunk of K.
     span, chunks = (chunk, k // chunk) if split_k else (k, 1)
     w_spec = pl.BlockSpec((block_n, span), lambda i, j, c: (j, c)) if transpose_w \
         else pl.BlockSpec((span, block_n), lambda i, j, c: (c, j))
     out = pl.pallas_call(
         functools.partial(_matmul_kernel, block_k=block_k_for(k), k_unroll=k_unroll, chunk=chunk,
-                          transpose_w=transpose_w, precision=dot_precision(x.dtype), num_rows=m),
+                          groups=1 if split_k else groups, transpose_w=transpose_w, precision=dot_precision(x.dtype),
+                          num_rows=m),
         grid=(-(-m // block_m), n // block_n, chunks),
         in_specs=[pl.BlockSpec((block_m, span), lambda i, j, c: (i, c)), w_spec],
         out_specs=pl.BlockSpec((None, block_m, block_n), lambda i, j, c: (c, i, j)),
@@ -163,8 +193,8 @@ def _matmul(x, w, *, transpose_w, one_pass, out_dtype, interpret, block_m, block
         interpret=interpret,
         name="matmul",
     )(x, w)
-    # The chunks' sums added in ascending order, as the one-program form adds them.
-    return functools.reduce(operator.add, list(out)).astype(out_dtype)
+    # The chunks' sums added in the one-program form's order.
+    return grouped_total(list(out), groups if split_k else 1).astype(out_dtype)
 
 
 _matmul = interpret_aware_jit(_matmul, ("transpose_w", "one_pass", "out_dtype", "interpret", "block_m", "block_n",
@@ -207,7 +237,8 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, one_pass: b
             and on_hopper()):
         from pallas_kernels.mgpu_matmul import default_tiles, mgpu_matmul  # it imports this module
         return mgpu_matmul(rows, w, one_pass=one_pass, out_dtype=out_dtype,
-                           **default_tiles(rows.shape[0], n, one_pass)).reshape(*x.shape[:-1], n)
+                           **default_tiles(rows.shape[0], n, one_pass, k_groups_for(x.shape[-1], one_pass))
+                           ).reshape(*x.shape[:-1], n)
     cfg = default_matmul_config(rows.shape[0], x.shape[-1], n, one_pass)
     block_n = block_n or cfg["block_n"]
     if block_n < MIN_BLOCK or n % block_n:

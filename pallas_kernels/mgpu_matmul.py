@@ -29,6 +29,7 @@ runs/h200_invariant_price/hopper_matmul/wgmma/).
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import mosaic_interpret_params
-from pallas_kernels.matmul import BLOCK_K, ONE_PASS_N, chunk_len_for, sums_in_one_pass
+from pallas_kernels.matmul import BLOCK_K, ONE_PASS_N, chunk_len_for, k_groups_for, sums_in_one_pass
 
 try:  # Importing runs no GPU code; a jax without Mosaic GPU only makes `mgpu_matmul` unavailable.
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -52,10 +53,11 @@ GROUP_M = 8
 _WAVE = 132
 
 
-def default_tiles(m: int, n: int, one_pass: bool = False) -> dict:
-    """A CTA's tiles for `m` rows against N = `n` columns. In chunks (a consumer holds two float32 tiles): 128 x 128
-    CTAs (two 64 x 128 tiles, one above the other), unless CTAs of 64 rows x 128 columns (two 64 x 64 tiles side by
-    side) still fit one wave: a decode batch against a narrow weight, where 128-row CTAs leave SMs idle (the 8B's
+def default_tiles(m: int, n: int, one_pass: bool = False, groups: int = 1) -> dict:
+    """A CTA's tiles for `m` rows against N = `n` columns, K's sum in `groups` groups (`matmul.k_groups_for`: a CTA
+    a group). In chunks (a consumer holds two float32 tiles): 128 x 128 CTAs (two 64 x 128 tiles, one above the
+    other), unless CTAs of 64 rows x 128 columns (two 64 x 64 tiles side by side) still fit one wave: a decode batch
+    against a narrow weight, where 128-row CTAs leave SMs idle (the 8B's
     w_down at 256 rows: 67.1 us against 83.1, its wo 23.6 against 29.6; runs/h200_invariant_price/price_2026_11_30/
     matmul/). In one pass (one float32 tile) past 512 rows (prefill), two 128 x 128 tiles a CTA (JAX's one-pass Hopper
     matmul with them: 1.02-1.04x cuBLAS over the 8B's projections at 8,192 rows, price_2026_11_30/gemv_one_pass/).
@@ -71,7 +73,7 @@ def default_tiles(m: int, n: int, one_pass: bool = False) -> dict:
         if m <= 128 and cta_256:
             return dict(tile_m=64, tile_n=256, split_rows=True)
         return dict(tile_m=128, tile_n=128, split_rows=not cta_256)
-    if -(-m // 64) * (n // 128) <= _WAVE:
+    if -(-m // 64) * (n // 128) * groups <= _WAVE:
         return dict(tile_m=64, tile_n=64, split_rows=False)
     return dict(tile_m=64, tile_n=128, split_rows=True)
 
@@ -97,14 +99,19 @@ def store_tile(out: jax.Array, slots, dst) -> None:
 
 
 def _kernel(x_gmem, w_gmem, o_gmem, o_smem, *, tile_m: int, tile_n: int, split_rows: bool, steps: int,
-            m_tiles: int, n_tiles: int, cluster: str | None, one_pass: bool, interpret: bool):
+            m_tiles: int, n_tiles: int, k_groups: int, cluster: str | None, one_pass: bool, interpret: bool):
     k = x_gmem.shape[1]
     tiles_per_chunk = chunk_len_for(k, one_pass) // BLOCK_K
     # Grouped order over the clusters' tiles (a cluster of two CTAs covers two row tiles, or two column tiles, of
-    # the output): GROUP_M row tiles across every column tile, then the next group.
+    # the output): GROUP_M row tiles across every column tile, then the next group. With K in groups
+    # (`matmul.k_groups_for`), the CTAs of K's first group, then its second's: each CTA sums its group's keys into
+    # float32 rows of its own (o_gmem holds k_groups outputs one above the other), added in order after.
     m_mult, n_mult = (2, 1) if cluster == "m" else (1, 2) if cluster == "n" else (1, 1)
     cluster_m_tiles, cluster_n_tiles = m_tiles // m_mult, n_tiles // n_mult
     tile = lax.axis_index("tile")
+    k_group, tile = tile // (cluster_m_tiles * cluster_n_tiles), tile % (cluster_m_tiles * cluster_n_tiles)
+    k_span = k // k_groups
+    keys = pl.ds(k_group * k_span, k_span)
     group = tile // (GROUP_M * cluster_n_tiles)
     first_m = group * GROUP_M
     group_rows = jnp.minimum(cluster_m_tiles - first_m, GROUP_M)
@@ -149,11 +156,12 @@ def _kernel(x_gmem, w_gmem, o_gmem, o_smem, *, tile_m: int, tile_n: int, split_r
             total = run_pipeline(filled(0.0))
         else:
             _, total = run_pipeline((filled(0.0), filled(-0.0)))
-        store_tile(total.astype(o_gmem.dtype), o_smem.at[wg], o_gmem.at[cta_rows, cta_cols].at[wg_rows, wg_cols])
+        out_rows = pl.ds(k_group * m_tiles * cta_m + m_idx * cta_m, cta_m)
+        store_tile(total.astype(o_gmem.dtype), o_smem.at[wg], o_gmem.at[out_rows, cta_cols].at[wg_rows, wg_cols])
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
         step,
-        grid=(k // BLOCK_K,),
+        grid=(k_span // BLOCK_K,),
         memory_registers=_PRODUCER_REGS,
         # A cluster's two CTAs share one operand's tiles: TMA multicasts them to both.
         in_specs=[plgpu.BlockSpec((cta_m, BLOCK_K), lambda t: (0, t), transforms=_swizzled(BLOCK_K),
@@ -165,7 +173,7 @@ def _kernel(x_gmem, w_gmem, o_gmem, o_smem, *, tile_m: int, tile_n: int, split_r
         max_concurrent_steps=steps,
         compute_context=compute,
     )
-    pipeline(x_gmem.at[cta_rows, :], w_gmem.at[:, cta_cols])
+    pipeline(x_gmem.at[cta_rows, keys], w_gmem.at[keys, cta_cols])
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tile_m", "tile_n", "split_rows", "steps", "cluster",
@@ -179,15 +187,17 @@ def _mgpu_matmul(x, w, *, out_dtype, tile_m, tile_n, split_rows, steps, cluster,
     if m_pad != m:  # rows do not mix: zero rows change no other row's bits
         x = jnp.pad(x, ((0, m_pad - m), (0, 0)))
     m_tiles, n_tiles = m_pad // cta_m, n // cta_n
+    k_groups = k_groups_for(k, one_pass)
+    store_dtype = jnp.dtype(jnp.float32) if k_groups > 1 else out_dtype  # a group's sum, added to the others' after
     kernel = functools.partial(_kernel, tile_m=tile_m, tile_n=tile_n, split_rows=split_rows, steps=steps,
-                               m_tiles=m_tiles, n_tiles=n_tiles, cluster=cluster, one_pass=one_pass,
-                               interpret=interpret)
+                               m_tiles=m_tiles, n_tiles=n_tiles, k_groups=k_groups, cluster=cluster,
+                               one_pass=one_pass, interpret=interpret)
     out = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
-        scratch_types=(plgpu.SMEM((_COMPUTE_WGS, 2, _EPILOGUE, _EPILOGUE), out_dtype,
-                                  transforms=_swizzled(128 // jnp.dtype(out_dtype).itemsize)),),
-        grid=(m_tiles * n_tiles // (1 if cluster is None else 2),),
+        out_type=jax.ShapeDtypeStruct((k_groups * m_pad, n), store_dtype),
+        scratch_types=(plgpu.SMEM((_COMPUTE_WGS, 2, _EPILOGUE, _EPILOGUE), store_dtype,
+                                  transforms=_swizzled(128 // store_dtype.itemsize)),),
+        grid=(k_groups * m_tiles * n_tiles // (1 if cluster is None else 2),),
         grid_names=("tile",),
         cluster=() if cluster is None else (2,),
         cluster_names=() if cluster is None else ("cluster",),
@@ -196,6 +206,8 @@ def _mgpu_matmul(x, w, *, out_dtype, tile_m, tile_n, split_rows, steps, cluster,
         interpret=mosaic_interpret_params() if interpret else None,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )(x, w)
+    if k_groups > 1:
+        out = functools.reduce(operator.add, list(out.reshape(k_groups, m_pad, n))).astype(out_dtype)
     return out[:m]
 
 
@@ -237,7 +249,8 @@ def mgpu_matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, tile_m: int = 64,
         slot_bytes = (cta_m + cta_n) * BLOCK_K * x.dtype.itemsize
         # The ring shares the CTA's shared memory with the output's slots: 32 KiB in bf16, 64 KiB in float32 (the
         # products tensor parallelism adds across devices), where 6 slots did not fit (262,240 bytes on an H200).
-        out_bytes = _COMPUTE_WGS * 2 * _EPILOGUE * _EPILOGUE * jnp.dtype(out_dtype or x.dtype).itemsize
+        store_dtype = jnp.float32 if k_groups_for(k, sums_in_one_pass(n, one_pass)) > 1 else out_dtype or x.dtype
+        out_bytes = _COMPUTE_WGS * 2 * _EPILOGUE * _EPILOGUE * jnp.dtype(store_dtype).itemsize
         steps = next((s for s in (6, 4, 3, 2) if s * slot_bytes + out_bytes <= _SMEM_BYTES), None)
         if steps is None:
             raise ValueError(f"tiles {tile_m} x {tile_n} (split_rows={split_rows}) of {x.dtype}: not even 2 ring slots "

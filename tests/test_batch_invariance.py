@@ -17,6 +17,9 @@ bench/results/runs/h100_gpu_tests/README.md; the Llama-3.1-8B shape: bench/resul
 """
 from __future__ import annotations
 
+import functools
+import operator
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,6 +96,29 @@ def test_matmul_chunks_of_k_give_the_same_bits_in_either_form(transpose_w, one_p
         sums = [np.asarray(pk.matmul(x, w, one_pass=p, out_dtype=jnp.float32)) for p in (True, False)]
         np.testing.assert_allclose(sums[0], ref, rtol=1e-4, atol=1e-4, err_msg=f"seed {seed}")
         assert (sums[0] != sums[1]).mean() > 0.5, f"seed {seed}: one pass gave the chunks' float32 sums"
+
+
+def test_deep_k_adds_its_chunks_in_two_groups():
+    """K of GROUPED_CHUNKS chunks (the 8B's w_down has 14) adds each half's chunk sums in order, then the two halves'
+    sums: float32 NumPy adding the kernel's one-pass chunk sums so gives the output's bits, in every form (a program
+    per chunk at one and five rows, one program over all of K), and not a single run over the chunks."""
+    from pallas_kernels.matmul import GROUPED_CHUNKS, K_CHUNK
+
+    seed = 4023
+    rng = np.random.default_rng(seed)
+    k, n = GROUPED_CHUNKS * K_CHUNK, 32
+    x = jnp.asarray(rng.standard_normal((5, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
+    chunk_sums = [np.asarray(pk.matmul(x[:, c * K_CHUNK:(c + 1) * K_CHUNK], w[c * K_CHUNK:(c + 1) * K_CHUNK],
+                                       one_pass=True, out_dtype=jnp.float32)) for c in range(GROUPED_CHUNKS)]
+    half = GROUPED_CHUNKS // 2
+    groups = [functools.reduce(operator.add, chunk_sums[g * half:(g + 1) * half]) for g in range(2)]
+    ref = groups[0] + groups[1]
+    for m, split_k in [(5, False), (5, True), (1, True)]:
+        got = np.asarray(pk.matmul(x[:m], w, out_dtype=jnp.float32, split_k=split_k, block_n=n))
+        np.testing.assert_array_equal(got, ref[:m], err_msg=f"seed {seed}: M={m}, split_k {split_k}")
+    assert (ref != functools.reduce(operator.add, chunk_sums)).mean() > 0.05, \
+        f"seed {seed}: the two groups' order gave a single run's sums"
 
 
 def test_wide_weights_sum_k_in_one_pass_for_every_token():

@@ -32,12 +32,13 @@ def _same_bits(a, b) -> bool:
     return bool(jnp.all(jax.lax.bitcast_convert_type(a, jnp.uint16) == jax.lax.bitcast_convert_type(b, jnp.uint16)))
 
 
-@pytest.mark.parametrize("one_pass", [False, True])
-def test_interpreted_gives_the_bits_of_the_triton_form(one_pass):
-    """70 rows (one CTA of two 64-row warpgroup tiles, padded), two column tiles, K of two 1,024-key chunks or one
-    pass, bf16: bit for bit the Triton form's output, and within bf16 rounding of float64."""
+@pytest.mark.parametrize("k,one_pass", [(2048, False), (2048, True), (8192, False)])
+def test_interpreted_gives_the_bits_of_the_triton_form(k, one_pass):
+    """70 rows (one CTA of two 64-row warpgroup tiles, padded), two column tiles, K of two 1,024-key chunks, one
+    pass, or eight chunks in two groups (a CTA a group), bf16: bit for bit the Triton form's output, and within bf16
+    rounding of float64."""
     seed = int(np.random.default_rng().integers(2**31))
-    x, w = _inputs(seed, 70, 2048, 128)
+    x, w = _inputs(seed, 70, k, 128)
     got = mgpu_matmul(x, w, tile_m=64, tile_n=64, split_rows=True, steps=2, one_pass=one_pass, interpret=True)
     assert _same_bits(got, matmul(x, w, one_pass=one_pass, interpret=True)), \
         f"seed {seed}: bits differ from the Triton form's"
@@ -134,12 +135,16 @@ def test_matmul_routes_to_the_warpgroup_form_on_hopper(monkeypatch):
     assert route(128, 512, k=4096) == "triton"
     assert route(128, 6144, k=4096) == "wgmma"  # k * n >= 24 Mi from 128 rows
     assert route(128, 4096, k=4096) == "triton"
-    # Narrow weights at decode sizes take CTAs of 64 rows while they fit one wave of 132; 128-row CTAs otherwise.
+    # Narrow weights at decode sizes take CTAs of 64 rows while they fit one wave of 132 (a CTA for each of a deep
+    # K's two groups: w_down); 128-row CTAs otherwise.
     tiles.clear()
+    route(128, 4096, k=14336)
     route(256, 4096, k=14336)
+    route(256, 4096, k=4096)
     route(256, 6144, k=4096)
     route(8192, 4096, k=14336)
     assert tiles == [dict(tile_m=64, tile_n=64, split_rows=False), dict(tile_m=64, tile_n=128, split_rows=True),
+                     dict(tile_m=64, tile_n=64, split_rows=False), dict(tile_m=64, tile_n=128, split_rows=True),
                      dict(tile_m=64, tile_n=128, split_rows=True)], tiles
     # Wide weights sum K in one pass for every token: CTAs of 128 x 256 from 65 rows on; at 64 rows 64 x 128 while
     # they make two waves at most (w_gate_up), else 64 x 256 (an LM head).
