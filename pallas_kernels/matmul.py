@@ -1,25 +1,25 @@
 """A batch-invariant matmul: row i of x @ w has the same bits whatever the other rows and their count.
 
-cuBLAS picks its algorithm (tiling, split-K, reduction order) from the shape, so on a GPU row 0 of `x[:M] @ w`
-changes with M: a request's tokens then depend on which requests share its step (by default 5 of 16 prompts kept
-their tokens batched on the H200, `bench/results/runs/h200_batch_invariance/`). Here every output element is one
-float32 sum of `block_k`-wide tile products in ascending K order, rounded once to the output dtype: the products of
-each `K_CHUNK` keys summed from zero, then the chunks' sums added in ascending order; `block_k` and the chunks depend
-on K alone. With `one_pass` all of K is one chunk: the order a prompt's tokens take (the engine's prefill), where a
-tile holding one float32 sum instead of two runs near cuBLAS's speed; generated tokens keep the chunks, which a
-one-row matmul against a narrow weight needs to keep the weight in flight (a program a chunk: `split_k`; a token is
-computed in the same phase however its request runs, so each order only has to hold within its phase; a generated
-token recomputed by a prefill after a preemption is the exception). Weights of `ONE_PASS_N` columns or more (w_gate_up,
-LM heads) have programs enough over their columns at one row, so they sum all of K in one pass in both phases: a
-decode batch's tile then holds one float32 sum too. A deep K (`GROUPED_CHUNKS` chunks or more, an even count: the 8B's
-w_down) adds its chunks' sums in two groups, each group's in ascending order, then the two groups' sums: a decode
-batch's program can then cover one group, twice the programs over a narrow weight. The tiles over rows and columns (`block_m`, `block_n`) only decide which program computes an element, and
-`k_unroll` how many K tiles a loop step loads, so they are picked per call for speed: wide tiles for prefill, narrow
-ones for decode batches, where the weight must be read by many programs at once, each with enough of it in flight, to
-reach HBM speed; `split_k` whether each chunk of K is a program of its own (a decode batch's few row tiles and narrow
-weights give too few programs otherwise), its float32 sum added to the others' after. Their bits are the same (tested
-on the H200 with `bench/probes/probe_matmul.py`, on an H100 in `bench/results/runs/h100_matmul_unroll/`, and in
-interpret mode by tests/test_batch_invariance.py).
+cuBLAS picks its algorithm (tiling, split-K, reduction order) from the shape, so on a GPU row 0 of `x[:M] @ w` changes
+with M: a request's tokens then depend on which requests share its step (by default 5 of 16 prompts kept their tokens
+batched on the H200, `bench/results/runs/h200_batch_invariance/`). Here every output element is one float32 sum of
+`block_k`-wide tile products in ascending K order, rounded once to the output dtype: the products of each `K_CHUNK` keys
+summed from zero, then the chunks' sums added in ascending order; `block_k` and the chunks depend on K alone. With
+`one_pass` all of K is one chunk: the order a prompt's tokens take (the engine's prefill), where a tile holding one
+float32 sum instead of two runs near cuBLAS's speed; generated tokens keep the chunks, which a one-row matmul against a
+narrow weight needs to keep the weight in flight (a program a chunk: `split_k`; a token is computed in the same phase
+however its request runs, so each order only has to hold within its phase; a generated token recomputed by a prefill
+after a preemption is the exception). Weights of `ONE_PASS_N` columns or more (w_gate_up, LM heads) have programs enough
+over their columns at one row, so they sum all of K in one pass in both phases: a decode batch's tile then holds one
+float32 sum too. A deep K (`GROUPED_CHUNKS` chunks or more, an even count: the 8B's w_down) adds its chunks' sums in two
+groups, each group's in ascending order, then the two groups' sums: a decode batch's program can then cover one group,
+twice the programs over a narrow weight. The tiles over rows and columns (`block_m`, `block_n`) only decide which
+program computes an element, and `k_unroll` how many K tiles a loop step loads, so they are picked per call for speed:
+wide tiles for prefill, narrow ones for decode batches, where the weight must be read by many programs at once, each
+with enough of it in flight, to reach HBM speed; `split_k` whether each chunk of K is a program of its own (a decode
+batch's few row tiles and narrow weights give too few programs otherwise), its float32 sum added to the others' after.
+Their bits are the same (tested on the H200 with `bench/probes/probe_matmul.py`, on an H100 in
+`bench/results/runs/h100_matmul_unroll/`, and in interpret mode by tests/test_batch_invariance.py).
 """
 
 from __future__ import annotations

@@ -54,18 +54,17 @@ _WAVE = 132
 
 
 def default_tiles(m: int, n: int, one_pass: bool = False, groups: int = 1) -> dict:
-    """A CTA's tiles for `m` rows against N = `n` columns, K's sum in `groups` groups (`matmul.k_groups_for`: a CTA
-    a group). In chunks (a consumer holds two float32 tiles): 128 x 128 CTAs (two 64 x 128 tiles, one above the
-    other), unless CTAs of 64 rows x 128 columns (two 64 x 64 tiles side by side) still fit one wave: a decode batch
-    against a narrow weight, where 128-row CTAs leave SMs idle (the 8B's
-    w_down at 256 rows: 67.1 us against 83.1, its wo 23.6 against 29.6; runs/h200_invariant_price/price_2026_11_30/
-    matmul/). In one pass (one float32 tile) past 512 rows (prefill), two 128 x 128 tiles a CTA (JAX's one-pass Hopper
-    matmul with them: 1.02-1.04x cuBLAS over the 8B's projections at 8,192 rows, price_2026_11_30/gemv_one_pass/).
-    In one pass against a wide weight (matmul.ONE_PASS_N columns: every token of w_gate_up and LM heads), CTAs of 128 x
-    256 from 65 rows on, at 64 rows of 64 x 128 while they make at most two waves, else 64 x 256: the best of six CTA
-    shapes at 64, 128 and 256 rows of the 8B's w_gate_up and LM head but one (2% off), 0.98-1.03x cuBLAS, where the
-    chunks took 1.04-1.21x (runs/h200_invariant_price/price_2026_12_01/wide_one_pass/). They change the speed, not
-    the bits."""
+    """A CTA's tiles for `m` rows against N = `n` columns, K's sum in `groups` groups (`matmul.k_groups_for`: a CTA a
+    group). In chunks (a consumer holds two float32 tiles): 128 x 128 CTAs (two 64 x 128 tiles, one above the other),
+    unless CTAs of 64 rows x 128 columns (two 64 x 64 tiles side by side) still fit one wave: a decode batch against a
+    narrow weight, where 128-row CTAs leave SMs idle (the 8B's w_down at 256 rows: 67.1 us against 83.1, its wo 23.6
+    against 29.6; runs/h200_invariant_price/price_2026_11_30/matmul/). In one pass (one float32 tile) past 512 rows
+    (prefill), two 128 x 128 tiles a CTA (JAX's one-pass Hopper matmul with them: 1.02-1.04x cuBLAS over the 8B's
+    projections at 8,192 rows, price_2026_11_30/gemv_one_pass/). In one pass against a wide weight (matmul.ONE_PASS_N
+    columns: every token of w_gate_up and LM heads), CTAs of 128 x 256 from 65 rows on, at 64 rows of 64 x 128 while
+    they make at most two waves, else 64 x 256: the best of six CTA shapes at 64, 128 and 256 rows of the 8B's w_gate_up
+    and LM head but one (2% off), 0.98-1.03x cuBLAS, where the chunks took 1.04-1.21x
+    (runs/h200_invariant_price/price_2026_12_01/wide_one_pass/). They change the speed, not the bits."""
     if one_pass and (m > 512 or n >= ONE_PASS_N):
         cta_256 = n % (_COMPUTE_WGS * 128) == 0  # N takes CTAs of 256 columns
         if m <= 64:
