@@ -87,6 +87,7 @@ def default_matmul_config(m: int, k: int, n: int, one_pass: bool = False) -> dic
     """Launch parameters by row count and weight shape, the fastest measured for the Llama-3.1-8B and Qwen3-0.6B
     projections (bench/probes/probe_matmul.h200.json; one row: bench/results/runs/h200_matmul_decode/); any choice
     gives the same bits."""
+    one_pass = sums_in_one_pass(n, one_pass)
     if m <= 16:
         # One row tile: the weight's read sets the time. Wide weights (w_gate_up, the LM head) have programs enough
         # over their columns, each reading all of K; the others take a program per 1,024 keys of K as well (split_k),

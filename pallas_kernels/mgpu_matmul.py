@@ -206,7 +206,7 @@ def _mgpu_matmul(x, w, *, out_dtype, tile_m, tile_n, split_rows, steps, cluster,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )(x, w)
     if k_groups > 1:
-        out = functools.reduce(operator.add, list(out.reshape(k_groups, m_pad, n))).astype(out_dtype)
+        out = functools.reduce(operator.add, list(out.reshape(k_groups, m_pad, n)[:, :m])).astype(out_dtype)
     return out[:m]
 
 

@@ -144,8 +144,9 @@ def test_wide_weights_sum_k_in_one_pass_for_every_token():
 def test_matmul_lowers_for_cuda():
     """The Triton matmul lowers for the GPU in each form the 8B shape takes (its values are the interpret mode's,
     checked above): a decode row with a program per chunk of K (`w_down`), three rows masked in a 16-row tile over a
-    tied LM head, and prefill rows looping over K's chunks in one program."""
-    for m, k, n, transpose_w in ((1, 14336, 4096, False), (3, 4096, 8192, True), (128, 4096, 4096, False)):
+    tied LM head, rows looping over K's chunks in one program, and over w_down's two groups of chunks."""
+    for m, k, n, transpose_w in ((1, 14336, 4096, False), (3, 4096, 8192, True), (128, 4096, 4096, False),
+                                 (256, 14336, 4096, False)):
         x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
         w = jax.ShapeDtypeStruct((n, k) if transpose_w else (k, n), jnp.bfloat16)
         jax.jit(lambda x, w, t=transpose_w: pk.matmul(x, w, transpose_w=t, interpret=False)).trace(x, w).lower(
