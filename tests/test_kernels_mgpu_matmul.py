@@ -115,7 +115,7 @@ def test_matmul_routes_to_the_warpgroup_form_on_hopper(monkeypatch):
     def recorder(name):
         def run(x, w, transpose_w=False, **kw):
             calls.append(name)
-            tiles.append({key: kw[key] for key in ("tile_m", "tile_n", "split_rows") if key in kw})
+            tiles.append({key: kw[key] for key in ("tile_m", "tile_n", "split_rows", "one_pass") if key in kw})
             return jnp.zeros((x.shape[0], w.shape[0] if transpose_w else w.shape[1]), x.dtype)
         return run
 
@@ -148,16 +148,20 @@ def test_matmul_routes_to_the_warpgroup_form_on_hopper(monkeypatch):
     route(256, 4096, k=4096)
     route(256, 6144, k=4096)
     route(8192, 4096, k=14336)
-    assert tiles == [dict(tile_m=64, tile_n=64, split_rows=False), dict(tile_m=64, tile_n=128, split_rows=True),
-                     dict(tile_m=64, tile_n=64, split_rows=False), dict(tile_m=64, tile_n=128, split_rows=True),
-                     dict(tile_m=64, tile_n=128, split_rows=True)], tiles
+    assert tiles == [dict(tile_m=64, tile_n=64, split_rows=False, one_pass=False),
+                     dict(tile_m=64, tile_n=128, split_rows=True, one_pass=False),
+                     dict(tile_m=64, tile_n=64, split_rows=False, one_pass=False),
+                     dict(tile_m=64, tile_n=128, split_rows=True, one_pass=False),
+                     dict(tile_m=64, tile_n=128, split_rows=True, one_pass=False)], tiles
     # Wide weights sum K in one pass for every token: CTAs of 128 x 256 from 65 rows on; at 64 rows 64 x 128 while
     # they make two waves at most (w_gate_up), else 64 x 256 (an LM head).
     tiles.clear()
     for m, n in [(256, 28672), (128, 28672), (64, 28672), (64, 128256)]:
         route(m, n, k=4096)
-    assert tiles == [dict(tile_m=128, tile_n=128, split_rows=False), dict(tile_m=64, tile_n=256, split_rows=True),
-                     dict(tile_m=64, tile_n=64, split_rows=False), dict(tile_m=64, tile_n=128, split_rows=False)], tiles
+    assert tiles == [dict(tile_m=128, tile_n=128, split_rows=False, one_pass=True),
+                     dict(tile_m=64, tile_n=256, split_rows=True, one_pass=True),
+                     dict(tile_m=64, tile_n=64, split_rows=False, one_pass=True),
+                     dict(tile_m=64, tile_n=128, split_rows=False, one_pass=True)], tiles
     assert route(600, 512, transpose_w=True) == "triton"
     assert route(600, 512, block_n=128) == "triton"
     assert route(600, 512, dtype=jnp.float32) == "triton"
