@@ -58,8 +58,8 @@ class LLM:
     row-parallel products added in device order), and decode attention folds splits whose length follows the
     sequence's length alone (512 to 4,096 keys) in key order, so a request's bfloat16 tokens are the same alone,
     batched or offloaded in blocks of a multiple of 4,096 keys, the default (at a given tensor_parallel_size). Off
-    by default for its price (docs/exactness.md): on an H200 1.00-1.01x the default's batch-1 decode at 64K-128K,
-    1.015x its 32K prefill, 0.93x its batched throughput on the 8B shape.
+    by default for its price (docs/exactness.md): on an H200 0.99-1.03x the default's batch-1 decode at 8K-128K,
+    1.015x its 32K prefill, 0.94x its batched throughput on the 8B shape.
 
     `kv_cache_dtype="fp8"` or `"int8"`: K and V are stored as float8_e4m3fn or int8 with a power-of-two scale
     per token and KV head (`kv.kv_cache_dtype`): half the bytes in the host store, over PCIe and in the paged pool

@@ -77,6 +77,17 @@ def default_tiles(m: int, n: int, one_pass: bool = False, groups: int = 1) -> di
     return dict(tile_m=64, tile_n=128, split_rows=True)
 
 
+def ring_slots(tile_m: int, tile_n: int, split_rows: bool, dtype, store_dtype) -> int | None:
+    """Shared-memory ring slots a CTA of these tiles takes by default: 6 where they fit beside the output's slots (in
+    `store_dtype`), else the most of 4, 3 or 2 that do; None where not even 2 fit. The output's slots take 32 KiB in
+    bf16, 64 KiB in float32 (the products tensor parallelism adds across devices, a deep K's group sums), where 6
+    slots did not fit (262,240 bytes on an H200)."""
+    cta_m, cta_n = (_COMPUTE_WGS * tile_m, tile_n) if split_rows else (tile_m, _COMPUTE_WGS * tile_n)
+    slot_bytes = (cta_m + cta_n) * BLOCK_K * jnp.dtype(dtype).itemsize
+    out_bytes = _COMPUTE_WGS * 2 * _EPILOGUE * _EPILOGUE * jnp.dtype(store_dtype).itemsize
+    return next((s for s in (6, 4, 3, 2) if s * slot_bytes + out_bytes <= _SMEM_BYTES), None)
+
+
 def _swizzled(elems_per_row: int):
     # (8, 128 B) tiles with a 128-byte swizzle: what TMA writes and wgmma reads without bank conflicts.
     return (plgpu.TilingTransform((8, elems_per_row)), plgpu.SwizzleTransform(128))
@@ -243,17 +254,13 @@ def mgpu_matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, tile_m: int = 64,
     cols = cta_n * (2 if cluster == "n" else 1)
     if k % BLOCK_K or n % cols:
         raise ValueError(f"w has shape {w.shape}; allowed: K a multiple of {BLOCK_K}, N of {cols}")
+    one_pass = sums_in_one_pass(n, one_pass)
     if steps is None:
-        cta_m = tile_m if not split_rows else _COMPUTE_WGS * tile_m
-        slot_bytes = (cta_m + cta_n) * BLOCK_K * x.dtype.itemsize
-        # The ring shares the CTA's shared memory with the output's slots: 32 KiB in bf16, 64 KiB in float32 (the
-        # products tensor parallelism adds across devices), where 6 slots did not fit (262,240 bytes on an H200).
-        store_dtype = jnp.float32 if k_groups_for(k, sums_in_one_pass(n, one_pass)) > 1 else out_dtype or x.dtype
-        out_bytes = _COMPUTE_WGS * 2 * _EPILOGUE * _EPILOGUE * jnp.dtype(store_dtype).itemsize
-        steps = next((s for s in (6, 4, 3, 2) if s * slot_bytes + out_bytes <= _SMEM_BYTES), None)
+        store_dtype = jnp.float32 if k_groups_for(k, one_pass) > 1 else out_dtype or x.dtype
+        steps = ring_slots(tile_m, tile_n, split_rows, x.dtype, store_dtype)
         if steps is None:
             raise ValueError(f"tiles {tile_m} x {tile_n} (split_rows={split_rows}) of {x.dtype}: not even 2 ring slots "
                              f"fit beside the output's in {_SMEM_BYTES} bytes of shared memory; allowed: smaller tiles")
     return _mgpu_matmul(x, w, out_dtype=jnp.dtype(out_dtype or x.dtype), tile_m=tile_m, tile_n=tile_n,
-                        split_rows=split_rows, steps=steps, cluster=cluster, one_pass=sums_in_one_pass(n, one_pass),
+                        split_rows=split_rows, steps=steps, cluster=cluster, one_pass=one_pass,
                         interpret=interpret)

@@ -59,13 +59,6 @@ def bits_equal(a, b) -> bool:
     return bool(jnp.all(jax.lax.bitcast_convert_type(a, jnp.uint16) == jax.lax.bitcast_convert_type(b, jnp.uint16)))
 
 
-def steps_for(tiles: dict, out_itemsize: int) -> int:
-    cta_m = tiles["tile_m"] * (2 if tiles["split_rows"] else 1)
-    cta_n = tiles["tile_n"] * (1 if tiles["split_rows"] else 2)
-    out_bytes = 2 * 2 * 64 * 64 * out_itemsize
-    return next(s for s in (6, 4, 3, 2) if (cta_m + cta_n) * 64 * 2 * s + out_bytes <= mgpu_module._SMEM_BYTES)
-
-
 def chunked_before(x, w):
     """Wide weights before: the warpgroup form in 1,024-key chunks with the decode tiles it took then; Triton's
     one-row form at one row."""
@@ -74,7 +67,8 @@ def chunked_before(x, w):
         return matmul_module._matmul(x, w, transpose_w=False, one_pass=False, out_dtype=x.dtype, interpret=False,
                                      **cfg)
     tiles = mgpu_module.default_tiles(x.shape[0], w.shape[1])
-    return mgpu_module._mgpu_matmul(x, w, out_dtype=x.dtype, steps=steps_for(tiles, 2), cluster=None,
+    steps = mgpu_module.ring_slots(dtype=x.dtype, store_dtype=x.dtype, **tiles)
+    return mgpu_module._mgpu_matmul(x, w, out_dtype=x.dtype, steps=steps, cluster=None,
                                     one_pass=False, interpret=False, **tiles)
 
 
@@ -86,7 +80,8 @@ def one_group_before(x, w):
     with mock.patch.object(matmul_module, "k_groups_for", one), mock.patch.object(mgpu_module, "k_groups_for", one):
         if matmul_module.wgmma_suits(m, w.shape[1], k):
             tiles = mgpu_module.default_tiles(m, w.shape[1])
-            return mgpu_module._mgpu_matmul.__wrapped__(x, w, out_dtype=x.dtype, steps=steps_for(tiles, 2),
+            steps = mgpu_module.ring_slots(dtype=x.dtype, store_dtype=x.dtype, **tiles)
+            return mgpu_module._mgpu_matmul.__wrapped__(x, w, out_dtype=x.dtype, steps=steps,
                                                         cluster=None, one_pass=False, interpret=False, **tiles)
         cfg = matmul_module.default_matmul_config(m, k, w.shape[1])
         return matmul_module._matmul.jitted[1].__wrapped__(x, w, transpose_w=False, one_pass=False,
