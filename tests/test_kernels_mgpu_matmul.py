@@ -104,9 +104,9 @@ def test_gives_the_bits_of_the_triton_form_on_hopper(monkeypatch):
 
 def test_matmul_routes_to_the_warpgroup_form_on_hopper(monkeypatch):
     """On Hopper `matmul.matmul` takes the warpgroup form at prefill sizes and for decode batches of 64+ rows against
-    wide weights, 128+ against large ones or 256+ against deep ones, untransposed, bf16, with no launch parameter
-    given, in CTAs of 64 rows where they fit one wave (wide weights: the one-pass tiles); the Triton form otherwise,
-    and always with JAX_OFFLOAD_HOPPER_MATMUL=0. The device check and both kernels are stubbed (recorders)."""
+    wide weights or a K whose chunks add in groups, 128+ against large ones or 256+ against deep ones, untransposed,
+    bf16, with no launch parameter given, in CTAs of 64 rows where they fit one wave (wide weights: the one-pass
+    tiles); the Triton form otherwise, and always with JAX_OFFLOAD_HOPPER_MATMUL=0. The device check and both kernels are stubbed (recorders)."""
     mm = sys.modules["pallas_kernels.matmul"]  # the package's `matmul` is the function
     mgm = sys.modules["pallas_kernels.mgpu_matmul"]
 
@@ -140,6 +140,8 @@ def test_matmul_routes_to_the_warpgroup_form_on_hopper(monkeypatch):
     assert route(128, 512, k=4096) == "triton"
     assert route(128, 6144, k=4096) == "wgmma"  # k * n >= 24 Mi from 128 rows
     assert route(128, 4096, k=4096) == "triton"
+    assert route(64, 4096, k=14336) == "wgmma"  # K's chunks add in two groups (w_down) from 64 rows
+    assert route(32, 4096, k=14336) == "triton"
     # Narrow weights at decode sizes take CTAs of 64 rows while they fit one wave of 132 (a CTA for each of a deep
     # K's two groups: w_down); 128-row CTAs otherwise.
     tiles.clear()
