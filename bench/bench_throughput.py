@@ -24,7 +24,8 @@ Phases, each in a fresh process writing phase_<phase>_<shape>.json under --out:
         --out DIR                                                   # 8 x 64K, sketch: decode steps only
     (add --offload-sparse-cache-gb 4.5 for a page cache: 9 regions of twice the budget at int8)
     python bench/bench_throughput.py --shape smoke --out /tmp/tp                             # CPU check, < 1 min
-    --batch-invariant runs the engine's batch-invariant mode; its phase files end in _batch_invariant.json
+    --no-batch-invariant runs without the engine's batch-invariant mode (on by default); the mode's phase files end
+    in _batch_invariant.json
     python bench/bench_throughput.py --report DIR --out bench/results            # throughput.md and .png
 """
 from __future__ import annotations
@@ -405,8 +406,8 @@ def main() -> None:
     p.add_argument("--offload-kv-cache-dtype", default="auto", help="offload phase: auto, fp8 or int8")
     p.add_argument("--offload-sparse-cache-gb", type=float, default=0.0,
                    help="offload phase, sketch or quest: GiB of page cache (regions of twice the budget per request)")
-    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
-                   help="the engine's batch-invariant mode (default off, as the engine's)")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=EngineConfig.batch_invariant,
+                   help="the engine's batch-invariant mode (default on, as the engine's)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="phase ours: the engine's prefix caching")
     p.add_argument("--distinct-runs", action=argparse.BooleanOptionalAction, default=False,

@@ -194,7 +194,7 @@ class EngineConfig:
     # Devices the model's heads and MLP are split over (tensor parallelism).
     tensor_parallel_size: int = 1
     # A request's tokens independent of the requests run with it (see `LLM`).
-    batch_invariant: bool = False
+    batch_invariant: bool = True
     # Reuse the KV blocks of earlier prompts' equal prefixes (continuous batching's GPU pool or host store; see `LLM`).
     enable_prefix_caching: bool = False
     # GiB of pinned host memory that keep prefix-cache blocks evicted from the GPU pool, to copy back on a hit.

@@ -53,13 +53,14 @@ class LLM:
     `tensor_parallel_size` N splits every layer over N devices by KV-head groups (the KV cache too, offloaded or
     not, and the paged pool of continuous batching).
 
-    `batch_invariant=True` (with the Pallas kernels): the weights are multiplied by a Pallas matmul whose
-    per-element order does not depend on the row count (under tensor parallelism on each device's shard, the
-    row-parallel products added in device order), and decode attention folds splits whose length follows the
-    sequence's length alone (512 to 4,096 keys) in key order, so a request's bfloat16 tokens are the same alone,
-    batched or offloaded in blocks of a multiple of 4,096 keys, the default (at a given tensor_parallel_size). Off
-    by default for its price (docs/exactness.md): on an H200 0.99-1.03x the default's batch-1 decode at 8K-128K,
-    1.015x its 32K prefill, 0.94x its batched throughput on the 8B shape.
+    `batch_invariant=True`, the default (it takes the Pallas kernels, the GPU's default): the weights are multiplied
+    by a Pallas matmul whose per-element order does not depend on the row count (under tensor parallelism on each
+    device's shard, the row-parallel products added in device order), and decode attention folds splits whose length
+    follows the sequence's length alone (512 to 4,096 keys) in key order, so a request's bfloat16 tokens are the same
+    alone, batched, after cached prefixes or offloaded in blocks of a multiple of 4,096 keys, the default (at a given
+    tensor_parallel_size). `False` multiplies by XLA's dots (cuBLAS), whose order follows the batch: on an H200
+    the invariant mode gives 0.97x its batched throughput (8B and 0.6B shapes), 1.03-1.04x its batch-1 decode at
+    8K and 32K, 1.00-1.01x at 64K and 128K, 1.015x its 32K prefill (docs/exactness.md).
 
     `kv_cache_dtype="fp8"` or `"int8"`: K and V are stored as float8_e4m3fn or int8 with a power-of-two scale
     per token and KV head (`kv.kv_cache_dtype`): half the bytes in the host store, over PCIe and in the paged pool
@@ -105,7 +106,7 @@ class LLM:
         num_decode_steps: int = 1,
         gpu_memory_utilization: float = 0.9,
         tensor_parallel_size: int = 1,
-        batch_invariant: bool = False,
+        batch_invariant: bool = True,
         enable_prefix_caching: bool = False,
         prefix_cache_host_gb: float = 0.0,
         kv_cache_dtype: str = "auto",
@@ -185,7 +186,9 @@ class LLM:
         self.dtype = jnp.dtype(engine.dtype)
         self.eos_token_ids = frozenset(int(i) for i in eos_ids)
         self._inv_freq = tp.replicate(jnp.asarray(inverse_frequencies(model_config.rope, model_config.head_dim)))
-        if engine.batch_invariant and engine.offload and self.attention_impl == "pallas":
+        # Sparse decode policies run offloaded only: there are no in-GPU bits to match.
+        if (engine.batch_invariant and engine.offload and self.attention_impl == "pallas"
+                and engine.decode_policy == "full"):
             split = decode_split_len(engine.max_model_len)
             if engine.block_size % split:
                 warnings.warn(f"batch_invariant with offload block_size {engine.block_size}: offloaded decode gives "
