@@ -388,8 +388,8 @@ def test_seeded_alone_and_together_give_the_same_tokens(tiny_qwen3):
     `test_each_architecture_alone_together_offloaded_cached`'s): each alone == all together."""
     path, prompts = tiny_qwen3
     sampling = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, ignore_eos=True, seed=7)
-    # batch_invariant: what makes this hold on a GPU (Pallas kernels); the CPU's XLA twins run as without it.
-    gpu = LLM(path, dtype="bfloat16", max_model_len=1024, max_num_seqs=len(prompts), batch_invariant=True)
+    # The default config: batch-invariant on a GPU (Pallas kernels); the CPU's XLA twins hold it as they are.
+    gpu = LLM(path, dtype="bfloat16", max_model_len=1024, max_num_seqs=len(prompts))
     alone = [gpu.generate([p], sampling)[0].token_ids for p in prompts]
     assert [o.token_ids for o in gpu.generate(prompts, sampling)] == alone, \
         f"model seed {MODEL_SEED}, prompt seed {PROMPT_SEED}"
@@ -406,7 +406,7 @@ def test_each_architecture_alone_together_offloaded_cached(tmp_path_factory, var
     prompts = [rng.integers(3, tiny_models.VOCAB, size=n).tolist() for n in (5, 530, 700)]
     where = f"{variant}, model seed {seed}, prompt seed {PROMPT_SEED}"
     sampling = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    kw = dict(dtype="bfloat16", max_model_len=1024, batch_invariant=True)
+    kw = dict(dtype="bfloat16", max_model_len=1024)  # the default config otherwise (batch-invariant)
     gpu = LLM(path, max_num_seqs=len(prompts), **kw)
     alone = [gpu.generate([p], sampling)[0].token_ids for p in prompts]
     assert [o.token_ids for o in gpu.generate(prompts, sampling)] == alone, f"{where}: together"

@@ -155,3 +155,23 @@ def test_cli_bad_arguments_one_line(argv, message):
     assert message in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1
     assert "Traceback" not in run.stderr
+
+
+def test_cli_defaults_are_the_engines():
+    """Every engine option of the CLI (and so the server) defaults to `LLM`'s and `EngineConfig`'s value: batch
+    invariance on unless `--no-batch-invariant`."""
+    import dataclasses
+    import inspect
+
+    from jax_offload import generate
+    from jax_offload.config import EngineConfig
+
+    llm_defaults = {k: p.default for k, p in inspect.signature(LLM.__init__).parameters.items()}
+    config_defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    args = generate.build_parser().parse_args(["--prompt", "x"])
+    for name in generate._LLM_OPTIONS:
+        assert getattr(args, name) == llm_defaults[name], name
+        if name in config_defaults and config_defaults[name] is not None:
+            assert llm_defaults[name] == config_defaults[name], name
+    assert args.batch_invariant is True
+    assert generate.build_parser().parse_args(["--prompt", "x", "--no-batch-invariant"]).batch_invariant is False
