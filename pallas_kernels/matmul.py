@@ -125,9 +125,9 @@ def wgmma_suits(m: int, n: int, k: int) -> bool:
     64 rows or more against wide weights, of 128 or more against large ones (k * n >= 24 Mi: the 8B's wqkv and w_down,
     23.6 and 63.2 us at 128 rows against the Triton form's 31.6 and 65.2) and of 256 or more against deep ones (the
     8B's four projections at 256 rows), and of 64 or more against a K whose chunks add in groups (the 8B's w_down at 64
-    rows: 40.0 us against the Triton form's 46.1 and cuBLAS's 41.0, price_2026_12_01/w_down_groups/). The Triton form
-    keeps small weights at decode sizes, where it is the faster (Qwen3-0.6B's at 256 rows, the 8B's wo at 128:
-    runs/h200_invariant_price/price_2026_11_30/matmul/)."""
+    rows: 40.0 us against the Triton form's 46.1 and cuBLAS's 41.0: runs/h200_invariant_price/price_2026_12_01/
+    w_down_groups/). The Triton form keeps small weights at decode sizes, where it is the faster (Qwen3-0.6B's at 256
+    rows, the 8B's wo at 128: runs/h200_invariant_price/price_2026_11_30/matmul/)."""
     return (m > 512 or (m >= 64 and (n >= 16384 or k_groups_for(k) > 1)) or (m >= 128 and k * n >= 24 * 2**20)
             or (m >= 256 and k >= 4096))
 

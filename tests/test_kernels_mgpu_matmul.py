@@ -106,7 +106,8 @@ def test_matmul_routes_to_the_warpgroup_form_on_hopper(monkeypatch):
     """On Hopper `matmul.matmul` takes the warpgroup form at prefill sizes and for decode batches of 64+ rows against
     wide weights or a K whose chunks add in groups, 128+ against large ones or 256+ against deep ones, untransposed,
     bf16, with no launch parameter given, in CTAs of 64 rows where they fit one wave (wide weights: the one-pass
-    tiles); the Triton form otherwise, and always with JAX_OFFLOAD_HOPPER_MATMUL=0. The device check and both kernels are stubbed (recorders)."""
+    tiles); the Triton form otherwise, and always with JAX_OFFLOAD_HOPPER_MATMUL=0. The device check and both
+    kernels are stubbed (recorders)."""
     mm = sys.modules["pallas_kernels.matmul"]  # the package's `matmul` is the function
     mgm = sys.modules["pallas_kernels.mgpu_matmul"]
 
