@@ -269,7 +269,7 @@ def paged_decode_state(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, blo
       total_lens: int32 [B], each sequence's keys in all its pieces (the pool holds its last piece); None:
         seq_lens.
       num_programs: programs per (sequence, KV head), each taking every num_programs-th split; default gives
-        ~128 programs on a GPU. Changes the speed, not the bits.
+        ~128 programs on a GPU, one a (sequence, KV head) in the interpreter. Changes the speed, not the bits.
       fold_in_kernel: True: one program per (sequence, KV head) folds each split into the state as soon as it has
         attended it (no split states in memory, no fold kernel; num_programs must then be None or 1); False: the
         splits' states, then `fold_splits`; None: True where one program walks a sequence's splits (num_programs
@@ -301,10 +301,11 @@ def _launch_state(q, k_rows, v_rows, scale_rows, block_tables, seq_lens, state, 
     if fold_in_kernel and num_programs not in (None, 1):
         raise ValueError(f"num_programs={num_programs} with fold_in_kernel=True; allowed: None or 1 (one program "
                          "walks a sequence's splits and folds them)")
-    if num_programs is None:
-        num_programs = -(-_TARGET_PROGRAMS // (batch * hkv))
-    num_programs = int(max(1, min(num_programs, max_splits)))
     interpret = resolve_interpret(interpret)
+    if num_programs is None:
+        # The interpreter runs programs one after another, each at a fixed cost: one a (sequence, KV head) there.
+        num_programs = 1 if interpret else -(-_TARGET_PROGRAMS // (batch * hkv))
+    num_programs = int(max(1, min(num_programs, max_splits)))
     if fold_in_kernel is None:
         fold_in_kernel = num_programs == 1 and not interpret
     return _paged_decode_state(
