@@ -4,11 +4,11 @@ Attention states stay float32 from the kernels through every merge and are round
 every step rounds exactly where the program says (no excess precision), so only float32 rounding
 noise separates the two engines.
 
-This is the CPU twins' check: blocks of 16 and 64 tokens stream every prompt here. On a GPU the same holds with
-`batch_invariant=True` and blocks that are multiples of the 256-key decode split (README, "How bfloat16 stays
-exact"; shown on the 8B shape and the real model: bench/results/runs/h100_one_answer/); run there as it is, without
-the mode and with these blocks, all four cases part from in-GPU memory's greedy tokens (H100, 2026-11-27:
-bench/results/runs/h100_gpu_tests/README.md).
+This is the CPU twins' check: blocks of 16 and 64 tokens stream every prompt here. On a GPU the same holds in the
+default batch-invariant mode with blocks that are multiples of the decode split (512 to 4,096 keys by max_model_len;
+docs/exactness.md, "How bfloat16 stays exact"; shown on the 8B shape and the real model:
+bench/results/runs/h100_one_answer/); run there with these blocks, all four cases part from in-GPU memory's greedy
+tokens (H100, 2026-11-27, without the mode then: bench/results/runs/h100_gpu_tests/README.md).
 """
 from __future__ import annotations
 
