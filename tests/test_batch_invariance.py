@@ -13,7 +13,8 @@ sequence at a time with the contiguous twin's arithmetic (batched, a sequence's 
 700-token prompt's at its 21st token).
 The engine tests run the default config, batch-invariant, which changes nothing on the CPU and is what makes it hold
 on a GPU (with `batch_invariant=False`, on an H100, the first prompt's greedy tokens alone and together part at the
-11th token: bench/results/runs/h100_gpu_tests/README.md; the Llama-3.1-8B shape: bench/results/runs/h200_batch_invariance/).
+11th token: bench/results/runs/h100_gpu_tests/README.md; the Llama-3.1-8B shape:
+bench/results/runs/h200_batch_invariance/).
 """
 from __future__ import annotations
 
