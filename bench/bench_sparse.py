@@ -14,7 +14,8 @@ Phases (each in a fresh process, writing phase_<name>.json under --out):
   xattn_prefill  end-to-end prefill, full and XAttention at fixed densities (random weights attend nearly
                  uniformly, so a threshold would keep almost everything: the benchmark keeps the top blocks by
                  estimate instead), for each --xattn-modes (in_gpu, layerwise, chunked)
-Every time is the median (min-max) of >= 5 measurements after a warm-up at the same shape.
+Every time is the median (min-max) of >= 5 measurements after a warm-up at the same shape. `--no-batch-invariant`
+runs without the engine's batch-invariant mode (the default since 2026-12-01; earlier phase files ran without it).
 `--report DIR [DIR ...]` writes sparse.md, sparse.json and sparse.png from the phase files, each phase from the first
 folder that has it (runs of one phase on another device or day stay in their own folder). The Quest section of
 bench/results/sparse.md comes from the older phase_quest.json (`runs/h200_quest_zero_copy/`), rendered by this file
@@ -40,7 +41,9 @@ from common import (  # noqa: E402
     run_phases, stats,
 )
 
-from jax_offload.config import OFFLOAD_DEFAULTS, PAGE_POLICY_DEFAULTS, SKETCH_DEFAULTS, XATTN_DEFAULTS  # noqa: E402
+from jax_offload.config import (  # noqa: E402
+    OFFLOAD_DEFAULTS, PAGE_POLICY_DEFAULTS, SKETCH_DEFAULTS, XATTN_DEFAULTS, EngineConfig,
+)
 
 PHASES = ("decode", "xattn_kernel", "xattn_prefill")
 
@@ -66,7 +69,8 @@ def phase_decode(a) -> dict:
     pages_per_block = bs // a.page_size
 
     def make(**kw):
-        return m.llm(offload=True, block_size=bs, num_ring_slots=a.ring_slots, **kw)
+        return m.llm(offload=True, block_size=bs, num_ring_slots=a.ring_slots, batch_invariant=a.batch_invariant,
+                     **kw)
 
     def options(policy):
         extra = {"sketch_dtype": a.sketch_dtype} if policy == "sketch" else {}
@@ -229,7 +233,8 @@ def phase_xattn_prefill(a) -> dict:
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     rows = []
     for mode in a.xattn_modes:
-        options = dict(max_model_len=max(a.contexts) + a.block_size, prefill_policy="xattention")
+        options = dict(max_model_len=max(a.contexts) + a.block_size, prefill_policy="xattention",
+                       batch_invariant=a.batch_invariant)
         if mode != "in_gpu":
             options.update(offload=True, block_size=a.block_size, num_ring_slots=a.ring_slots, prefill=mode)
         llm = m.llm(**options)
@@ -311,7 +316,9 @@ def report(sources: list[Path], out: Path) -> None:
 
 def _decode_section(dec: dict) -> list[str]:
     m, full = dec["meta"], dec["full"]
-    lines = [f"{m['device']} | jax {m['jax']} | {m['date']}", "",
+    # Runs before 2026-12-01 ran without the batch-invariant mode (it was not yet the default).
+    mode = "batch-invariant" if m.get("batch_invariant") else "batch_invariant=False"
+    lines = [f"{m['device']} | jax {m['jax']} | {m['date']} | {mode}", "",
              f"## Decode policies over the offloaded KV (budget {dec['budget']} tokens per KV head, page "
              f"{dec['page_size']}, {dec['dense_layers']} dense layers in GPU memory; sketch {dec['sketch_dtype']}), "
              "ms: medians (min-max) of every decode step, choice timings of "
@@ -351,7 +358,7 @@ def _decode_section(dec: dict) -> list[str]:
 
 def run_phase(a) -> None:
     result = globals()[f"phase_{a.run_phase}"](a)
-    result["meta"] = run_metadata() | {"shape": a.shape, "repeats": a.repeats}
+    result["meta"] = run_metadata() | {"shape": a.shape, "repeats": a.repeats, "batch_invariant": a.batch_invariant}
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / f"phase_{a.run_phase}.json").write_text(json.dumps(result, indent=1))
 
@@ -377,6 +384,8 @@ def main() -> None:
     p.add_argument("--sparse-cache-gb", type=float, default=0.0, help="the GPU cache of chosen pages (0: none)")
     p.add_argument("--decode-tokens", type=int, default=12)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=EngineConfig.batch_invariant,
+                   help="the engine's batch-invariant mode (default on, as the engine's)")
     floats = lambda s: [float(x) for x in s.split(",") if x]  # noqa: E731
     p.add_argument("--densities", type=floats, default=[0.05, 0.1, 0.2, 0.5, 1.0])
     p.add_argument("--kernel-ctx", type=int, default=131072)
