@@ -131,6 +131,8 @@ def phase_decode(a) -> dict:
                                          candidates, num_pages) for l in layers]
 
             row["choice_ms"] = timed(choose)
+            rows.append(row)
+            print(json.dumps(row), flush=True)  # before the read below, which holds a second copy of the KV
             if ctx == a.breakdown_ctx and read is None:
                 choices = choose()
                 store = runner.store
@@ -152,8 +154,6 @@ def phase_decode(a) -> dict:
                 read["attend_in_gpu_ms"] = timed(functools.partial(read_all, device_llm._runner.store))
                 del device_llm, pinned, choices
                 gc.collect()
-            rows.append(row)
-            print(json.dumps(row), flush=True)
         del llm, runner, pages
         gc.collect()
     n = a.breakdown_ctx
