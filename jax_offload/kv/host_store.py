@@ -318,8 +318,7 @@ class HostKVStore:
         """Adds what `num_blocks` blocks of `layer` carry over PCIe to a byte counter (a "gpu" layer's carry
         nothing)."""
         if self.places[layer] != "gpu":
-            per_block = sum(leaf.nbytes for leaf in jax.tree.leaves(self._blocks[layer])) // self.num_blocks
-            setattr(self, counter, getattr(self, counter) + num_blocks * per_block)
+            setattr(self, counter, getattr(self, counter) + num_blocks * self.block_bytes)
 
     def fetch(self, keys: Sequence[tuple[int, int]]) -> list[jax.Array]:
         """Starts moving the blocks `keys` [(layer, index), ...] to the GPU (asynchronously); blocks of a "gpu"
