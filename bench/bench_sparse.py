@@ -68,9 +68,12 @@ def phase_decode(a) -> dict:
     max_len = max(max(a.contexts), warm_up_blocks * bs) + tokens + bs
     pages_per_block = bs // a.page_size
 
+    # One request at a time, as README's long-prompt recipe: with the default 256, the first sketch or Quest
+    # generate (the batch engine) keeps GPU tail slots for up to 256 requests (512 MiB each on the 8B shape at block
+    # 4096) in most of the free memory, and the in-GPU copy of the store below no longer fits.
     def make(**kw):
         return m.llm(offload=True, block_size=bs, num_ring_slots=a.ring_slots, batch_invariant=a.batch_invariant,
-                     **kw)
+                     max_num_seqs=1, **kw)
 
     def options(policy):
         extra = {"sketch_dtype": a.sketch_dtype} if policy == "sketch" else {}
