@@ -41,7 +41,7 @@ from pathlib import Path
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import fmt, model_config, random_params, run_metadata, stats  # noqa: E402
+from common import fmt, model_config, random_params, read_json, result_files, run_metadata, stats  # noqa: E402
 
 from jax_offload.config import EngineConfig  # noqa: E402
 
@@ -423,8 +423,8 @@ def run(args) -> None:
 
 def report(folder: Path, out: Path) -> None:
     lines = ["# Serving: the OpenAI server against offline `LLM.generate`", ""]
-    for path in sorted(folder.glob("serve_*.json")):
-        r = json.loads(path.read_text())
+    for path in result_files(folder, "serve_*.json"):
+        r = read_json(path)
         m = r["meta"]
         inf = r["inf"]
         served = stats([x["output_tok_s"] for x in inf])
