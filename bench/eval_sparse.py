@@ -21,6 +21,9 @@ generated. A run writes `sparse_niah_{length}_{config}.json` per length and conf
 batching; N at once needs `max_num_seqs` >= N and a host store for all N, `--base host_kv_tokens=...`); each file
 records N as `together`.
 
+`--reference DIR` names an earlier run's folder (another engine, placement or machine, the same prompts): each line
+printed and each file (`reference`) then say how many outputs have that run's token ids, config for config.
+
 `--mass` generates nothing: for each length and each Quest budget among `--configs` it runs the model layer by
 layer in device memory (float32 attention) and measures, per layer and query head, the share of the
 full-attention probability mass of the last prompt token's query that Quest's pages (chosen per KV head among
@@ -240,6 +243,19 @@ def same_outputs(records: list[dict[str, Any]], reference: list[dict[str, Any]])
     return sum(a == b for a, b in pairs), len(pairs)
 
 
+def reference_records(folder: Path, n: int, config: str, prompts: list[NiahSample]) -> tuple[str, list[dict[str, Any]]]:
+    """(file, records) of the same config's earlier run on the same prompts in `folder` (another engine, placement or
+    machine): what `--reference` compares outputs with."""
+    name = NIAH_FILE.format(length=n, config=config.replace("+", "-"))
+    files = result_files(folder, name)
+    if not files:
+        raise FileNotFoundError(f"No reference {name} (or .gz) in {folder}.")
+    reference = read_json(files[0])
+    if reference["prompts_sha256"] != prompts_digest(prompts):
+        raise ValueError(f"The reference {files[0]} ran other prompts (prompts_sha256 {reference['prompts_sha256']}).")
+    return str(files[0]), reference["records"]
+
+
 def evaluate(args: argparse.Namespace, model_dir: Path, base: dict[str, Any]) -> None:
     """Runs every config over every length's prompts, writing one JSON file per (length, config)."""
     from jax_offload import LLM
@@ -247,6 +263,10 @@ def evaluate(args: argparse.Namespace, model_dir: Path, base: dict[str, Any]) ->
     options = {name: base | config_options(name) for name in args.configs}
     targets = {n: prompt_target(model_dir, base, n, args.max_tokens) for n in args.lengths}
     prompts = build_prompts(model_dir, targets, args.samples, args.seed)
+    # Read before any run, so that a missing or mismatched reference stops nothing halfway.
+    references = {} if args.reference is None else {
+        (n, name): reference_records(args.reference, n, name, prompts[n])
+        for n in args.lengths for name in args.configs}
     meta = metadata()
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[tuple[int, str], dict[str, Any]] = {}
@@ -262,14 +282,22 @@ def evaluate(args: argparse.Namespace, model_dir: Path, base: dict[str, Any]) ->
         for n in args.lengths:
             start = time.perf_counter()
             records = run_prompts(llm, prompts[n], args.max_tokens, f"{name} @ {n}", args.together)
+            wall_s = round(time.perf_counter() - start, 2)
+            extra = {}
+            if references:
+                file, reference = references[(n, name)]
+                same, total = same_outputs(records, reference)
+                extra["reference"] = {"file": file, "same": same, "total": total}
             result = write_niah_result(args, name, options[name], n, targets[n], model_dir, prompts[n], records, meta,
-                                       together=args.together, load_seconds=round(load_s, 2),
-                                       wall_seconds=round(time.perf_counter() - start, 2))
+                                       together=args.together, load_seconds=round(load_s, 2), wall_seconds=wall_s,
+                                       **extra)
             results[(n, name)] = result
             agree = ""
             if (n, "full") in results and name != "full":
                 same, total = same_outputs(records, results[(n, "full")]["records"])
                 agree = f", same ids as full {same}/{total}"
+            if extra:
+                agree += f", same ids as the reference {extra['reference']['same']}/{extra['reference']['total']}"
             together = f", {args.together} per generate call" if args.together > 1 else ""
             print(f"{name} @ {n} (prompts <= {targets[n]} tokens{together}): mean score "
                   f"{result['mean_score']:.1f}{agree}, {result['wall_seconds']:.0f} s (+{load_s:.0f} s load)",
@@ -671,6 +699,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="prompts per generate call, run together by the batch engine (default 1: one at a time); N "
                    "at once needs max_num_seqs >= N (the engine's default 256) and host_kv_tokens for all N "
                    "requests (default max_model_len, one request's most): pass them with --base")
+    p.add_argument("--reference", type=Path, metavar="DIR", help="an earlier run's folder: print and record how many "
+                   "outputs equal that run's of the same config and length (its prompts must be these)")
     p.add_argument("--mass", action="store_true", help="measure Quest's attention mass instead of running NIAH")
     p.add_argument("--report", type=Path, metavar="DIR", help="write tables and a plot from the files in DIR")
     args = p.parse_args(argv)

@@ -123,7 +123,8 @@ def test_mass_pass_runs_end_to_end_and_its_report_reads_it(tmp_path, monkeypatch
 def test_prompts_run_together_give_the_records_of_prompts_run_alone(tmp_path, monkeypatch):
     """--together 3 (the offloaded batch engine runs 3 prompts, then the last one alone) gives --together 1's
     outputs, scores and XAttention densities in float32 on a tiny 3-layer checkpoint, XAttention prefill and Quest
-    decode (layer 2) in one config, and each file records its value."""
+    decode (layer 2) in one config, and each file records its value; the second run, given the first's folder as
+    `--reference`, records that all 4 outputs equal it."""
     rng = np.random.default_rng(705)
     prompts = [SimpleNamespace(task=t, index=i, prompt_ids=rng.integers(3, 256, 300).tolist(), length=300,
                                depths=[0.5], answers=["w5"])
@@ -135,11 +136,14 @@ def test_prompts_run_together_give_the_records_of_prompts_run_alone(tmp_path, mo
     results = {}
     for together in (1, 3):
         out = tmp_path / f"together{together}"
+        reference = ["--reference", str(tmp_path / "together1")] if together == 3 else []
         assert eval_sparse.main(["--model", str(model), "--lengths", "300", "--samples", "2", "--max-tokens", "6",
-                                 "--configs", "xattn0.5+quest32", "--together", str(together), "--out", str(out)]) == 0
+                                 "--configs", "xattn0.5+quest32", "--together", str(together), "--out", str(out),
+                                 *reference]) == 0
         results[together] = json.loads((out / "sparse_niah_300_xattn0.5-quest32.json").read_text())
     alone, batched = results[1], results[3]
     assert (alone["together"], batched["together"]) == (1, 3)
+    assert "reference" not in alone and (batched["reference"]["same"], batched["reference"]["total"]) == (4, 4)
     assert batched["scores"] == alone["scores"]
     keys = ("task", "index", "output", "output_token_ids", "score", "finish_reason")
     assert [{k: r[k] for k in keys} for r in batched["records"]] == [{k: r[k] for k in keys} for r in alone["records"]]
