@@ -37,13 +37,11 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    GiB, RandomModel, call_seconds, fmt, gpu_memory, gpu_span_ms, model_config, run_metadata,
-    run_phases, stats,
+    GiB, RandomModel, add_batch_invariant_option, call_seconds, fmt, gpu_memory, gpu_span_ms, model_config,
+    run_metadata, run_phases, stats,
 )
 
-from jax_offload.config import (  # noqa: E402
-    OFFLOAD_DEFAULTS, PAGE_POLICY_DEFAULTS, SKETCH_DEFAULTS, XATTN_DEFAULTS, EngineConfig,
-)
+from jax_offload.config import OFFLOAD_DEFAULTS, PAGE_POLICY_DEFAULTS, SKETCH_DEFAULTS, XATTN_DEFAULTS  # noqa: E402
 
 PHASES = ("decode", "xattn_kernel", "xattn_prefill")
 
@@ -387,8 +385,7 @@ def main() -> None:
     p.add_argument("--sparse-cache-gb", type=float, default=0.0, help="the GPU cache of chosen pages (0: none)")
     p.add_argument("--decode-tokens", type=int, default=12)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=EngineConfig.batch_invariant,
-                   help="the engine's batch-invariant mode (default on, as the engine's)")
+    add_batch_invariant_option(p)
     floats = lambda s: [float(x) for x in s.split(",") if x]  # noqa: E731
     p.add_argument("--densities", type=floats, default=[0.05, 0.1, 0.2, 0.5, 1.0])
     p.add_argument("--kernel-ctx", type=int, default=131072)

@@ -43,7 +43,9 @@ from pathlib import Path
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import SHAPES, GiB, RandomModel, fmt, h2d_bandwidth, run_metadata, stats  # noqa: E402
+from common import (  # noqa: E402
+    SHAPES, GiB, RandomModel, add_batch_invariant_option, fmt, h2d_bandwidth, run_metadata, stats,
+)
 
 from jax_offload.config import EngineConfig  # noqa: E402
 
@@ -406,8 +408,7 @@ def main() -> None:
     p.add_argument("--offload-kv-cache-dtype", default="auto", help="offload phase: auto, fp8 or int8")
     p.add_argument("--offload-sparse-cache-gb", type=float, default=0.0,
                    help="offload phase, sketch or quest: GiB of page cache (regions of twice the budget per request)")
-    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=EngineConfig.batch_invariant,
-                   help="the engine's batch-invariant mode (default on, as the engine's)")
+    add_batch_invariant_option(p)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="phase ours: the engine's prefix caching")
     p.add_argument("--distinct-runs", action=argparse.BooleanOptionalAction, default=False,

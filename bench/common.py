@@ -323,6 +323,17 @@ def probe_output(name: str) -> Path:
     return out / name
 
 
+def add_batch_invariant_option(parser) -> None:
+    """`--batch-invariant` / `--no-batch-invariant`, defaulting to the engine's mode (on since 2026-12-01)."""
+    import argparse
+
+    from jax_offload.config import EngineConfig
+
+    parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
+                        default=EngineConfig.batch_invariant,
+                        help="the engine's batch-invariant mode (default on, as the engine's)")
+
+
 def stats(samples: list[float]) -> dict:
     """Median with min, max and count: how every timed figure is reported."""
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
