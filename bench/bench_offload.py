@@ -10,7 +10,8 @@ Each phase runs in a fresh process (so its peak GPU memory is its own) and write
              with ours in float32 as the reference
   hf         transformers' dynamic and offloaded caches, prefill and per-token decode (a streamer's clock)
 Every timed figure is the median of >= 5 runs after a warm-up at the same shape, with min and max.
-`--report` turns the phase files into offload.json, offload.md and offload.png.
+`--no-batch-invariant` runs our engines without the batch-invariant mode (the default since 2026-12-01; phase files
+from before ran without it). `--report` turns the phase files into offload.json, offload.md and offload.png.
 
     python bench/bench_offload.py --phases hf,logits --out DIR       # one device call
     python bench/bench_offload.py --phases chunked --out DIR         # another
@@ -31,7 +32,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    SHAPES, GiB, RandomModel, fmt, gpu_memory, h2d_bandwidth, run_metadata, run_phases, stats,
+    SHAPES, GiB, RandomModel, add_batch_invariant_option, fmt, gpu_memory, h2d_bandwidth, run_metadata, run_phases, stats,
 )
 
 from jax_offload.config import OFFLOAD_DEFAULTS  # noqa: E402
@@ -322,6 +323,12 @@ def phase_hf(a) -> dict:
 # ---- report ---------------------------------------------------------------------------------------
 
 
+def _mode(meta: dict) -> str:
+    if "batch_invariant" not in meta:
+        return "batch_invariant=False (before the mode was the default, 2026-12-01)"
+    return "batch-invariant" if meta["batch_invariant"] else "batch_invariant=False"
+
+
 def report(src: Path, out: Path) -> None:
     phases = {p: json.loads((src / f"phase_{p}.json").read_text()) for p in PHASES if (src / f"phase_{p}.json").exists()}
     out.mkdir(parents=True, exist_ok=True)
@@ -333,7 +340,7 @@ def report(src: Path, out: Path) -> None:
     lines = [
         f"# Offload benchmark: {meta['shape']} shape, random bf16 weights", "",
         f"{meta['device']} | jax {meta['jax']} | torch {meta.get('torch', '?')} | transformers {meta.get('transformers', '?')} "
-        f"| {meta['date']}", "",
+        f"| {meta['date']} | {_mode(meta)}", "",
         f"Weights {any_phase['weights_GiB']:.2f} GiB. Host->GPU bandwidth of one 1 GiB pinned copy: {fmt(bw, 1e-9, 1)} GB/s "
         f"(median (min-max) of {bw['n']}). KV {kv_tok // 1024} KiB/token. Every time below is the median (min-max) of "
         f">= {meta['repeats']} runs after a warm-up at the same shape; decode figures pool every step of those runs.",
@@ -398,12 +405,13 @@ def run_phase(args) -> None:
         result = phase_hf(args)
         result["meta"] = run_metadata()
     else:
-        b = RandomModel(args.shape, args.num_layers, tokens=args.decode_tokens, repeats=args.repeats)
+        b = RandomModel(args.shape, args.num_layers, tokens=args.decode_tokens, repeats=args.repeats,
+                        batch_invariant=args.batch_invariant)
         result = globals()[f"phase_{name}"](b, args)
         result |= {"weights_GiB": b.weights_GiB, "kv_bytes_per_token": b.cfg.kv_bytes_per_token,
                    "h2d_Bps": h2d_bandwidth(), "gpu_memory_at_end": gpu_memory(), "meta": run_metadata()}
     result["meta"] |= {"shape": args.shape, "block_size": args.block_size, "ring_slots": args.ring_slots,
-                       "repeats": args.repeats, "num_layers": args.num_layers}
+                       "repeats": args.repeats, "num_layers": args.num_layers, "batch_invariant": args.batch_invariant}
     result.setdefault("h2d_Bps", None)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"phase_{name}.json").write_text(json.dumps(result, indent=1))
@@ -431,6 +439,7 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=6)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--hf-timeout", type=int, default=420)
+    add_batch_invariant_option(p)
     args = p.parse_args()
     if args.report:
         report(args.report, args.out)

@@ -110,10 +110,10 @@ class RandomModel:
     """A shape's model with random bf16 weights, laid out for `tp` (a `TensorParallel`; None: one device), and what
     a benchmark does with it: engines, prompts of random ids, greedy generations of `tokens` tokens and their
     timings over `repeats` runs. `min_positions` widens the model's window: positions past a checkpoint's window
-    time like any other."""
+    time like any other. `batch_invariant` (None: the engine's default) is every engine's mode unless a call says."""
 
     def __init__(self, shape: str, num_layers: int | None = None, tp=None, tokens: int = 8, repeats: int = 5,
-                 min_positions: int = 0):
+                 min_positions: int = 0, batch_invariant: bool | None = None):
         import dataclasses
 
         import jax
@@ -122,7 +122,7 @@ class RandomModel:
         self.cfg = model_config(shape, num_layers)
         if min_positions > self.cfg.max_position_embeddings:
             self.cfg = dataclasses.replace(self.cfg, max_position_embeddings=min_positions)
-        self.tp, self.tokens, self.repeats = tp, tokens, repeats
+        self.tp, self.tokens, self.repeats, self.batch_invariant = tp, tokens, repeats, batch_invariant
         self.params = random_params(self.cfg, jax.numpy.bfloat16, tp=tp)
         jax.block_until_ready(self.params)
         self.rng = np.random.default_rng(0)
@@ -131,6 +131,8 @@ class RandomModel:
     def llm(self, **options):
         from jax_offload import LLM
 
+        if self.batch_invariant is not None:
+            options.setdefault("batch_invariant", self.batch_invariant)
         return LLM.from_params(self.cfg, self.params, dtype="bfloat16",
                                tensor_parallel_size=self.tp.size if self.tp else 1, **options)
 
