@@ -411,7 +411,9 @@ def run_phase(args) -> None:
         result |= {"weights_GiB": b.weights_GiB, "kv_bytes_per_token": b.cfg.kv_bytes_per_token,
                    "h2d_Bps": h2d_bandwidth(), "gpu_memory_at_end": gpu_memory(), "meta": run_metadata()}
     result["meta"] |= {"shape": args.shape, "block_size": args.block_size, "ring_slots": args.ring_slots,
-                       "repeats": args.repeats, "num_layers": args.num_layers, "batch_invariant": args.batch_invariant}
+                       "repeats": args.repeats, "num_layers": args.num_layers}
+    if name != "hf":
+        result["meta"]["batch_invariant"] = args.batch_invariant
     result.setdefault("h2d_Bps", None)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"phase_{name}.json").write_text(json.dumps(result, indent=1))
