@@ -22,8 +22,8 @@ are walked in groups of GROUP_M row tiles so that the CTAs in flight share their
 
 `matmul.matmul` routes to it on Hopper (`matmul.wgmma_suits` says where; JAX_OFFLOAD_HOPPER_MATMUL=0 turns it off).
 On an H200 it gave the Triton form's bits at every shape and tile config probed and runs 1.17x cuBLAS's time over an
-8B layer's projections at 8,192 rows, where the Triton form takes 1.48x (bench/probes/probe_matmul_hopper.py,
-runs/h200_invariant_price/hopper_matmul/wgmma/).
+8B layer's projections at 8,192 rows, where the Triton form takes 1.48x (bench/results/runs/h200_invariant_price/
+hopper_matmul/wgmma/).
 """
 
 from __future__ import annotations
