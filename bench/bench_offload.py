@@ -32,7 +32,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    SHAPES, GiB, RandomModel, add_batch_invariant_option, fmt, gpu_memory, h2d_bandwidth, run_metadata, run_phases, stats,
+    SHAPES, GiB, RandomModel, add_batch_invariant_option, batch_invariant_label, fmt, gpu_memory, h2d_bandwidth,
+    run_metadata, run_phases, stats,
 )
 
 from jax_offload.config import OFFLOAD_DEFAULTS  # noqa: E402
@@ -323,12 +324,6 @@ def phase_hf(a) -> dict:
 # ---- report ---------------------------------------------------------------------------------------
 
 
-def _mode(meta: dict) -> str:
-    if "batch_invariant" not in meta:
-        return "batch_invariant=False (before the mode was the default, 2026-12-01)"
-    return "batch-invariant" if meta["batch_invariant"] else "batch_invariant=False"
-
-
 def report(src: Path, out: Path) -> None:
     phases = {p: json.loads((src / f"phase_{p}.json").read_text()) for p in PHASES if (src / f"phase_{p}.json").exists()}
     out.mkdir(parents=True, exist_ok=True)
@@ -340,7 +335,7 @@ def report(src: Path, out: Path) -> None:
     lines = [
         f"# Offload benchmark: {meta['shape']} shape, random bf16 weights", "",
         f"{meta['device']} | jax {meta['jax']} | torch {meta.get('torch', '?')} | transformers {meta.get('transformers', '?')} "
-        f"| {meta['date']} | {_mode(meta)}", "",
+        f"| {meta['date']} | {batch_invariant_label(meta)}", "",
         f"Weights {any_phase['weights_GiB']:.2f} GiB. Host->GPU bandwidth of one 1 GiB pinned copy: {fmt(bw, 1e-9, 1)} GB/s "
         f"(median (min-max) of {bw['n']}). KV {kv_tok // 1024} KiB/token. Every time below is the median (min-max) of "
         f">= {meta['repeats']} runs after a warm-up at the same shape; decode figures pool every step of those runs.",

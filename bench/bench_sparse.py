@@ -37,8 +37,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    GiB, RandomModel, add_batch_invariant_option, call_seconds, fmt, gpu_memory, gpu_span_ms, model_config,
-    run_metadata, run_phases, stats,
+    GiB, RandomModel, add_batch_invariant_option, batch_invariant_label, call_seconds, fmt, gpu_memory, gpu_span_ms,
+    model_config, run_metadata, run_phases, stats,
 )
 
 from jax_offload.config import OFFLOAD_DEFAULTS, PAGE_POLICY_DEFAULTS, SKETCH_DEFAULTS, XATTN_DEFAULTS  # noqa: E402
@@ -59,7 +59,8 @@ def phase_decode(a) -> dict:
     from jax_offload.kv.ring import group_size
 
     # Contexts past the checkpoint's window (256K on Llama-3.1) are positions like any other for timing.
-    m = RandomModel(a.shape, a.num_layers, tokens=a.decode_tokens, min_positions=max(a.contexts) + 2 * a.block_size)
+    m = RandomModel(a.shape, a.num_layers, tokens=a.decode_tokens, min_positions=max(a.contexts) + 2 * a.block_size,
+                    batch_invariant=a.batch_invariant)
     cfg, params = m.cfg, m.params
     bs, tokens = a.block_size, a.decode_tokens
     warm_up_blocks = 2 * group_size(a.ring_slots) + 1  # the longest warm-up prompt, in blocks
@@ -70,8 +71,7 @@ def phase_decode(a) -> dict:
     # generate (the batch engine) keeps GPU tail slots for up to 256 requests (512 MiB each on the 8B shape at block
     # 4096) in most of the free memory, and the in-GPU copy of the store below no longer fits.
     def make(**kw):
-        return m.llm(offload=True, block_size=bs, num_ring_slots=a.ring_slots, batch_invariant=a.batch_invariant,
-                     max_num_seqs=1, **kw)
+        return m.llm(offload=True, block_size=bs, num_ring_slots=a.ring_slots, max_num_seqs=1, **kw)
 
     def options(policy):
         extra = {"sketch_dtype": a.sketch_dtype} if policy == "sketch" else {}
@@ -230,12 +230,12 @@ def phase_xattn_prefill(a) -> dict:
     from jax_offload import SamplingParams
     from jax_offload.sparse.xattention import XAttention
 
-    m = RandomModel(a.shape, a.num_layers, min_positions=max(a.contexts) + a.block_size)
+    m = RandomModel(a.shape, a.num_layers, min_positions=max(a.contexts) + a.block_size,
+                    batch_invariant=a.batch_invariant)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     rows = []
     for mode in a.xattn_modes:
-        options = dict(max_model_len=max(a.contexts) + a.block_size, prefill_policy="xattention",
-                       batch_invariant=a.batch_invariant)
+        options = dict(max_model_len=max(a.contexts) + a.block_size, prefill_policy="xattention")
         if mode != "in_gpu":
             options.update(offload=True, block_size=a.block_size, num_ring_slots=a.ring_slots, prefill=mode)
         llm = m.llm(**options)
@@ -317,9 +317,7 @@ def report(sources: list[Path], out: Path) -> None:
 
 def _decode_section(dec: dict) -> list[str]:
     m, full = dec["meta"], dec["full"]
-    # Runs before 2026-12-01 ran without the batch-invariant mode (it was not yet the default).
-    mode = "batch-invariant" if m.get("batch_invariant") else "batch_invariant=False"
-    lines = [f"{m['device']} | jax {m['jax']} | {m['date']} | {mode}", "",
+    lines = [f"{m['device']} | jax {m['jax']} | {m['date']} | {batch_invariant_label(m)}", "",
              f"## Decode policies over the offloaded KV (budget {dec['budget']} tokens per KV head, page "
              f"{dec['page_size']}, {dec['dense_layers']} dense layers in GPU memory; sketch {dec['sketch_dtype']}), "
              "ms: medians (min-max) of every decode step, choice timings of "

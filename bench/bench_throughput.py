@@ -91,7 +91,7 @@ def weight_bytes_read(params) -> int:
 def phase_ours(args) -> dict:
     from jax_offload import SamplingParams
 
-    m = RandomModel(args.shape)
+    m = RandomModel(args.shape, batch_invariant=args.batch_invariant)
     cfg, params = m.cfg, m.params
     bw = read_bandwidth(2 * GiB if args.shape != "smoke" else 2**24)
     # --distinct-runs: every run draws its own prompts (seed = run number), each run once untimed first (their
@@ -101,7 +101,7 @@ def phase_ours(args) -> dict:
     longest = max(len(p) + m for ps, ms in draws for p, m in zip(ps, ms))
     llm = m.llm(max_model_len=longest + 1, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
-                batch_invariant=args.batch_invariant, enable_prefix_caching=args.enable_prefix_caching,
+                enable_prefix_caching=args.enable_prefix_caching,
                 num_decode_steps=args.num_decode_steps)
 
     def sampling(max_tokens):
@@ -152,11 +152,10 @@ def phase_batch1(args) -> dict:
 
     shape = "smoke" if args.shape == "smoke" else BATCH1_SHAPE
     ctx = 512 if args.shape == "smoke" else args.batch1_context
-    m = RandomModel(shape)
+    m = RandomModel(shape, batch_invariant=args.batch_invariant)
     cfg, params = m.cfg, m.params
     bw = read_bandwidth(2 * GiB if args.shape != "smoke" else 2**24)
-    llm = m.llm(max_model_len=ctx + 64, max_num_batched_tokens=args.max_num_batched_tokens,
-                batch_invariant=args.batch_invariant)
+    llm = m.llm(max_model_len=ctx + 64, max_num_batched_tokens=args.max_num_batched_tokens)
     prompt = random.Random(1).choices(range(1000), k=ctx)
     sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
@@ -178,7 +177,7 @@ def phase_offload(args) -> dict:
 
     shape = "smoke" if args.shape == "smoke" else BATCH1_SHAPE
     ctx, n = (256, 4) if args.shape == "smoke" else (args.offload_context, args.offload_requests)
-    m = RandomModel(shape)
+    m = RandomModel(shape, batch_invariant=args.batch_invariant)
     cfg = m.cfg
     rng = random.Random(2)
     prompts = [rng.choices(range(1000), k=ctx) for _ in range(n)]
@@ -435,8 +434,8 @@ def main() -> None:
         extra = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
                  ("runs", "hf_runs", "num_seqs", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
                   "batch1_context", "offload_context", "offload_requests", "offload_tokens", "offload_block_size")]
-        extra.append("--batch-invariant" if args.batch_invariant else "--no-batch-invariant")
-    extra += ["--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
+    extra += ["--batch-invariant" if args.batch_invariant else "--no-batch-invariant",
+              "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
               "--distinct-runs" if args.distinct_runs else "--no-distinct-runs",
               f"--num-decode-steps={args.num_decode_steps}", f"--offload-decode-policy={args.offload_decode_policy}",
               f"--offload-kv-cache-dtype={args.offload_kv_cache_dtype}",

@@ -336,6 +336,13 @@ def add_batch_invariant_option(parser) -> None:
                         help="the engine's batch-invariant mode (default on, as the engine's)")
 
 
+def batch_invariant_label(meta: dict) -> str:
+    """A result's mode for a report header; files without the key ran before the mode was the default (2026-12-01)."""
+    if "batch_invariant" not in meta:
+        return "batch_invariant=False (before the mode was the default)"
+    return "batch-invariant" if meta["batch_invariant"] else "batch_invariant=False"
+
+
 def stats(samples: list[float]) -> dict:
     """Median with min, max and count: how every timed figure is reported."""
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
